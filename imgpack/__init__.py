@@ -1,0 +1,32 @@
+"""imgpack: pack image folders into fast training formats and read them back with PyTorch.
+
+Importing :mod:`imgpack` is cheap: :func:`convert` and :func:`open_dataset` import their
+machinery (torch, the format libraries) on first call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["ImgpackError", "__version__", "convert", "open_dataset"]
+
+from imgpack.errors import ImgpackError
+
+if TYPE_CHECKING:
+    from imgpack.manifest import Manifest
+    from imgpack.readers.base import ImageDataset
+
+
+def convert(src: Any, dst: Any, format: str = "pt", **options: Any) -> Manifest:
+    """Convert the image folder ``src`` into ``dst``; see :func:`imgpack.pipeline.convert`."""
+    from imgpack.pipeline import convert as _convert
+
+    return _convert(src, dst, format=format, **options)
+
+
+def open_dataset(path: Any, **kwargs: Any) -> ImageDataset:
+    """Open an imgpack output as a torch Dataset; see :func:`imgpack.readers.open_dataset`."""
+    from imgpack.readers import open_dataset as _open_dataset
+
+    return _open_dataset(path, **kwargs)

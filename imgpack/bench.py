@@ -1,0 +1,124 @@
+"""Loader throughput, measured the way training reads: through a real ``DataLoader``.
+
+:class:`FolderDataset` is the baseline users would otherwise run: torchvision's ImageFolder
+pattern (one Pillow decode per file in ``__getitem__``, RGB, as a uint8 CHW tensor), written here
+so the comparison needs no torchvision.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from imgpack.folder import scan_folder
+from imgpack.manifest import MANIFEST_NAME
+from imgpack.readers import open_dataset
+from imgpack.readers.base import collate
+
+
+class FolderDataset(Dataset[tuple[torch.Tensor, int]]):
+    """ImageFolder-style baseline: decode one file per ``__getitem__`` with Pillow."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        scan = scan_folder(root)
+        self.root = Path(root)
+        self.classes = scan.classes
+        self.samples = [(str(self.root / s.path), s.label) for s in scan.samples]
+        self.targets = [label for _, label in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        with Image.open(path) as img:
+            pixels = np.array(img.convert("RGB"))
+        return torch.from_numpy(pixels).permute(2, 0, 1), label
+
+
+@dataclass
+class BenchResult:
+    name: str
+    path: str
+    workers: int
+    batch_size: int
+    samples: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("inf")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "samples_per_s": round(self.rate, 1)}
+
+
+def open_for_bench(path: str | os.PathLike[str]) -> tuple[str, Dataset[Any]]:
+    """An imgpack output opens with its reader; any other folder as the ImageFolder baseline."""
+    path = Path(path)
+    if (path / MANIFEST_NAME).is_file():
+        ds = open_dataset(path)
+        return f"{ds.manifest.format}/{ds.manifest.encoding}", ds
+    return "folder (Pillow)", FolderDataset(path)
+
+
+def measure(
+    dataset: Dataset[Any],
+    workers: int,
+    batch_size: int = 256,
+    max_samples: int | None = None,
+    collate_fn: Callable[[Any], Any] | None = collate,
+    seed: int = 0,
+) -> tuple[int, float]:
+    """Read ``max_samples`` samples (default: one epoch; more epochs when the dataset is
+    smaller) in shuffled batches through a ``DataLoader``; return the samples counted and the
+    seconds they took. The clock starts at the first batch, so worker start-up is not counted."""
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=collate_fn,
+        generator=torch.Generator().manual_seed(seed),
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,
+    )
+    limit = max_samples or len(dataset)  # type: ignore[arg-type]
+    count = -1
+    start = 0.0
+    while count < limit:
+        for images, _ in loader:
+            if count < 0:
+                start = time.perf_counter()
+                count = 0
+            else:
+                count += len(images)
+                if count >= limit:
+                    break
+    seconds = time.perf_counter() - start
+    return count, seconds
+
+
+def run_bench(
+    paths: Sequence[str | os.PathLike[str]],
+    workers: Sequence[int] = (0, 2),
+    batch_size: int = 256,
+    max_samples: int | None = 20_000,
+) -> list[BenchResult]:
+    """Measure every path at every worker count, side by side in one run."""
+    results = []
+    for path in paths:
+        name, dataset = open_for_bench(path)
+        for w in workers:
+            count, seconds = measure(dataset, w, batch_size, max_samples)
+            results.append(BenchResult(name, str(path), w, batch_size, count, seconds))
+    return results

@@ -1,0 +1,280 @@
+"""The ``imgpack`` command: a thin click layer over the library.
+
+Library errors become one-line messages and a non-zero exit (1 for a failure, 2 for a bad
+option); a traceback only ever means a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from imgpack import __version__
+from imgpack.errors import ImgpackError, OptionError
+from imgpack.images import DEFAULT_MAX_PIXELS, ENCODINGS, RESAMPLE, RESIZE_MODES
+from imgpack.units import format_bytes
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _formats() -> list[str]:
+    from imgpack.converters import FORMATS
+
+    return list(FORMATS)
+
+
+def friendly_errors(func: F) -> F:
+    """Turn user-facing errors into click exceptions (one line, non-zero exit)."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except OptionError as exc:
+            raise click.UsageError(str(exc)) from None
+        except (ImgpackError, FileExistsError, FileNotFoundError, NotADirectoryError) as exc:
+            raise click.ClickException(str(exc)) from None
+        except PermissionError as exc:
+            raise click.ClickException(f"{exc.filename}: permission denied") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group()
+@click.version_option(__version__, prog_name="imgpack")
+@click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
+def main(verbose: bool) -> None:
+    """Pack image folders into LMDB, HDF5, TFRecord or .pt, and read them fast with PyTorch."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="imgpack: %(levelname)s: %(message)s",
+    )
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option(
+    "--format", "fmt", type=click.Choice(_formats()), required=True, help="Output format."
+)
+@click.option(
+    "--encoding",
+    type=click.Choice(ENCODINGS),
+    default="original",
+    show_default=True,
+    help="original: source bytes when they decode to the policy's pixels, else lossless PNG; "
+    "png/jpeg: re-encode; raw: pixels (needs --size).",
+)
+@click.option("--size", default=None, help="Resize to N x N or HxW (e.g. 224, 256x320).")
+@click.option(
+    "--resize",
+    type=click.Choice(RESIZE_MODES),
+    default="crop",
+    show_default=True,
+    help="crop: shorter side to fit, then centre crop; stretch: ignore the aspect ratio.",
+)
+@click.option(
+    "--resample", type=click.Choice(list(RESAMPLE)), default="bilinear", show_default=True
+)
+@click.option(
+    "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality."
+)
+@click.option("--grayscale", is_flag=True, help="Store 1-channel luma instead of RGB.")
+@click.option(
+    "--background", default="white", show_default=True, help="Colour under transparent pixels."
+)
+@click.option(
+    "--max-pixels",
+    type=int,
+    default=DEFAULT_MAX_PIXELS,
+    show_default=True,
+    help="Refuse larger images (decompression-bomb guard); 0 turns the guard off.",
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=None, help="Processes [default: usable CPUs]."
+)
+@click.option(
+    "--shard-size", default=None, help="Bytes per shard: 512MB, 1GiB, ... [default: 1GiB]."
+)
+@click.option("--overwrite", is_flag=True, help="Replace DST if it is an existing imgpack output.")
+@click.option(
+    "--on-error",
+    type=click.Choice(("fail", "skip")),
+    default="fail",
+    show_default=True,
+    help="fail: stop at a bad file, DST untouched; skip: skip and record it in the manifest.",
+)
+@click.option(
+    "--classes-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Reuse the label map of an imgpack output or a text file (one class per line).",
+)
+@click.option(
+    "--option",
+    "-o",
+    "format_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A format option (see the format's docs page).",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@friendly_errors
+def convert(
+    src: Path,
+    dst: Path,
+    fmt: str,
+    encoding: str,
+    size: str | None,
+    resize: str,
+    resample: str,
+    quality: int,
+    grayscale: bool,
+    background: str,
+    max_pixels: int,
+    workers: int | None,
+    shard_size: str | None,
+    overwrite: bool,
+    on_error: str,
+    classes_from: Path | None,
+    format_options: tuple[str, ...],
+    quiet: bool,
+) -> None:
+    """Convert the image folder SRC (SRC/<class>/<image>) into DST."""
+    from imgpack.pipeline import convert as run_convert
+
+    options: dict[str, Any] = {}
+    for item in format_options:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--option")
+        options[key.replace("-", "_")] = value
+    started = time.perf_counter()
+    manifest = run_convert(
+        src,
+        dst,
+        fmt,
+        encoding=encoding,
+        size=size,
+        resize=resize,
+        resample=resample,
+        quality=quality,
+        grayscale=grayscale,
+        background=background,
+        max_pixels=max_pixels or None,
+        workers=workers,
+        shard_size=shard_size,
+        overwrite=overwrite,
+        on_error=on_error,
+        classes_from=classes_from,
+        progress=not quiet,
+        **options,
+    )
+    seconds = time.perf_counter() - started
+    click.echo(
+        f"{dst}: {manifest.num_samples} samples, {len(manifest.skipped)} skipped, "
+        f"{format_bytes(manifest.total_bytes)} in {len(manifest.files)} file(s), {seconds:.1f} s",
+        err=True,
+    )
+    for skip in manifest.skipped:
+        click.echo(f"  skipped {skip['path']}: {skip['reason']}", err=True)
+
+
+@main.command()
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@friendly_errors
+def info(dst: Path, as_json: bool) -> None:
+    """Summarise the imgpack output DST from its manifest."""
+    from imgpack.manifest import read_manifest
+
+    manifest = read_manifest(dst)
+    if as_json:
+        click.echo(json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))
+        return
+    image = manifest.image
+    size = f"{image.get('height')}x{image.get('width')}" if image.get("height") else "as source"
+    classes = ", ".join(manifest.classes[:8]) + (", ..." if len(manifest.classes) > 8 else "")
+    lines = [
+        f"path:      {dst}",
+        f"format:    {manifest.format}",
+        f"samples:   {manifest.num_samples}",
+        f"classes:   {len(manifest.classes)} ({classes})",
+        f"encoding:  {manifest.encoding}",
+        f"image:     {size}, {image.get('channels')} channel(s)",
+        f"files:     {len(manifest.files)}, {format_bytes(manifest.total_bytes)}",
+        f"skipped:   {len(manifest.skipped)}",
+        f"created:   {manifest.created_by}",
+    ]
+    click.echo("\n".join(lines))
+
+
+def _parse_workers(value: str) -> list[int]:
+    try:
+        workers = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        workers = []
+    if not workers or any(w < 0 for w in workers):
+        raise click.BadParameter(
+            f"{value!r}: expected worker counts like 0,2,4", param_hint="--workers"
+        )
+    return workers
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--workers", default="0,2", show_default=True, help="Comma-separated num_workers values."
+)
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=20_000,
+    show_default=True,
+    help="Samples to read per measurement.",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), help="Also write the results here."
+)
+@friendly_errors
+def bench(
+    paths: tuple[Path, ...], workers: str, batch_size: int, samples: int, json_path: Path | None
+) -> None:
+    """Read throughput of image folders and imgpack outputs, side by side through a DataLoader."""
+    from imgpack.bench import run_bench
+
+    results = run_bench(paths, _parse_workers(workers), batch_size, samples)
+    width = max(len(r.name) for r in results)
+    click.echo(f"{'loader':<{width}}  {'workers':>7}  {'samples/s':>11}  path")
+    for r in results:
+        click.echo(f"{r.name:<{width}}  {r.workers:>7}  {r.rate:>11,.0f}  {r.path}")
+    if json_path is not None:
+        json_path.write_text(json.dumps([r.to_json() for r in results], indent=1) + "\n")
+
+
+@main.command()
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--images", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--classes", type=click.IntRange(1, 5), default=5, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@friendly_errors
+def sample(dst: Path, images: int, classes: int, seed: int) -> None:
+    """Write a small seeded sample image folder to DST (for trying imgpack out)."""
+    from imgpack.sample import make_sample_folder
+
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst}: already exists and is not empty")
+    make_sample_folder(dst, images, classes, seed)
+    click.echo(f"{dst}: {images} images in {classes} classes", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The ``pt`` format: shards of tensors saved with ``torch.save``.
+
+Each shard ``shard-NNNNN.pt`` loads with ``torch.load(path, mmap=True, weights_only=True)``:
+
+- raw encoding: ``{"images": uint8 (n, H, W, C), "labels": int64 (n,)}``
+- encoded (original/png/jpeg): ``{"data": uint8 (total_bytes,), "offsets": int64 (n + 1,),
+  "labels": int64 (n,)}``; sample ``i`` is ``data[offsets[i]:offsets[i + 1]]``.
+
+A shard is assembled in memory and saved when it reaches ``--shard-size`` (default 1 GiB), so
+conversion memory is bounded by one shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from imgpack.converters.base import ShardedWriter
+from imgpack.images import Encoded
+
+
+class PTWriter(ShardedWriter):
+    format = "pt"
+
+    def _start_shard(self, path: Path) -> None:
+        self._path = path
+        self._data = bytearray()
+        self._offsets = [0]
+        self._labels: list[int] = []
+
+    def _append(self, sample: Encoded) -> int:
+        self._data += sample.payload
+        self._offsets.append(len(self._data))
+        self._labels.append(sample.label)
+        return len(sample.payload)
+
+    def _end_shard(self) -> None:
+        data = torch.from_numpy(np.frombuffer(self._data, dtype=np.uint8))
+        labels = torch.tensor(self._labels, dtype=torch.int64)
+        if self.config.encoding.name == "raw":
+            height, width = self.config.policy.size or (0, 0)
+            shape = (len(self._labels), height, width, self.config.policy.channels)
+            payload = {"images": data.reshape(shape), "labels": labels}
+        else:
+            offsets = torch.tensor(self._offsets, dtype=torch.int64)
+            payload = {"data": data, "offsets": offsets, "labels": labels}
+        torch.save(payload, self._path)
+        del data, payload
+        self._data = bytearray()

@@ -1,0 +1,40 @@
+"""The exceptions imgpack raises.
+
+Every error imgpack raises for bad input derives from :class:`ImgpackError`, except where a
+precise built-in fits better (``FileNotFoundError``, ``FileExistsError``). Messages name the file,
+the bad value and what is allowed, so the CLI can print them as they are.
+"""
+
+from __future__ import annotations
+
+
+class ImgpackError(Exception):
+    """Base class of imgpack's own errors."""
+
+
+class OptionError(ImgpackError, ValueError):
+    """An option has a value imgpack does not accept."""
+
+
+class ScanError(ImgpackError):
+    """The source folder does not have the layout imgpack expects."""
+
+
+class ImageError(ImgpackError):
+    """A source image cannot be read, decoded or converted under the image policy."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ImageError], tuple[str, str]]:
+        return (type(self), (self.path, self.reason))
+
+
+class ManifestError(ImgpackError):
+    """An ``imgpack.json`` is missing, unreadable, or of a version/format this imgpack can't read."""
+
+
+class DataError(ImgpackError):
+    """A stored record is damaged or inconsistent with its manifest."""

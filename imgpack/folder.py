@@ -1,0 +1,203 @@
+"""Scanning an image folder laid out like torchvision's ImageFolder.
+
+``SRC/<class>/**/<image>``: classes are the top-level folders of ``SRC``, sorted; images are the
+files under each class folder (recursively, following symbolic links like ``os.walk(...,
+followlinks=True)`` does, but never around a loop) whose extension is one of
+:data:`IMAGE_EXTENSIONS`. Hidden files and folders (a name starting with ``.``) are ignored. The
+order of samples is torchvision's: classes in sorted order, then within a class the walk's
+directories sorted by path and the files of each directory sorted by name, so indices and labels
+match ``torchvision.datasets.ImageFolder`` on the same folder.
+
+The scan only lists files; what a file holds is decided from its bytes when it is decoded
+(:mod:`imgpack.images`), so a PNG named ``.jpg`` is a PNG and a text file named ``.jpg`` is an
+error (or a skip).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imgpack.errors import ManifestError, ScanError
+
+log = logging.getLogger(__name__)
+
+#: Extensions (lower case) of files the scan picks up as images.
+IMAGE_EXTENSIONS = (
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".ppm",
+    ".pgm",
+    ".pbm",
+    ".bmp",
+    ".gif",
+    ".tif",
+    ".tiff",
+    ".webp",
+)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One image of the source: its path relative to the source root (POSIX) and its label."""
+
+    path: str
+    label: int
+
+
+@dataclass
+class Scan:
+    """What :func:`scan_folder` found."""
+
+    root: Path
+    classes: list[str]
+    samples: list[Sample]
+    empty_classes: list[str] = field(default_factory=list)
+    ignored_files: int = 0
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(self.classes)}
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def find_classes(root: Path) -> list[str]:
+    """The sorted names of the non-hidden top-level folders of ``root``."""
+    with os.scandir(root) as entries:
+        classes = sorted(e.name for e in entries if not _hidden(e.name) and e.is_dir())
+    if not classes:
+        with os.scandir(root) as entries:
+            files = [e.name for e in entries if not _hidden(e.name)]
+        detail = (
+            f"it holds {len(files)} file(s) but no folder"
+            if files
+            else "it is empty (hidden files and folders are ignored)"
+        )
+        raise ScanError(
+            f"{root}: no class folders found — {detail}. imgpack expects one folder per class: "
+            f"{root}/<class>/<image>"
+        )
+    return classes
+
+
+def read_class_list(source: str | os.PathLike[str]) -> list[str]:
+    """Read a label map: an imgpack output directory (its manifest) or a text file, one class per line."""
+    path = Path(source)
+    if path.is_dir():
+        from imgpack.manifest import read_manifest
+
+        try:
+            return list(read_manifest(path).classes)
+        except ManifestError as exc:
+            raise ScanError(f"cannot take the classes from {path}: {exc}") from None
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no such file or imgpack output (for --classes-from give an imgpack output "
+            "directory or a text file with one class per line)"
+        )
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScanError(f"{path}: cannot read the class list: {exc}") from None
+    classes = [line.strip() for line in lines if line.strip()]
+    if not classes:
+        raise ScanError(f"{path}: the class list is empty (expected one class name per line)")
+    duplicates = sorted({c for c in classes if classes.count(c) > 1})
+    if duplicates:
+        raise ScanError(f"{path}: class names listed more than once: {', '.join(duplicates)}")
+    return classes
+
+
+def _walk_class(root: Path, class_name: str) -> tuple[list[str], int]:
+    """Relative POSIX paths of the image files under ``root/class_name``, in torchvision's order."""
+    found: list[tuple[str, str]] = []
+    ignored = 0
+    top = root / class_name
+    visited: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        st = os.stat(dirpath)
+        key = (st.st_dev, st.st_ino)
+        if key in visited:
+            log.warning(
+                "%s: skipped, it leads back to a folder already scanned (symlink loop)", dirpath
+            )
+            dirnames[:] = []
+            continue
+        visited.add(key)
+        dirnames[:] = [d for d in dirnames if not _hidden(d)]
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        for name in filenames:
+            if _hidden(name):
+                continue
+            if name.lower().endswith(IMAGE_EXTENSIONS):
+                found.append((rel_dir, name))
+            else:
+                ignored += 1
+    found.sort()
+    return [f"{d}/{n}" for d, n in found], ignored
+
+
+def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) -> Scan:
+    """Scan ``root`` and return its classes and samples.
+
+    Args:
+        root: the source folder, ``root/<class>/**/<image>``.
+        classes: a label map to use instead of the sorted class folders (``--classes-from``); every
+            class folder of ``root`` must be in it, and labels are positions in it.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        ScanError: ``root`` is not a folder, has no class folders, a class folder is missing from
+            ``classes``, or no image was found at all.
+    """
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"{root}: no such folder")
+    if not root.is_dir():
+        raise ScanError(f"{root}: not a folder (expected an image folder {root}/<class>/<image>)")
+    folders = find_classes(root)
+    if classes is None:
+        classes = folders
+    else:
+        unknown = [name for name in folders if name not in classes]
+        if unknown:
+            raise ScanError(
+                f"{root}: class folder(s) {', '.join(map(repr, unknown))} are not in the given "
+                f"label map ({len(classes)} classes: {', '.join(classes[:10])}"
+                f"{', ...' if len(classes) > 10 else ''})"
+            )
+    samples: list[Sample] = []
+    empty: list[str] = []
+    ignored = 0
+    present = set(folders)
+    for label, name in enumerate(classes):
+        if name not in present:
+            empty.append(name)
+            continue
+        paths, skipped = _walk_class(root, name)
+        ignored += skipped
+        if not paths:
+            empty.append(name)
+        samples.extend(Sample(path, label) for path in paths)
+    if not samples:
+        raise ScanError(
+            f"{root}: found no image files in {len(folders)} class folder(s). Images are recognised "
+            f"by the extensions {', '.join(IMAGE_EXTENSIONS)} (any case)"
+        )
+    for name in empty:
+        log.warning(
+            "class %r has no images in %s; it keeps its label %d", name, root, classes.index(name)
+        )
+    return Scan(
+        root=root,
+        classes=list(classes),
+        samples=samples,
+        empty_classes=empty,
+        ignored_files=ignored,
+    )

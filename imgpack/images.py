@@ -1,0 +1,353 @@
+"""The image policy: how every source image becomes the pixels imgpack stores.
+
+One policy, applied at conversion and identical for every format (``docs/images.md``):
+
+1. The content type comes from the file's first bytes (:func:`sniff`), never from its extension.
+2. Pillow decodes the first frame; a decode error, a truncated file or an empty file is an
+   :class:`~imgpack.errors.ImageError` naming the file.
+3. EXIF orientation is applied (``ImageOps.exif_transpose``).
+4. Every mode becomes 8-bit RGB (or 8-bit L with ``channels=1``):
+
+   - ``1`` and ``L`` are replicated into R, G and B (``1`` gives 0 or 255);
+   - ``I;16*`` and ``I`` are rescaled from 0..65535 to 0..255 as ``round(v * 255 / 65535)``
+     (values outside 0..65535 are clipped first); ``F`` is clipped to 0..255 and rounded;
+   - images with alpha (``RGBA``, ``LA``, ``PA``, or a ``P``/``L``/``RGB`` image with a
+     transparency entry or colour key) are composited over the background colour (white by default):
+     ``out = round((c * a + bg * (255 - a)) / 255)``;
+   - ``CMYK``, ``YCbCr``, ``LAB``, ``HSV`` and ``P`` use Pillow's ``convert("RGB")`` (no ICC
+     colour management);
+   - 16-bit RGB PNGs are reduced to 8 bits by Pillow on decode (the high byte of each sample);
+   - ``channels=1`` converts the RGB result with Pillow's ITU-R 601-2 luma (``convert("L")``).
+
+5. With a size, the image is resized with Pillow (``bilinear`` by default) either by ``crop``
+   (scale the shorter side to fit, then centre-crop: ``ImageOps.fit``) or ``stretch`` (to
+   exactly H x W, aspect ratio not kept).
+
+Encodings of the result: ``raw`` (HWC uint8 pixels), ``png`` (lossless), ``jpeg`` (lossy, at
+``quality``) and ``original``: the source bytes when a plain decode of them already gives the
+policy's pixels (a JPEG or PNG that is RGB or L, with no EXIF rotation, no alpha, not resized),
+else a lossless PNG of the policy's pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageColor, ImageOps
+
+from imgpack.errors import DataError, ImageError, OptionError
+from imgpack.units import parse_image_size
+
+ENCODINGS = ("original", "png", "jpeg", "raw")
+RESIZE_MODES = ("crop", "stretch")
+RESAMPLE = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+    "box": Image.Resampling.BOX,
+}
+#: Pillow's own decompression-bomb threshold (pixels); above it imgpack refuses the image.
+DEFAULT_MAX_PIXELS = 89_478_485
+
+# Content types by magic bytes: (prefix, offset, name).
+_MAGIC: tuple[tuple[bytes, int, str], ...] = (
+    (b"\xff\xd8\xff", 0, "JPEG"),
+    (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
+    (b"GIF87a", 0, "GIF"),
+    (b"GIF89a", 0, "GIF"),
+    (b"BM", 0, "BMP"),
+    (b"II*\x00", 0, "TIFF"),
+    (b"MM\x00*", 0, "TIFF"),
+    (b"WEBP", 8, "WEBP"),
+    (b"P1", 0, "PPM"),
+    (b"P2", 0, "PPM"),
+    (b"P3", 0, "PPM"),
+    (b"P4", 0, "PPM"),
+    (b"P5", 0, "PPM"),
+    (b"P6", 0, "PPM"),
+)
+_KEEPABLE = ("JPEG", "PNG")
+
+
+def sniff(data: bytes) -> str | None:
+    """The image type of ``data`` from its magic bytes (Pillow's format name), or ``None``."""
+    for magic, offset, name in _MAGIC:
+        if data[offset : offset + len(magic)] == magic:
+            if name == "WEBP" and data[:4] != b"RIFF":
+                continue
+            return name
+    return None
+
+
+def parse_color(value: str | tuple[int, int, int]) -> tuple[int, int, int]:
+    """A background colour: a name (``white``), ``#rrggbb`` or an ``(r, g, b)`` triple."""
+    if isinstance(value, (tuple, list)):
+        rgb = tuple(int(v) for v in value)
+        if len(rgb) != 3 or not all(0 <= v <= 255 for v in rgb):
+            raise OptionError(f"invalid background {value!r}: expected three values 0..255")
+        return rgb[0], rgb[1], rgb[2]
+    try:
+        color = ImageColor.getrgb(str(value))
+    except ValueError:
+        raise OptionError(
+            f"invalid background {value!r}: expected a colour name (white, black, ...) or #rrggbb"
+        ) from None
+    return color[0], color[1], color[2]
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """How a source image becomes stored pixels. The defaults are the documented policy."""
+
+    size: tuple[int, int] | None = None  # (H, W); an int N or "HxW" is accepted and normalised
+    resize: str = "crop"
+    resample: str = "bilinear"
+    channels: int = 3
+    background: tuple[int, int, int] = (255, 255, 255)
+    max_pixels: int | None = DEFAULT_MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        if self.size is not None:
+            object.__setattr__(self, "size", parse_image_size(self.size))
+        if self.resize not in RESIZE_MODES:
+            raise OptionError(
+                f"invalid resize mode {self.resize!r}: expected one of {', '.join(RESIZE_MODES)}"
+            )
+        if self.resample not in RESAMPLE:
+            raise OptionError(
+                f"invalid resample {self.resample!r}: expected one of {', '.join(RESAMPLE)}"
+            )
+        if self.channels not in (1, 3):
+            raise OptionError(
+                f"invalid channels {self.channels!r}: expected 3 (RGB) or 1 (grayscale)"
+            )
+        if self.max_pixels is not None and self.max_pixels <= 0:
+            raise OptionError(
+                f"invalid max_pixels {self.max_pixels!r}: expected a positive number or None"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "height": self.size[0] if self.size else None,
+            "width": self.size[1] if self.size else None,
+            "channels": self.channels,
+            "resize": self.resize if self.size else None,
+            "resample": self.resample if self.size else None,
+            "background": list(self.background),
+        }
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How policy pixels are stored: ``original``, ``png``, ``jpeg`` (at ``quality``) or ``raw``."""
+
+    name: str = "original"
+    quality: int = 90
+
+    def __post_init__(self) -> None:
+        if self.name not in ENCODINGS:
+            raise OptionError(
+                f"invalid encoding {self.name!r}: expected one of {', '.join(ENCODINGS)}"
+            )
+        if not 1 <= self.quality <= 100:
+            raise OptionError(f"invalid JPEG quality {self.quality!r}: expected 1..100")
+
+
+@dataclass
+class Encoded:
+    """One converted sample, as produced by :func:`process_file` for the writer."""
+
+    index: int
+    path: str
+    label: int
+    payload: bytes
+    height: int
+    width: int
+    channels: int
+    format: str  # "RAW", "JPEG" or "PNG"
+
+
+@contextmanager
+def _pixel_limit(max_pixels: int | None) -> Iterator[None]:
+    """Let imgpack's own limit decide instead of Pillow's global one."""
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+def _to_rgb_array(img: Image.Image, background: tuple[int, int, int]) -> np.ndarray:
+    """Bring any Pillow mode to an HxWx3 uint8 array under the policy."""
+    mode = img.mode
+    keyed = "transparency" in img.info  # a palette entry or a colour key marked transparent
+    if mode == "RGB" and not keyed:
+        return np.asarray(img)
+    if mode == "1" or (mode == "L" and not keyed):
+        gray = np.asarray(img.convert("L"))
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if mode.startswith("I;16") or mode == "I":
+        wide = np.asarray(img.convert("I") if mode != "I" else img).astype(np.int64)
+        wide = np.clip(wide, 0, 65535)
+        gray = ((wide * 255 + 32767) // 65535).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if mode == "F":
+        gray = np.clip(np.rint(np.asarray(img)), 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    has_alpha = mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in img.info
+    if has_alpha:
+        rgba = np.asarray(img.convert("RGBA")).astype(np.uint32)
+        alpha = rgba[:, :, 3:4]
+        bg = np.asarray(background, dtype=np.uint32)
+        out = (rgba[:, :, :3] * alpha + bg * (255 - alpha) + 127) // 255
+        return out.astype(np.uint8)
+    return np.asarray(img.convert("RGB"))
+
+
+def _resize(pixels: np.ndarray, policy: ImagePolicy) -> np.ndarray:
+    assert policy.size is not None
+    height, width = policy.size
+    if pixels.shape[:2] == (height, width):
+        return pixels
+    img = Image.fromarray(pixels)
+    method = RESAMPLE[policy.resample]
+    if policy.resize == "stretch":
+        img = img.resize((width, height), method)
+    else:
+        img = ImageOps.fit(img, (width, height), method=method, centering=(0.5, 0.5))
+    return np.asarray(img)
+
+
+def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str]:
+    if not data:
+        raise ImageError(path, "empty file (0 bytes)")
+    kind = sniff(data)
+    if kind is None:
+        raise ImageError(
+            path,
+            f"not an image: unrecognised content (first bytes {data[:8]!r}); "
+            "expected JPEG, PNG, GIF, BMP, TIFF, WEBP or PPM data",
+        )
+    try:
+        with _pixel_limit(policy.max_pixels):
+            img = Image.open(io.BytesIO(data))
+            pixels = img.width * img.height
+            if policy.max_pixels is not None and pixels > policy.max_pixels:
+                raise ImageError(
+                    path,
+                    f"{img.width}x{img.height} = {pixels} pixels exceeds the limit of "
+                    f"{policy.max_pixels} (decompression-bomb guard); raise it with --max-pixels",
+                )
+            img.load()
+    except ImageError:
+        raise
+    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
+        raise ImageError(path, f"cannot decode {kind} data: {exc}") from None
+    return img, kind
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(0x0112, 1))
+    except Exception:
+        return 1
+
+
+def apply_policy(data: bytes, path: str, policy: ImagePolicy) -> tuple[np.ndarray, bool]:
+    """Decode ``data`` under ``policy``.
+
+    Returns the HxWxC uint8 pixels and whether a plain decode of ``data`` (Pillow, no EXIF
+    handling, L replicated to RGB) already gives exactly these pixels, so the bytes can be kept.
+    """
+    img, kind = _open(data, path, policy)
+    orientation = _orientation(img)
+    plain = (
+        kind in _KEEPABLE
+        and policy.size is None
+        and getattr(img, "n_frames", 1) == 1
+        and orientation == 1
+        and "transparency" not in img.info
+        and (img.mode == "L" or (img.mode == "RGB" and policy.channels == 3))
+    )
+    try:
+        if orientation != 1:
+            img = ImageOps.exif_transpose(img) or img
+        pixels = _to_rgb_array(img, policy.background)
+    except ImageError:
+        raise
+    except Exception as exc:
+        raise ImageError(path, f"cannot convert {kind} image (mode {img.mode}): {exc}") from None
+    if policy.size is not None:
+        pixels = _resize(pixels, policy)
+    if policy.channels == 1:
+        pixels = np.asarray(Image.fromarray(pixels).convert("L"))[:, :, None]
+    return np.ascontiguousarray(pixels), plain
+
+
+def encode_pixels(pixels: np.ndarray, fmt: str, quality: int = 90) -> bytes:
+    """Encode HxWxC uint8 pixels as ``PNG`` (lossless) or ``JPEG`` (at ``quality``)."""
+    img = Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels)
+    out = io.BytesIO()
+    if fmt == "PNG":
+        img.save(out, format="PNG")
+    else:
+        img.save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def process_file(
+    index: int, root: str, path: str, label: int, policy: ImagePolicy, encoding: Encoding
+) -> Encoded:
+    """Read, validate and encode one source file (runs in a conversion worker)."""
+    full = f"{root}/{path}"
+    try:
+        with open(full, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ImageError(path, f"cannot read: {reason}") from None
+    pixels, plain = apply_policy(data, path, policy)
+    height, width, channels = pixels.shape
+    if encoding.name == "raw":
+        payload, fmt = pixels.tobytes(), "RAW"
+    elif encoding.name == "jpeg":
+        payload, fmt = encode_pixels(pixels, "JPEG", encoding.quality), "JPEG"
+    else:
+        kind = sniff(data)
+        keep = plain and (encoding.name == "original" or kind == "PNG")
+        if keep:
+            payload, fmt = data, str(kind)
+        else:
+            payload, fmt = encode_pixels(pixels, "PNG"), "PNG"
+    return Encoded(index, path, label, payload, height, width, channels, fmt)
+
+
+def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
+    """Decode a stored JPEG/PNG record into HxWxC uint8 (the reader side of the policy).
+
+    Raises :class:`~imgpack.errors.DataError` when the bytes do not decode to 8-bit L or RGB.
+    """
+    try:
+        with Image.open(io.BytesIO(payload)) as img:
+            img.load()
+            mode = img.mode
+            pixels = np.array(img)
+    except Exception as exc:
+        raise DataError(f"cannot decode stored image: {exc}") from None
+    if mode == "L":
+        return pixels[:, :, None] if channels == 1 else np.repeat(pixels[:, :, None], 3, axis=2)
+    if mode == "RGB" and channels == 3:
+        return pixels
+    raise DataError(
+        f"stored image decodes to mode {mode}, expected {'L' if channels == 1 else 'RGB or L'}"
+    )

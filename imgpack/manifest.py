@@ -1,0 +1,139 @@
+"""The ``imgpack.json`` manifest every output carries.
+
+Schema version 1::
+
+    {"imgpack": 1, "format": "pt", "num_samples": 500, "classes": ["cat", "dog"],
+     "encoding": "raw", "image": {"height": 32, "width": 32, "channels": 3, ...},
+     "files": [{"path": "shard-00000.pt", "bytes": 123, "num_samples": 500, "sha256": "..."}],
+     "options": {...}, "source": {...}, "skipped": [{"path": "...", "reason": "..."}],
+     "created_by": "imgpack 0.1.0"}
+
+It is written last, after every data file is complete, so its presence marks a finished output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from imgpack.errors import ManifestError
+
+MANIFEST_NAME = "imgpack.json"
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class FileEntry:
+    """One data file of an output, with its size, sample count and checksum."""
+
+    path: str
+    bytes: int
+    num_samples: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """The parsed ``imgpack.json``."""
+
+    format: str
+    num_samples: int
+    classes: list[str]
+    encoding: str
+    image: dict[str, Any]
+    files: list[FileEntry]
+    options: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    created_by: str = ""
+    version: int = SCHEMA_VERSION
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(self.classes)}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["version"]
+        return {"imgpack": self.version, **data}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = "imgpack.json") -> Manifest:
+        from imgpack.converters import FORMATS
+
+        if not isinstance(data, dict) or "imgpack" not in data:
+            raise ManifestError(f"{where}: not an imgpack manifest (no 'imgpack' schema version)")
+        version = data["imgpack"]
+        if version != SCHEMA_VERSION:
+            raise ManifestError(
+                f"{where}: manifest schema version {version!r} is not supported; this imgpack "
+                f"reads version {SCHEMA_VERSION} (an output written by a newer imgpack needs a newer imgpack)"
+            )
+        fmt = data.get("format")
+        if fmt not in FORMATS:
+            raise ManifestError(
+                f"{where}: unknown format {fmt!r}; this imgpack reads {', '.join(FORMATS)}"
+            )
+        try:
+            return cls(
+                format=fmt,
+                num_samples=int(data["num_samples"]),
+                classes=list(data["classes"]),
+                encoding=str(data["encoding"]),
+                image=dict(data["image"]),
+                files=[FileEntry(**entry) for entry in data["files"]],
+                options=dict(data.get("options", {})),
+                source=dict(data.get("source", {})),
+                skipped=list(data.get("skipped", [])),
+                created_by=str(data.get("created_by", "")),
+                version=version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(
+                f"{where}: malformed manifest ({type(exc).__name__}: {exc})"
+            ) from None
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``directory/imgpack.json``."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory}: no such imgpack output")
+    if not path.is_file():
+        raise ManifestError(
+            f"{directory}: not an imgpack output (no {MANIFEST_NAME}; an interrupted conversion "
+            "leaves none, so convert again)"
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path}: unreadable manifest: {exc}") from None
+    return Manifest.from_json(data, where=str(path))
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``imgpack.json`` durably (temp file, fsync, rename)."""
+    tmp = directory / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(manifest.to_json(), fh, indent=1, ensure_ascii=False)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, directory / MANIFEST_NAME)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

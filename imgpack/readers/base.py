@@ -1,0 +1,217 @@
+"""The base class of every reader, and the batch fast path they share.
+
+Readers are map-style ``torch.utils.data.Dataset`` objects that hold paths, not handles: files,
+memory maps and environments open lazily in the process that reads (and again after a fork), and
+are dropped when the dataset is pickled, so a reader works with ``num_workers > 0`` under fork,
+spawn and forkserver.
+
+``DataLoader`` calls ``__getitems__`` with a whole batch of indices when a dataset has it. Readers
+gather the batch in one operation and return a :class:`Batch`: a sequence of ``(image, label)``
+pairs that torch's default collate accepts, which also carries the gathered tensors so that
+:func:`collate` can hand them over without touching each sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, overload
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from imgpack.errors import ManifestError
+from imgpack.manifest import Manifest, read_manifest
+
+Images = torch.Tensor | list[torch.Tensor]
+
+
+class Batch(Sequence[tuple[torch.Tensor, Any]]):
+    """A gathered batch: ``images`` is a ``(B, C, H, W)`` uint8 tensor (or a list of ``(C, H, W)``
+    tensors when sizes differ or a transform ran) and ``labels`` a ``(B,)`` tensor (or a list,
+    after a ``target_transform``)."""
+
+    __slots__ = ("images", "labels")
+
+    def __init__(self, images: Images | list[Any], labels: torch.Tensor | list[Any]) -> None:
+        self.images = images
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[tuple[torch.Tensor, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        label = self.labels[index]
+        return self.images[index], int(label) if isinstance(label, torch.Tensor) else label
+
+
+def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``collate_fn`` for imgpack readers: ``(images, labels)`` from a batch.
+
+    A :class:`Batch` is handed over as it is (no per-sample work). Any other sequence of
+    ``(image, label)`` pairs is stacked like torch's default collate would; images of different
+    sizes come back as a list.
+    """
+    if isinstance(batch, Batch):
+        images, labels = batch.images, batch.labels
+    else:
+        images = [sample[0] for sample in batch]
+        labels = [sample[1] for sample in batch]
+    if (
+        isinstance(images, list)
+        and images
+        and isinstance(images[0], torch.Tensor)
+        and all(img.shape == images[0].shape for img in images)
+    ):
+        images = torch.stack(images)
+    if isinstance(labels, list) and all(isinstance(label, int) for label in labels):
+        labels = torch.tensor(labels, dtype=torch.int64)
+    return images, labels
+
+
+def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialised tensor for a batch; in a DataLoader worker, allocated in shared memory
+    so that sending it to the main process costs no extra copy (as torch's default collate does)."""
+    if get_worker_info() is None:
+        return torch.empty(tuple(shape), dtype=dtype)
+    numel = int(np.prod(shape))
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel, device="cpu")
+    return torch.empty(0, dtype=dtype).new(storage).resize_(*shape)
+
+
+class ImageDataset(Dataset[tuple[Any, Any]]):
+    """Base class of the readers: ``ds[i]`` is ``(image, label)`` with a uint8 ``(C, H, W)`` image.
+
+    Attributes named as torchvision's ``ImageFolder``: ``classes``, ``class_to_idx``,
+    ``targets``. Subclasses set :attr:`format` and implement :meth:`_open` (per-process handles)
+    and :meth:`_gather` (a batch of valid indices to images and labels).
+    """
+
+    format: ClassVar[str]
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        transform: Callable[[torch.Tensor], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.manifest: Manifest = read_manifest(self.root)
+        if self.manifest.format != self.format:
+            raise ManifestError(
+                f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "
+                f"(open it with imgpack.open_dataset)"
+            )
+        self.classes: list[str] = list(self.manifest.classes)
+        self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
+        self.transform = transform
+        self.target_transform = target_transform
+        self.channels: int = int(self.manifest.image.get("channels", 3))
+        self._handles: Any = None
+        self._pid: int | None = None
+        self._targets: list[int] | None = None
+
+    # -- per-process handles -------------------------------------------------------------
+    @abstractmethod
+    def _open(self) -> Any:
+        """Open the files of this output in the current process."""
+
+    def _close(self, handles: Any) -> None:
+        """Release handles opened by :meth:`_open`."""
+
+    @property
+    def handles(self) -> Any:
+        """This process's handles, opened on first use and again after a fork."""
+        pid = os.getpid()
+        if self._handles is None or self._pid != pid:
+            self._handles = self._open()
+            self._pid = pid
+        return self._handles
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"] = None
+        state["_pid"] = None
+        return state
+
+    def __del__(self) -> None:
+        handles = self.__dict__.get("_handles")
+        if handles is not None and self.__dict__.get("_pid") == os.getpid():
+            with contextlib.suppress(Exception):
+                self._close(handles)
+
+    # -- the dataset protocol ------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.manifest.num_samples
+
+    @property
+    def targets(self) -> list[int]:
+        """The label of every sample, in order."""
+        if self._targets is None:
+            self._targets = self._load_targets()
+        return self._targets
+
+    @abstractmethod
+    def _load_targets(self) -> list[int]: ...
+
+    @abstractmethod
+    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        """Images and int64 labels of valid sample ``indices`` (an int64 array), in that order."""
+
+    def _indices(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            bad = int(idx[(idx < -n) | (idx >= n)][0])
+            raise IndexError(f"index {bad} is out of range for {self.root} ({n} samples)")
+        return np.where(idx < 0, idx + n, idx)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        images, labels = self._gather(self._indices([int(index)]))
+        image: Any = images[0]
+        label: Any = int(labels[0])
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    def __getitems__(self, indices: Sequence[int]) -> Batch:
+        """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""
+        images, labels = self._gather(self._indices(indices))
+        if self.transform is None and self.target_transform is None:
+            return Batch(images, labels)
+        imgs: list[Any] = list(images)
+        targets: list[Any] = labels.tolist()
+        if self.transform is not None:
+            imgs = [self.transform(img) for img in imgs]
+        if self.target_transform is not None:
+            targets = [self.target_transform(t) for t in targets]
+        return Batch(imgs, targets)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(root={str(self.root)!r}, samples={len(self)}, "
+            f"classes={len(self.classes)}, encoding={self.manifest.encoding!r})"
+        )
+
+
+def stack_or_list(images: list[torch.Tensor]) -> Images:
+    """Stack same-shaped CHW images into one tensor; keep a list when sizes differ."""
+    if images and all(img.shape == images[0].shape for img in images):
+        out = new_batch_tensor((len(images), *images[0].shape))
+        torch.stack(images, out=out)
+        return out
+    return images

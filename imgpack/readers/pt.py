@@ -1,0 +1,114 @@
+"""Reader of the ``pt`` format (layout in ``docs/formats/pt.md`` and :mod:`imgpack.converters.pt`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from imgpack.errors import DataError
+from imgpack.images import decode_stored
+from imgpack.readers.base import ImageDataset, Images, new_batch_tensor, stack_or_list
+
+
+class PTDataset(ImageDataset):
+    """Dataset over a ``pt`` output. Shards are memory-mapped with
+    ``torch.load(path, mmap=True, weights_only=True)`` on first use in each process; a raw batch
+    is one ``index_select`` per shard it touches."""
+
+    format = "pt"
+
+    def __init__(self, root: Any, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        counts = [f.num_samples for f in self.manifest.files]
+        self._starts = np.cumsum([0, *counts], dtype=np.int64)
+        self._raw = self.manifest.encoding == "raw"
+
+    def _open(self) -> list[dict[str, torch.Tensor] | None]:
+        return [None] * len(self.manifest.files)
+
+    def _shard(self, number: int) -> dict[str, torch.Tensor]:
+        shards = self.handles
+        shard = shards[number]
+        if shard is None:
+            shard = shards[number] = self._load(number)
+        return shard
+
+    def _load(self, number: int) -> dict[str, torch.Tensor]:
+        entry = self.manifest.files[number]
+        path = self.root / entry.path
+        try:
+            shard = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as exc:
+            raise DataError(f"{path}: cannot load shard: {exc}") from None
+        n = entry.num_samples
+        keys = ("images", "labels") if self._raw else ("data", "offsets", "labels")
+        if not isinstance(shard, dict) or any(k not in shard for k in keys):
+            raise DataError(f"{path}: not a {self.manifest.encoding} shard (expected keys {keys})")
+        labels = shard["labels"]
+        problem = None
+        if labels.dtype != torch.int64 or labels.shape != (n,):
+            problem = f"labels should be int64 ({n},), found {labels.dtype} {tuple(labels.shape)}"
+        elif n and (int(labels.min()) < 0 or int(labels.max()) >= len(self.classes)):
+            problem = f"labels outside 0..{len(self.classes) - 1}"
+        elif self._raw:
+            image = self.manifest.image
+            shape = (n, image["height"], image["width"], self.channels)
+            if shard["images"].dtype != torch.uint8 or tuple(shard["images"].shape) != shape:
+                problem = f"images should be uint8 {shape}, found {tuple(shard['images'].shape)}"
+        else:
+            offsets = shard["offsets"]
+            if (
+                offsets.shape != (n + 1,)
+                or int(offsets[0]) != 0
+                or int(offsets[-1]) != len(shard["data"])
+            ):
+                problem = "offsets do not match the data"
+            elif bool((offsets[1:] < offsets[:-1]).any()):
+                problem = "offsets are not increasing"
+        if problem:
+            raise DataError(f"{path}: damaged shard: {problem}")
+        return shard
+
+    def _load_targets(self) -> list[int]:
+        return [
+            t for i in range(len(self.manifest.files)) for t in self._shard(i)["labels"].tolist()
+        ]
+
+    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        local = torch.from_numpy(indices - self._starts[shard_of])
+        if self._raw:
+            return self._gather_raw(shard_of, local)
+        images: list[torch.Tensor] = []
+        labels = torch.empty(len(indices), dtype=torch.int64)
+        for pos, (number, i) in enumerate(zip(shard_of.tolist(), local.tolist(), strict=True)):
+            shard = self._shard(number)
+            start, end = int(shard["offsets"][i]), int(shard["offsets"][i + 1])
+            try:
+                pixels = decode_stored(shard["data"][start:end].numpy().data, self.channels)
+            except DataError as exc:
+                raise DataError(
+                    f"{self.root / self.manifest.files[number].path}: sample {i}: {exc}"
+                ) from None
+            images.append(torch.from_numpy(pixels).permute(2, 0, 1))
+            labels[pos] = shard["labels"][i]
+        return stack_or_list(images), labels
+
+    def _gather_raw(self, shard_of: np.ndarray, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
+        image = self.manifest.image
+        out = new_batch_tensor((len(local), image["height"], image["width"], self.channels))
+        first = int(shard_of[0]) if len(shard_of) else 0
+        if len(shard_of) == 0 or (shard_of == first).all():
+            shard = self._shard(first)
+            torch.index_select(shard["images"], 0, local, out=out)
+            labels = torch.index_select(shard["labels"], 0, local)
+        else:
+            labels = torch.empty(len(local), dtype=torch.int64)
+            for number in np.unique(shard_of).tolist():
+                rows = torch.from_numpy(np.flatnonzero(shard_of == number))
+                shard = self._shard(number)
+                out[rows] = torch.index_select(shard["images"], 0, local[rows])
+                labels[rows] = torch.index_select(shard["labels"], 0, local[rows])
+        return out.permute(0, 3, 1, 2), labels

@@ -1,0 +1,140 @@
+"""Helpers shared by the benchmark scripts: datasets, peak-memory sampling, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def machine() -> str:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{model or platform.processor()}, {cpus} usable CPUs, {mem:.0f} GiB RAM, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def make_png_folder(root: Path, count: int, size: int, classes: int, seed: int = 0) -> Path:
+    """``count`` seeded ``size`` x ``size`` RGB PNGs in ``classes`` folders (reused if present)."""
+    done = root / ".complete"
+    if done.exists():
+        return root
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0, 1, size, dtype=np.float32)[:, None, None]
+    x = np.linspace(0, 1, size, dtype=np.float32)[None, :, None]
+    for c in range(classes):
+        (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        a, b, c0 = rng.uniform(0, 255, size=(3, 3)).astype(np.float32)
+        noise = rng.normal(0, 12, size=(size, size, 3)).astype(np.float32)
+        pixels = np.clip(a + (b - a) * x + (c0 - a) * y + noise, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(
+            root / f"class{i % classes:02d}" / f"img{i:06d}.png", compress_level=1
+        )
+    done.touch()
+    return root
+
+
+def _tree_rss(pid: int) -> tuple[int, int]:
+    """(RSS of pid, RSS of pid and all its descendants) in bytes, from /proc."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            statm = Path(f"/proc/{entry}/statm").read_text().split()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+        rss[int(entry)] = int(statm[1]) * page
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        total += rss.get(p, 0)
+        stack.extend(children.get(p, []))
+    return rss.get(pid, 0), total
+
+
+def run_with_peak_rss(cmd: Sequence[str], interval: float = 0.05) -> tuple[float, int, int]:
+    """Run ``cmd``; return (seconds, peak RSS of the process, peak RSS of its whole tree)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak_main = peak_tree = 0
+    stop = threading.Event()
+
+    def poll() -> None:
+        nonlocal peak_main, peak_tree
+        while not stop.is_set():
+            main, tree = _tree_rss(proc.pid)
+            peak_main, peak_tree = max(peak_main, main), max(peak_tree, tree)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    _, err = proc.communicate()
+    stop.set()
+    thread.join()
+    if proc.returncode:
+        sys.exit(f"command failed: {' '.join(cmd)}\n{err}")
+    return time.perf_counter() - start, peak_main, peak_tree
+
+
+def best_of(repeats: int, fn: Callable[[], tuple[int, float]]) -> float:
+    """Best samples/s over ``repeats`` runs of ``fn`` (which returns samples, seconds)."""
+    rates = []
+    for _ in range(repeats):
+        count, seconds = fn()
+        rates.append(count / seconds)
+    return max(rates)
+
+
+def index_select_limit(
+    images: torch.Tensor, batch_size: int, samples: int, seed: int = 0
+) -> tuple[int, float]:
+    """The memory-bound limit: gather shuffled batches from an in-RAM uint8 tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(images)
+    count = 0
+    start = time.perf_counter()
+    while count < samples:
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n - batch_size + 1, batch_size):
+            batch = torch.index_select(images, 0, perm[i : i + batch_size])
+            count += len(batch)
+            if count >= samples:
+                break
+    return count, time.perf_counter() - start
+
+
+def print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{title}")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+def save_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")

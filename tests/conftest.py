@@ -1,0 +1,211 @@
+"""Seeded fake image folders for the tests, and an independent decode to compare against."""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+BACKGROUND = (255, 255, 255)
+
+
+def smooth_rgb(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """A smooth RGB picture (gradient + a block), so JPEG errors stay small as on photos."""
+    y = np.linspace(0, 1, height)[:, None, None]
+    x = np.linspace(0, 1, width)[None, :, None]
+    a, b, c = (rng.uniform(0, 255, size=3) for _ in range(3))
+    pixels = a + (b - a) * x + (c - a) * y
+    pixels[height // 4 : height // 2, width // 4 : width // 2] = rng.uniform(0, 255, size=3)
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def jpeg_bytes(img: Image.Image, **kwargs: object) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=92, **kwargs)
+    return out.getvalue()
+
+
+def png_bytes(img: Image.Image, **kwargs: object) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format="PNG", **kwargs)
+    return out.getvalue()
+
+
+@dataclass
+class FakeFolder:
+    """What the factory wrote: the root, the expected classes and the valid images in scan order."""
+
+    root: Path
+    classes: list[str]
+    images: list[tuple[str, int]] = field(default_factory=list)  # (relative path, label)
+    bad: dict[str, str] = field(default_factory=dict)  # relative path -> what is wrong
+
+
+def build_edge_folder(root: Path, seed: int = 0, with_bad: bool = False) -> FakeFolder:
+    """Every case the image policy and the scan must handle, in a few dozen small files."""
+    rng = np.random.default_rng(seed)
+    classes = ["ant", "bee", "cat", "dog_empty"]
+    for name in classes:
+        (root / name).mkdir(parents=True)
+    files: dict[str, bytes] = {}
+
+    def rgb(h: int = 20, w: int = 28) -> Image.Image:
+        return Image.fromarray(smooth_rgb(rng, h, w), "RGB")
+
+    # ant: plain and EXIF-rotated JPEGs, CMYK and grayscale JPEGs, a PNG named .jpg
+    files["ant/plain.jpg"] = jpeg_bytes(rgb())
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    files["ant/exif_rotated.jpg"] = jpeg_bytes(rgb(16, 30), exif=exif.tobytes())
+    files["ant/cmyk.jpg"] = jpeg_bytes(rgb().convert("CMYK"))
+    files["ant/gray.jpg"] = jpeg_bytes(rgb().convert("L"))
+    files["ant/png_named.jpg"] = png_bytes(rgb(12, 14))
+    # bee: every PNG mode
+    gray16 = (smooth_rgb(rng, 18, 22)[:, :, 0].astype(np.uint16) * 257) + rng.integers(
+        0, 200, (18, 22)
+    ).astype(np.uint16)
+    files["bee/gray16.png"] = png_bytes(Image.fromarray(gray16))
+    pal = rgb(16, 16).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    files["bee/palette_transparent.png"] = png_bytes(pal, transparency=3)
+    files["bee/palette_opaque.png"] = png_bytes(
+        rgb(16, 16).convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+    )
+    la = rgb().convert("L").convert("LA")
+    la.putalpha(Image.fromarray(rng.integers(0, 256, (20, 28), dtype=np.uint8)))
+    files["bee/la.png"] = png_bytes(la)
+    rgba = rgb().convert("RGBA")
+    rgba.putalpha(Image.fromarray(rng.integers(0, 256, (20, 28), dtype=np.uint8)))
+    files["bee/rgba.png"] = png_bytes(rgba)
+    files["bee/gray.png"] = png_bytes(rgb().convert("L"))
+    files["bee/bilevel.png"] = png_bytes(rgb().convert("1"))
+    files["bee/rgb.png"] = png_bytes(rgb(24, 20))
+    files["bee/UPPER.PNG"] = png_bytes(rgb(10, 10))
+    # cat: nested folders, non-ASCII names, other containers
+    files["cat/nested/deeper/deep.png"] = png_bytes(rgb())
+    files["cat/nested/a.png"] = png_bytes(rgb())
+    files["cat/nested-x/b.png"] = png_bytes(rgb())
+    files["cat/café_ñ_日本.png"] = png_bytes(rgb())
+    files["cat/anim.gif"] = _gif_bytes(rgb())
+    files["cat/pic.bmp"] = _save(rgb(), "BMP")
+    files["cat/pic.webp"] = _save(rgb(), "WEBP", lossless=True)
+    # ignored: hidden files and folders, non-image extensions
+    files["cat/.hidden.png"] = png_bytes(rgb())
+    files["cat/.cache/x.png"] = png_bytes(rgb())
+    files["cat/notes.txt"] = b"not an image, and not named like one\n"
+    if with_bad:
+        files["cat/truncated.jpg"] = jpeg_bytes(rgb(64, 64))[:300]
+        files["cat/zero.jpg"] = b""
+        files["cat/text_named.jpg"] = b"hello, I am text\n"
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    (root / ".hidden_class").mkdir()
+    (root / ".hidden_class" / "x.png").write_bytes(png_bytes(rgb()))
+    # a symlinked image (outside the tree) and a symlink loop
+    outside = root.parent / f"{root.name}-outside"
+    outside.mkdir()
+    (outside / "target.png").write_bytes(png_bytes(rgb()))
+    os.symlink(outside / "target.png", root / "cat" / "linked.png")
+    os.symlink(root / "cat", root / "cat" / "nested" / "loop")
+
+    bad = {}
+    if with_bad:
+        bad = {
+            "cat/text_named.jpg": "not an image",
+            "cat/truncated.jpg": "truncated",
+            "cat/zero.jpg": "empty file",
+        }
+    images = []
+    for label, name in enumerate(classes):
+        found = []
+        for rel in files:
+            parts = rel.split("/")
+            if parts[0] != name or any(p.startswith(".") for p in parts) or rel.endswith(".txt"):
+                continue
+            if rel in bad:
+                continue
+            found.append(rel)
+        if name == "cat":
+            found.append("cat/linked.png")
+        found.sort(key=lambda r: (r.rsplit("/", 1)[0], r.rsplit("/", 1)[1]))
+        images.extend((rel, label) for rel in found)
+    return FakeFolder(root, classes, images, bad)
+
+
+def _save(img: Image.Image, fmt: str, **kwargs: object) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format=fmt, **kwargs)
+    return out.getvalue()
+
+
+def _gif_bytes(img: Image.Image) -> bytes:
+    frames = [img.convert("P"), img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).convert("P")]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
+    return out.getvalue()
+
+
+def reference_pixels(
+    path: Path,
+    size: tuple[int, int] | None = None,
+    grayscale: bool = False,
+    background: tuple[int, int, int] = BACKGROUND,
+) -> np.ndarray:
+    """An independent decode under the documented policy, HxWxC uint8."""
+    with Image.open(path) as img:
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        mode = img.mode
+        if mode in ("I;16", "I;16B", "I;16L", "I"):
+            v = np.asarray(img, dtype=np.float64)
+            gray = np.floor(np.clip(v, 0, 65535) * 255 / 65535 + 0.5).astype(np.uint8)
+            pixels = np.stack([gray] * 3, axis=2)
+        elif mode in ("RGBA", "LA") or "transparency" in img.info:
+            rgba = np.asarray(img.convert("RGBA"), dtype=np.float64)
+            a = rgba[:, :, 3:4]
+            out = (rgba[:, :, :3] * a + np.asarray(background, dtype=np.float64) * (255 - a)) / 255
+            pixels = np.floor(out + 0.5).astype(np.uint8)
+        else:
+            pixels = np.asarray(img.convert("RGB"))
+    if size is not None:
+        fitted = ImageOps.fit(
+            Image.fromarray(pixels), (size[1], size[0]), method=Image.Resampling.BILINEAR
+        )
+        pixels = np.asarray(fitted)
+    if grayscale:
+        pixels = np.asarray(Image.fromarray(pixels).convert("L"))[:, :, None]
+    return pixels
+
+
+@pytest.fixture
+def edge_folder(tmp_path: Path) -> FakeFolder:
+    return build_edge_folder(tmp_path / "src")
+
+
+@pytest.fixture
+def bad_folder(tmp_path: Path) -> FakeFolder:
+    return build_edge_folder(tmp_path / "src", with_bad=True)
+
+
+def build_uniform_folder(
+    root: Path, count: int = 60, classes: int = 3, size: int = 16, seed: int = 1
+) -> Path:
+    """``count`` same-sized RGB PNGs spread over ``classes`` folders (for the reader tests)."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        folder = root / f"class{i % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"img{i:04d}.png")
+    return root
+
+
+@pytest.fixture
+def uniform_folder(tmp_path: Path) -> Path:
+    return build_uniform_folder(tmp_path / "uniform")

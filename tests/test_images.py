@@ -1,0 +1,201 @@
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FakeFolder, png_bytes, reference_pixels
+from PIL import Image
+
+from imgpack.errors import DataError, ImageError, OptionError
+from imgpack.images import (
+    Encoding,
+    ImagePolicy,
+    apply_policy,
+    decode_stored,
+    parse_color,
+    process_file,
+    sniff,
+)
+
+POLICY = ImagePolicy()
+
+
+@pytest.mark.parametrize(
+    ("head", "kind"),
+    [
+        (b"\xff\xd8\xff\xe0", "JPEG"),
+        (b"\x89PNG\r\n\x1a\n", "PNG"),
+        (b"GIF89a", "GIF"),
+        (b"BM\x00\x00", "BMP"),
+        (b"RIFF\x00\x00\x00\x00WEBPVP8 ", "WEBP"),
+        (b"II*\x00", "TIFF"),
+        (b"hello", None),
+        (b"", None),
+    ],
+)
+def test_sniff(head: bytes, kind: str | None) -> None:
+    assert sniff(head) == kind
+
+
+def test_every_edge_case_matches_the_reference(edge_folder: FakeFolder) -> None:
+    for rel, _ in edge_folder.images:
+        data = (edge_folder.root / rel).read_bytes()
+        pixels, _ = apply_policy(data, rel, POLICY)
+        expected = reference_pixels(edge_folder.root / rel)
+        assert pixels.dtype == np.uint8 and pixels.shape == expected.shape, rel
+        np.testing.assert_array_equal(pixels, expected, err_msg=rel)
+
+
+def test_exif_rotation_is_applied(edge_folder: FakeFolder) -> None:
+    pixels, plain = apply_policy(
+        (edge_folder.root / "ant/exif_rotated.jpg").read_bytes(), "x", POLICY
+    )
+    assert pixels.shape == (30, 16, 3)  # stored 16x30 (HxW), orientation 6 turns it
+    assert not plain
+
+
+def test_16_bit_is_rescaled_not_clipped() -> None:
+    ramp = np.array([[0, 257, 32896, 65535]], dtype=np.uint16)
+    pixels, _ = apply_policy(png_bytes(Image.fromarray(ramp)), "x.png", POLICY)
+    assert pixels[0, :, 0].tolist() == [0, 1, 128, 255]
+
+
+def test_alpha_is_composited_over_the_background() -> None:
+    rgba = np.array([[[200, 100, 0, 0], [200, 100, 0, 255], [200, 100, 0, 128]]], dtype=np.uint8)
+    data = png_bytes(Image.fromarray(rgba, "RGBA"))
+    white, _ = apply_policy(data, "x.png", POLICY)
+    assert white[0].tolist() == [[255, 255, 255], [200, 100, 0], [227, 177, 127]]
+    black, _ = apply_policy(data, "x.png", ImagePolicy(background=parse_color("black")))
+    assert black[0].tolist() == [[0, 0, 0], [200, 100, 0], [100, 50, 0]]
+
+
+def test_grayscale_option(edge_folder: FakeFolder) -> None:
+    for rel in ("ant/plain.jpg", "bee/gray.png", "bee/rgba.png"):
+        pixels, _ = apply_policy(
+            (edge_folder.root / rel).read_bytes(), rel, ImagePolicy(channels=1)
+        )
+        np.testing.assert_array_equal(
+            pixels, reference_pixels(edge_folder.root / rel, grayscale=True)
+        )
+
+
+@pytest.mark.parametrize("mode", ["crop", "stretch"])
+def test_resize_modes(mode: str) -> None:
+    img = Image.fromarray(np.zeros((10, 40, 3), dtype=np.uint8))
+    pixels, plain = apply_policy(png_bytes(img), "x.png", ImagePolicy(size=(8, 8), resize=mode))
+    assert pixels.shape == (8, 8, 3)
+    assert not plain
+
+
+def test_crop_keeps_the_centre() -> None:
+    wide = np.zeros((10, 30, 3), dtype=np.uint8)
+    wide[:, 10:20] = 255  # white centre third
+    pixels, _ = apply_policy(
+        png_bytes(Image.fromarray(wide)),
+        "x.png",
+        ImagePolicy(size=10, resize="crop", resample="nearest"),
+    )
+    assert (pixels == 255).all()
+    stretched, _ = apply_policy(
+        png_bytes(Image.fromarray(wide)),
+        "x.png",
+        ImagePolicy(size=10, resize="stretch", resample="nearest"),
+    )
+    assert (stretched[:, 0] == 0).all()
+
+
+def test_decompression_bomb_guard() -> None:
+    data = png_bytes(Image.new("RGB", (100, 100)))
+    with pytest.raises(
+        ImageError, match=r"100x100 = 10000 pixels exceeds the limit of 5000 .*--max-pixels"
+    ):
+        apply_policy(data, "big.png", ImagePolicy(max_pixels=5000))
+    pixels, _ = apply_policy(data, "big.png", ImagePolicy(max_pixels=None))
+    assert pixels.shape == (100, 100, 3)
+    assert Image.MAX_IMAGE_PIXELS is not None  # the global guard is restored
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "empty file"),
+        (b"just some text", "not an image"),
+        (png_bytes(Image.new("RGB", (64, 64)))[:60], "cannot decode PNG"),
+    ],
+)
+def test_bad_data_names_the_file(data: bytes, match: str) -> None:
+    with pytest.raises(ImageError, match=f"^cls/bad.jpg: .*{match}"):
+        apply_policy(data, "cls/bad.jpg", POLICY)
+
+
+def test_truncated_jpeg_is_an_error(bad_folder: FakeFolder) -> None:
+    with pytest.raises(ImageError, match=r"(?i)truncated"):
+        apply_policy((bad_folder.root / "cat/truncated.jpg").read_bytes(), "t.jpg", POLICY)
+
+
+def test_missing_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match=r"cls/gone\.png: cannot read"):
+        process_file(0, str(tmp_path), "cls/gone.png", 0, POLICY, Encoding())
+
+
+def test_original_keeps_bytes_only_when_they_decode_to_the_policy(edge_folder: FakeFolder) -> None:
+    root = str(edge_folder.root)
+    kept = {
+        "ant/plain.jpg",
+        "ant/gray.jpg",
+        "ant/png_named.jpg",
+        "bee/gray.png",
+        "bee/rgb.png",
+        "bee/UPPER.PNG",
+    }
+    kept |= {
+        "cat/nested/deeper/deep.png",
+        "cat/nested/a.png",
+        "cat/nested-x/b.png",
+        "cat/café_ñ_日本.png",
+        "cat/linked.png",
+    }
+    for rel, label in edge_folder.images:
+        enc = process_file(0, root, rel, label, POLICY, Encoding("original"))
+        same = enc.payload == (edge_folder.root / rel).read_bytes()
+        assert same == (rel in kept), rel
+        np.testing.assert_array_equal(
+            decode_stored(enc.payload, 3), reference_pixels(edge_folder.root / rel), err_msg=rel
+        )
+
+
+def test_png_named_jpg_is_a_png(edge_folder: FakeFolder) -> None:
+    enc = process_file(
+        0, str(edge_folder.root), "ant/png_named.jpg", 0, POLICY, Encoding("original")
+    )
+    assert enc.format == "PNG"
+
+
+def test_jpeg_encoding_within_tolerance(edge_folder: FakeFolder) -> None:
+    enc = process_file(0, str(edge_folder.root), "bee/rgb.png", 1, POLICY, Encoding("jpeg", 95))
+    assert enc.format == "JPEG" and enc.payload[:3] == b"\xff\xd8\xff"
+    diff = np.abs(
+        decode_stored(enc.payload, 3).astype(int)
+        - reference_pixels(edge_folder.root / "bee/rgb.png")
+    )
+    assert diff.mean() < 3
+
+
+def test_decode_stored_refuses_unexpected_modes() -> None:
+    out = io.BytesIO()
+    Image.new("RGBA", (2, 2)).save(out, format="PNG")
+    with pytest.raises(DataError, match="mode RGBA"):
+        decode_stored(out.getvalue(), 3)
+    with pytest.raises(DataError, match="cannot decode"):
+        decode_stored(b"garbage", 3)
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(OptionError, match="resize mode"):
+        ImagePolicy(resize="squash")
+    with pytest.raises(OptionError, match="encoding"):
+        Encoding("gif")
+    with pytest.raises(OptionError, match="background"):
+        parse_color("not-a-colour")

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
+
+from imgpack import convert, open_dataset
+from imgpack.converters import FORMATS
+from imgpack.errors import DataError
+from imgpack.readers import Batch, ImageDataset, collate
+
+
+@pytest.fixture(params=FORMATS)
+def outputs(
+    request: pytest.FixtureRequest, uniform_folder: Path, tmp_path: Path
+) -> dict[str, Path]:
+    fmt = request.param
+    raw, enc = tmp_path / f"{fmt}-raw", tmp_path / f"{fmt}-png"
+    convert(
+        uniform_folder,
+        raw,
+        fmt,
+        encoding="raw",
+        size=16,
+        shard_size=16 * 16 * 3 * 25,
+        progress=False,
+    )
+    convert(uniform_folder, enc, fmt, encoding="png", progress=False)
+    return {"raw": raw, "png": enc}
+
+
+def all_samples(ds: ImageDataset) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([ds[i][0] for i in range(len(ds))]), torch.tensor(
+        [ds[i][1] for i in range(len(ds))]
+    )
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers_under_each_start_method(outputs: dict[str, Path], method: str) -> None:
+    for path in outputs.values():
+        ds = open_dataset(path)
+        images, labels = all_samples(ds)
+        loader = DataLoader(
+            ds, batch_size=7, num_workers=2, multiprocessing_context=method, collate_fn=collate
+        )
+        got = list(loader)
+        assert torch.equal(torch.cat([b[0] for b in got]), images)
+        assert torch.equal(torch.cat([b[1] for b in got]), labels)
+
+
+def test_default_collate_accepts_a_batch(outputs: dict[str, Path]) -> None:
+    for path in outputs.values():
+        ds = open_dataset(path)
+        loader = DataLoader(
+            ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
+        images, labels = next(iter(loader))
+        assert images.shape == (8, 3, 16, 16) and images.dtype == torch.uint8
+        assert labels.dtype == torch.int64
+        batch = ds.__getitems__([3, 1, 2])
+        assert isinstance(batch, Batch)
+        ref_images, ref_labels = default_collate(batch)
+        fast_images, fast_labels = collate(batch)
+        assert torch.equal(ref_images, fast_images) and torch.equal(ref_labels, fast_labels)
+
+
+def test_shuffled_loader_sees_every_sample_once(outputs: dict[str, Path]) -> None:
+    ds = open_dataset(outputs["raw"])
+    images, _ = all_samples(ds)
+    loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, collate_fn=collate)
+    seen = torch.cat([b[0] for b in loader])
+    key = lambda t: sorted(x.flatten().tolist()[:12] for x in t)  # noqa: E731
+    assert key(seen) == key(images)
+
+
+def test_pickle_round_trip_after_use(outputs: dict[str, Path]) -> None:
+    for path in outputs.values():
+        ds = open_dataset(path)
+        first = ds[0]
+        clone = pickle.loads(pickle.dumps(ds))
+        assert clone._handles is None
+        assert torch.equal(clone[0][0], first[0]) and clone[0][1] == first[1]
+
+
+def test_transforms_apply_per_sample(outputs: dict[str, Path]) -> None:
+    ds = open_dataset(
+        outputs["raw"], transform=lambda x: x.float() / 255, target_transform=lambda y: y + 100
+    )
+    image, label = ds[2]
+    assert image.dtype == torch.float32 and label >= 100
+    images, labels = collate(ds.__getitems__([0, 1]))
+    assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32
+    assert labels.tolist() == [ds[0][1], ds[1][1]]
+
+
+def test_index_errors(outputs: dict[str, Path]) -> None:
+    ds = open_dataset(outputs["raw"])
+    with pytest.raises(IndexError, match="index 60 is out of range"):
+        ds[60]
+    with pytest.raises(IndexError):
+        ds.__getitems__([0, -61])
+    assert torch.equal(ds[-1][0], ds[len(ds) - 1][0])
+
+
+def test_damaged_pt_shard_is_reported(uniform_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    convert(uniform_folder, dst, "pt", encoding="raw", size=16, progress=False)
+    shard = dst / "shard-00000.pt"
+    data = bytearray(shard.read_bytes())
+    shard.write_bytes(bytes(data[: len(data) // 2]))
+    ds = open_dataset(dst)
+    with pytest.raises(DataError, match=r"shard-00000\.pt: cannot load shard"):
+        ds[0]
+
+
+def test_corrupt_encoded_record_names_file_and_sample(uniform_folder: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    convert(uniform_folder, dst, "pt", encoding="png", progress=False)
+    shard = torch.load(dst / "shard-00000.pt", weights_only=True)
+    start = int(shard["offsets"][4])
+    shard["data"][start + 20 : start + 60] = 7
+    torch.save(shard, dst / "shard-00000.pt")
+    ds = open_dataset(dst)
+    with pytest.raises(DataError, match=r"shard-00000.pt: sample 4: cannot decode"):
+        ds[4]
+    assert ds[3][0].shape == (3, 16, 16)
