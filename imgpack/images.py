@@ -263,35 +263,42 @@ def _orientation(img: Image.Image) -> int:
         return 1
 
 
-def apply_policy(data: bytes, path: str, policy: ImagePolicy) -> tuple[np.ndarray, bool]:
-    """Decode ``data`` under ``policy``.
-
-    Returns the HxWxC uint8 pixels and whether a plain decode of ``data`` (Pillow, no EXIF
-    handling, L replicated to RGB) already gives exactly these pixels, so the bytes can be kept.
-    """
-    img, kind = _open(data, path, policy)
-    orientation = _orientation(img)
-    plain = (
+def _is_plain(img: Image.Image, kind: str, policy: ImagePolicy) -> bool:
+    """Whether a plain decode of the file (Pillow, no EXIF handling, L replicated to RGB)
+    already gives exactly the policy's pixels, so its bytes can be stored as they are."""
+    return (
         kind in _KEEPABLE
         and policy.size is None
         and getattr(img, "n_frames", 1) == 1
-        and orientation == 1
+        and _orientation(img) == 1
         and "transparency" not in img.info
         and (img.mode == "L" or (img.mode == "RGB" and policy.channels == 3))
     )
+
+
+def _policy_pixels(img: Image.Image, kind: str, path: str, policy: ImagePolicy) -> np.ndarray:
+    """Steps 3-6 of the policy on a decoded image: HxWxC uint8."""
     try:
-        if orientation != 1:
+        if _orientation(img) != 1:
             img = ImageOps.exif_transpose(img) or img
         pixels = _to_rgb_array(img, policy.background)
-    except ImageError:
-        raise
     except Exception as exc:
         raise ImageError(path, f"cannot convert {kind} image (mode {img.mode}): {exc}") from None
     if policy.size is not None:
         pixels = _resize(pixels, policy)
     if policy.channels == 1:
         pixels = np.asarray(Image.fromarray(pixels).convert("L"))[:, :, None]
-    return np.ascontiguousarray(pixels), plain
+    return np.ascontiguousarray(pixels)
+
+
+def apply_policy(data: bytes, path: str, policy: ImagePolicy) -> tuple[np.ndarray, bool]:
+    """Decode ``data`` under ``policy``.
+
+    Returns the HxWxC uint8 pixels and whether a plain decode of ``data`` already gives exactly
+    these pixels (see :func:`_is_plain`).
+    """
+    img, kind = _open(data, path, policy)
+    return _policy_pixels(img, kind, path, policy), _is_plain(img, kind, policy)
 
 
 def encode_pixels(pixels: np.ndarray, fmt: str, quality: int = 90) -> bytes:
@@ -316,19 +323,19 @@ def process_file(
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise ImageError(path, f"cannot read: {reason}") from None
-    pixels, plain = apply_policy(data, path, policy)
+    img, kind = _open(data, path, policy)
+    keepable = encoding.name == "original" or (encoding.name == "png" and kind == "PNG")
+    if keepable and _is_plain(img, kind, policy):
+        # Fully decoded (so validated) above; no pixel copy is needed to keep the bytes.
+        return Encoded(index, path, label, data, img.height, img.width, policy.channels, kind)
+    pixels = _policy_pixels(img, kind, path, policy)
     height, width, channels = pixels.shape
     if encoding.name == "raw":
         payload, fmt = pixels.tobytes(), "RAW"
     elif encoding.name == "jpeg":
         payload, fmt = encode_pixels(pixels, "JPEG", encoding.quality), "JPEG"
     else:
-        kind = sniff(data)
-        keep = plain and (encoding.name == "original" or kind == "PNG")
-        if keep:
-            payload, fmt = data, str(kind)
-        else:
-            payload, fmt = encode_pixels(pixels, "PNG"), "PNG"
+        payload, fmt = encode_pixels(pixels, "PNG"), "PNG"
     return Encoded(index, path, label, payload, height, width, channels, fmt)
 
 

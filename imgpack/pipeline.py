@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
@@ -93,9 +93,23 @@ def _ignore_sigint() -> None:
 
 def _pool_context() -> multiprocessing.context.BaseContext:
     # forkserver avoids forking a parent that may hold threads (tqdm, torch); spawn elsewhere.
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    return ctx
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        # Workers fork from a server that has already imported the decoding code. (Only takes
+        # effect when the server starts; "__main__" is Python's own default.)
+        ctx.set_forkserver_preload(["__main__", "imgpack.pipeline"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _chunks(items: list[Any], largest: int) -> Iterator[list[Any]]:
+    """Slices of ``items`` of 1, 2, 4, ... up to ``largest`` items: the first results arrive at
+    once, later chunks amortise the per-task overhead."""
+    start, size = 0, 1
+    while start < len(items):
+        yield items[start : start + size]
+        start += size
+        size = min(size * 2, largest)
 
 
 def _outcomes(
@@ -111,8 +125,7 @@ def _outcomes(
         for item in numbered:
             yield from _process_chunk(root, [item], policy, encoding)
         return
-    chunk = max(1, min(MAX_CHUNK, len(numbered) // (workers * 8)))
-    chunks = (numbered[i : i + chunk] for i in range(0, len(numbered), chunk))
+    chunks = _chunks(numbered, max(1, min(MAX_CHUNK, len(numbered) // (workers * 8))))
     window: deque[Future[list[Outcome]]] = deque()
     executor = ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=_ignore_sigint)
     try:
@@ -153,6 +166,12 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
                 f"{dst}: exists and is not an imgpack output; refusing to replace it even with "
                 "--overwrite (remove it yourself if that is what you want)"
             )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _publish(tmp: Path, dst: Path) -> None:
@@ -233,6 +252,10 @@ def convert(
         workers = usable_cpus()
     if workers < 1:
         raise OptionError(f"invalid workers {workers!r}: expected 1 or more")
+    if shard_size is not None and not writer_cls.sharded:
+        raise OptionError(
+            f"format {format!r} writes a single file; --shard-size does not apply to it"
+        )
     shard_bytes = parse_byte_size(
         shard_size if shard_size is not None else writer_cls.default_shard_size
     )
@@ -245,6 +268,7 @@ def convert(
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-tmp", dir=dst.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
     try:
         writer = writer_cls(tmp, config, **format_options)
         skipped: list[dict[str, str]] = []
@@ -294,7 +318,7 @@ def convert(
             options={
                 "encoding": enc.name,
                 "quality": enc.quality if enc.name == "jpeg" else None,
-                "shard_size": shard_bytes,
+                "shard_size": shard_bytes if writer_cls.sharded else None,
                 "on_error": on_error,
                 "max_pixels": max_pixels,
                 **writer.settings,

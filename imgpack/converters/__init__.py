@@ -13,6 +13,7 @@ from imgpack.errors import OptionError
 
 _WRITERS = {
     "pt": "imgpack.converters.pt:PTWriter",
+    "lmdb": "imgpack.converters.lmdb:LMDBWriter",
 }
 
 #: The formats this imgpack writes and reads, in the order the CLI lists them.

@@ -47,6 +47,8 @@ class Writer(ABC):
     format: ClassVar[str]
     #: Format-specific options and their defaults; unknown options are refused.
     options: ClassVar[dict[str, Any]] = {}
+    #: Whether the output rolls over to new files at ``--shard-size``.
+    sharded: ClassVar[bool] = False
     #: Default ``--shard-size`` in bytes, for sharded formats.
     default_shard_size: ClassVar[int] = 1 << 30
 
@@ -102,6 +104,8 @@ class ShardedWriter(Writer):
     always holds at least one sample, so a single sample larger than the shard size gets a shard
     of its own.
     """
+
+    sharded = True
 
     def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
         super().__init__(directory, config, **options)

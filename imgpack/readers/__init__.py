@@ -17,6 +17,7 @@ from imgpack.readers.base import Batch, ImageDataset, collate
 
 _READERS = {
     "pt": "imgpack.readers.pt:PTDataset",
+    "lmdb": "imgpack.readers.lmdb:LMDBDataset",
 }
 
 
@@ -46,4 +47,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Batch", "ImageDataset", "PTDataset", "collate", "open_dataset", "reader_class"]
+__all__ = [
+    "Batch",
+    "ImageDataset",
+    "LMDBDataset",
+    "PTDataset",
+    "collate",
+    "open_dataset",
+    "reader_class",
+]

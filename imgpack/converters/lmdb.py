@@ -1,0 +1,90 @@
+"""The ``lmdb`` format: the output directory is an LMDB environment (``data.mdb``, ``lock.mdb``).
+
+One record per sample, keyed by its zero-padded index, in the layout of
+:mod:`imgpack.lmdb_record`. Records are written in append mode and committed in batches; the map
+starts at ``map_size`` (64 MiB by default) and doubles whenever a batch does not fit (the batch
+is replayed), so no size has to be guessed. At the end a compacting copy leaves a ``data.mdb``
+with no free pages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lmdb
+
+from imgpack import lmdb_record
+from imgpack.converters.base import Writer, WriterConfig, WrittenFile
+from imgpack.images import Encoded
+from imgpack.units import parse_byte_size
+
+#: Records per write transaction, and bytes; a commit happens at whichever comes first.
+COMMIT_RECORDS = 1000
+COMMIT_BYTES = 64 << 20
+
+
+class LMDBWriter(Writer):
+    format = "lmdb"
+    options: ClassVar[dict[str, Any]] = {"map_size": "64MiB"}
+
+    def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
+        super().__init__(directory, config, **options)
+        self.map_size = parse_byte_size(self.settings["map_size"])
+        self.settings["map_size"] = self.map_size
+        self.growths = 0
+        self._env = lmdb.open(
+            str(directory),
+            map_size=self.map_size,
+            subdir=True,
+            sync=False,
+            metasync=False,
+            max_dbs=0,
+        )
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_bytes = 0
+        self._count = 0
+
+    def add(self, sample: Encoded) -> None:
+        value = lmdb_record.pack(
+            sample.format,
+            sample.channels,
+            sample.label,
+            sample.height,
+            sample.width,
+            sample.payload,
+        )
+        self._pending.append((lmdb_record.key(self._count), value))
+        self._pending_bytes += len(value)
+        self._count += 1
+        if len(self._pending) >= COMMIT_RECORDS or self._pending_bytes >= COMMIT_BYTES:
+            self._commit()
+
+    def _commit(self) -> None:
+        while self._pending:
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.cursor().putmulti(self._pending, append=True)
+            except lmdb.MapFullError:
+                # The transaction was aborted: grow the map and replay the whole batch.
+                self.map_size = max(self.map_size * 2, self.map_size + 2 * self._pending_bytes)
+                self._env.set_mapsize(self.map_size)
+                self.growths += 1
+                continue
+            self._pending = []
+            self._pending_bytes = 0
+
+    def _finish(self) -> list[WrittenFile]:
+        self._commit()
+        compact = self.directory / ".compact"
+        compact.mkdir()
+        self._env.copy(str(compact), compact=True)
+        self._env.close()
+        os.replace(compact / "data.mdb", self.directory / "data.mdb")
+        shutil.rmtree(compact)
+        return [WrittenFile("data.mdb", self._count)]
+
+    def _abort(self) -> None:
+        self._env.close()

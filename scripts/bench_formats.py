@@ -1,0 +1,154 @@
+"""Every format side by side, in one run, on the same images.
+
+Two datasets, generated and seeded under --data (reused between runs):
+  raw: 50,000 32x32 PNGs (10 classes), stored raw (--size 32)
+  jpeg: 4,000 photo-like 500x375 JPEGs (10 classes), stored as original bytes
+
+Reported per format: raw reads through DataLoader(batch_size=256, shuffle=True,
+collate_fn=imgpack.readers.collate) against the memory-bound limit (a bare in-RAM index_select
+of the same batches); original-bytes reads against the ImageFolder-style Pillow loader at the
+same num_workers; and converting the JPEG folder against cores x the bare single-core decode rate.
+
+    python scripts/bench_formats.py [--formats pt,lmdb] [--raw-count 50000] [--jpeg-count 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+from benchlib import (
+    bare_decode_rate,
+    best_of,
+    index_select_limit,
+    machine,
+    make_jpeg_folder,
+    make_png_folder,
+    print_table,
+    save_json,
+)
+from torch.utils.data._utils.collate import default_collate
+
+from imgpack import convert, open_dataset
+from imgpack.bench import FolderDataset, measure
+from imgpack.converters import FORMATS
+from imgpack.folder import scan_folder
+from imgpack.pipeline import usable_cpus
+from imgpack.readers import collate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--raw-count", type=int, default=50_000)
+    parser.add_argument("--jpeg-count", type=int, default=4_000)
+    parser.add_argument("--data", default="bench-data")
+    parser.add_argument("--workers", type=int, default=2, help="num_workers for the JPEG reads")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    formats = [f for f in args.formats.split(",") if f]
+    data = Path(args.data)
+    cores = usable_cpus()
+    bs = 256
+    results: dict[str, dict[str, float]] = {}
+
+    png = make_png_folder(data / f"png32-{args.raw_count}", args.raw_count, 32, 10)
+    jpg = make_jpeg_folder(data / f"jpeg500-{args.jpeg_count}", args.jpeg_count)
+    jpeg_paths = [jpg / s.path for s in scan_folder(jpg).samples]
+    decode_rates = []
+
+    raw_outputs, jpeg_outputs = {}, {}
+    for fmt in formats:
+        raw_outputs[fmt] = data / f"{fmt}-raw32-{args.raw_count}"
+        shutil.rmtree(raw_outputs[fmt], ignore_errors=True)
+        convert(png, raw_outputs[fmt], fmt, encoding="raw", size=32, progress=False)
+        jpeg_outputs[fmt] = data / f"{fmt}-jpeg-{args.jpeg_count}"
+        shutil.rmtree(jpeg_outputs[fmt], ignore_errors=True)
+        # The machine is noisy: take the decode rate right before and right after the conversion.
+        before = bare_decode_rate(jpeg_paths[:1000])
+        start = time.perf_counter()
+        convert(jpg, jpeg_outputs[fmt], fmt, encoding="original", workers=cores, progress=False)
+        rate = len(jpeg_paths) / (time.perf_counter() - start)
+        after = bare_decode_rate(jpeg_paths[:1000])
+        decode_rates += [before, after]
+        results[fmt] = {"convert_jpeg": rate, "decode": (before + after) / 2}
+    decode = sum(decode_rates) / len(decode_rates)
+
+    ref = open_dataset(raw_outputs[formats[0]])
+    images = ref.__getitems__(range(len(ref))).images
+    images = images.permute(0, 2, 3, 1).contiguous()  # HWC, as stored
+    n = len(ref)
+    limit = best_of(args.repeats, lambda: index_select_limit(images, bs, n))
+    folder = FolderDataset(jpg)
+    baseline = {
+        w: best_of(1, lambda w=w: measure(folder, w, bs, len(folder), default_collate))
+        for w in (0, args.workers)
+    }
+    for fmt in formats:
+        raw, enc = open_dataset(raw_outputs[fmt]), open_dataset(jpeg_outputs[fmt])
+        results[fmt]["raw_w0"] = best_of(
+            args.repeats, lambda ds=raw: measure(ds, 0, bs, n, collate)
+        )
+        for w in (0, args.workers):
+            rate = best_of(1, lambda ds=enc, w=w: measure(ds, w, bs, len(ds), collate))
+            results[fmt][f"jpeg_w{w}"] = rate
+
+    print(f"machine: {machine()}")
+    print(
+        f"raw: {n} images 32x32x3; jpeg: {len(jpeg_paths)} images 500x375; batch_size={bs}, shuffle=True"
+    )
+    print_table(
+        "references",
+        [
+            ("in-RAM index_select limit (raw)", f"{limit:>12,.0f} samples/s"),
+            *[
+                (f"ImageFolder-style Pillow loader, workers={w}", f"{r:>12,.0f} samples/s")
+                for w, r in baseline.items()
+            ],
+            ("bare single-core JPEG decode (mean)", f"{decode:>12,.0f} images/s"),
+        ],
+    )
+    for fmt in formats:
+        r = results[fmt]
+        rows = [
+            (
+                "raw reads, workers=0",
+                f"{r['raw_w0']:>12,.0f} samples/s  {r['raw_w0'] / limit:6.1%} of the limit",
+            )
+        ]
+        for w in (0, args.workers):
+            rate = r[f"jpeg_w{w}"]
+            rows.append(
+                (
+                    f"jpeg reads, workers={w}",
+                    f"{rate:>12,.0f} samples/s  {rate / baseline[w]:6.2f}x the loader",
+                )
+            )
+        conv = r["convert_jpeg"]
+        rows.append(
+            (
+                "convert jpeg (original)",
+                f"{conv:>12,.0f} images/s  {conv / (cores * decode):6.2f}x cores x decode",
+            )
+        )
+        print_table(fmt, rows)
+    save_json(
+        args.json,
+        {
+            "machine": machine(),
+            "limit": limit,
+            "baseline": baseline,
+            "decode": decode,
+            "cores": cores,
+            "formats": results,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

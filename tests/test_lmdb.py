@@ -1,0 +1,126 @@
+"""What is particular to the lmdb format (the shared round-trip, determinism and reader tests
+cover it too, parametrized over every format)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+from conftest import build_uniform_folder
+
+from imgpack import convert, open_dataset
+from imgpack.errors import DataError, ManifestError
+from imgpack.readers import LMDBDataset
+
+
+def test_map_grows_past_the_starting_size(tmp_path: Path) -> None:
+    src = build_uniform_folder(tmp_path / "src", count=120, size=32)
+    record_bytes = 120 * (24 + 32 * 32 * 3)  # ~370 KB of records
+    manifest = convert(
+        src, tmp_path / "out", "lmdb", encoding="raw", size=32, map_size="64KiB", progress=False
+    )
+    assert manifest.options["map_size"] == 64 * 1024 < record_bytes
+    ds = open_dataset(tmp_path / "out")
+    assert len(ds) == 120
+    one = convert(src, tmp_path / "ref", "pt", encoding="raw", size=32, progress=False)
+    ref = open_dataset(tmp_path / "ref")
+    batch, expected = ds.__getitems__(range(120)), ref.__getitems__(range(120))
+    assert batch.images.equal(expected.images) and batch.labels.equal(expected.labels)  # type: ignore[union-attr]
+    # The compacted file holds no large unused tail.
+    data_mdb = (tmp_path / "out" / "data.mdb").stat().st_size
+    assert data_mdb < 1.5 * record_bytes and one.num_samples == 120
+
+
+def test_plain_py_lmdb_read_as_in_the_docs(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "lmdb", encoding="raw", size=16, progress=False)
+    ds = open_dataset(tmp_path / "out")
+    # -- as docs/formats/lmdb.md shows --
+    env = lmdb.open(str(tmp_path / "out"), readonly=True, lock=False)
+    with env.begin() as txn:
+        value = txn.get(b"%010d" % 7)
+    magic, version, kind, channels, _, label, height, width = struct.unpack_from(
+        "<4sBBBBqII", value
+    )
+    pixels = np.frombuffer(value, np.uint8, offset=24).reshape(height, width, channels)
+    env.close()
+    # --
+    assert (magic, version, kind) == (b"IMGP", 1, 0)
+    image, target = ds[7]
+    assert label == target
+    assert np.array_equal(pixels, image.permute(1, 2, 0).numpy())
+
+
+def _rewrite(root: Path, key: bytes, offset: int = 0, change: bytes | None = None) -> None:
+    env = lmdb.open(str(root), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        if change is None:
+            txn.delete(key)
+        else:
+            value = bytearray(txn.get(key))
+            value[offset : offset + len(change)] = change
+            txn.put(key, bytes(value))
+    env.close()
+
+
+@pytest.mark.parametrize("encoding", ["png", "raw"])
+def test_unknown_record_version_is_refused(
+    encoding: str, uniform_folder: Path, tmp_path: Path
+) -> None:
+    convert(uniform_folder, tmp_path / "out", "lmdb", encoding=encoding, size=16, progress=False)
+    _rewrite(tmp_path / "out", b"0000000003", 4, b"\x02")
+    ds = open_dataset(tmp_path / "out")
+    assert ds[2][0].shape == (3, 16, 16)
+    with pytest.raises(
+        DataError, match=r"out: record 0000000003: record version 2 is not supported"
+    ):
+        ds.__getitems__([2, 3])
+
+
+@pytest.mark.parametrize(
+    ("offset", "change", "match"),
+    [
+        (0, b"XXXX", "not an imgpack record"),
+        (8, b"\x63", "label 99 out of range"),
+        (16, b"\x07", "raw payload is 768 bytes, expected 7x16x3"),
+    ],
+)
+def test_damaged_raw_record_is_named(
+    offset: int, change: bytes, match: str, uniform_folder: Path, tmp_path: Path
+) -> None:
+    convert(uniform_folder, tmp_path / "out", "lmdb", encoding="raw", size=16, progress=False)
+    _rewrite(tmp_path / "out", b"0000000009", offset, change)
+    ds = open_dataset(tmp_path / "out")
+    with pytest.raises(DataError, match=f"out: record 0000000009: {match}"):
+        ds.__getitems__([0, 9, 1])
+
+
+def test_missing_record_names_environment_and_key(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "lmdb", encoding="raw", size=16, progress=False)
+    _rewrite(tmp_path / "out", b"0000000005")
+    ds = open_dataset(tmp_path / "out")
+    with pytest.raises(DataError, match=r"out: record 0000000005 is missing"):
+        ds.__getitems__([1, 5, 2])
+    with pytest.raises(DataError, match=r"holds 59 records, the manifest says 60"):
+        ds.targets  # noqa: B018
+
+
+def test_not_an_lmdb_output(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "pt", progress=False)
+    with pytest.raises(ManifestError, match="holds format 'pt', not 'lmdb'"):
+        LMDBDataset(tmp_path / "out")
+
+
+def test_two_readers_of_one_output_in_one_process(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "lmdb", encoding="raw", size=16, progress=False)
+    a, b = open_dataset(tmp_path / "out"), open_dataset(tmp_path / "out")
+    assert a[0][0].equal(b[0][0])
+
+
+def test_shard_size_does_not_apply(uniform_folder: Path, tmp_path: Path) -> None:
+    from imgpack.errors import OptionError
+
+    with pytest.raises(OptionError, match="--shard-size does not apply"):
+        convert(uniform_folder, tmp_path / "out", "lmdb", shard_size="1MB", progress=False)
