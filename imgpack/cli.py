@@ -118,6 +118,12 @@ def main(verbose: bool) -> None:
     help="Reuse the label map of an imgpack output or a text file (one class per line).",
 )
 @click.option(
+    "--compression",
+    type=click.Choice(("none", "gzip", "lzf")),
+    default=None,
+    help="hdf5: compress the image datasets (makes them chunked) [default: none].",
+)
+@click.option(
     "--option",
     "-o",
     "format_options",
@@ -144,6 +150,7 @@ def convert(
     overwrite: bool,
     on_error: str,
     classes_from: Path | None,
+    compression: str | None,
     format_options: tuple[str, ...],
     quiet: bool,
 ) -> None:
@@ -156,6 +163,8 @@ def convert(
         if not sep or not key:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--option")
         options[key.replace("-", "_")] = value
+    if compression is not None:
+        options["compression"] = compression
     started = time.perf_counter()
     manifest = run_convert(
         src,

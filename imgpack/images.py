@@ -342,13 +342,15 @@ def process_file(
 def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
     """Decode a stored JPEG/PNG record into HxWxC uint8 (the reader side of the policy).
 
+    The array may be read-only: copy it (or into a batch) before handing it to torch.
+
     Raises :class:`~imgpack.errors.DataError` when the bytes do not decode to 8-bit L or RGB.
     """
     try:
         with Image.open(io.BytesIO(payload)) as img:
             img.load()
             mode = img.mode
-            pixels = np.array(img)
+            pixels = np.asarray(img)  # one copy out of Pillow; read-only
     except Exception as exc:
         raise DataError(f"cannot decode stored image: {exc}") from None
     if mode == "L":

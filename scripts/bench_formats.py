@@ -137,6 +137,35 @@ def main() -> None:
             )
         )
         print_table(fmt, rows)
+    if "hdf5" in formats:
+        rows = []
+        for compression in ("gzip", "lzf"):
+            out = data / f"hdf5-raw32-{compression}-{args.raw_count}"
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.perf_counter()
+            convert(
+                png, out, "hdf5", encoding="raw", size=32, compression=compression, progress=False
+            )
+            seconds = time.perf_counter() - start
+            ds = open_dataset(out)
+            rate = best_of(1, lambda ds=ds: measure(ds, 0, bs, 20 * bs, collate))
+            size = ds.manifest.total_bytes
+            results[f"hdf5-{compression}"] = {"raw_w0": rate, "bytes": size, "convert_s": seconds}
+            rows.append(
+                (
+                    f"raw, {compression}",
+                    f"{size / 2**20:6.1f} MiB  {rate:>10,.0f} samples/s  convert {seconds:.1f} s",
+                )
+            )
+        plain = open_dataset(raw_outputs["hdf5"])
+        rows.insert(
+            0,
+            (
+                "raw, none (contiguous, mmap)",
+                f"{plain.manifest.total_bytes / 2**20:6.1f} MiB  {results['hdf5']['raw_w0']:>10,.0f} samples/s",
+            ),
+        )
+        print_table("hdf5 compression (shuffled batches of 256, workers=0)", rows)
     save_json(
         args.json,
         {

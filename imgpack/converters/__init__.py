@@ -14,6 +14,7 @@ from imgpack.errors import OptionError
 _WRITERS = {
     "pt": "imgpack.converters.pt:PTWriter",
     "lmdb": "imgpack.converters.lmdb:LMDBWriter",
+    "hdf5": "imgpack.converters.hdf5:HDF5Writer",
 }
 
 #: The formats this imgpack writes and reads, in the order the CLI lists them.

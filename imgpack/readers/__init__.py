@@ -18,6 +18,7 @@ from imgpack.readers.base import Batch, ImageDataset, collate
 _READERS = {
     "pt": "imgpack.readers.pt:PTDataset",
     "lmdb": "imgpack.readers.lmdb:LMDBDataset",
+    "hdf5": "imgpack.readers.hdf5:HDF5Dataset",
 }
 
 
@@ -49,6 +50,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Batch",
+    "HDF5Dataset",
     "ImageDataset",
     "LMDBDataset",
     "PTDataset",

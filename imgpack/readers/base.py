@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from imgpack.errors import ManifestError
+from imgpack.errors import DataError, ManifestError
+from imgpack.images import decode_stored
 from imgpack.manifest import Manifest, read_manifest
 
 Images = torch.Tensor | list[torch.Tensor]
@@ -208,10 +209,29 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         )
 
 
-def stack_or_list(images: list[torch.Tensor]) -> Images:
-    """Stack same-shaped CHW images into one tensor; keep a list when sizes differ."""
-    if images and all(img.shape == images[0].shape for img in images):
-        out = new_batch_tensor((len(images), *images[0].shape))
-        torch.stack(images, out=out)
-        return out
-    return images
+def decode_batch(
+    payloads: Sequence[bytes | memoryview], channels: int, where: Callable[[int], str]
+) -> Images:
+    """Decode stored JPEG/PNG payloads into a batch (see :func:`arrays_to_batch`).
+
+    ``where(k)`` names the k-th payload (file and sample or key) in the error a damaged one raises.
+    """
+    arrays = []
+    for k, payload in enumerate(payloads):
+        try:
+            arrays.append(decode_stored(payload, channels))
+        except DataError as exc:
+            raise DataError(f"{where(k)}: {exc}") from None
+    return arrays_to_batch(arrays)
+
+
+def arrays_to_batch(arrays: list[np.ndarray]) -> Images:
+    """HWC uint8 arrays to a ``(B, C, H, W)`` batch view, copied once into the batch tensor; a
+    list of ``(C, H, W)`` tensors when sizes differ."""
+    if arrays and all(a.shape == arrays[0].shape for a in arrays):
+        out = new_batch_tensor((len(arrays), *arrays[0].shape))
+        rows = out.numpy()
+        for k, array in enumerate(arrays):
+            rows[k] = array
+        return out.permute(0, 3, 1, 2)
+    return [torch.from_numpy(a if a.flags.writeable else a.copy()).permute(2, 0, 1) for a in arrays]

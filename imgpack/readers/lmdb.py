@@ -12,8 +12,7 @@ import torch
 
 from imgpack import lmdb_record
 from imgpack.errors import DataError
-from imgpack.images import decode_stored
-from imgpack.readers.base import ImageDataset, Images, new_batch_tensor, stack_or_list
+from imgpack.readers.base import ImageDataset, Images, decode_batch, new_batch_tensor
 
 # py-lmdb allows one Environment per file per process, so readers of the same output share one.
 # Keyed by the data file's identity, so a replaced output (--overwrite) is opened afresh.
@@ -127,14 +126,10 @@ class LMDBDataset(ImageDataset):
                 self._header(key, value).label for key, value in zip(keys, values, strict=True)
             ]
             payloads = [bytes(value[lmdb_record.HEADER_SIZE :]) for value in values]
-        images = []
-        for key, payload in zip(keys, payloads, strict=True):
-            try:
-                pixels = decode_stored(payload, self.channels)
-            except DataError as exc:
-                raise DataError(f"{self.root}: record {key.decode()}: {exc}") from None
-            images.append(torch.from_numpy(pixels).permute(2, 0, 1))
-        return stack_or_list(images), torch.tensor(labels, dtype=torch.int64)
+        images = decode_batch(
+            payloads, self.channels, lambda k: f"{self.root}: record {keys[k].decode()}"
+        )
+        return images, torch.tensor(labels, dtype=torch.int64)
 
     def _load_targets(self) -> list[int]:
         with self.handles.begin(buffers=True) as txn:

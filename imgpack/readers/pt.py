@@ -8,8 +8,7 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
-from imgpack.images import decode_stored
-from imgpack.readers.base import ImageDataset, Images, new_batch_tensor, stack_or_list
+from imgpack.readers.base import ImageDataset, Images, decode_batch, new_batch_tensor
 
 
 class PTDataset(ImageDataset):
@@ -81,20 +80,18 @@ class PTDataset(ImageDataset):
         local = torch.from_numpy(indices - self._starts[shard_of])
         if self._raw:
             return self._gather_raw(shard_of, local)
-        images: list[torch.Tensor] = []
-        labels = torch.empty(len(indices), dtype=torch.int64)
-        for pos, (number, i) in enumerate(zip(shard_of.tolist(), local.tolist(), strict=True)):
+        payloads, labels = [], []
+        for number, i in zip(shard_of.tolist(), local.tolist(), strict=True):
             shard = self._shard(number)
             start, end = int(shard["offsets"][i]), int(shard["offsets"][i + 1])
-            try:
-                pixels = decode_stored(shard["data"][start:end].numpy().data, self.channels)
-            except DataError as exc:
-                raise DataError(
-                    f"{self.root / self.manifest.files[number].path}: sample {i}: {exc}"
-                ) from None
-            images.append(torch.from_numpy(pixels).permute(2, 0, 1))
-            labels[pos] = shard["labels"][i]
-        return stack_or_list(images), labels
+            payloads.append(shard["data"][start:end].numpy().data)
+            labels.append(int(shard["labels"][i]))
+
+        def where(k: int) -> str:
+            return f"{self.root / self.manifest.files[shard_of[k]].path}: sample {int(local[k])}"
+
+        images = decode_batch(payloads, self.channels, where)
+        return images, torch.tensor(labels, dtype=torch.int64)
 
     def _gather_raw(self, shard_of: np.ndarray, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
         image = self.manifest.image

@@ -1,0 +1,126 @@
+"""The ``hdf5`` format: one ``data.h5`` with the whole dataset in a few datasets.
+
+Layout (``docs/formats/hdf5.md``):
+
+- raw encoding: ``images`` uint8 ``(N, H, W, C)``;
+- encoded: ``data`` uint8 ``(total_bytes,)`` and ``offsets`` int64 ``(N + 1,)``, sample ``i``
+  being ``data[offsets[i]:offsets[i + 1]]``;
+- always ``labels`` int64 ``(N,)`` and ``filenames`` (UTF-8 strings, paths relative to SRC);
+- root attributes ``imgpack`` (schema version), ``classes``, ``encoding``, ``height``, ``width``,
+  ``channels``.
+
+Uncompressed datasets are contiguous, so the reader can memory-map them. A contiguous dataset
+needs its final size when it is created, which is known only at the end (skipped files, encoded
+sizes): the image bytes are streamed to a staging file beside ``data.h5`` and copied in, block by
+block, at the end. Memory stays bounded; the image bytes are written twice.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import h5py
+import numpy as np
+
+from imgpack.converters.base import Writer, WriterConfig, WrittenFile, check_option
+from imgpack.images import Encoded
+from imgpack.manifest import SCHEMA_VERSION
+from imgpack.units import parse_byte_size
+
+COMPRESSIONS = ("none", "gzip", "lzf")
+#: Bytes copied from the staging file per HDF5 write at the end.
+COPY_BLOCK = 64 << 20
+#: Target bytes per chunk when compression makes the datasets chunked.
+DEFAULT_CHUNK = 1 << 20
+
+
+class HDF5Writer(Writer):
+    format = "hdf5"
+    options: ClassVar[dict[str, Any]] = {
+        "compression": "none",
+        "chunk_size": "1MiB",
+        "libver": "earliest",
+    }
+
+    def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
+        super().__init__(directory, config, **options)
+        self.compression = check_option("compression", self.settings["compression"], COMPRESSIONS)
+        self.chunk_bytes = parse_byte_size(self.settings["chunk_size"])
+        self.settings["chunk_size"] = self.chunk_bytes
+        libver = check_option("libver", self.settings["libver"], ("earliest", "latest"))
+        # "earliest" keeps the file readable by HDF5 1.10 tools (Debian's h5dump, h5ls).
+        self.libver = ("earliest", "v110") if libver == "earliest" else ("latest", "latest")
+        self._staging_path = directory / ".data.staging"
+        self._staging = open(self._staging_path, "wb")  # noqa: SIM115 - closed in _finish/_abort
+        self._labels: list[int] = []
+        self._filenames: list[str] = []
+        self._offsets = [0]
+
+    def add(self, sample: Encoded) -> None:
+        self._staging.write(sample.payload)
+        self._offsets.append(self._offsets[-1] + len(sample.payload))
+        self._labels.append(sample.label)
+        self._filenames.append(sample.path)
+
+    def _dataset_options(self, shape: tuple[int, ...]) -> dict[str, Any]:
+        options: dict[str, Any] = {"track_times": False}  # no timestamps: same input, same bytes
+        if self.compression != "none":
+            row = int(np.prod(shape[1:], dtype=np.int64)) or 1
+            rows = max(1, min(shape[0], self.chunk_bytes // row)) if shape[0] else 1
+            options.update(chunks=(rows, *shape[1:]), compression=self.compression)
+            if self.compression == "gzip":
+                options["shuffle"] = False
+        return options
+
+    def _finish(self) -> list[WrittenFile]:
+        self._staging.close()
+        count = len(self._labels)
+        total = self._offsets[-1]
+        policy = self.config.policy
+        path = self.directory / "data.h5"
+        with h5py.File(path, "w", libver=self.libver, track_order=False) as f:
+            f.attrs["imgpack"] = SCHEMA_VERSION
+            f.attrs["classes"] = np.array(self.config.classes, dtype=h5py.string_dtype())
+            f.attrs["encoding"] = self.config.encoding.name
+            height, width = policy.size or (0, 0)
+            f.attrs["height"], f.attrs["width"] = height, width
+            f.attrs["channels"] = policy.channels
+            if self.config.encoding.name == "raw":
+                shape: tuple[int, ...] = (count, height, width, policy.channels)
+                target = f.create_dataset("images", shape, np.uint8, **self._dataset_options(shape))
+            else:
+                shape = (total,)
+                target = f.create_dataset("data", shape, np.uint8, **self._dataset_options(shape))
+                f.create_dataset(
+                    "offsets", data=np.asarray(self._offsets, np.int64), track_times=False
+                )
+            self._copy_staging(target, count, total)
+            f.create_dataset("labels", data=np.asarray(self._labels, np.int64), track_times=False)
+            f.create_dataset(
+                "filenames",
+                data=np.array(self._filenames, dtype=h5py.string_dtype()),
+                track_times=False,
+            )
+        os.unlink(self._staging_path)
+        return [WrittenFile("data.h5", count)]
+
+    def _copy_staging(self, target: h5py.Dataset, count: int, total: int) -> None:
+        """Copy the staged bytes into ``target`` a block at a time (bounded memory)."""
+        staged = np.memmap(self._staging_path, np.uint8, "r") if total else np.empty(0, np.uint8)
+        if target.ndim == 1:
+            for start in range(0, total, COPY_BLOCK):
+                stop = min(total, start + COPY_BLOCK)
+                target[start:stop] = staged[start:stop]
+        else:
+            row = int(np.prod(target.shape[1:]))
+            rows = staged.reshape(count, *target.shape[1:]) if count else staged
+            step = max(1, COPY_BLOCK // max(row, 1))
+            for start in range(0, count, step):
+                stop = min(count, start + step)
+                target[start:stop] = rows[start:stop]
+        del staged
+
+    def _abort(self) -> None:
+        self._staging.close()

@@ -1,0 +1,162 @@
+"""Reader of the ``hdf5`` format (layout in ``docs/formats/hdf5.md``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from imgpack.errors import DataError
+from imgpack.readers.base import ImageDataset, Images, decode_batch, new_batch_tensor
+
+#: HDF5 chunk cache per open file on the chunked path (h5py's default is 1 MiB).
+CHUNK_CACHE_BYTES = 64 << 20
+
+
+class HDF5Dataset(ImageDataset):
+    """Dataset over an ``hdf5`` output.
+
+    Uncompressed datasets are contiguous: their bytes sit at a fixed offset in ``data.h5``
+    (``Dataset.id.get_offset()``), which the reader memory-maps (read-only, copy-on-write) and
+    gathers from in one ``index_select``. Chunked or compressed datasets are read through h5py,
+    a batch at a time in as few HDF5 calls as possible (sorted unique indices, contiguous runs),
+    then put back in the requested order. ``mmap=False`` forces the h5py path.
+
+    h5py handles are opened lazily in the reading process (never shared across a fork).
+    """
+
+    format = "hdf5"
+
+    def __init__(self, root: Any, mmap: bool = True, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        import h5py
+
+        self.path = self.root / "data.h5"
+        self._raw = self.manifest.encoding == "raw"
+        self._name = "images" if self._raw else "data"
+        # Read the layout once and let the file go: only paths cross into workers.
+        try:
+            with h5py.File(self.path, "r") as f:
+                dset = f[self._name]
+                self._shape = tuple(int(v) for v in dset.shape)
+                offset = dset.id.get_offset()
+                contiguous = dset.chunks is None and dset.compression is None
+                self._offset = int(offset) if contiguous and offset is not None else None
+                self._labels = np.asarray(f["labels"][...], dtype=np.int64)
+                self._offsets = None if self._raw else np.asarray(f["offsets"][...], dtype=np.int64)
+        except (OSError, KeyError) as exc:
+            raise DataError(f"{self.path}: cannot read the HDF5 layout: {exc}") from None
+        self._check_layout()
+        self.mmap = bool(mmap) and (self._offset is not None or self._shape[0] == 0)
+
+    def _check_layout(self) -> None:
+        n = len(self)
+        problem = None
+        if self._labels.shape != (n,):
+            problem = f"labels has shape {self._labels.shape}, expected ({n},)"
+        elif n and (self._labels.min() < 0 or self._labels.max() >= len(self.classes)):
+            problem = f"labels outside 0..{len(self.classes) - 1}"
+        elif self._raw:
+            image = self.manifest.image
+            expected = (n, image["height"], image["width"], self.channels)
+            if self._shape != expected:
+                problem = f"images has shape {self._shape}, expected {expected}"
+        else:
+            offsets = self._offsets
+            assert offsets is not None
+            if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != self._shape[0]:
+                problem = "offsets do not match data"
+            elif (np.diff(offsets) < 0).any():
+                problem = "offsets are not increasing"
+        if problem:
+            raise DataError(f"{self.path}: damaged file: {problem}")
+
+    def _open(self) -> Any:
+        if self.mmap:
+            nbytes = int(np.prod(self._shape))
+            if nbytes == 0:
+                return torch.empty(self._shape, dtype=torch.uint8)
+            assert self._offset is not None
+            # MAP_PRIVATE mapping of the file: pages load on first touch and are never written.
+            whole = torch.from_file(
+                str(self.path), shared=False, size=self._offset + nbytes, dtype=torch.uint8
+            )
+            return whole[self._offset :].view(self._shape)
+        import h5py
+
+        try:
+            return h5py.File(self.path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES, rdcc_nslots=100_003)
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot open: {exc}") from None
+
+    def _close(self, handles: Any) -> None:
+        if not isinstance(handles, torch.Tensor):
+            handles.close()
+
+    def _load_targets(self) -> list[int]:
+        return self._labels.tolist()
+
+    # -- reading ----------------------------------------------------------------------------
+    def _read_rows(self, indices: np.ndarray) -> np.ndarray:
+        """Rows of the h5py dataset at ``indices`` (any order, repeats allowed), in that order."""
+        dset = self.handles[self._name]
+        unique, inverse = np.unique(indices, return_inverse=True)
+        out = np.empty((len(unique), *self._shape[1:]), dtype=np.uint8)
+        # Split the sorted unique indices into runs of consecutive rows: one HDF5 read per run.
+        breaks = np.flatnonzero(np.diff(unique) != 1) + 1
+        start = 0
+        try:
+            for run in np.split(unique, breaks):
+                dset.read_direct(
+                    out, np.s_[int(run[0]) : int(run[-1]) + 1], np.s_[start : start + len(run)]
+                )
+                start += len(run)
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot read rows {run[0]}..{run[-1]}: {exc}") from None
+        return out[inverse.reshape(-1)]
+
+    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        labels = torch.from_numpy(self._labels[indices])
+        if self._raw:
+            if self.mmap:
+                out = new_batch_tensor((len(indices), *self._shape[1:]))
+                torch.index_select(self.handles, 0, torch.from_numpy(indices), out=out)
+            else:
+                out = torch.from_numpy(self._read_rows(indices))
+            return out.permute(0, 3, 1, 2), labels
+        assert self._offsets is not None
+        starts, ends = self._offsets[indices], self._offsets[indices + 1]
+        if self.mmap:
+            data = self.handles
+            payloads = [
+                data[a:b].numpy().data for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+            ]
+        else:
+            payloads = self._read_spans(starts, ends)
+        images = decode_batch(
+            payloads, self.channels, lambda k: f"{self.path}: sample {indices[k]}"
+        )
+        return images, labels
+
+    def _read_spans(self, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
+        """Byte spans of the chunked ``data`` dataset: adjacent samples are read in one call."""
+        dset = self.handles["data"]
+        order = np.argsort(starts, kind="stable")
+        out: list[bytes] = [b""] * len(starts)
+        run: list[int] = []
+
+        def flush() -> None:
+            lo, hi = int(starts[run[0]]), int(max(ends[k] for k in run))
+            block = dset[lo:hi].tobytes()
+            for k in run:
+                out[k] = block[int(starts[k]) - lo : int(ends[k]) - lo]
+
+        for k in order.tolist():
+            if run and starts[k] > max(ends[j] for j in run):
+                flush()
+                run = []
+            run.append(k)
+        if run:
+            flush()
+        return out
