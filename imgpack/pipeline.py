@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import warnings
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -92,13 +93,16 @@ def _ignore_sigint() -> None:
 
 
 def _pool_context() -> multiprocessing.context.BaseContext:
-    # forkserver avoids forking a parent that may hold threads (tqdm, torch); spawn elsewhere.
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        # Workers fork from a server that has already imported the decoding code. (Only takes
-        # effect when the server starts; "__main__" is Python's own default.)
-        ctx.set_forkserver_preload(["__main__", "imgpack.pipeline"])
-        return ctx
+    """fork where the platform has it, else spawn.
+
+    The workers run only imgpack's own read/decode/encode code (Pillow, numpy), never torch,
+    OpenMP or logging, so forking a parent that holds other threads is safe here, as it is for
+    torch's DataLoader workers. forkserver and spawn would re-run the caller's ``__main__``
+    module in every worker (on Python 3.11 the forkserver does not preload it): for a training
+    script that imports torch, seconds of start-up per worker.
+    """
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
     return multiprocessing.get_context("spawn")
 
 
@@ -127,8 +131,19 @@ def _outcomes(
         return
     chunks = _chunks(numbered, max(1, min(MAX_CHUNK, len(numbered) // (workers * 8))))
     window: deque[Future[list[Outcome]]] = deque()
-    executor = ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=_ignore_sigint)
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork() in a multi-threaded process; see _pool_context.
+        warnings.filterwarnings(
+            "ignore",
+            message=r".*use of fork\(\) may lead to deadlocks",
+            category=DeprecationWarning,
+        )
+        executor = ProcessPoolExecutor(
+            workers, mp_context=_pool_context(), initializer=_ignore_sigint
+        )
+        first = executor.submit(_process_chunk, root, [], policy, encoding)  # starts the workers
     try:
+        first.result()
         for part in chunks:
             window.append(executor.submit(_process_chunk, root, part, policy, encoding))
             if len(window) >= workers * WINDOW_PER_WORKER:

@@ -29,9 +29,23 @@ def test_map_grows_past_the_starting_size(tmp_path: Path) -> None:
     ref = open_dataset(tmp_path / "ref")
     batch, expected = ds.__getitems__(range(120)), ref.__getitems__(range(120))
     assert batch.images.equal(expected.images) and batch.labels.equal(expected.labels)  # type: ignore[union-attr]
-    # The compacted file holds no large unused tail.
+    # data.mdb holds no map-sized or otherwise large unused tail.
     data_mdb = (tmp_path / "out" / "data.mdb").stat().st_size
     assert data_mdb < 1.5 * record_bytes and one.num_samples == 120
+
+
+def test_compaction_when_pages_are_wasted(
+    uniform_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import imgpack.converters.lmdb as writer
+
+    convert(uniform_folder, tmp_path / "plain", "lmdb", encoding="raw", size=16, progress=False)
+    monkeypatch.setattr(writer, "COMPACT_ABOVE", -1.0)  # always compact
+    convert(uniform_folder, tmp_path / "compact", "lmdb", encoding="raw", size=16, progress=False)
+    assert not (tmp_path / "compact" / ".compact").exists()
+    a, b = open_dataset(tmp_path / "plain"), open_dataset(tmp_path / "compact")
+    batch_a, batch_b = a.__getitems__(range(60)), b.__getitems__(range(60))
+    assert batch_a.images.equal(batch_b.images)  # type: ignore[union-attr]
 
 
 def test_plain_py_lmdb_read_as_in_the_docs(uniform_folder: Path, tmp_path: Path) -> None:
