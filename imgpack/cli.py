@@ -124,6 +124,12 @@ def main(verbose: bool) -> None:
     help="hdf5: compress the image datasets (makes them chunked) [default: none].",
 )
 @click.option(
+    "--label-offset",
+    type=int,
+    default=None,
+    help="tfrecord: add this to every stored label (1 reproduces TensorFlow's ImageNet scripts).",
+)
+@click.option(
     "--option",
     "-o",
     "format_options",
@@ -151,6 +157,7 @@ def convert(
     on_error: str,
     classes_from: Path | None,
     compression: str | None,
+    label_offset: int | None,
     format_options: tuple[str, ...],
     quiet: bool,
 ) -> None:
@@ -165,6 +172,8 @@ def convert(
         options[key.replace("-", "_")] = value
     if compression is not None:
         options["compression"] = compression
+    if label_offset is not None:
+        options["label_offset"] = label_offset
     started = time.perf_counter()
     manifest = run_convert(
         src,
@@ -267,6 +276,21 @@ def bench(
         click.echo(f"{r.name:<{width}}  {r.workers:>7}  {r.rate:>11,.0f}  {r.path}")
     if json_path is not None:
         json_path.write_text(json.dumps([r.to_json() for r in results], indent=1) + "\n")
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@friendly_errors
+def index(files: tuple[Path, ...]) -> None:
+    """Write the .idx (one "offset size" line per record) beside each TFRecord file in FILES."""
+    from imgpack import tfrecord
+
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+        records = tfrecord.build_index(path)
+        target = tfrecord.write_index(path, records)
+        click.echo(f"{target}: {len(records)} records", err=True)
 
 
 @main.command()

@@ -15,6 +15,7 @@ _WRITERS = {
     "pt": "imgpack.converters.pt:PTWriter",
     "lmdb": "imgpack.converters.lmdb:LMDBWriter",
     "hdf5": "imgpack.converters.hdf5:HDF5Writer",
+    "tfrecord": "imgpack.converters.tfrecord:TFRecordWriter",
 }
 
 #: The formats this imgpack writes and reads, in the order the CLI lists them.

@@ -19,6 +19,7 @@ _READERS = {
     "pt": "imgpack.readers.pt:PTDataset",
     "lmdb": "imgpack.readers.lmdb:LMDBDataset",
     "hdf5": "imgpack.readers.hdf5:HDF5Dataset",
+    "tfrecord": "imgpack.readers.tfrecord:TFRecordDataset",
 }
 
 
@@ -40,8 +41,12 @@ def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
     return reader_class(read_manifest(path).format)(path, **kwargs)
 
 
+#: Readers that are not the default of a format, importable from here all the same.
+_OTHER_READERS = ("imgpack.readers.tfrecord:TFRecordStream",)
+
+
 def __getattr__(name: str) -> Any:
-    for target in _READERS.values():
+    for target in (*_READERS.values(), *_OTHER_READERS):
         module, cls = target.split(":")
         if cls == name:
             return getattr(importlib.import_module(module), cls)
@@ -54,6 +59,8 @@ __all__ = [
     "ImageDataset",
     "LMDBDataset",
     "PTDataset",
+    "TFRecordDataset",
+    "TFRecordStream",
     "collate",
     "open_dataset",
     "reader_class",

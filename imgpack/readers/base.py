@@ -107,9 +107,11 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         root: str | os.PathLike[str],
         transform: Callable[[torch.Tensor], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
+        manifest: Manifest | None = None,
     ) -> None:
         self.root = Path(root)
-        self.manifest: Manifest = read_manifest(self.root)
+        # A reader of files imgpack did not write passes a manifest it built itself.
+        self.manifest: Manifest = manifest if manifest is not None else read_manifest(self.root)
         if self.manifest.format != self.format:
             raise ManifestError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "

@@ -1,0 +1,172 @@
+"""TFRecord framing and ``.idx`` index files, as TensorFlow's record writer and DALI define them.
+
+A TFRecord file is a sequence of records, each framed as::
+
+    uint64  length          little-endian
+    uint32  masked_crc32c(length bytes)
+    bytes   data[length]
+    uint32  masked_crc32c(data)
+
+where ``masked_crc32c(x) = ((crc >> 15 | crc << 17) + 0xa282ead8) mod 2**32`` over CRC-32C
+(Castagnoli). The ``.idx`` text file beside a shard has one line per record, ``offset size``, the
+byte offset of the record's frame and the frame's full size (``16 + length``): the layout that
+NVIDIA DALI's ``tfrecord2idx`` and the ``tfrecord`` package write.
+
+CRC-32C comes from ``google-crc32c`` (C-accelerated; it falls back to its own pure-Python code
+only when no compiled build exists for the platform).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import google_crc32c
+
+from imgpack.errors import DataError
+
+_LENGTH = struct.Struct("<Q")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = 12  # length + its CRC
+FOOTER_SIZE = 4
+MASK_DELTA = 0xA282EAD8
+
+
+def crc32c(data: bytes | memoryview) -> int:
+    """Plain CRC-32C (Castagnoli) of ``data``."""
+    return int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
+
+
+def masked_crc32c(data: bytes | memoryview) -> int:
+    """TensorFlow's masked CRC-32C of ``data``."""
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + MASK_DELTA) & 0xFFFFFFFF
+
+
+def frame(data: bytes) -> bytes:
+    """One framed record."""
+    length = _LENGTH.pack(len(data))
+    return length + _CRC.pack(masked_crc32c(length)) + data + _CRC.pack(masked_crc32c(data))
+
+
+def unframe(buf: bytes | memoryview, where: str, check_crc: bool = True) -> memoryview:
+    """The data of one framed record held whole in ``buf``; :class:`DataError` naming ``where``
+    when it is truncated or a CRC does not match."""
+    view = memoryview(buf)
+    if len(view) < HEADER_SIZE + FOOTER_SIZE:
+        raise DataError(f"{where}: truncated record ({len(view)} bytes)")
+    (length,) = _LENGTH.unpack_from(view)
+    if check_crc:
+        (length_crc,) = _CRC.unpack_from(view, 8)
+        if length_crc != masked_crc32c(view[:8]):
+            raise DataError(f"{where}: length CRC mismatch (damaged record header)")
+    if len(view) != HEADER_SIZE + length + FOOTER_SIZE:
+        raise DataError(
+            f"{where}: record length {length} does not match its frame of {len(view)} bytes"
+        )
+    if check_crc:
+        (data_crc,) = _CRC.unpack_from(view, HEADER_SIZE + length)
+        if data_crc != masked_crc32c(view[HEADER_SIZE : HEADER_SIZE + length]):
+            raise DataError(f"{where}: data CRC mismatch (damaged record)")
+    return view[HEADER_SIZE : HEADER_SIZE + length]
+
+
+def is_gzip(path: str | os.PathLike[str]) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(2) == b"\x1f\x8b"
+
+
+def iter_frames(
+    fh: BinaryIO, name: str, check_crc: bool = True, start: int = 0
+) -> Iterator[tuple[int, memoryview]]:
+    """``(offset, data)`` of every record of an open (possibly decompressing) stream positioned
+    at byte ``start``."""
+    offset = start
+    while True:
+        header = fh.read(HEADER_SIZE)
+        if not header:
+            return
+        if len(header) < HEADER_SIZE:
+            raise DataError(f"{name}: truncated record header at offset {offset}")
+        (length,) = _LENGTH.unpack_from(header)
+        rest = fh.read(length + FOOTER_SIZE)
+        if len(rest) < length + FOOTER_SIZE:
+            raise DataError(f"{name}: truncated record at offset {offset} (length {length})")
+        yield offset, unframe(header + rest, f"{name} at offset {offset}", check_crc)
+        offset += HEADER_SIZE + length + FOOTER_SIZE
+
+
+def open_records(path: Path) -> BinaryIO:
+    """Open a TFRecord file for sequential reading, decompressing GZIP files."""
+    if is_gzip(path):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def build_index(path: Path) -> list[tuple[int, int]]:
+    """``(offset, size)`` of every record frame of an uncompressed file, by walking the lengths
+    (each length's CRC is checked, the data is skipped)."""
+    if is_gzip(path):
+        raise DataError(
+            f"{path}: GZIP-compressed TFRecord files have no random access; read it with TFRecordStream"
+        )
+    index = []
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        offset = 0
+        while offset < size:
+            header = fh.read(HEADER_SIZE)
+            if len(header) < HEADER_SIZE:
+                raise DataError(f"{path}: truncated record header at offset {offset}")
+            (length,) = _LENGTH.unpack_from(header)
+            (length_crc,) = _CRC.unpack_from(header, 8)
+            if length_crc != masked_crc32c(header[:8]):
+                raise DataError(
+                    f"{path}: length CRC mismatch at offset {offset} (damaged record header)"
+                )
+            total = HEADER_SIZE + length + FOOTER_SIZE
+            if offset + total > size:
+                raise DataError(f"{path}: truncated record at offset {offset} (length {length})")
+            index.append((offset, total))
+            offset += total
+            fh.seek(offset)
+    return index
+
+
+def index_path(path: Path) -> Path:
+    """Where the ``.idx`` of a shard lives: ``x.tfrecord`` -> ``x.idx``; other names get ``.idx`` added."""
+    return (
+        path.with_suffix(".idx")
+        if path.suffix == ".tfrecord"
+        else path.with_name(path.name + ".idx")
+    )
+
+
+def write_index(path: Path, index: list[tuple[int, int]]) -> Path:
+    target = index_path(path)
+    target.write_text("".join(f"{offset} {size}\n" for offset, size in index))
+    return target
+
+
+def read_index(path: Path) -> list[tuple[int, int]] | None:
+    """The ``.idx`` of ``path`` if there is one (``None`` otherwise)."""
+    target = index_path(path)
+    if not target.is_file():
+        return None
+    index = []
+    for number, line in enumerate(target.read_text().splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            offset, size = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            raise DataError(
+                f"{target}: line {number}: expected 'offset size', got {line!r}"
+            ) from None
+        index.append((offset, size))
+    return index

@@ -1,0 +1,312 @@
+"""What is particular to the tfrecord format: framing, the Example codec, indexes, files written
+by TensorFlow itself, corruption, and the stream reader's split across workers and ranks."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+from click.testing import CliRunner
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from imgpack import convert, open_dataset, tfexample, tfrecord
+from imgpack.cli import main
+from imgpack.errors import DataError
+from imgpack.images import ImagePolicy, apply_policy
+from imgpack.readers import TFRecordDataset, TFRecordStream, collate
+
+DATA = Path(__file__).parent / "data"
+EXPECTED = json.loads((DATA / "tensorflow-written.expected.json").read_text())
+
+
+# -- framing and CRC ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("data", "crc"),
+    [
+        # CRC-32C test vectors (RFC 3720 B.4), also in TensorFlow's crc32c_test.cc
+        (bytes(32), 0x8A9136AA),
+        (b"\xff" * 32, 0x62A8AB43),
+        (bytes(range(32)), 0x46DD794E),
+        (bytes(range(31, -1, -1)), 0x113FDB5C),
+        (b"123456789", 0xE3069283),
+    ],
+)
+def test_crc32c_vectors(data: bytes, crc: int) -> None:
+    assert tfrecord.crc32c(data) == crc
+
+
+def test_masking_as_tensorflow_defines_it() -> None:
+    crc = tfrecord.crc32c(b"foo")
+    masked = tfrecord.masked_crc32c(b"foo")
+    assert masked != crc
+    rot = (masked - tfrecord.MASK_DELTA) & 0xFFFFFFFF
+    assert ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF == crc  # TensorFlow's Unmask
+
+
+def test_frame_round_trip_and_layout() -> None:
+    framed = tfrecord.frame(b"hello")
+    assert framed[:8] == (5).to_bytes(8, "little")
+    assert framed[8:12] == tfrecord.masked_crc32c(framed[:8]).to_bytes(4, "little")
+    assert framed[12:17] == b"hello"
+    assert framed[17:] == tfrecord.masked_crc32c(b"hello").to_bytes(4, "little")
+    assert bytes(tfrecord.unframe(framed, "x")) == b"hello"
+
+
+# -- the Example codec ------------------------------------------------------------------------
+def test_example_round_trip() -> None:
+    features = {
+        "b": [b"", b"\x00\x01bytes with NUL"],
+        "i": [0, 1, -1, 2**40, -(2**63)],
+        "f": [0.5, -2.25],
+        "empty": [],
+    }
+    decoded = tfexample.decode_example(tfexample.encode_example(features))
+    assert decoded == {**features, "empty": []}
+
+
+def test_example_decoder_accepts_unpacked_lists() -> None:
+    # Int64List with two unpacked values (tag 0x08 each), as older writers produce.
+    int64_list = b"\x08\x05\x08\x07"
+    feature = b"\x1a" + bytes([len(int64_list)]) + int64_list
+    entry = b"\x0a\x01k" + b"\x12" + bytes([len(feature)]) + feature
+    features = b"\x0a" + bytes([len(entry)]) + entry
+    example = b"\x0a" + bytes([len(features)]) + features
+    assert tfexample.decode_example(example) == {"k": [5, 7]}
+
+
+# -- files written by TensorFlow ------------------------------------------------------------
+def _tf_records(name: str) -> list[dict[str, tfexample.FeatureValue]]:
+    with tfrecord.open_records(DATA / name) as fh:
+        return [tfexample.decode_example(data) for _, data in tfrecord.iter_frames(fh, name)]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_tensorflow_written_files_match_what_tensorflow_reads(name: str) -> None:
+    expected = EXPECTED[name]
+    records = _tf_records(name)
+    assert len(records) == expected["num_records"]
+    for got, want in zip(records, expected["records"], strict=True):
+        encoded = got["image/encoded"][0]
+        assert isinstance(encoded, bytes)
+        assert len(encoded) == want["image/encoded.bytes"]
+        assert hashlib.sha256(encoded).hexdigest() == want["image/encoded.sha256"]
+        for key in ("image/class/label", "image/height", "image/width"):
+            assert got[key] == want[key], key
+        for key in ("image/format", "image/filename"):
+            assert [v.decode() for v in got[key]] == want[key], key  # type: ignore[union-attr]
+        # TensorFlow's decode: no EXIF rotation, channels as stored; for JPEG, libjpeg-turbo
+        # with the fast integer DCT (TensorFlow's default) and fancy upsampling, which
+        # simplejpeg exposes and Pillow does not.
+        if want["image/format"] == ["JPEG"]:
+            pixels = simplejpeg.decode_jpeg(
+                encoded, colorspace="RGB", fastdct=True, fastupsample=False
+            )
+        else:
+            pixels = np.asarray(Image.open(io.BytesIO(encoded)))
+        pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
+        assert list(pixels.shape) == want["decoded.shape_hwc"]
+        assert hashlib.sha256(pixels.tobytes()).hexdigest() == want["decoded.sha256"]
+
+
+def test_map_reader_on_tensorflow_files(tmp_path: Path) -> None:
+    name = "tensorflow-written-real.tfrecord"
+    ds = TFRecordDataset(DATA / name)  # no .idx: the index is built in memory
+    want = EXPECTED[name]["records"]
+    assert len(ds) == 6
+    assert ds.targets == [r["image/class/label"][0] for r in want]
+    assert ds.classes == ["0", "1", "2"]  # no image/class/text: named by label
+    for i, record in enumerate(_tf_records(name)):
+        image, label = ds[i]
+        encoded = record["image/encoded"][0]
+        assert isinstance(encoded, bytes)
+        expected = apply_policy(encoded, "x", ImagePolicy())[0]  # RGB under imgpack's policy
+        assert torch.equal(image, torch.from_numpy(expected.copy()).permute(2, 0, 1))
+        assert label == want[i]["image/class/label"][0]
+
+
+def test_stream_reads_gzip_files() -> None:
+    plain = list(TFRecordStream(DATA / "tensorflow-written-synthetic.tfrecord"))
+    packed = list(TFRecordStream(DATA / "tensorflow-written-synthetic.gz.tfrecord"))
+    assert len(plain) == len(packed) == 6
+    for (a, la), (b, lb) in zip(plain, packed, strict=True):
+        assert torch.equal(a, b) and la == lb
+    with pytest.raises(DataError, match="no random access"):
+        TFRecordDataset(DATA / "tensorflow-written-synthetic.gz.tfrecord")
+
+
+def test_foreign_folder_glob_and_index_command(tmp_path: Path) -> None:
+    for name in ("tensorflow-written-synthetic.tfrecord", "tensorflow-written-real.tfrecord"):
+        shutil.copy(DATA / name, tmp_path / name)
+    result = CliRunner().invoke(main, ["index", *map(str, sorted(tmp_path.glob("*.tfrecord")))])
+    assert result.exit_code == 0, result.output
+    idx = tmp_path / "tensorflow-written-real.idx"
+    lines = idx.read_text().splitlines()
+    assert len(lines) == 6
+    assert tfrecord.read_index(
+        tmp_path / "tensorflow-written-real.tfrecord"
+    ) == tfrecord.build_index(tmp_path / "tensorflow-written-real.tfrecord")
+    by_folder, by_glob = TFRecordDataset(tmp_path), TFRecordDataset(str(tmp_path / "*.tfrecord"))
+    assert len(by_folder) == len(by_glob) == 12
+    assert torch.equal(by_folder[7][0], by_glob[7][0])
+
+
+# -- imgpack's own output -----------------------------------------------------------------------
+def test_every_record_carries_every_key_and_the_index_matches(
+    uniform_folder: Path, tmp_path: Path
+) -> None:
+    manifest = convert(
+        uniform_folder,
+        tmp_path / "out",
+        "tfrecord",
+        encoding="png",
+        shard_size=20_000,
+        label_offset=1,
+        progress=False,
+    )
+    assert manifest.options["label_offset"] == 1
+    names = [f.path for f in manifest.files]
+    total = len(names)
+    assert names == [f"data-{i:05d}-of-{total:05d}.tfrecord" for i in range(total)] and total > 1
+    keys = {
+        "image/encoded", "image/format", "image/class/label", "image/class/text", "image/height",
+        "image/width", "image/channels", "image/colorspace", "image/filename",
+    }  # fmt: skip
+    for entry in manifest.files:
+        path = tmp_path / "out" / entry.path
+        # The .idx matches the file byte for byte: offsets and sizes cover it exactly.
+        index = tfrecord.read_index(path)
+        assert index == tfrecord.build_index(path)
+        assert index is not None and sum(size for _, size in index) == path.stat().st_size
+        records = _records_of(path)
+        assert len(records) == entry.num_samples
+        for record in records:
+            assert set(record) == keys
+            assert record["image/class/label"][0] >= 1  # label_offset
+            assert record["image/colorspace"] == [b"RGB"] and record["image/channels"] == [3]
+    ds = open_dataset(tmp_path / "out")
+    assert ds.targets == open_dataset(tmp_path / "out").targets and min(ds.targets) == 0
+
+
+def _records_of(path: Path) -> list[dict[str, tfexample.FeatureValue]]:
+    with tfrecord.open_records(path) as fh:
+        return [tfexample.decode_example(d) for _, d in tfrecord.iter_frames(fh, str(path))]
+
+
+@pytest.mark.parametrize(
+    ("where", "match"),
+    [
+        ("data", "data CRC mismatch"),
+        ("length", "length CRC mismatch"),
+        ("truncate", "truncated|does not match"),
+    ],
+)
+def test_corruption_is_detected_with_file_and_offset(
+    where: str, match: str, uniform_folder: Path, tmp_path: Path
+) -> None:
+    convert(uniform_folder, tmp_path / "out", "tfrecord", encoding="png", progress=False)
+    ds = open_dataset(tmp_path / "out")
+    shard = ds.records.shards[0]  # type: ignore[attr-defined]
+    offset, size = int(shard.offsets[3]), int(shard.sizes[3])
+    blob = bytearray(shard.path.read_bytes())
+    if where == "data":
+        blob[offset + 40] ^= 0xFF
+    elif where == "length":
+        blob[offset + 1] ^= 0x01
+    else:
+        blob = blob[: offset + size - 10]
+    shard.path.write_bytes(bytes(blob))
+    ds = open_dataset(tmp_path / "out")
+    assert ds[2][0].shape == (3, 16, 16)
+    with pytest.raises(
+        DataError, match=rf"data-00000-of-00001\.tfrecord at offset {offset}: .*({match})"
+    ):
+        ds[3]
+    with pytest.raises(DataError, match=match):
+        list(TFRecordStream(tmp_path / "out"))
+    unchecked = TFRecordDataset(tmp_path / "out", check_crc=False)
+    if where == "data":
+        unchecked[2]  # no CRC check: the flipped byte goes unnoticed until decoding, if at all
+
+
+# -- the stream reader's split ------------------------------------------------------------------
+@pytest.fixture
+def sharded(uniform_folder: Path, tmp_path: Path) -> Path:
+    convert(
+        uniform_folder,
+        tmp_path / "out",
+        "tfrecord",
+        encoding="raw",
+        size=16,
+        shard_size=16 * 16 * 3 * 9 + 900,
+        progress=False,
+    )
+    return tmp_path / "out"
+
+
+def _ids(images: torch.Tensor) -> list[bytes]:
+    return [img.numpy().tobytes() for img in images]
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 16])
+def test_stream_workers_read_every_sample_once(sharded: Path, shuffle_buffer: int) -> None:
+    ref = open_dataset(sharded)
+    everything = sorted(_ids(collate(ref.__getitems__(range(len(ref))))[0]))
+    stream = TFRecordStream(sharded, shuffle_buffer=shuffle_buffer, seed=3)
+    loader = DataLoader(stream, batch_size=5, num_workers=2, collate_fn=collate)
+    seen = sorted(x for images, _ in loader for x in _ids(images))
+    assert seen == everything  # no duplicates, no losses
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_stream_ranks_get_equal_disjoint_parts(sharded: Path, drop_remainder: bool) -> None:
+    n, world = 60, 7
+    parts = []
+    for rank in range(world):
+        stream = TFRecordStream(sharded, rank=rank, world_size=world, drop_remainder=drop_remainder)
+        loader = DataLoader(stream, batch_size=4, num_workers=2, collate_fn=collate)
+        parts.append([x for images, _ in loader for x in _ids(images)])
+    counts = {len(p) for p in parts}
+    assert counts == {n // world if drop_remainder else -(-n // world)}
+    flat = [x for p in parts for x in p]
+    if drop_remainder:
+        assert len(set(flat)) == len(flat) == (n // world) * world
+    else:
+        assert len(set(flat)) == n  # all read; the wrap-around repeats n mod world... records
+        assert len(flat) - n == world * -(-n // world) - n
+
+
+def test_stream_shuffles_per_epoch(sharded: Path) -> None:
+    stream = TFRecordStream(sharded, shuffle_buffer=20, seed=1)
+    first = [x for img, _ in stream for x in _ids(img[None])]
+    stream.set_epoch(1)
+    second = [x for img, _ in stream for x in _ids(img[None])]
+    assert sorted(first) == sorted(second) and first != second
+    assert first == [
+        x for img, _ in TFRecordStream(sharded, shuffle_buffer=20, seed=1) for x in _ids(img[None])
+    ]
+
+
+def test_label_offset_round_trip(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "tfrecord", label_offset=1, progress=False)
+    ds = open_dataset(tmp_path / "out")
+    plain = convert(uniform_folder, tmp_path / "ref", "pt", progress=False)
+    assert ds.targets == open_dataset(tmp_path / "ref").targets and plain.num_samples == len(ds)
+    foreign = TFRecordDataset(str(tmp_path / "out" / "*.tfrecord"), label_offset=1)
+    assert foreign.targets == ds.targets and foreign.classes == ds.classes
+
+
+def test_gzip_written_by_us_is_streamable(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "tfrecord", progress=False)
+    src = next((tmp_path / "out").glob("*.tfrecord"))
+    packed = tmp_path / "packed.tfrecord"
+    packed.write_bytes(gzip.compress(src.read_bytes()))
+    assert len(list(TFRecordStream(packed))) == 60
