@@ -214,21 +214,25 @@ def _to_rgb_array(img: Image.Image, background: tuple[int, int, int]) -> np.ndar
     return np.asarray(img.convert("RGB"))
 
 
-def _resize(pixels: np.ndarray, policy: ImagePolicy) -> np.ndarray:
+def resize_pixels(pixels: np.ndarray, policy: ImagePolicy) -> np.ndarray:
+    """Resize HxWxC uint8 pixels to ``policy.size`` by the policy's method (step 5)."""
     assert policy.size is not None
     height, width = policy.size
     if pixels.shape[:2] == (height, width):
         return pixels
-    img = Image.fromarray(pixels)
+    gray = pixels.ndim == 3 and pixels.shape[2] == 1
+    img = Image.fromarray(pixels[:, :, 0] if gray else pixels)
     method = RESAMPLE[policy.resample]
     if policy.resize == "stretch":
         img = img.resize((width, height), method)
     else:
         img = ImageOps.fit(img, (width, height), method=method, centering=(0.5, 0.5))
-    return np.asarray(img)
+    out = np.asarray(img)
+    return out[:, :, None] if gray else out
 
 
 def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str]:
+    """Open ``data`` (headers only) and check its type and size; :func:`_load` decodes it."""
     if not data:
         raise ImageError(path, "empty file (0 bytes)")
     kind = sniff(data)
@@ -241,19 +245,32 @@ def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str
     try:
         with _pixel_limit(policy.max_pixels):
             img = Image.open(io.BytesIO(data))
-            pixels = img.width * img.height
-            if policy.max_pixels is not None and pixels > policy.max_pixels:
-                raise ImageError(
-                    path,
-                    f"{img.width}x{img.height} = {pixels} pixels exceeds the limit of "
-                    f"{policy.max_pixels} (decompression-bomb guard); raise it with --max-pixels",
-                )
-            img.load()
-    except ImageError:
-        raise
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
         raise ImageError(path, f"cannot decode {kind} data: {exc}") from None
+    pixels = img.width * img.height
+    if policy.max_pixels is not None and pixels > policy.max_pixels:
+        raise ImageError(
+            path,
+            f"{img.width}x{img.height} = {pixels} pixels exceeds the limit of "
+            f"{policy.max_pixels} (decompression-bomb guard); raise it with --max-pixels",
+        )
     return img, kind
+
+
+def _load(img: Image.Image, kind: str, path: str, draft: bool = False) -> None:
+    """Decode the image, which validates the whole file: a truncated or broken file raises.
+
+    ``draft`` (JPEG only) decodes at 1/8 scale with libjpeg's DCT scaling: every entropy-coded
+    byte is still decoded, so truncated or broken data is caught as by a full decode, in about
+    half the time. For checking a file whose bytes are kept, not for its pixels.
+    """
+    try:
+        with _pixel_limit(None):
+            if draft and kind == "JPEG":
+                img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
+            img.load()
+    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
+        raise ImageError(path, f"cannot decode {kind} data: {exc}") from None
 
 
 def _orientation(img: Image.Image) -> int:
@@ -285,7 +302,7 @@ def _policy_pixels(img: Image.Image, kind: str, path: str, policy: ImagePolicy) 
     except Exception as exc:
         raise ImageError(path, f"cannot convert {kind} image (mode {img.mode}): {exc}") from None
     if policy.size is not None:
-        pixels = _resize(pixels, policy)
+        pixels = resize_pixels(pixels, policy)
     if policy.channels == 1:
         pixels = np.asarray(Image.fromarray(pixels).convert("L"))[:, :, None]
     return np.ascontiguousarray(pixels)
@@ -298,6 +315,7 @@ def apply_policy(data: bytes, path: str, policy: ImagePolicy) -> tuple[np.ndarra
     these pixels (see :func:`_is_plain`).
     """
     img, kind = _open(data, path, policy)
+    _load(img, kind, path)
     return _policy_pixels(img, kind, path, policy), _is_plain(img, kind, policy)
 
 
@@ -326,8 +344,11 @@ def process_file(
     img, kind = _open(data, path, policy)
     keepable = encoding.name == "original" or (encoding.name == "png" and kind == "PNG")
     if keepable and _is_plain(img, kind, policy):
-        # Fully decoded (so validated) above; no pixel copy is needed to keep the bytes.
-        return Encoded(index, path, label, data, img.height, img.width, policy.channels, kind)
+        # The bytes are kept: decode them only to validate them, and copy no pixels.
+        width, height = img.size
+        _load(img, kind, path, draft=True)
+        return Encoded(index, path, label, data, height, width, policy.channels, kind)
+    _load(img, kind, path)
     pixels = _policy_pixels(img, kind, path, policy)
     height, width, channels = pixels.shape
     if encoding.name == "raw":
