@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from imgpack.folder import scan_folder
 from imgpack.manifest import MANIFEST_NAME
@@ -85,7 +85,7 @@ def measure(
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=True,
+        shuffle=not isinstance(dataset, IterableDataset),  # a stream shuffles itself
         num_workers=workers,
         collate_fn=collate_fn,
         generator=torch.Generator().manual_seed(seed),

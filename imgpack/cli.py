@@ -279,6 +279,129 @@ def bench(
 
 
 @main.command()
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--batches",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Batches timed per candidate.",
+)
+@click.option(
+    "--workers",
+    default=None,
+    help="num_workers candidates to try, e.g. 0,2,4 [default: 0, 1, 2, 4, ... up to 2x the CPUs].",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), help="Also write the table here."
+)
+@friendly_errors
+def tune(
+    dst: Path, batch_size: int, batches: int, workers: str | None, json_path: Path | None
+) -> None:
+    """Recommend DataLoader settings for DST, then measure candidates and name the fastest."""
+    from imgpack.readers import open_dataset
+    from imgpack.tuning import (
+        LoaderSettings,
+        autotune_loader,
+        candidate_settings,
+        recommend_loader_settings,
+    )
+
+    dataset = open_dataset(dst)
+    advice = recommend_loader_settings(dataset)
+    click.echo("starting point (from the CPUs, the GPU and the format):")
+    for key, value in advice.kwargs().items():
+        click.echo(f"  {key:<18} {value!s:<6} {advice.reasons[key]}")
+    candidates = candidate_settings(dataset)
+    if workers is not None:
+        candidates = [
+            LoaderSettings(n, advice.pin_memory, n > 0, 4 if n else None)
+            for n in _parse_workers(workers)
+        ]
+    result = autotune_loader(dataset, batch_size, candidates, batches)
+    click.echo(f"\nmeasured ({batches} batches of {batch_size} each, after one warm-up batch):")
+    click.echo(f"  {'num_workers':>11}  {'pin_memory':>10}  {'samples/s':>11}")
+    for settings, rate in result.table:
+        mark = "  <- fastest" if settings is result.best else ""
+        click.echo(
+            f"  {settings.num_workers:>11}  {settings.pin_memory!s:>10}  {rate:>11,.0f}{mark}"
+        )
+    best = result.best.kwargs()
+    click.echo(
+        f"\nrecommended: DataLoader(ds, batch_size={batch_size}, "
+        + ", ".join(f"{k}={v}" for k, v in best.items())
+        + ", collate_fn=imgpack.readers.collate)"
+    )
+    if json_path is not None:
+        rows = [{**s.kwargs(), "samples_per_s": round(r, 1)} for s, r in result.table]
+        json_path.write_text(json.dumps({"best": best, "table": rows}, indent=1) + "\n")
+
+
+@main.command()
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="DataLoader num_workers.",
+)
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--batches", type=click.IntRange(min=2), default=50, show_default=True)
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Simulated training step per batch.",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), help="Also write the report here."
+)
+@friendly_errors
+def profile(
+    dst: Path, workers: int, batch_size: int, batches: int, step_ms: float, json_path: Path | None
+) -> None:
+    """Profile a short pass over DST: per-sample fetch times (workers included) and how long
+    the training loop waits for each batch."""
+    from torch.utils.data import DataLoader
+
+    from imgpack.profiling import LoaderProfiler, TimedDataset, verdict
+    from imgpack.readers import collate, open_dataset
+
+    timed = TimedDataset(open_dataset(dst))
+    loader = DataLoader(
+        timed, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate
+    )
+    profiler = LoaderProfiler(loader)
+    for step, _ in enumerate(profiler):
+        if step_ms:
+            time.sleep(step_ms / 1000)
+        if step + 1 >= batches:
+            break
+    fetch, loop = timed.stats(), profiler.summary()
+    timed.close()
+    ms = 1000.0
+    click.echo(f"fetch per sample ({fetch['count']} samples, {workers} workers):")
+    click.echo(
+        f"  mean {fetch['mean'] * ms:.3f} ms  p50 {fetch['p50'] * ms:.3f} ms  p95 {fetch['p95'] * ms:.3f} ms  max {fetch['max'] * ms:.3f} ms"
+    )
+    for name, row in fetch["per_worker"].items():
+        click.echo(f"  {name:<8} {row['count']:>7} samples  mean {row['mean'] * ms:.3f} ms")
+    click.echo(
+        f"training loop ({loop['batches']} batches; the first, with start-up, took {loop['first_wait']:.2f} s):"
+    )
+    click.echo(
+        f"  waiting for data {loop['wait_s']:.2f} s, between batches {loop['compute_s']:.2f} s"
+    )
+    click.echo(verdict(loop))
+    if json_path is not None:
+        json_path.write_text(json.dumps({"fetch": fetch, "loop": loop}, indent=1) + "\n")
+
+
+@main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @friendly_errors
 def index(files: tuple[Path, ...]) -> None:

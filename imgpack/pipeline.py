@@ -46,7 +46,7 @@ from imgpack.images import (
     process_file,
 )
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file, write_manifest
-from imgpack.units import parse_byte_size
+from imgpack.units import parse_byte_size, parse_image_size
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def convert(
         raise OptionError(f"invalid on_error {on_error!r}: expected one of {', '.join(ON_ERROR)}")
     enc = Encoding(encoding, quality)
     policy = ImagePolicy(
-        size=size,  # type: ignore[arg-type]  # normalised by ImagePolicy
+        size=parse_image_size(size) if size is not None else None,
         resize=resize,
         resample=resample,
         channels=1 if grayscale else 3,

@@ -15,6 +15,7 @@ same num_workers; and converting the JPEG folder against cores x the bare single
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import time
 from pathlib import Path
@@ -32,12 +33,12 @@ from benchlib import (
 )
 from torch.utils.data._utils.collate import default_collate
 
-from imgpack import convert, open_dataset
+from imgpack import convert, open_dataset, tfrecord
 from imgpack.bench import FolderDataset, measure
 from imgpack.converters import FORMATS
 from imgpack.folder import scan_folder
 from imgpack.pipeline import usable_cpus
-from imgpack.readers import collate
+from imgpack.readers import TFRecordStream, collate
 
 
 def main() -> None:
@@ -150,6 +151,27 @@ def main() -> None:
         )
         rows.append(("", f"{'':>21}{conv / par:6.2f}x a bare {cores}-process decode"))
         print_table(fmt, rows)
+    if "tfrecord" in formats:
+        stream = TFRecordStream(jpeg_outputs["tfrecord"], shuffle_buffer=1024)
+        rows = []
+        for w in (0, args.workers):
+            rate = best_of(args.repeats, lambda w=w: measure(stream, w, bs, len(stream), collate))
+            results["tfrecord"][f"stream_w{w}"] = rate
+            mapped = results["tfrecord"][f"jpeg_w{w}"]
+            rows.append(
+                (
+                    f"TFRecordStream jpeg, workers={w}",
+                    f"{rate:>12,.0f} samples/s  {rate / mapped:6.2f}x the map-style reader",
+                )
+            )
+        blob = os.urandom(64 << 20)
+        start = time.perf_counter()
+        for _ in range(8):
+            tfrecord.crc32c(blob)
+        crc = 8 * len(blob) / (time.perf_counter() - start) / 2**30
+        results["tfrecord"]["crc32c_gib_s"] = crc
+        rows.append(("CRC-32C (google-crc32c)", f"{crc:>12.2f} GiB/s"))
+        print_table("tfrecord stream and CRC", rows)
     if "hdf5" in formats:
         rows = []
         for compression in ("gzip", "lzf"):

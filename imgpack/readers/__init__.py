@@ -42,7 +42,7 @@ def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
 
 
 #: Readers that are not the default of a format, importable from here all the same.
-_OTHER_READERS = ("imgpack.readers.tfrecord:TFRecordStream",)
+_OTHER_READERS = ("imgpack.readers.tfrecord:TFRecordStream", "imgpack.readers.gpu:DeviceLoader")
 
 
 def __getattr__(name: str) -> Any:
@@ -55,6 +55,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Batch",
+    "DeviceLoader",
     "HDF5Dataset",
     "ImageDataset",
     "LMDBDataset",

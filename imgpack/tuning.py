@@ -1,0 +1,166 @@
+"""Loader settings: a reasoned starting point, and a short measured search.
+
+The usual advice ("num_workers = 2-4x the cores, start at 4 and watch the GPU") ignores what
+the format costs to read. Raw pixels (``--encoding raw``) are gathered by a memory copy, so
+worker processes only add a hand-over per batch; encoded images need a Pillow decode per
+sample, which parallelizes over processes up to the CPUs this process may use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from imgpack.pipeline import usable_cpus
+from imgpack.readers.base import collate
+
+
+@dataclass
+class LoaderSettings:
+    """``DataLoader`` keyword arguments, with the reason for each value."""
+
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The settings as ``DataLoader(**settings.kwargs())`` takes them."""
+        out = asdict(self)
+        del out["reasons"]
+        return out
+
+
+def _decodes(dataset: Dataset[Any]) -> bool:
+    manifest = getattr(dataset, "manifest", None)
+    return getattr(manifest, "encoding", "original") != "raw"
+
+
+def recommend_loader_settings(dataset: Dataset[Any], gpu: bool | None = None) -> LoaderSettings:
+    """A starting point for ``num_workers``, ``pin_memory``, ``persistent_workers`` and
+    ``prefetch_factor``, from the CPUs this process may use (``os.sched_getaffinity``, not
+    ``os.cpu_count()``), whether a GPU is present and whether the format needs decoding."""
+    cpus = usable_cpus()
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    reasons: dict[str, str] = {}
+    if not _decodes(dataset):
+        workers = 0
+        reasons["num_workers"] = (
+            "raw pixels: a batch is one memory gather in the main process; worker processes "
+            "would only add a hand-over per batch"
+        )
+    else:
+        workers = max(1, cpus - 1) if cpus > 1 else 0
+        reasons["num_workers"] = (
+            f"encoded images are decoded per sample: one worker per usable CPU ({cpus} by "
+            "sched_getaffinity), keeping one for the training loop"
+        )
+    reasons["pin_memory"] = (
+        "a GPU is present: page-locked batches copy to it asynchronously"
+        if gpu
+        else "no GPU: pinning would only cost memory"
+    )
+    persistent = workers > 0
+    reasons["persistent_workers"] = (
+        "keeps the workers (and their open files and memory maps) across epochs"
+        if persistent
+        else "no workers to keep"
+    )
+    prefetch = 4 if workers else None
+    reasons["prefetch_factor"] = (
+        "4 batches per worker in flight smooth out slow samples"
+        if workers
+        else "only applies with workers"
+    )
+    return LoaderSettings(workers, bool(gpu), persistent, prefetch, reasons)
+
+
+@dataclass
+class TuneResult:
+    best: LoaderSettings
+    samples_per_s: float
+    table: list[tuple[LoaderSettings, float]]
+
+
+def _rate(
+    dataset: Dataset[Any],
+    settings: LoaderSettings,
+    batch_size: int,
+    batches: int,
+    collate_fn: Callable[[Any], Any],
+) -> float:
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=not isinstance(dataset, IterableDataset),
+        collate_fn=collate_fn,
+        **settings.kwargs(),
+    )
+    count, start = 0, 0.0
+    iterator = iter(loader)
+    for step in range(batches + 1):
+        try:
+            images, _ = next(iterator)
+        except StopIteration:
+            iterator = iter(loader)
+            images, _ = next(iterator)
+        if step == 0:
+            start = time.perf_counter()  # worker start-up and the first batch are not timed
+        else:
+            count += len(images)
+    seconds = time.perf_counter() - start
+    del iterator
+    return count / seconds if seconds > 0 else 0.0
+
+
+def candidate_settings(dataset: Dataset[Any], gpu: bool | None = None) -> list[LoaderSettings]:
+    """The settings :func:`autotune_loader` tries by default: 0, 1, 2, 4, ... workers up to twice
+    the usable CPUs, each with the recommended pinning."""
+    base = recommend_loader_settings(dataset, gpu)
+    counts = sorted({0, 1, *(2**k for k in range(1, 8) if 2**k <= 2 * usable_cpus())})
+    out = []
+    for n in counts:
+        out.append(
+            LoaderSettings(
+                n,
+                base.pin_memory,
+                n > 0,
+                4 if n else None,
+                {"num_workers": f"candidate: {n} workers"},
+            )
+        )
+    return out
+
+
+def autotune_loader(
+    dataset: Dataset[Any],
+    batch_size: int = 256,
+    candidates: Iterable[LoaderSettings] | None = None,
+    batches: int = 20,
+    collate_fn: Callable[[Any], Any] = collate,
+) -> TuneResult:
+    """Measure a short run (``batches`` batches after one warm-up batch) for each candidate and
+    return the fastest with its measured samples/s, and the whole table."""
+    table = [
+        (settings, _rate(dataset, settings, batch_size, batches, collate_fn))
+        for settings in (candidates if candidates is not None else candidate_settings(dataset))
+    ]
+    if not table:
+        raise ValueError("autotune_loader needs at least one candidate")
+    best, rate = max(table, key=lambda row: row[1])
+    return TuneResult(best, rate, table)
+
+
+__all__ = [
+    "LoaderSettings",
+    "TuneResult",
+    "autotune_loader",
+    "candidate_settings",
+    "recommend_loader_settings",
+]

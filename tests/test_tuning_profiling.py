@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.data import DataLoader, Dataset
+
+from imgpack import convert, open_dataset
+from imgpack.cli import main
+from imgpack.profiling import LoaderProfiler, TimedDataset, verdict
+from imgpack.readers import collate
+from imgpack.tuning import LoaderSettings, autotune_loader, recommend_loader_settings
+
+
+@pytest.fixture
+def outputs(uniform_folder: Path, tmp_path: Path) -> dict[str, Path]:
+    convert(uniform_folder, tmp_path / "raw", "pt", encoding="raw", size=16, progress=False)
+    convert(uniform_folder, tmp_path / "png", "lmdb", encoding="png", progress=False)
+    return {"raw": tmp_path / "raw", "png": tmp_path / "png"}
+
+
+def test_recommendation_follows_the_format(
+    outputs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw = recommend_loader_settings(open_dataset(outputs["raw"]), gpu=False)
+    assert raw.num_workers == 0 and "memory gather" in raw.reasons["num_workers"]
+    assert raw.pin_memory is False and "no GPU" in raw.reasons["pin_memory"]
+    monkeypatch.setattr("imgpack.tuning.usable_cpus", lambda: 8)
+    enc = recommend_loader_settings(open_dataset(outputs["png"]), gpu=True)
+    assert enc.num_workers == 7 and "sched_getaffinity" in enc.reasons["num_workers"]
+    assert enc.pin_memory and enc.persistent_workers and enc.prefetch_factor == 4
+    assert set(enc.reasons) == set(enc.kwargs())
+
+
+def test_autotune_returns_a_candidate_it_measured(outputs: dict[str, Path]) -> None:
+    ds = open_dataset(outputs["png"])
+    candidates = [LoaderSettings(0, False, False, None), LoaderSettings(1, False, True, 2)]
+    result = autotune_loader(ds, batch_size=8, candidates=candidates, batches=3)
+    assert result.best in candidates
+    assert [s for s, _ in result.table] == candidates
+    assert result.samples_per_s == max(rate for _, rate in result.table) > 0
+
+
+class Slow(Dataset[tuple[torch.Tensor, int]]):
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        time.sleep(self.delay)
+        return torch.zeros(3), i
+
+
+def test_timed_dataset_counts_every_sample_in_workers(outputs: dict[str, Path]) -> None:
+    timed = TimedDataset(open_dataset(outputs["raw"]))
+    loader = DataLoader(timed, batch_size=8, num_workers=2, collate_fn=collate)
+    seen = sum(len(labels) for _, labels in loader)
+    stats = timed.stats()
+    assert seen == stats["count"] == 60
+    assert set(stats["per_worker"]) == {"worker0", "worker1"}
+    assert sum(w["count"] for w in stats["per_worker"].values()) == 60
+    assert 0 < stats["p50"] <= stats["p95"] <= stats["max"]
+    assert timed.classes == ["class0", "class1", "class2"]  # attributes pass through
+    timed[0]
+    assert timed.stats()["per_worker"]["main"]["count"] == 1
+    log_dir = timed.log_dir
+    timed.close()
+    assert not log_dir.exists()
+
+
+def test_timed_dataset_per_sample_fetches_in_workers() -> None:
+    timed = TimedDataset(Slow(12, 0.002))
+    list(DataLoader(timed, batch_size=4, num_workers=2, multiprocessing_context="spawn"))
+    stats = timed.stats()
+    assert stats["count"] == 12 and stats["mean"] >= 0.002
+
+
+def test_loader_profiler_tells_who_waits() -> None:
+    slow_loader = LoaderProfiler(DataLoader(Slow(12, 0.01), batch_size=2), per_step=True)
+    for _ in slow_loader:
+        pass
+    summary = slow_loader.summary()
+    assert summary["batches"] == 6 and summary["samples"] == 12 and len(summary["steps"]) == 6
+    assert summary["wait_share"] > 0.8 and verdict(summary).startswith("loader-bound")
+    fast_loader = LoaderProfiler(DataLoader(Slow(12, 0.0), batch_size=2))
+    for _ in fast_loader:
+        time.sleep(0.01)
+    assert fast_loader.summary()["wait_share"] < 0.2
+    assert verdict(fast_loader.summary()).startswith("consumer-bound")
+
+
+def test_tune_and_profile_commands(outputs: dict[str, Path], tmp_path: Path) -> None:
+    report = tmp_path / "tune.json"
+    result = CliRunner().invoke(
+        main,
+        [
+            "tune",
+            str(outputs["png"]),
+            "--batch-size",
+            "8",
+            "--batches",
+            "2",
+            "--workers",
+            "0,1",
+            "--json",
+            str(report),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "starting point" in result.output and "<- fastest" in result.output
+    assert "recommended: DataLoader(ds, batch_size=8" in result.output
+    assert {row["num_workers"] for row in json.loads(report.read_text())["table"]} == {0, 1}
+    result = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            str(outputs["raw"]),
+            "--workers",
+            "2",
+            "--batch-size",
+            "8",
+            "--batches",
+            "5",
+            "--step-ms",
+            "5",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    # Workers prefetch, so at least the 40 consumed samples were fetched.
+    match = re.search(r"fetch per sample \((\d+) samples, 2 workers\)", result.output)
+    assert match and int(match.group(1)) >= 40
+    assert "bound" in result.output
