@@ -30,6 +30,17 @@ def _formats() -> list[str]:
     return list(FORMATS)
 
 
+batch_size_option = click.option(
+    "--batch-size", type=click.IntRange(min=1), default=256, show_default=True
+)
+
+
+def json_option(what: str) -> Callable[[F], F]:
+    return click.option(
+        "--json", "json_path", type=click.Path(path_type=Path), help=f"Also write the {what} here."
+    )
+
+
 def friendly_errors(func: F) -> F:
     """Turn user-facing errors into click exceptions (one line, non-zero exit)."""
 
@@ -251,7 +262,7 @@ def _parse_workers(value: str) -> list[int]:
 @click.option(
     "--workers", default="0,2", show_default=True, help="Comma-separated num_workers values."
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@batch_size_option
 @click.option(
     "--samples",
     type=click.IntRange(min=1),
@@ -259,9 +270,7 @@ def _parse_workers(value: str) -> list[int]:
     show_default=True,
     help="Samples to read per measurement.",
 )
-@click.option(
-    "--json", "json_path", type=click.Path(path_type=Path), help="Also write the results here."
-)
+@json_option("results")
 @friendly_errors
 def bench(
     paths: tuple[Path, ...], workers: str, batch_size: int, samples: int, json_path: Path | None
@@ -280,7 +289,7 @@ def bench(
 
 @main.command()
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@batch_size_option
 @click.option(
     "--batches",
     type=click.IntRange(min=1),
@@ -293,9 +302,7 @@ def bench(
     default=None,
     help="num_workers candidates to try, e.g. 0,2,4 [default: 0, 1, 2, 4, ... up to 2x the CPUs].",
 )
-@click.option(
-    "--json", "json_path", type=click.Path(path_type=Path), help="Also write the table here."
-)
+@json_option("table")
 @friendly_errors
 def tune(
     dst: Path, batch_size: int, batches: int, workers: str | None, json_path: Path | None
@@ -348,7 +355,7 @@ def tune(
     show_default=True,
     help="DataLoader num_workers.",
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
+@batch_size_option
 @click.option("--batches", type=click.IntRange(min=2), default=50, show_default=True)
 @click.option(
     "--step-ms",
@@ -357,9 +364,7 @@ def tune(
     show_default=True,
     help="Simulated training step per batch.",
 )
-@click.option(
-    "--json", "json_path", type=click.Path(path_type=Path), help="Also write the report here."
-)
+@json_option("report")
 @friendly_errors
 def profile(
     dst: Path, workers: int, batch_size: int, batches: int, step_ms: float, json_path: Path | None

@@ -138,3 +138,18 @@ def test_shard_size_does_not_apply(uniform_folder: Path, tmp_path: Path) -> None
 
     with pytest.raises(OptionError, match="--shard-size does not apply"):
         convert(uniform_folder, tmp_path / "out", "lmdb", shard_size="1MB", progress=False)
+
+
+def test_a_reader_going_away_leaves_the_others_working(
+    uniform_folder: Path, tmp_path: Path
+) -> None:
+    import gc
+
+    convert(uniform_folder, tmp_path / "out", "lmdb", encoding="raw", size=16, progress=False)
+    keep = open_dataset(tmp_path / "out")
+    first = keep[0][0]
+    gone = open_dataset(tmp_path / "out")
+    gone[1]
+    del gone
+    gc.collect()
+    assert keep[0][0].equal(first)

@@ -76,7 +76,8 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
         and isinstance(images[0], torch.Tensor)
         and all(img.shape == images[0].shape for img in images)
     ):
-        images = torch.stack(images)
+        out = new_batch_tensor((len(images), *images[0].shape), images[0].dtype)
+        images = torch.stack(images, out=out)
     if isinstance(labels, list) and all(isinstance(label, int) for label in labels):
         labels = torch.tensor(labels, dtype=torch.int64)
     return images, labels
@@ -88,8 +89,11 @@ def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> 
     if get_worker_info() is None:
         return torch.empty(tuple(shape), dtype=dtype)
     numel = int(np.prod(shape))
-    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel, device="cpu")
-    return torch.empty(0, dtype=dtype).new(storage).resize_(*shape)
+    try:  # what torch's default collate does in workers
+        storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel, device="cpu")
+        return torch.empty(0, dtype=dtype).new(storage).resize_(*shape)
+    except AttributeError:  # a torch without these internals: one extra copy, still correct
+        return torch.empty(tuple(shape), dtype=dtype).share_memory_()
 
 
 class ImageDataset(Dataset[tuple[Any, Any]]):
