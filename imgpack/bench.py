@@ -74,20 +74,21 @@ def open_for_bench(path: str | os.PathLike[str]) -> tuple[str, Dataset[Any]]:
 def measure(
     dataset: Dataset[Any],
     workers: int,
-    batch_size: int = 256,
+    batch_size: int | None = 256,
     max_samples: int | None = None,
     collate_fn: Callable[[Any], Any] | None = collate,
     seed: int = 0,
 ) -> tuple[int, float]:
     """Read ``max_samples`` samples (default: one epoch; more epochs when the dataset is
     smaller) in shuffled batches through a ``DataLoader``; return the samples counted and the
-    seconds they took. The clock starts at the first batch, so worker start-up is not counted."""
+    seconds they took. The clock starts at the first batch, so worker start-up is not counted.
+    ``batch_size=None`` is for a dataset that yields whole batches itself."""
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=not isinstance(dataset, IterableDataset),  # a stream shuffles itself
         num_workers=workers,
-        collate_fn=collate_fn,
+        collate_fn=collate_fn if batch_size is not None else None,
         generator=torch.Generator().manual_seed(seed),
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers else None,

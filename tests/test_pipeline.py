@@ -224,3 +224,51 @@ def test_reader_refuses_unknown_versions_and_formats(uniform_folder: Path, tmp_p
     path.unlink()
     with pytest.raises(ManifestError, match="not an imgpack output"):
         open_dataset(dst)
+
+
+def test_interrupt_leaves_nothing_behind(
+    uniform_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from imgpack.converters.pt import PTWriter
+
+    calls = {"n": 0}
+    original = PTWriter.add
+
+    def add_then_interrupt(self: PTWriter, sample: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt  # as Ctrl-C would, in the middle of writing
+        original(self, sample)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PTWriter, "add", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert(uniform_folder, tmp_path / "out", "pt", workers=2, progress=False)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_work_in_flight_is_bounded(uniform_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many files there are, at most workers x WINDOW_PER_WORKER chunks are submitted
+    ahead of the writer, so memory does not grow with the dataset."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from imgpack import pipeline
+    from imgpack.folder import scan_folder
+    from imgpack.images import Encoding, ImagePolicy
+
+    submitted = {"n": 0}
+    original = ProcessPoolExecutor.submit
+
+    def counting_submit(self: ProcessPoolExecutor, *args: object, **kwargs: object) -> object:
+        submitted["n"] += 1
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", counting_submit)
+    monkeypatch.setattr(pipeline, "MAX_CHUNK", 1)  # one file per chunk: the window in files
+    samples = scan_folder(uniform_folder).samples
+    ahead = []
+    consumed = 0
+    for _ in pipeline._outcomes(str(uniform_folder), samples, ImagePolicy(), Encoding(), 2):
+        consumed += 1
+        ahead.append(submitted["n"] - 1 - consumed)  # minus the start-up task
+    assert consumed == 60
+    assert max(ahead) <= 2 * pipeline.WINDOW_PER_WORKER

@@ -310,3 +310,19 @@ def test_gzip_written_by_us_is_streamable(uniform_folder: Path, tmp_path: Path) 
     packed = tmp_path / "packed.tfrecord"
     packed.write_bytes(gzip.compress(src.read_bytes()))
     assert len(list(TFRecordStream(packed))) == 60
+
+
+def test_stream_can_yield_whole_batches(sharded: Path) -> None:
+    ref = open_dataset(sharded)
+    everything = sorted(_ids(collate(ref.__getitems__(range(len(ref))))[0]))
+    stream = TFRecordStream(sharded, batch_size=8, shuffle_buffer=10, seed=2)
+    loader = DataLoader(stream, batch_size=None, num_workers=2)
+    batches = list(loader)
+    assert all(
+        images.shape[1:] == (3, 16, 16) and len(images) == len(labels) <= 8
+        for images, labels in batches
+    )
+    assert sorted(x for images, _ in batches for x in _ids(images)) == everything
+    with_transform = TFRecordStream(sharded, batch_size=8, transform=lambda x: x.float())
+    images, labels = next(iter(with_transform))
+    assert images.dtype == torch.float32 and images.shape == (8, 3, 16, 16) and labels.shape == (8,)

@@ -26,7 +26,7 @@ from imgpack import tfexample, tfrecord
 from imgpack.errors import DataError, ImageError, ManifestError
 from imgpack.images import ImagePolicy, apply_policy, decode_stored
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
-from imgpack.readers.base import ImageDataset, Images, arrays_to_batch
+from imgpack.readers.base import ImageDataset, Images, arrays_to_batch, collate
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
 
@@ -310,6 +310,10 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
     ``DistributedSampler``); with ``drop_remainder=True`` those ``N mod world_size`` records are
     left out of the epoch instead. ``shuffle_buffer`` samples are kept and drawn at random
     (seeded by ``seed``, the epoch, the rank and the worker). Call :meth:`set_epoch` each epoch.
+
+    With ``batch_size=N`` the stream yields whole batches, ``(images (N, C, H, W), labels)``,
+    each image copied once into the batch tensor: pass ``batch_size=None`` to the DataLoader.
+    Without it, samples are yielded one by one for the DataLoader to batch.
     """
 
     def __init__(
@@ -324,7 +328,11 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         rank: int | None = None,
         world_size: int | None = None,
         drop_remainder: bool = False,
+        batch_size: int | None = None,
     ) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"invalid batch_size {batch_size!r}: expected 1 or more, or None")
+        self.batch_size = batch_size
         self.records = Records(source, check_crc, label_offset)
         self.classes = list(self.records.manifest.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
@@ -355,36 +363,55 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         lo, hi = (len(mine) * worker) // num_workers, (len(mine) * (worker + 1)) // num_workers
         return mine[lo:hi]
 
-    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+    def _decoded(self) -> Iterator[tuple[np.ndarray, int]]:
+        """This worker's ``(pixels, label)`` for the epoch, through the shuffle buffer."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        plan = self.plan(worker, workers)
         wanted: dict[int, set[int]] = {}
         repeats: dict[tuple[int, int], int] = {}
-        for shard, record in plan:
+        for shard, record in self.plan(worker, workers):
             wanted.setdefault(shard, set()).add(record)
             repeats[shard, record] = repeats.get((shard, record), 0) + 1  # wrap-around repeats
         rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}-{worker}")
-        buffer: list[tuple[Any, Any]] = []
+        buffer: list[tuple[np.ndarray, int]] = []
         for shard, record, pixels, label in self.records.iterate(wanted):
             assert pixels is not None
             for _ in range(repeats[shard, record]):
-                sample = self._sample(pixels, label)
                 if self.shuffle_buffer <= 0:
-                    yield sample
+                    yield pixels, label
                 elif len(buffer) < self.shuffle_buffer:
-                    buffer.append(sample)
+                    buffer.append((pixels, label))
                 else:
                     k = rng.randrange(len(buffer))
                     yield buffer[k]
-                    buffer[k] = sample
+                    buffer[k] = (pixels, label)
         rng.shuffle(buffer)
         yield from buffer
 
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        if self.batch_size is None:
+            for pixels, label in self._decoded():
+                yield self._sample(pixels, label)
+            return
+        pending: list[tuple[np.ndarray, int]] = []
+        for item in self._decoded():
+            pending.append(item)
+            if len(pending) == self.batch_size:
+                yield self._batch(pending)
+                pending = []
+        if pending:
+            yield self._batch(pending)
+
+    def _batch(self, items: list[tuple[np.ndarray, int]]) -> tuple[Any, Any]:
+        """A whole batch, decoded images copied once into one tensor (no transforms set)."""
+        if self.transform is None and self.target_transform is None:
+            labels = torch.tensor([label for _, label in items], dtype=torch.int64)
+            return arrays_to_batch([pixels for pixels, _ in items]), labels
+        return collate([self._sample(pixels, label) for pixels, label in items])
+
     def _sample(self, pixels: np.ndarray, label: int) -> tuple[Any, Any]:
-        image: Any = torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy()).permute(
-            2, 0, 1
-        )
+        writable = pixels if pixels.flags.writeable else pixels.copy()
+        image: Any = torch.from_numpy(writable).permute(2, 0, 1)
         target: Any = label
         if self.transform is not None:
             image = self.transform(image)
