@@ -22,6 +22,8 @@ from imgpack.images import DEFAULT_MAX_PIXELS, ENCODINGS, RESAMPLE, RESIZE_MODES
 from imgpack.units import format_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: Skipped files the convert summary lists by name (the manifest lists them all).
+SHOW_SKIPPED = 20
 
 
 def _formats() -> list[str]:
@@ -212,8 +214,11 @@ def convert(
         f"{format_bytes(manifest.total_bytes)} in {len(manifest.files)} file(s), {seconds:.1f} s",
         err=True,
     )
-    for skip in manifest.skipped:
+    for skip in manifest.skipped[:SHOW_SKIPPED]:
         click.echo(f"  skipped {skip['path']}: {skip['reason']}", err=True)
+    if len(manifest.skipped) > SHOW_SKIPPED:
+        more = len(manifest.skipped) - SHOW_SKIPPED
+        click.echo(f"  ... and {more} more skipped (all listed in {dst}/imgpack.json)", err=True)
 
 
 @main.command()

@@ -306,7 +306,7 @@ def convert(
                             f"{src}/{outcome.path}",
                             f"{outcome.reason} (use --on-error skip to skip such files)",
                         )
-                    log.warning("skipped %s: %s", outcome.path, outcome.reason)
+                    log.info("skipped %s: %s", outcome.path, outcome.reason)  # summary lists them
                     skipped.append({"path": outcome.path, "reason": outcome.reason})
                     continue
                 writer.add(outcome)

@@ -57,6 +57,37 @@ def test_convert_info_bench(uniform_folder: Path, tmp_path: Path) -> None:
     assert all(r["samples"] >= 64 and r["samples_per_s"] > 0 for r in rows)
 
 
+def test_many_skipped_files_are_summarised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("imgpack.cli.SHOW_SKIPPED", 2)
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    for i in range(5):
+        (src / f"bad{i}.png").write_text("text")
+    (src / "good.png").write_bytes(_png())
+    code, out = run(
+        "convert",
+        str(tmp_path / "src"),
+        str(tmp_path / "o"),
+        "--format",
+        "pt",
+        "--on-error",
+        "skip",
+        "-q",
+    )
+    assert code == 0, out
+    assert out.count("  skipped ") == 2 and "... and 3 more skipped" in out
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def test_skip_is_reported(bad_folder: FakeFolder, tmp_path: Path) -> None:
     code, out = run(
         "convert",
