@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from imgpack import lmdb_record
 from imgpack.errors import DataError
@@ -89,10 +90,10 @@ class LMDBDataset(ImageDataset):
         return header
 
     def _raw_batch(self, keys: list[bytes], values: list[Any]) -> tuple[Images, torch.Tensor]:
-        """Copy raw records into a batch tensor, checking every header at once with numpy."""
+        """Raw records as one batch, every header checked at once with numpy."""
         count = len(values)
         record = lmdb_record.HEADER_SIZE + int(np.prod(self._shape))
-        blob = b"".join(values)
+        blob = bytearray().join(values)  # the one copy out of the map
         if len(blob) != count * record:
             for key, value in zip(keys, values, strict=True):  # find the odd one out
                 self._header(key, value)
@@ -106,9 +107,20 @@ class LMDBDataset(ImageDataset):
         if not good.all():
             bad = int(np.flatnonzero(~good)[0])
             self._header(keys[bad], values[bad])  # raises the precise error
+        labels_out = torch.from_numpy(labels.astype(np.int64))
+        if get_worker_info() is None:
+            # The batch is a view of the joined records that steps over each header.
+            height, width, channels = self._shape
+            images = torch.frombuffer(blob, dtype=torch.uint8).as_strided(
+                (count, height, width, channels),
+                (record, width * channels, channels, 1),
+                lmdb_record.HEADER_SIZE,
+            )
+            return images.permute(0, 3, 1, 2), labels_out
+        # In a DataLoader worker: into shared memory, which the hand-over needs anyway.
         out = new_batch_tensor((count, *self._shape))
         np.copyto(out.numpy().reshape(count, -1), rows[:, lmdb_record.HEADER_SIZE :])
-        return out.permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64))
+        return out.permute(0, 3, 1, 2), labels_out
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         keys = list(map(_KEY, indices.tolist()))
