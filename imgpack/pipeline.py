@@ -272,7 +272,7 @@ def convert(
             f"format {format!r} writes a single file; --shard-size does not apply to it"
         )
     shard_bytes = parse_byte_size(
-        shard_size if shard_size is not None else writer_cls.default_shard_size
+        shard_size if shard_size is not None else writer_cls.default_shard_size, "shard size"
     )
 
     src, dst = Path(src), Path(dst)

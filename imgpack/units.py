@@ -22,8 +22,9 @@ _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _HW_RE = re.compile(r"^\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*$")
 
 
-def parse_byte_size(value: int | str) -> int:
-    """Parse ``512MB``, ``1GiB``, ``1.5GB`` or a plain number of bytes into a positive int."""
+def parse_byte_size(value: int | str, name: str = "size") -> int:
+    """Parse ``512MB``, ``1GiB``, ``1.5GB`` or a plain number of bytes into a positive int;
+    ``name`` names the option in the error."""
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
@@ -31,12 +32,12 @@ def parse_byte_size(value: int | str) -> int:
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _BYTE_UNITS:
             raise OptionError(
-                f"invalid size {value!r}: expected a number of bytes or a number with one of "
+                f"invalid {name} {value!r}: expected a number of bytes or a number with one of "
                 "the units KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 512MB, 1GiB)"
             )
         number = int(float(match.group(1)) * _BYTE_UNITS[unit])
     if number <= 0:
-        raise OptionError(f"invalid size {value!r}: must be greater than zero")
+        raise OptionError(f"invalid {name} {value!r}: must be greater than zero")
     return number
 
 

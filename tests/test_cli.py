@@ -120,7 +120,11 @@ def test_skip_is_reported(bad_folder: FakeFolder, tmp_path: Path) -> None:
         ),
         (["convert", "{src}", "{existing}", "--format", "pt"], "already exists", 1),
         (["convert", "{src}", "{dst}", "--format", "pt", "--size", "big"], "invalid image size", 2),
-        (["convert", "{src}", "{dst}", "--format", "pt", "--shard-size", "1XB"], "invalid size", 2),
+        (
+            ["convert", "{src}", "{dst}", "--format", "pt", "--shard-size", "1XB"],
+            "invalid shard size",
+            2,
+        ),
         (["convert", "{src}", "{dst}", "--format", "pt", "-o", "nokey"], "expected KEY=VALUE", 2),
         (["convert", "{bad}", "{dst}", "--format", "pt", "-q"], "text_named.jpg: not an image", 1),
         (["info", "{missing}"], "no such imgpack output", 1),

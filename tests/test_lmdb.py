@@ -153,3 +153,11 @@ def test_a_reader_going_away_leaves_the_others_working(
     del gone
     gc.collect()
     assert keep[0][0].equal(first)
+
+
+def test_bad_map_size_names_the_option(uniform_folder: Path, tmp_path: Path) -> None:
+    from imgpack.errors import OptionError
+
+    with pytest.raises(OptionError, match="invalid map_size 'abc'"):
+        convert(uniform_folder, tmp_path / "out", "lmdb", map_size="abc", progress=False)
+    assert not (tmp_path / "out").exists()

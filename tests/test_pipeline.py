@@ -150,7 +150,7 @@ def test_output_inside_source_is_refused(uniform_folder: Path) -> None:
         ({"encoding": "raw"}, "raw' needs a fixed image size"),
         ({"encoding": "webp"}, "invalid encoding"),
         ({"on_error": "ignore"}, "invalid on_error"),
-        ({"shard_size": "lots"}, "invalid size"),
+        ({"shard_size": "lots"}, "invalid shard size"),
         ({"workers": 0}, "invalid workers"),
         ({"size": "0x4"}, "invalid image size"),
         ({"colour": "red"}, "has no option colour"),

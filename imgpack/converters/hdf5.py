@@ -47,7 +47,7 @@ class HDF5Writer(Writer):
     def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
         super().__init__(directory, config, **options)
         self.compression = check_option("compression", self.settings["compression"], COMPRESSIONS)
-        self.chunk_bytes = parse_byte_size(self.settings["chunk_size"])
+        self.chunk_bytes = parse_byte_size(self.settings["chunk_size"], "chunk_size")
         self.settings["chunk_size"] = self.chunk_bytes
         libver = check_option("libver", self.settings["libver"], ("earliest", "latest"))
         # "earliest" keeps the file readable by HDF5 1.10 tools (Debian's h5dump, h5ls).

@@ -34,7 +34,7 @@ class LMDBWriter(Writer):
 
     def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
         super().__init__(directory, config, **options)
-        self.map_size = parse_byte_size(self.settings["map_size"])
+        self.map_size = parse_byte_size(self.settings["map_size"], "map_size")
         self.settings["map_size"] = self.map_size
         self.growths = 0
         self._env = lmdb.open(
