@@ -275,6 +275,7 @@ def convert(
         shard_size if shard_size is not None else writer_cls.default_shard_size, "shard size"
     )
 
+    writer_cls.check_options(format_options)  # fail before a long scan, not after it
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst, overwrite)
     classes = read_class_list(classes_from) if classes_from is not None else None

@@ -272,3 +272,28 @@ def test_work_in_flight_is_bounded(uniform_folder: Path, monkeypatch: pytest.Mon
         ahead.append(submitted["n"] - 1 - consumed)  # minus the start-up task
     assert consumed == 60
     assert max(ahead) <= 2 * pipeline.WINDOW_PER_WORKER
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options", "match"),
+    [
+        ("lmdb", {"map_size": "big"}, "invalid map_size"),
+        ("hdf5", {"compression": "zstd"}, "invalid compression"),
+        ("tfrecord", {"prefix": "../x"}, "invalid prefix"),
+        ("pt", {"colour": "red"}, "has no option colour"),
+    ],
+)
+def test_format_options_are_checked_before_the_scan(
+    fmt: str,
+    options: dict[str, str],
+    match: str,
+    uniform_folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_scan(*args: object, **kwargs: object) -> None:
+        raise AssertionError("scanned before checking the options")
+
+    monkeypatch.setattr("imgpack.pipeline.scan_folder", no_scan)
+    with pytest.raises(OptionError, match=match):
+        convert(uniform_folder, tmp_path / "out", fmt, progress=False, **options)

@@ -53,16 +53,27 @@ class Writer(ABC):
     default_shard_size: ClassVar[int] = 1 << 30
 
     def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            allowed = ", ".join(self.options) or "none"
-            raise OptionError(
-                f"format {self.format!r} has no option {', '.join(unknown)} (its options: {allowed})"
-            )
         self.directory = directory
         self.config = config
-        self.settings = {**self.options, **options}
+        self.settings = self.check_options(options)
         self._files: list[WrittenFile] | None = None
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The format's settings: its defaults updated with ``options``, checked and normalised.
+        The engine calls it before scanning, so a bad option fails at once."""
+        unknown = sorted(set(options) - set(cls.options))
+        if unknown:
+            allowed = ", ".join(cls.options) or "none"
+            raise OptionError(
+                f"format {cls.format!r} has no option {', '.join(unknown)} (its options: {allowed})"
+            )
+        return cls._normalise({**cls.options, **options})
+
+    @classmethod
+    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        """Check and convert the format's own settings (override in a format with options)."""
+        return settings
 
     @abstractmethod
     def add(self, sample: Encoded) -> None:

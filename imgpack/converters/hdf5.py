@@ -46,17 +46,22 @@ class HDF5Writer(Writer):
 
     def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
         super().__init__(directory, config, **options)
-        self.compression = check_option("compression", self.settings["compression"], COMPRESSIONS)
-        self.chunk_bytes = parse_byte_size(self.settings["chunk_size"], "chunk_size")
-        self.settings["chunk_size"] = self.chunk_bytes
-        libver = check_option("libver", self.settings["libver"], ("earliest", "latest"))
+        self.compression = self.settings["compression"]
+        self.chunk_bytes = int(self.settings["chunk_size"])
         # "earliest" keeps the file readable by HDF5 1.10 tools (Debian's h5dump, h5ls).
-        self.libver = ("earliest", "v110") if libver == "earliest" else ("latest", "latest")
+        latest = self.settings["libver"] == "latest"
+        self.libver = ("latest", "latest") if latest else ("earliest", "v110")
         self._staging_path = directory / ".data.staging"
         self._staging = open(self._staging_path, "wb")  # noqa: SIM115 - closed in _finish/_abort
         self._labels: list[int] = []
         self._filenames: list[str] = []
         self._offsets = [0]
+
+    @classmethod
+    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        check_option("compression", settings["compression"], COMPRESSIONS)
+        check_option("libver", settings["libver"], ("earliest", "latest"))
+        return {**settings, "chunk_size": parse_byte_size(settings["chunk_size"], "chunk_size")}
 
     def add(self, sample: Encoded) -> None:
         self._staging.write(sample.payload)

@@ -34,8 +34,7 @@ class LMDBWriter(Writer):
 
     def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
         super().__init__(directory, config, **options)
-        self.map_size = parse_byte_size(self.settings["map_size"], "map_size")
-        self.settings["map_size"] = self.map_size
+        self.map_size = int(self.settings["map_size"])
         self.growths = 0
         self._env = lmdb.open(
             str(directory),
@@ -48,6 +47,10 @@ class LMDBWriter(Writer):
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         self._count = 0
+
+    @classmethod
+    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        return {**settings, "map_size": parse_byte_size(settings["map_size"], "map_size")}
 
     def add(self, sample: Encoded) -> None:
         value = lmdb_record.pack(

@@ -42,17 +42,21 @@ class TFRecordWriter(ShardedWriter):
 
     def __init__(self, directory: Path, config: Any, **options: Any) -> None:
         super().__init__(directory, config, **options)
-        prefix = str(self.settings["prefix"])
+        self.label_offset = int(self.settings["label_offset"])
+        self._fh: BinaryIO | None = None
+
+    @classmethod
+    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        prefix = str(settings["prefix"])
         if not prefix or "/" in prefix or prefix.startswith("."):
             raise OptionError(f"invalid prefix {prefix!r}: expected a plain file name prefix")
         try:
-            self.label_offset = int(self.settings["label_offset"])
+            label_offset = int(settings["label_offset"])
         except (TypeError, ValueError):
             raise OptionError(
-                f"invalid label_offset {self.settings['label_offset']!r}: expected an integer"
+                f"invalid label_offset {settings['label_offset']!r}: expected an integer"
             ) from None
-        self.settings["label_offset"] = self.label_offset
-        self._fh: BinaryIO | None = None
+        return {**settings, "prefix": prefix, "label_offset": label_offset}
 
     def shard_name(self, index: int) -> str:
         # The shard count is known only at the end; _finish renames to -NNNNN-of-MMMMM.
