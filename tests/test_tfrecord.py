@@ -83,6 +83,15 @@ def test_example_decoder_accepts_unpacked_lists() -> None:
     assert tfexample.decode_example(example) == {"k": [5, 7]}
 
 
+@pytest.mark.parametrize(
+    "data",
+    [b"\x0a\x05\x0a", b"\x0a\x02\x0a\xff", b"\x0a\x03\x0a\x01", b"\x0b", b"\x0a\x80"],
+)
+def test_example_decoder_refuses_damaged_bytes(data: bytes) -> None:
+    with pytest.raises(DataError, match="Example"):
+        tfexample.decode_example(data)
+
+
 # -- files written by TensorFlow ------------------------------------------------------------
 def _tf_records(name: str) -> list[dict[str, tfexample.FeatureValue]]:
     with tfrecord.open_records(DATA / name) as fh:
