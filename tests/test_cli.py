@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import FakeFolder
+from conftest import FakeFolder, png_bytes
+from PIL import Image
 
 from imgpack.cli import main
 
@@ -63,42 +64,18 @@ def test_many_skipped_files_are_summarised(tmp_path: Path, monkeypatch: pytest.M
     src.mkdir(parents=True)
     for i in range(5):
         (src / f"bad{i}.png").write_text("text")
-    (src / "good.png").write_bytes(_png())
-    code, out = run(
-        "convert",
-        str(tmp_path / "src"),
-        str(tmp_path / "o"),
-        "--format",
-        "pt",
-        "--on-error",
-        "skip",
-        "-q",
-    )
+    (src / "good.png").write_bytes(png_bytes(Image.new("RGB", (4, 4))))
+    code, out = convert_skipping(tmp_path / "src", tmp_path / "o")
     assert code == 0, out
     assert out.count("  skipped ") == 2 and "... and 3 more skipped" in out
 
 
-def _png() -> bytes:
-    import io
-
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (4, 4)).save(out, format="PNG")
-    return out.getvalue()
+def convert_skipping(src: Path, dst: Path) -> tuple[int, str]:
+    return run("convert", str(src), str(dst), "--format", "pt", "--on-error", "skip", "-q")
 
 
 def test_skip_is_reported(bad_folder: FakeFolder, tmp_path: Path) -> None:
-    code, out = run(
-        "convert",
-        str(bad_folder.root),
-        str(tmp_path / "o"),
-        "--format",
-        "pt",
-        "--on-error",
-        "skip",
-        "-q",
-    )
+    code, out = convert_skipping(bad_folder.root, tmp_path / "o")
     assert code == 0, out
     assert "3 skipped" in out and "skipped cat/zero.jpg: empty file" in out
 
