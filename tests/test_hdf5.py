@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from conftest import FakeFolder
 from torch.utils.data import DataLoader
 
@@ -111,38 +111,20 @@ def test_chunked_reader_in_workers(method: str, uniform_folder: Path, tmp_path: 
     assert torch.equal(images, torch.stack([ds[i][0] for i in range(len(ds))]))
 
 
+def convert_cli(src: Path, dst: Path, fmt: str, compression: str) -> Result:
+    args = ["convert", str(src), str(dst), "--format", fmt, "--compression", compression, "-q"]
+    return CliRunner().invoke(main, args)
+
+
 def test_bad_compression(uniform_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(OptionError, match="invalid compression 'zstd'"):
         convert(uniform_folder, tmp_path / "out", "hdf5", compression="zstd", progress=False)
-    result = CliRunner().invoke(
-        main,
-        [
-            "convert",
-            str(uniform_folder),
-            str(tmp_path / "o"),
-            "--format",
-            "pt",
-            "--compression",
-            "gzip",
-        ],
-    )
+    result = convert_cli(uniform_folder, tmp_path / "o", "pt", "gzip")
     assert result.exit_code == 2 and "format 'pt' has no option compression" in result.output
 
 
 def test_cli_compression(uniform_folder: Path, tmp_path: Path) -> None:
-    result = CliRunner().invoke(
-        main,
-        [
-            "convert",
-            str(uniform_folder),
-            str(tmp_path / "o"),
-            "--format",
-            "hdf5",
-            "--compression",
-            "lzf",
-            "-q",
-        ],
-    )
+    result = convert_cli(uniform_folder, tmp_path / "o", "hdf5", "lzf")
     assert result.exit_code == 0, result.output
     with h5py.File(tmp_path / "o" / "data.h5", "r") as f:
         assert f["data"].compression == "lzf"

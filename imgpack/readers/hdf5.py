@@ -142,20 +142,22 @@ class HDF5Dataset(ImageDataset):
     def _read_spans(self, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
         """Byte spans of the chunked ``data`` dataset: adjacent samples are read in one call."""
         dset = self.handles["data"]
-        order = np.argsort(starts, kind="stable")
         out: list[bytes] = [b""] * len(starts)
         run: list[int] = []
+        run_end = 0
 
         def flush() -> None:
-            lo, hi = int(starts[run[0]]), int(max(ends[k] for k in run))
-            block = dset[lo:hi].tobytes()
+            lo = int(starts[run[0]])
+            block = dset[lo:run_end].tobytes()
             for k in run:
                 out[k] = block[int(starts[k]) - lo : int(ends[k]) - lo]
 
-        for k in order.tolist():
-            if run and starts[k] > max(ends[j] for j in run):
+        # Samples in file order; a gap between them starts a new read.
+        for k in np.argsort(starts, kind="stable").tolist():
+            if run and starts[k] > run_end:
                 flush()
                 run = []
+            run_end = max(run_end, int(ends[k])) if run else int(ends[k])
             run.append(k)
         if run:
             flush()
