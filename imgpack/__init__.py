@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from imgpack.errors import ImgpackError
+from imgpack.version import __version__
+
 __all__ = ["ImgpackError", "__version__", "convert", "open_dataset"]
 
-from imgpack.errors import ImgpackError
-
 if TYPE_CHECKING:
+    from imgpack.formats.dataset_base import ImageDataset
     from imgpack.manifest import Manifest
-    from imgpack.readers.base import ImageDataset
 
 
 def convert(src: Any, dst: Any, format: str = "pt", **options: Any) -> Manifest:

@@ -16,20 +16,30 @@ from typing import Any, TypeVar
 
 import click
 
-from imgpack import __version__
+from imgpack import formats
 from imgpack.errors import ImgpackError, OptionError
-from imgpack.images import DEFAULT_MAX_PIXELS, ENCODINGS, RESAMPLE, RESIZE_MODES
+from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES
+from imgpack.options import ON_ERROR, ConvertOptions
 from imgpack.units import format_bytes
+from imgpack.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
 #: Skipped files the convert summary lists by name (the manifest lists them all).
 SHOW_SKIPPED = 20
 
 
-def _formats() -> list[str]:
-    from imgpack.converters import FORMATS
+def _default(name: str) -> Any:
+    return ConvertOptions.default(name)
 
-    return list(FORMATS)
+
+def _format_options_help() -> str:
+    """The ``-o`` help: every registered format's options, from the registry."""
+    parts = []
+    for spec in formats.specs():
+        if spec.options:
+            listed = "; ".join(f"{o.name} (default {o.default}): {o.help}" for o in spec.options)
+            parts.append(f"{spec.name}: {listed}")
+    return "A format option. " + ". ".join(parts) + "."
 
 
 batch_size_option = click.option(
@@ -75,12 +85,16 @@ def main(verbose: bool) -> None:
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option(
-    "--format", "fmt", type=click.Choice(_formats()), required=True, help="Output format."
+    "--format",
+    "fmt",
+    type=click.Choice(formats.names()),
+    required=True,
+    help="Output format: " + "; ".join(f"{s.name}: {s.summary}" for s in formats.specs()) + ".",
 )
 @click.option(
     "--encoding",
     type=click.Choice(ENCODINGS),
-    default="original",
+    default=_default("encoding"),
     show_default=True,
     help="original: source bytes when they decode to the policy's pixels, else lossless PNG; "
     "png/jpeg: re-encode; raw: pixels (needs --size).",
@@ -89,15 +103,19 @@ def main(verbose: bool) -> None:
 @click.option(
     "--resize",
     type=click.Choice(RESIZE_MODES),
-    default="crop",
+    default=_default("resize"),
     show_default=True,
     help="crop: shorter side to fit, then centre crop; stretch: ignore the aspect ratio.",
 )
 @click.option(
-    "--resample", type=click.Choice(list(RESAMPLE)), default="bilinear", show_default=True
+    "--resample", type=click.Choice(list(RESAMPLE)), default=_default("resample"), show_default=True
 )
 @click.option(
-    "--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality."
+    "--quality",
+    type=click.IntRange(1, 100),
+    default=_default("quality"),
+    show_default=True,
+    help="JPEG quality.",
 )
 @click.option("--grayscale", is_flag=True, help="Store 1-channel luma instead of RGB.")
 @click.option(
@@ -106,7 +124,7 @@ def main(verbose: bool) -> None:
 @click.option(
     "--max-pixels",
     type=int,
-    default=DEFAULT_MAX_PIXELS,
+    default=_default("max_pixels"),
     show_default=True,
     help="Refuse larger images (decompression-bomb guard); 0 turns the guard off.",
 )
@@ -114,13 +132,19 @@ def main(verbose: bool) -> None:
     "--workers", type=click.IntRange(min=1), default=None, help="Processes [default: usable CPUs]."
 )
 @click.option(
-    "--shard-size", default=None, help="Bytes per shard: 512MB, 1GiB, ... [default: 1GiB]."
+    "--shard-size",
+    default=None,
+    help="Bytes per shard of sharded formats: 512MB, 1GiB, ... [default: "
+    + ", ".join(
+        f"{s.name} {format_bytes(s.default_shard_size or 0)}" for s in formats.specs() if s.sharded
+    )
+    + "].",
 )
 @click.option("--overwrite", is_flag=True, help="Replace DST if it is an existing imgpack output.")
 @click.option(
     "--on-error",
-    type=click.Choice(("fail", "skip")),
-    default="fail",
+    type=click.Choice(ON_ERROR),
+    default=_default("on_error"),
     show_default=True,
     help="fail: stop at a bad file, DST untouched; skip: skip and record it in the manifest.",
 )
@@ -130,25 +154,15 @@ def main(verbose: bool) -> None:
     default=None,
     help="Reuse the label map of an imgpack output or a text file (one class per line).",
 )
-@click.option(
-    "--compression",
-    type=click.Choice(("none", "gzip", "lzf")),
-    default=None,
-    help="hdf5: compress the image datasets (makes them chunked) [default: none].",
-)
-@click.option(
-    "--label-offset",
-    type=int,
-    default=None,
-    help="tfrecord: add this to every stored label (1 reproduces TensorFlow's ImageNet scripts).",
-)
+@click.option("--compression", default=None, help="Alias of -o compression=VALUE (hdf5).")
+@click.option("--label-offset", default=None, help="Alias of -o label_offset=VALUE (tfrecord).")
 @click.option(
     "--option",
     "-o",
     "format_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="A format option (see the format's docs page).",
+    help=_format_options_help(),
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @friendly_errors
@@ -170,7 +184,7 @@ def convert(
     on_error: str,
     classes_from: Path | None,
     compression: str | None,
-    label_offset: int | None,
+    label_offset: str | None,
     format_options: tuple[str, ...],
     quiet: bool,
 ) -> None:
@@ -183,14 +197,11 @@ def convert(
         if not sep or not key:
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--option")
         options[key.replace("-", "_")] = value
-    if compression is not None:
-        options["compression"] = compression
-    if label_offset is not None:
-        options["label_offset"] = label_offset
+    for alias, given in (("compression", compression), ("label_offset", label_offset)):
+        if given is not None:
+            options[alias] = given
     started = time.perf_counter()
-    manifest = run_convert(
-        src,
-        dst,
+    settings = ConvertOptions.create(
         fmt,
         encoding=encoding,
         size=size,
@@ -206,8 +217,9 @@ def convert(
         on_error=on_error,
         classes_from=classes_from,
         progress=not quiet,
-        **options,
+        format_options=options,
     )
+    manifest = run_convert(src, dst, options=settings)
     seconds = time.perf_counter() - started
     click.echo(
         f"{dst}: {manifest.num_samples} samples, {len(manifest.skipped)} skipped, "
@@ -219,6 +231,16 @@ def convert(
     if len(manifest.skipped) > SHOW_SKIPPED:
         more = len(manifest.skipped) - SHOW_SKIPPED
         click.echo(f"  ... and {more} more skipped (all listed in {dst}/imgpack.json)", err=True)
+
+
+@main.command(name="formats")
+def list_formats() -> None:
+    """List the formats this imgpack writes and reads (plugins included), with their options."""
+    for spec in formats.specs():
+        shards = f", shards of {format_bytes(spec.default_shard_size or 0)}" if spec.sharded else ""
+        click.echo(f"{spec.name}: {spec.summary}{shards}")
+        for option in spec.options:
+            click.echo(f"  -o {option.name}=...  (default {option.default}) {option.help}")
 
 
 @main.command()
@@ -281,7 +303,7 @@ def bench(
     paths: tuple[Path, ...], workers: str, batch_size: int, samples: int, json_path: Path | None
 ) -> None:
     """Read throughput of image folders and imgpack outputs, side by side through a DataLoader."""
-    from imgpack.bench import run_bench
+    from imgpack.loading.bench import run_bench
 
     results = run_bench(paths, _parse_workers(workers), batch_size, samples)
     width = max(len(r.name) for r in results)
@@ -313,13 +335,13 @@ def tune(
     dst: Path, batch_size: int, batches: int, workers: str | None, json_path: Path | None
 ) -> None:
     """Recommend DataLoader settings for DST, then measure candidates and name the fastest."""
-    from imgpack.readers import open_dataset
-    from imgpack.tuning import (
+    from imgpack.loading.tuning import (
         LoaderSettings,
         autotune_loader,
         candidate_settings,
         recommend_loader_settings,
     )
+    from imgpack.readers import open_dataset
 
     dataset = open_dataset(dst)
     advice = recommend_loader_settings(dataset)
@@ -378,7 +400,7 @@ def profile(
     the training loop waits for each batch."""
     from torch.utils.data import DataLoader
 
-    from imgpack.profiling import LoaderProfiler, TimedDataset, verdict
+    from imgpack.loading.profiling import LoaderProfiler, TimedDataset, verdict
     from imgpack.readers import collate, open_dataset
 
     timed = TimedDataset(open_dataset(dst))
@@ -416,13 +438,13 @@ def profile(
 @friendly_errors
 def index(files: tuple[Path, ...]) -> None:
     """Write the .idx (one "offset size" line per record) beside each TFRecord file in FILES."""
-    from imgpack import tfrecord
+    from imgpack.formats.tfrecord import framing
 
     for path in files:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
-        records = tfrecord.build_index(path)
-        target = tfrecord.write_index(path, records)
+        records = framing.build_index(path)
+        target = framing.write_index(path, records)
         click.echo(f"{target}: {len(records)} records", err=True)
 
 

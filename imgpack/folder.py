@@ -52,7 +52,6 @@ class Sample:
 class Scan:
     """What :func:`scan_folder` found."""
 
-    root: Path
     classes: list[str]
     samples: list[Sample]
     empty_classes: list[str] = field(default_factory=list)
@@ -195,7 +194,6 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
             "class %r has no images in %s; it keeps its label %d", name, root, classes.index(name)
         )
     return Scan(
-        root=root,
         classes=list(classes),
         samples=samples,
         empty_classes=empty,

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -160,18 +161,26 @@ class Encoding:
             raise OptionError(f"invalid JPEG quality {self.quality!r}: expected 1..100")
 
 
+class Kind(str, Enum):
+    """What a stored payload is: the one name every format maps to its own code
+    (LMDB's kind byte, TFRecord's ``image/format``, a WebDataset member's extension)."""
+
+    RAW = "RAW"  # HWC uint8 pixels
+    JPEG = "JPEG"  # a complete JPEG file
+    PNG = "PNG"  # a complete PNG file
+
+
 @dataclass
 class Encoded:
     """One converted sample, as produced by :func:`process_file` for the writer."""
 
-    index: int
-    path: str
+    path: str  # relative to the source root, POSIX
     label: int
     payload: bytes
     height: int
     width: int
     channels: int
-    format: str  # "RAW", "JPEG" or "PNG"
+    kind: Kind
 
 
 @contextmanager
@@ -319,11 +328,11 @@ def apply_policy(data: bytes, path: str, policy: ImagePolicy) -> tuple[np.ndarra
     return _policy_pixels(img, kind, path, policy), _is_plain(img, kind, policy)
 
 
-def encode_pixels(pixels: np.ndarray, fmt: str, quality: int = 90) -> bytes:
-    """Encode HxWxC uint8 pixels as ``PNG`` (lossless) or ``JPEG`` (at ``quality``)."""
+def encode_pixels(pixels: np.ndarray, kind: Kind, quality: int = 90) -> bytes:
+    """Encode HxWxC uint8 pixels as PNG (lossless) or JPEG (at ``quality``)."""
     img = Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels)
     out = io.BytesIO()
-    if fmt == "PNG":
+    if kind is Kind.PNG:
         img.save(out, format="PNG")
     else:
         img.save(out, format="JPEG", quality=quality)
@@ -331,7 +340,7 @@ def encode_pixels(pixels: np.ndarray, fmt: str, quality: int = 90) -> bytes:
 
 
 def process_file(
-    index: int, root: str, path: str, label: int, policy: ImagePolicy, encoding: Encoding
+    root: str, path: str, label: int, policy: ImagePolicy, encoding: Encoding
 ) -> Encoded:
     """Read, validate and encode one source file (runs in a conversion worker)."""
     full = f"{root}/{path}"
@@ -347,17 +356,17 @@ def process_file(
         # The bytes are kept: decode them only to validate them, and copy no pixels.
         width, height = img.size
         _load(img, kind, path, draft=True)
-        return Encoded(index, path, label, data, height, width, policy.channels, kind)
+        return Encoded(path, label, data, height, width, policy.channels, Kind(kind))
     _load(img, kind, path)
     pixels = _policy_pixels(img, kind, path, policy)
     height, width, channels = pixels.shape
     if encoding.name == "raw":
-        payload, fmt = pixels.tobytes(), "RAW"
+        payload, stored = pixels.tobytes(), Kind.RAW
     elif encoding.name == "jpeg":
-        payload, fmt = encode_pixels(pixels, "JPEG", encoding.quality), "JPEG"
+        payload, stored = encode_pixels(pixels, Kind.JPEG, encoding.quality), Kind.JPEG
     else:
-        payload, fmt = encode_pixels(pixels, "PNG"), "PNG"
-    return Encoded(index, path, label, payload, height, width, channels, fmt)
+        payload, stored = encode_pixels(pixels, Kind.PNG), Kind.PNG
+    return Encoded(path, label, payload, height, width, channels, stored)
 
 
 def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:

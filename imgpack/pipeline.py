@@ -1,161 +1,227 @@
-"""The conversion engine: scan, decode/validate/encode in parallel, write in order, publish atomically.
+"""The conversion engine, as its four stages::
 
-::
+    plan     SRC + ConvertOptions -> the scan (ordered samples, label map) and the writer's config
+    process  an executor reads + validates + encodes every sample, yielding them in scan order
+    write    one writer stores them in a temp dir beside DST; --on-error decides on bad files
+    publish  the manifest is written last, then the temp dir is renamed to DST
 
-    SRC --scan--> ordered samples --> process pool: read + validate + encode (chunks, bounded window)
-        --> one writer, in scan order --> files in a temp dir beside DST --> manifest --> rename to DST
-
-The output depends only on the input and the options: the worker count changes the speed, never
-the bytes. At most ``workers * WINDOW_PER_WORKER`` chunks are in flight, so memory stays bounded
-by the chunk window plus what the writer buffers (for ``pt``, one shard), whatever the dataset
-size. A failure or an interrupt removes the temp dir and leaves DST as it was.
+The output depends only on the input and the options: the worker count and the executor change
+the speed, never the bytes. Memory stays bounded by the executor's window plus what the writer
+buffers (for ``pt``, one shard), whatever the dataset size. A failure or an interrupt removes the
+temp dir and leaves DST as it was.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import warnings
-from collections import deque
-from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from contextlib import closing
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-import imgpack
-from imgpack.converters import get_writer
-from imgpack.converters.base import WriterConfig
 from imgpack.errors import ImageError, ImgpackError, OptionError
-from imgpack.folder import Sample, read_class_list, scan_folder
-from imgpack.images import (
-    DEFAULT_MAX_PIXELS,
-    Encoded,
-    Encoding,
-    ImagePolicy,
-    parse_color,
-    process_file,
-)
+from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
+from imgpack.folder import Scan, read_class_list, scan_folder
+from imgpack.formats.writer_base import WriterConfig, WrittenFile
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file, write_manifest
-from imgpack.units import parse_byte_size, parse_image_size
+from imgpack.options import ConvertOptions
+from imgpack.system import usable_cpus
+from imgpack.version import __version__
 
 log = logging.getLogger(__name__)
 
-ON_ERROR = ("fail", "skip")
-#: Chunks in flight per worker: enough to keep every worker busy, few enough to bound memory.
-WINDOW_PER_WORKER = 4
-MAX_CHUNK = 32
-
 
 @dataclass(frozen=True)
-class Failure:
-    """A source file that could not be converted, and why."""
+class Plan:
+    """What a conversion will do, decided before any image is read."""
 
-    index: int
-    path: str
-    reason: str
+    src: Path
+    dst: Path
+    options: ConvertOptions
+    scan: Scan
 
+    @property
+    def job(self) -> Job:
+        return Job(str(self.src), self.options.policy, self.options.encoding_spec)
 
-Outcome = Encoded | Failure
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (affinity-aware, unlike ``os.cpu_count()``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def _process_chunk(
-    root: str, items: Sequence[tuple[int, Sample]], policy: ImagePolicy, encoding: Encoding
-) -> list[Outcome]:
-    out: list[Outcome] = []
-    for index, sample in items:
-        try:
-            out.append(process_file(index, root, sample.path, sample.label, policy, encoding))
-        except ImageError as exc:
-            out.append(Failure(index, exc.path, exc.reason))
-    return out
-
-
-def _ignore_sigint() -> None:
-    # The parent handles Ctrl-C and tears the pool down; workers should not print tracebacks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _pool_context() -> multiprocessing.context.BaseContext:
-    """fork where the platform has it, else spawn.
-
-    The workers run only imgpack's own read/decode/encode code (Pillow, numpy), never torch,
-    OpenMP or logging, so forking a parent that holds other threads is safe here, as it is for
-    torch's DataLoader workers. forkserver and spawn would re-run the caller's ``__main__``
-    module in every worker (on Python 3.11 the forkserver does not preload it): for a training
-    script that imports torch, seconds of start-up per worker.
-    """
-    if "fork" in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("spawn")
-
-
-def _chunks(items: list[Any], largest: int) -> Iterator[list[Any]]:
-    """Slices of ``items`` of 1, 2, 4, ... up to ``largest`` items: the first results arrive at
-    once, later chunks amortise the per-task overhead."""
-    start, size = 0, 1
-    while start < len(items):
-        yield items[start : start + size]
-        start += size
-        size = min(size * 2, largest)
-
-
-def _outcomes(
-    root: str,
-    samples: Sequence[Sample],
-    policy: ImagePolicy,
-    encoding: Encoding,
-    workers: int,
-) -> Generator[Outcome, None, None]:
-    """Process every sample and yield the outcomes in scan order."""
-    numbered = list(enumerate(samples))
-    if workers == 1:
-        for item in numbered:
-            yield from _process_chunk(root, [item], policy, encoding)
-        return
-    chunks = _chunks(numbered, max(1, min(MAX_CHUNK, len(numbered) // (workers * 8))))
-    window: deque[Future[list[Outcome]]] = deque()
-    with warnings.catch_warnings():
-        # Python >= 3.12 warns about fork() in a multi-threaded process; see _pool_context.
-        warnings.filterwarnings(
-            "ignore",
-            message=r".*use of fork\(\) may lead to deadlocks",
-            category=DeprecationWarning,
+    def writer_config(self) -> WriterConfig:
+        opts = self.options
+        return WriterConfig(
+            format=opts.format,
+            classes=self.scan.classes,
+            encoding=opts.encoding_spec,
+            policy=opts.policy,
+            shard_size=opts.shard_size or 0,
+            settings=dict(opts.format_options),
         )
-        executor = ProcessPoolExecutor(
-            workers, mp_context=_pool_context(), initializer=_ignore_sigint
-        )
-        first = executor.submit(_process_chunk, root, [], policy, encoding)  # starts the workers
+
+
+@dataclass
+class Written:
+    """What the write stage produced."""
+
+    files: list[WrittenFile]
+    count: int
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: ConvertOptions) -> Plan:
+    """Check the paths and scan the source (options are already valid)."""
+    src_path, dst_path = Path(src), Path(dst)
+    _check_paths(src_path, dst_path, options.overwrite)
+    classes = read_class_list(options.classes_from) if options.classes_from is not None else None
+    return Plan(src_path, dst_path, options, scan_folder(src_path, classes))
+
+
+def process(plan: Plan, executor: Executor | None = None) -> Generator[Outcome, None, None]:
+    """Every sample's outcome, in scan order (the local process pool unless told otherwise)."""
+    if executor is None:
+        executor = LocalExecutor(plan.options.workers or usable_cpus())
+    return executor.outcomes(plan.job, plan.scan.samples)
+
+
+def write(plan: Plan, directory: Path, outcomes: Generator[Outcome, None, None]) -> Written:
+    """Store the outcomes with the format's writer in ``directory``, applying ``--on-error``."""
+    opts = plan.options
+    writer = opts.spec.writer_class()(directory, plan.writer_config())
+    skipped: list[dict[str, str]] = []
+    count = 0
+    total = len(plan.scan.samples)
+    bar = tqdm(
+        total=total,
+        unit="img",
+        desc=opts.format,
+        file=sys.stderr,
+        disable=not opts.progress,
+        dynamic_ncols=True,
+    )
+    with closing(outcomes), bar, writer:
+        for outcome in outcomes:
+            bar.update(1)
+            if isinstance(outcome, Failure):
+                if opts.on_error == "fail":
+                    raise ImageError(
+                        f"{plan.src}/{outcome.path}",
+                        f"{outcome.reason} (use --on-error skip to skip such files)",
+                    )
+                log.info("skipped %s: %s", outcome.path, outcome.reason)  # summary lists them
+                skipped.append({"path": outcome.path, "reason": outcome.reason})
+                continue
+            writer.add(outcome)
+            count += 1
+        if count == 0:
+            raise ImgpackError(
+                f"{plan.src}: every one of the {total} image files was skipped; nothing to write "
+                f"(first: {skipped[0]['path']}: {skipped[0]['reason']})"
+            )
+    return Written(writer.close(), count, skipped)
+
+
+def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
+    """The manifest of the finished files in ``directory``."""
+    opts, scan = plan.options, plan.scan
+    return Manifest(
+        format=opts.format,
+        num_samples=written.count,
+        classes=scan.classes,
+        encoding=opts.encoding,
+        image=opts.policy.describe(),
+        files=[
+            FileEntry(
+                f.path,
+                (directory / f.path).stat().st_size,
+                f.num_samples,
+                sha256_file(directory / f.path),
+            )
+            for f in written.files
+        ],
+        options=opts.recorded(),
+        source={
+            "path": str(plan.src.resolve()),
+            "image_files": len(scan.samples),
+            "ignored_files": scan.ignored_files,
+            "empty_classes": scan.empty_classes,
+            "classes_from": opts.classes_from,
+        },
+        skipped=written.skipped,
+        created_by=f"imgpack {__version__}",
+    )
+
+
+def publish(tmp: Path, dst: Path) -> None:
+    """Move the finished temp dir to ``dst``, replacing an old output only at the last moment."""
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-old", dir=dst.parent))
+        os.rename(dst, old / "out")
+        os.rename(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dst)
+
+
+@contextmanager
+def temp_output(dst: Path) -> Iterator[Path]:
+    """A temp dir beside ``dst`` (same filesystem, so publishing is a rename), removed on error."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-tmp", dir=dst.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
     try:
-        first.result()
-        for part in chunks:
-            window.append(executor.submit(_process_chunk, root, part, policy, encoding))
-            if len(window) >= workers * WINDOW_PER_WORKER:
-                yield from window.popleft().result()
-        while window:
-            yield from window.popleft().result()
-    except BrokenProcessPool:
-        raise ImgpackError(
-            "a conversion worker died unexpectedly (out of memory?); try fewer --workers"
-        ) from None
-    finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    format: str = "pt",
+    *,
+    options: ConvertOptions | None = None,
+    executor: Executor | None = None,
+    **kwargs: Any,
+) -> Manifest:
+    """Convert the image folder ``src`` into a ``format`` output at ``dst``.
+
+    Args:
+        src: image folder, ``src/<class>/**/<image>``; never modified.
+        dst: output directory; must not exist unless ``overwrite`` (then it must be an imgpack
+            output or empty, and is replaced only once the new output is complete).
+        format: a registered format (:func:`imgpack.formats.names`).
+        options: a ready :class:`~imgpack.options.ConvertOptions` (then ``format`` and
+            ``kwargs`` must not be given), else built from ``format`` and ``kwargs``:
+        **kwargs: ``encoding`` (``original``, ``png``, ``jpeg`` or ``raw``; ``raw`` needs
+            ``size``), ``size`` (``N``, ``"HxW"`` or ``(H, W)``), ``quality`` (JPEG),
+            ``resize`` (``crop`` or ``stretch``), ``resample`` (Pillow filter), ``grayscale``,
+            ``background`` (colour under transparent pixels), ``max_pixels`` (``None``: no
+            decompression-bomb guard), ``workers`` (default: the usable CPUs), ``shard_size``
+            (``"512MB"``, ``"1GiB"``, an int), ``overwrite``, ``on_error`` (``fail`` stops at the
+            first bad file, DST untouched; ``skip`` records bad files in the manifest),
+            ``classes_from`` (the label map of an imgpack output or a text file), ``progress``
+            (a tqdm bar on stderr); any other keyword is an option of the format (its docs page).
+        executor: where the per-image work runs (default: a local process pool).
+
+    Returns:
+        The manifest written to ``dst/imgpack.json``.
+    """
+    if options is None:
+        options = ConvertOptions.create(format, **kwargs)
+    elif kwargs or format != "pt":
+        raise OptionError("give either options= or format and keyword options, not both")
+    the_plan = plan(src, dst, options)
+    with temp_output(the_plan.dst) as tmp:
+        written = write(the_plan, tmp, process(the_plan, executor))
+        manifest = build_manifest(the_plan, tmp, written)
+        write_manifest(tmp, manifest)
+        publish(tmp, the_plan.dst)
+    return manifest
 
 
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
@@ -189,169 +255,4 @@ def _umask() -> int:
     return mask
 
 
-def _publish(tmp: Path, dst: Path) -> None:
-    """Move the finished temp dir to ``dst``, replacing an old output only at the last moment."""
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-old", dir=dst.parent))
-        os.rename(dst, old / "out")
-        os.rename(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dst)
-
-
-def convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    format: str = "pt",
-    *,
-    encoding: str = "original",
-    size: int | str | tuple[int, int] | None = None,
-    quality: int = 90,
-    resize: str = "crop",
-    resample: str = "bilinear",
-    grayscale: bool = False,
-    background: str | tuple[int, int, int] = "white",
-    max_pixels: int | None = DEFAULT_MAX_PIXELS,
-    workers: int | None = None,
-    shard_size: int | str | None = None,
-    overwrite: bool = False,
-    on_error: str = "fail",
-    classes_from: str | os.PathLike[str] | None = None,
-    progress: bool = True,
-    **format_options: Any,
-) -> Manifest:
-    """Convert the image folder ``src`` into a ``format`` output at ``dst``.
-
-    Args:
-        src: image folder, ``src/<class>/**/<image>``; never modified.
-        dst: output directory; must not exist unless ``overwrite`` (then it must be an imgpack
-            output or empty, and is replaced only once the new output is complete).
-        format: one of :data:`imgpack.converters.FORMATS`.
-        encoding: ``original``, ``png``, ``jpeg`` or ``raw`` (``raw`` needs ``size``).
-        size: ``N``, ``"HxW"`` or ``(H, W)``: resize every image (see ``resize``).
-        quality: JPEG quality for ``encoding="jpeg"``.
-        resize: ``crop`` (shorter side to fit, centre crop) or ``stretch``.
-        resample: Pillow filter: nearest, bilinear, bicubic, lanczos or box.
-        grayscale: store 1-channel luma instead of RGB.
-        background: colour that transparent pixels are composited over.
-        max_pixels: refuse images with more pixels (Pillow's decompression-bomb guard); ``None``
-            turns the guard off.
-        workers: processes that decode and encode; default: the usable CPUs.
-        shard_size: bytes per shard for sharded formats (``"512MB"``, ``"1GiB"``, an int).
-        on_error: ``fail`` stops at the first bad file (DST untouched); ``skip`` skips bad files
-            and records them in the manifest.
-        classes_from: reuse the label map of an imgpack output or of a text file (one class per
-            line), so every split of a dataset shares one map.
-        progress: show a tqdm progress bar on stderr.
-        **format_options: options of the format's writer (see its docs page).
-
-    Returns:
-        The manifest written to ``dst/imgpack.json``.
-    """
-    writer_cls = get_writer(format)
-    if on_error not in ON_ERROR:
-        raise OptionError(f"invalid on_error {on_error!r}: expected one of {', '.join(ON_ERROR)}")
-    enc = Encoding(encoding, quality)
-    policy = ImagePolicy(
-        size=parse_image_size(size) if size is not None else None,
-        resize=resize,
-        resample=resample,
-        channels=1 if grayscale else 3,
-        background=parse_color(background),
-        max_pixels=max_pixels,
-    )
-    if enc.name == "raw" and policy.size is None:
-        raise OptionError("encoding 'raw' needs a fixed image size: give --size N or HxW")
-    if workers is None:
-        workers = usable_cpus()
-    if workers < 1:
-        raise OptionError(f"invalid workers {workers!r}: expected 1 or more")
-    if shard_size is not None and not writer_cls.sharded:
-        raise OptionError(
-            f"format {format!r} writes a single file; --shard-size does not apply to it"
-        )
-    shard_bytes = parse_byte_size(
-        shard_size if shard_size is not None else writer_cls.default_shard_size, "shard size"
-    )
-
-    writer_cls.check_options(format_options)  # fail before a long scan, not after it
-    src, dst = Path(src), Path(dst)
-    _check_paths(src, dst, overwrite)
-    classes = read_class_list(classes_from) if classes_from is not None else None
-    scan = scan_folder(src, classes)
-    config = WriterConfig(scan.classes, enc, policy, shard_bytes, len(scan.samples))
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-tmp", dir=dst.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
-    try:
-        writer = writer_cls(tmp, config, **format_options)
-        skipped: list[dict[str, str]] = []
-        count = 0
-        bar = tqdm(
-            total=len(scan.samples),
-            unit="img",
-            desc=f"{format}",
-            file=sys.stderr,
-            disable=not progress,
-            dynamic_ncols=True,
-        )
-        outcomes = _outcomes(str(src), scan.samples, policy, enc, workers)
-        with closing(outcomes), bar, writer:
-            for outcome in outcomes:
-                bar.update(1)
-                if isinstance(outcome, Failure):
-                    if on_error == "fail":
-                        raise ImageError(
-                            f"{src}/{outcome.path}",
-                            f"{outcome.reason} (use --on-error skip to skip such files)",
-                        )
-                    log.info("skipped %s: %s", outcome.path, outcome.reason)  # summary lists them
-                    skipped.append({"path": outcome.path, "reason": outcome.reason})
-                    continue
-                writer.add(outcome)
-                count += 1
-            if count == 0:
-                raise ImgpackError(
-                    f"{src}: every one of the {len(scan.samples)} image files was skipped; "
-                    f"nothing to write (first: {skipped[0]['path']}: {skipped[0]['reason']})"
-                )
-        files = writer.close()
-        image = policy.describe()
-        manifest = Manifest(
-            format=format,
-            num_samples=count,
-            classes=scan.classes,
-            encoding=enc.name,
-            image=image,
-            files=[
-                FileEntry(
-                    f.path, (tmp / f.path).stat().st_size, f.num_samples, sha256_file(tmp / f.path)
-                )
-                for f in files
-            ],
-            options={
-                "encoding": enc.name,
-                "quality": enc.quality if enc.name == "jpeg" else None,
-                "shard_size": shard_bytes if writer_cls.sharded else None,
-                "on_error": on_error,
-                "max_pixels": max_pixels,
-                **writer.settings,
-            },
-            source={
-                "path": str(src.resolve()),
-                "image_files": len(scan.samples),
-                "ignored_files": scan.ignored_files,
-                "empty_classes": scan.empty_classes,
-                "classes_from": str(classes_from) if classes_from is not None else None,
-            },
-            skipped=skipped,
-            created_by=f"imgpack {imgpack.__version__}",
-        )
-        write_manifest(tmp, manifest)
-        _publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
+__all__ = ["Plan", "Written", "build_manifest", "convert", "plan", "process", "publish", "write"]

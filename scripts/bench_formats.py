@@ -33,12 +33,13 @@ from benchlib import (
 )
 from torch.utils.data._utils.collate import default_collate
 
-from imgpack import convert, open_dataset, tfrecord
-from imgpack.bench import FolderDataset, measure
+from imgpack import convert, open_dataset
 from imgpack.converters import FORMATS
 from imgpack.folder import scan_folder
-from imgpack.pipeline import usable_cpus
+from imgpack.formats.tfrecord import framing
+from imgpack.loading.bench import FolderDataset, measure
 from imgpack.readers import TFRecordStream, collate
+from imgpack.system import usable_cpus
 
 
 def main() -> None:
@@ -181,7 +182,7 @@ def main() -> None:
         blob = os.urandom(64 << 20)
         start = time.perf_counter()
         for _ in range(8):
-            tfrecord.crc32c(blob)
+            framing.crc32c(blob)
         crc = 8 * len(blob) / (time.perf_counter() - start) / 2**30
         results["tfrecord"]["crc32c_gib_s"] = crc
         rows.append(("CRC-32C (google-crc32c)", f"{crc:>12.2f} GiB/s"))

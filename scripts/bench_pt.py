@@ -28,7 +28,7 @@ from benchlib import (
 from torch.utils.data._utils.collate import default_collate
 
 from imgpack import open_dataset
-from imgpack.bench import FolderDataset, measure
+from imgpack.loading.bench import FolderDataset, measure
 from imgpack.readers import collate
 
 

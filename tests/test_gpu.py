@@ -9,8 +9,8 @@ import torch
 
 from imgpack import convert, open_dataset
 from imgpack.errors import ImgpackError, OptionError
+from imgpack.loading.gpu import random_crop
 from imgpack.readers import DeviceLoader, collate
-from imgpack.readers.gpu import random_crop
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from imgpack.errors import DataError, ImageError, OptionError
 from imgpack.images import (
     Encoding,
     ImagePolicy,
+    Kind,
     apply_policy,
     decode_stored,
     parse_color,
@@ -137,7 +138,7 @@ def test_truncated_jpeg_is_an_error(bad_folder: FakeFolder) -> None:
 
 def test_missing_file_names_it(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match=r"cls/gone\.png: cannot read"):
-        process_file(0, str(tmp_path), "cls/gone.png", 0, POLICY, Encoding())
+        process_file(str(tmp_path), "cls/gone.png", 0, POLICY, Encoding())
 
 
 def test_original_keeps_bytes_only_when_they_decode_to_the_policy(edge_folder: FakeFolder) -> None:
@@ -158,7 +159,7 @@ def test_original_keeps_bytes_only_when_they_decode_to_the_policy(edge_folder: F
         "cat/linked.png",
     }
     for rel, label in edge_folder.images:
-        enc = process_file(0, root, rel, label, POLICY, Encoding("original"))
+        enc = process_file(root, rel, label, POLICY, Encoding("original"))
         same = enc.payload == (edge_folder.root / rel).read_bytes()
         assert same == (rel in kept), rel
         np.testing.assert_array_equal(
@@ -167,15 +168,13 @@ def test_original_keeps_bytes_only_when_they_decode_to_the_policy(edge_folder: F
 
 
 def test_png_named_jpg_is_a_png(edge_folder: FakeFolder) -> None:
-    enc = process_file(
-        0, str(edge_folder.root), "ant/png_named.jpg", 0, POLICY, Encoding("original")
-    )
-    assert enc.format == "PNG"
+    enc = process_file(str(edge_folder.root), "ant/png_named.jpg", 0, POLICY, Encoding("original"))
+    assert enc.kind is Kind.PNG
 
 
 def test_jpeg_encoding_within_tolerance(edge_folder: FakeFolder) -> None:
-    enc = process_file(0, str(edge_folder.root), "bee/rgb.png", 1, POLICY, Encoding("jpeg", 95))
-    assert enc.format == "JPEG" and enc.payload[:3] == b"\xff\xd8\xff"
+    enc = process_file(str(edge_folder.root), "bee/rgb.png", 1, POLICY, Encoding("jpeg", 95))
+    assert enc.kind is Kind.JPEG and enc.payload[:3] == b"\xff\xd8\xff"
     diff = np.abs(
         decode_stored(enc.payload, 3).astype(int)
         - reference_pixels(edge_folder.root / "bee/rgb.png")

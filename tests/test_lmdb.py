@@ -9,6 +9,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
+import torch
 from conftest import build_uniform_folder
 
 from imgpack import convert, open_dataset
@@ -37,7 +38,7 @@ def test_map_grows_past_the_starting_size(tmp_path: Path) -> None:
 def test_compaction_when_pages_are_wasted(
     uniform_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import imgpack.converters.lmdb as writer
+    import imgpack.formats.lmdb.writer as writer
 
     convert(uniform_folder, tmp_path / "plain", "lmdb", encoding="raw", size=16, progress=False)
     monkeypatch.setattr(writer, "COMPACT_ABOVE", -1.0)  # always compact
@@ -55,15 +56,19 @@ def test_plain_py_lmdb_read_as_in_the_docs(uniform_folder: Path, tmp_path: Path)
     env = lmdb.open(str(tmp_path / "out"), readonly=True, lock=False)
     with env.begin() as txn:
         value = txn.get(b"%010d" % 7)
-    magic, version, kind, channels, _, label, height, width = struct.unpack_from(
-        "<4sBBBBqII", value
+    magic, version, kind, channels, _, label, height, width, path_length = struct.unpack_from(
+        "<4sBBBBqIII", value
     )
-    pixels = np.frombuffer(value, np.uint8, offset=24).reshape(height, width, channels)
+    path = value[32 : 32 + path_length].decode("utf-8")
+    pixels = np.frombuffer(value, np.uint8, offset=32 + path_length).reshape(
+        height, width, channels
+    )
     env.close()
     # --
-    assert (magic, version, kind) == (b"IMGP", 1, 0)
+    assert (magic, version, kind) == (b"IMGP", 2, 0)
     image, target = ds[7]
     assert label == target
+    assert ds.samples[7] == (str(uniform_folder.resolve() / path), target)
     assert np.array_equal(pixels, image.permute(1, 2, 0).numpy())
 
 
@@ -84,13 +89,36 @@ def test_unknown_record_version_is_refused(
     encoding: str, uniform_folder: Path, tmp_path: Path
 ) -> None:
     convert(uniform_folder, tmp_path / "out", "lmdb", encoding=encoding, size=16, progress=False)
-    _rewrite(tmp_path / "out", b"0000000003", 4, b"\x02")
+    _rewrite(tmp_path / "out", b"0000000003", 4, b"\x03")
     ds = open_dataset(tmp_path / "out")
     assert ds[2][0].shape == (3, 16, 16)
     with pytest.raises(
-        DataError, match=r"out: record 0000000003: record version 2 is not supported"
+        DataError, match=r"out: record 0000000003: record version 3 is not supported"
     ):
         ds.__getitems__([2, 3])
+
+
+@pytest.mark.parametrize("encoding", ["png", "raw"])
+def test_version_1_records_still_read(encoding: str, uniform_folder: Path, tmp_path: Path) -> None:
+    """Outputs of imgpack 0.1 (24-byte headers, no source path) read as before."""
+    for name in ("out", "new"):
+        convert(uniform_folder, tmp_path / name, "lmdb", encoding=encoding, size=16, progress=False)
+    expected = [open_dataset(tmp_path / "new")[i] for i in range(60)]
+    env = lmdb.open(str(tmp_path / "out"), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        for key, value in list(txn.cursor()):
+            (path_length,) = struct.unpack_from("<I", value, 24)
+            old = bytearray(value[:24]) + value[32 + path_length :]
+            old[4] = 1
+            txn.put(key, bytes(old))
+    env.close()
+    ds = open_dataset(tmp_path / "out")
+    batch = ds.__getitems__(list(range(60)))
+    for i, (image, label) in enumerate(expected):
+        assert torch.equal(batch[i][0], image) and batch[i][1] == label
+    assert ds.targets == [label for _, label in expected]
+    with pytest.raises(ManifestError, match="stores no source paths"):
+        _ = ds.samples
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 from conftest import FakeFolder, build_uniform_folder
 
-from imgpack import convert, open_dataset
-from imgpack.converters import FORMATS, get_writer
+from imgpack import convert, formats, open_dataset
+from imgpack.converters import FORMATS
 from imgpack.errors import ImageError, ImgpackError, ManifestError, OptionError
 from imgpack.manifest import read_manifest, sha256_file
 from imgpack.pipeline import _umask
 
-SHARDED = [fmt for fmt in FORMATS if get_writer(fmt).sharded]
+SHARDED = [fmt for fmt in FORMATS if formats.get(fmt).sharded]
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -216,7 +216,7 @@ def test_reader_refuses_unknown_versions_and_formats(uniform_folder: Path, tmp_p
     with pytest.raises(ManifestError, match="schema version 2 is not supported"):
         open_dataset(dst)
     path.write_text(json.dumps({**data, "format": "zarr"}))
-    with pytest.raises(ManifestError, match="unknown format 'zarr'"):
+    with pytest.raises(ManifestError, match="format 'zarr' is not known to this imgpack"):
         open_dataset(dst)
     path.write_text("{not json")
     with pytest.raises(ManifestError, match="unreadable manifest"):
@@ -229,7 +229,7 @@ def test_reader_refuses_unknown_versions_and_formats(uniform_folder: Path, tmp_p
 def test_interrupt_leaves_nothing_behind(
     uniform_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from imgpack.converters.pt import PTWriter
+    from imgpack.converters import PTWriter
 
     calls = {"n": 0}
     original = PTWriter.add
@@ -251,7 +251,7 @@ def test_work_in_flight_is_bounded(uniform_folder: Path, monkeypatch: pytest.Mon
     ahead of the writer, so memory does not grow with the dataset."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from imgpack import pipeline
+    from imgpack import executors
     from imgpack.folder import scan_folder
     from imgpack.images import Encoding, ImagePolicy
 
@@ -263,15 +263,16 @@ def test_work_in_flight_is_bounded(uniform_folder: Path, monkeypatch: pytest.Mon
         return original(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ProcessPoolExecutor, "submit", counting_submit)
-    monkeypatch.setattr(pipeline, "MAX_CHUNK", 1)  # one file per chunk: the window in files
+    monkeypatch.setattr(executors, "MAX_CHUNK", 1)  # one file per chunk: the window in files
     samples = scan_folder(uniform_folder).samples
     ahead = []
     consumed = 0
-    for _ in pipeline._outcomes(str(uniform_folder), samples, ImagePolicy(), Encoding(), 2):
+    job = executors.Job(str(uniform_folder), ImagePolicy(), Encoding())
+    for _ in executors.LocalExecutor(2).outcomes(job, samples):
         consumed += 1
         ahead.append(submitted["n"] - 1 - consumed)  # minus the start-up task
     assert consumed == 60
-    assert max(ahead) <= 2 * pipeline.WINDOW_PER_WORKER
+    assert max(ahead) <= 2 * executors.WINDOW_PER_WORKER
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
-from imgpack import convert, open_dataset
-from imgpack.converters import FORMATS, get_writer
+from imgpack import convert, formats, open_dataset
+from imgpack.converters import FORMATS
 from imgpack.errors import DataError
 from imgpack.readers import Batch, ImageDataset, collate
 
@@ -21,7 +21,7 @@ def outputs(
     fmt = request.param
     raw, enc = tmp_path / f"{fmt}-raw", tmp_path / f"{fmt}-png"
     # several shards where the format has them, so batches cross shard boundaries
-    shards = {"shard_size": 16 * 16 * 3 * 25} if get_writer(fmt).sharded else {}
+    shards = {"shard_size": 16 * 16 * 3 * 25} if formats.get(fmt).sharded else {}
     convert(uniform_folder, raw, fmt, encoding="raw", size=16, progress=False, **shards)
     convert(uniform_folder, enc, fmt, encoding="png", progress=False)
     return {"raw": raw, "png": enc}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ def test_round_trip(
     assert ds.classes == edge_folder.classes
     assert ds.class_to_idx == {c: i for i, c in enumerate(edge_folder.classes)}
     assert ds.targets == [label for _, label in edge_folder.images]
+    source = edge_folder.root.resolve()
+    assert ds.samples == [(os.path.join(source, rel), label) for rel, label in edge_folder.images]
     for i, (rel, label) in enumerate(edge_folder.images):
         image, target = ds[i]
         expected = torch.from_numpy(_expected(edge_folder.root, rel, options).copy()).permute(

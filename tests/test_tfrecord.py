@@ -18,10 +18,12 @@ from click.testing import CliRunner
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from imgpack import convert, open_dataset, tfexample, tfrecord
+from imgpack import convert, open_dataset
 from imgpack.cli import main
 from imgpack.errors import DataError
 from imgpack.folder import scan_folder
+from imgpack.formats.tfrecord import example as tfexample
+from imgpack.formats.tfrecord import framing as tfrecord
 from imgpack.images import ImagePolicy, apply_policy
 from imgpack.readers import TFRecordDataset, TFRecordStream, collate
 

@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from imgpack import convert, open_dataset
 from imgpack.cli import main
-from imgpack.profiling import LoaderProfiler, TimedDataset, verdict
+from imgpack.loading.profiling import LoaderProfiler, TimedDataset, verdict
+from imgpack.loading.tuning import LoaderSettings, autotune_loader, recommend_loader_settings
 from imgpack.readers import collate
-from imgpack.tuning import LoaderSettings, autotune_loader, recommend_loader_settings
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_recommendation_follows_the_format(
     raw = recommend_loader_settings(open_dataset(outputs["raw"]), gpu=False)
     assert raw.num_workers == 0 and "memory gather" in raw.reasons["num_workers"]
     assert raw.pin_memory is False and "no GPU" in raw.reasons["pin_memory"]
-    monkeypatch.setattr("imgpack.tuning.usable_cpus", lambda: 8)
+    monkeypatch.setattr("imgpack.loading.tuning.usable_cpus", lambda: 8)
     enc = recommend_loader_settings(open_dataset(outputs["png"]), gpu=True)
     assert enc.num_workers == 7 and "sched_getaffinity" in enc.reasons["num_workers"]
     assert enc.pin_memory and enc.persistent_workers and enc.prefetch_factor == 4

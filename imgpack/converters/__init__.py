@@ -1,36 +1,47 @@
-"""Format writers, one module each, registered by format name.
+"""The format writers, under their public import path (a facade over :mod:`imgpack.formats`).
 
-Adding a format: a module with a :class:`~imgpack.converters.base.Writer` subclass and one line
-in :data:`_WRITERS`. Writers are imported on demand so that h5py or lmdb load only when used.
+``from imgpack.converters import FORMATS, get_writer, PTWriter`` keeps working; each writer lives
+in its format's package (``imgpack/formats/<name>/writer.py``) and loads on first use, so h5py or
+lmdb are imported only when used. Every registered format's writer class is importable from here
+by its name.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
-from imgpack.converters.base import Writer
-from imgpack.errors import OptionError
-
-_WRITERS = {
-    "pt": "imgpack.converters.pt:PTWriter",
-    "lmdb": "imgpack.converters.lmdb:LMDBWriter",
-    "hdf5": "imgpack.converters.hdf5:HDF5Writer",
-    "tfrecord": "imgpack.converters.tfrecord:TFRecordWriter",
-}
-
-#: The formats this imgpack writes and reads, in the order the CLI lists them.
-FORMATS = tuple(_WRITERS)
+from imgpack import formats
+from imgpack.formats.writer_base import ShardedWriter, Writer, WriterConfig, WrittenFile
 
 
 def get_writer(fmt: str) -> type[Writer]:
     """The writer class of format ``fmt``."""
-    try:
-        target = _WRITERS[fmt]
-    except KeyError:
-        raise OptionError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}") from None
-    module, name = target.split(":")
-    cls: type[Writer] = getattr(importlib.import_module(module), name)
-    return cls
+    return formats.get(fmt).writer_class()
 
 
-__all__ = ["FORMATS", "Writer", "get_writer"]
+def _writers() -> dict[str, str]:
+    """Class name -> module of every registered format's writer."""
+    return {
+        name: module for module, _, name in (spec.writer.partition(":") for spec in formats.specs())
+    }
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FORMATS":  # the registered formats, plugins included
+        return formats.names()
+    module = _writers().get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "FORMATS",
+    "ShardedWriter",
+    "Writer",
+    "WriterConfig",
+    "WrittenFile",
+    "get_writer",
+    *_writers(),
+]

@@ -1,8 +1,8 @@
-"""Readers: one torch ``Dataset`` per format, chosen by :func:`open_dataset` from the manifest.
+"""The readers, under their public import path (a facade over :mod:`imgpack.formats`).
 
-Adding a format: a module with an :class:`~imgpack.readers.base.ImageDataset` subclass and one
-line in :data:`_READERS`. Reader classes are importable from here (``from imgpack.readers import
-PTDataset``) and load their format library only when first used.
+``from imgpack.readers import open_dataset, PTDataset, collate`` keeps working; each reader lives
+in its format's package (``imgpack/formats/<name>/reader.py``) and loads its format library only
+when first used. Every registered format's reader class is importable from here by its name.
 """
 
 from __future__ import annotations
@@ -11,26 +11,20 @@ import importlib
 import os
 from typing import Any
 
-from imgpack.errors import ManifestError
+from imgpack import formats
+from imgpack.formats.dataset_base import Batch, ImageDataset, collate
 from imgpack.manifest import read_manifest
-from imgpack.readers.base import Batch, ImageDataset, collate
 
-_READERS = {
-    "pt": "imgpack.readers.pt:PTDataset",
-    "lmdb": "imgpack.readers.lmdb:LMDBDataset",
-    "hdf5": "imgpack.readers.hdf5:HDF5Dataset",
-    "tfrecord": "imgpack.readers.tfrecord:TFRecordDataset",
+#: Readers that are not a format's default reader.
+_OTHERS = {
+    "TFRecordStream": "imgpack.formats.tfrecord.stream",
+    "DeviceLoader": "imgpack.loading.gpu",
 }
 
 
 def reader_class(fmt: str) -> type[ImageDataset]:
     """The dataset class that reads format ``fmt``."""
-    try:
-        module, name = _READERS[fmt].split(":")
-    except KeyError:
-        raise ManifestError(f"no reader for format {fmt!r}; known: {', '.join(_READERS)}") from None
-    cls: type[ImageDataset] = getattr(importlib.import_module(module), name)
-    return cls
+    return formats.reader_for(fmt, "imgpack.readers.reader_class")
 
 
 def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
@@ -38,31 +32,23 @@ def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
 
     ``kwargs`` go to the reader (``transform``, ``target_transform`` and format options).
     """
-    return reader_class(read_manifest(path).format)(path, **kwargs)
+    return formats.reader_for(read_manifest(path).format, str(path))(path, **kwargs)
 
 
-#: Readers that are not the default of a format, importable from here all the same.
-_OTHER_READERS = ("imgpack.readers.tfrecord:TFRecordStream", "imgpack.readers.gpu:DeviceLoader")
+def _readers() -> dict[str, str]:
+    """Class name -> module of every registered format's reader, and the other readers."""
+    found = {}
+    for spec in formats.specs():
+        module, _, name = spec.reader.partition(":")
+        found[name] = module
+    return {**found, **_OTHERS}
 
 
 def __getattr__(name: str) -> Any:
-    for target in (*_READERS.values(), *_OTHER_READERS):
-        module, cls = target.split(":")
-        if cls == name:
-            return getattr(importlib.import_module(module), cls)
+    module = _readers().get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "Batch",
-    "DeviceLoader",
-    "HDF5Dataset",
-    "ImageDataset",
-    "LMDBDataset",
-    "PTDataset",
-    "TFRecordDataset",
-    "TFRecordStream",
-    "collate",
-    "open_dataset",
-    "reader_class",
-]
+__all__ = ["Batch", "ImageDataset", "collate", "open_dataset", "reader_class", *_readers()]

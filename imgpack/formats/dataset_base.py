@@ -100,8 +100,9 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     """Base class of the readers: ``ds[i]`` is ``(image, label)`` with a uint8 ``(C, H, W)`` image.
 
     Attributes named as torchvision's ``ImageFolder``: ``classes``, ``class_to_idx``,
-    ``targets``. Subclasses set :attr:`format` and implement :meth:`_open` (per-process handles)
-    and :meth:`_gather` (a batch of valid indices to images and labels).
+    ``targets``, ``samples``. Subclasses set :attr:`format` and implement :meth:`_open`
+    (per-process handles), :meth:`_gather` (a batch of valid indices to images and labels),
+    :meth:`_load_targets` and :meth:`_load_paths` (the stored source paths).
     """
 
     format: ClassVar[str]
@@ -129,6 +130,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         self._handles: Any = None
         self._pid: int | None = None
         self._targets: list[int] | None = None
+        self._samples: list[tuple[str, int]] | None = None
 
     # -- per-process handles -------------------------------------------------------------
     @abstractmethod
@@ -173,6 +175,29 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     @abstractmethod
     def _load_targets(self) -> list[int]: ...
 
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``(path, label)`` of every sample, in order, as torchvision's ``ImageFolder`` lists
+        them: each stored source path (relative to the source folder) joined to the source
+        folder the manifest records. Raises :class:`~imgpack.errors.ManifestError` for an output
+        that stores no source paths (``lmdb`` outputs of imgpack 0.1)."""
+        if self._samples is None:
+            paths = self._load_paths()
+            if paths is None:
+                raise ManifestError(
+                    f"{self.root}: this output stores no source paths (written by "
+                    f"{self.manifest.created_by or 'an older imgpack'}); convert it again to "
+                    "have them"
+                )
+            base = self.manifest.source.get("path")
+            joined = [os.path.join(base, p) for p in paths] if base else list(paths)
+            self._samples = list(zip(joined, self.targets, strict=True))
+        return self._samples
+
+    @abstractmethod
+    def _load_paths(self) -> list[str] | None:
+        """The stored source path of every sample (relative, POSIX), or ``None`` if not stored."""
+
     @abstractmethod
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         """Images and int64 labels of valid sample ``indices`` (an int64 array), in that order."""
@@ -213,6 +238,26 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             f"{type(self).__name__}(root={str(self.root)!r}, samples={len(self)}, "
             f"classes={len(self.classes)}, encoding={self.manifest.encoding!r})"
         )
+
+
+def check_labels(labels: np.ndarray, count: int, num_classes: int) -> str | None:
+    """What is wrong with a stored ``labels`` array of an output of ``count`` samples and
+    ``num_classes`` classes, or ``None``."""
+    if labels.shape != (count,):
+        return f"labels has shape {tuple(labels.shape)}, expected ({count},)"
+    if count and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        return f"labels outside 0..{num_classes - 1}"
+    return None
+
+
+def check_offsets(offsets: np.ndarray, count: int, data_bytes: int) -> str | None:
+    """What is wrong with the ``offsets`` of a ``data`` + ``offsets`` layout (sample ``i`` is
+    ``data[offsets[i]:offsets[i + 1]]``), or ``None``."""
+    if offsets.shape != (count + 1,) or int(offsets[0]) != 0 or int(offsets[-1]) != data_bytes:
+        return "offsets do not match the data"
+    if bool((offsets[1:] < offsets[:-1]).any()):
+        return "offsets are not increasing"
+    return None
 
 
 def decode_batch(

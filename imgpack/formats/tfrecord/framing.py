@@ -53,17 +53,27 @@ def frame(data: bytes) -> bytes:
     return length + _CRC.pack(masked_crc32c(length)) + data + _CRC.pack(masked_crc32c(data))
 
 
+def read_length(header: bytes | memoryview, where: str, check_crc: bool = True) -> int:
+    """The data length of a record from its 12-byte frame header (the length and the length's
+    CRC); :class:`DataError` naming ``where`` when the header is short or its CRC is wrong.
+    Every reader of frames goes through here."""
+    if len(header) < HEADER_SIZE:
+        raise DataError(f"{where}: truncated record header ({len(header)} bytes)")
+    (length,) = _LENGTH.unpack_from(header)
+    if check_crc:
+        (length_crc,) = _CRC.unpack_from(header, 8)
+        if length_crc != masked_crc32c(header[:8]):
+            raise DataError(f"{where}: length CRC mismatch (damaged record header)")
+    return int(length)
+
+
 def unframe(buf: bytes | memoryview, where: str, check_crc: bool = True) -> memoryview:
     """The data of one framed record held whole in ``buf``; :class:`DataError` naming ``where``
     when it is truncated or a CRC does not match."""
     view = memoryview(buf)
     if len(view) < HEADER_SIZE + FOOTER_SIZE:
         raise DataError(f"{where}: truncated record ({len(view)} bytes)")
-    (length,) = _LENGTH.unpack_from(view)
-    if check_crc:
-        (length_crc,) = _CRC.unpack_from(view, 8)
-        if length_crc != masked_crc32c(view[:8]):
-            raise DataError(f"{where}: length CRC mismatch (damaged record header)")
+    length = read_length(view, where, check_crc)
     if len(view) != HEADER_SIZE + length + FOOTER_SIZE:
         raise DataError(
             f"{where}: record length {length} does not match its frame of {len(view)} bytes"
@@ -90,9 +100,7 @@ def iter_frames(
         header = fh.read(HEADER_SIZE)
         if not header:
             return
-        if len(header) < HEADER_SIZE:
-            raise DataError(f"{name}: truncated record header at offset {offset}")
-        (length,) = _LENGTH.unpack_from(header)
+        length = read_length(header, f"{name} at offset {offset}", check_crc)
         rest = fh.read(length + FOOTER_SIZE)
         if len(rest) < length + FOOTER_SIZE:
             raise DataError(f"{name}: truncated record at offset {offset} (length {length})")
@@ -119,15 +127,7 @@ def build_index(path: Path) -> list[tuple[int, int]]:
     with open(path, "rb") as fh:
         offset = 0
         while offset < size:
-            header = fh.read(HEADER_SIZE)
-            if len(header) < HEADER_SIZE:
-                raise DataError(f"{path}: truncated record header at offset {offset}")
-            (length,) = _LENGTH.unpack_from(header)
-            (length_crc,) = _CRC.unpack_from(header, 8)
-            if length_crc != masked_crc32c(header[:8]):
-                raise DataError(
-                    f"{path}: length CRC mismatch at offset {offset} (damaged record header)"
-                )
+            length = read_length(fh.read(HEADER_SIZE), f"{path} at offset {offset}")
             total = HEADER_SIZE + length + FOOTER_SIZE
             if offset + total > size:
                 raise DataError(f"{path}: truncated record at offset {offset} (length {length})")

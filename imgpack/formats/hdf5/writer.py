@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import h5py
 import numpy as np
 
-from imgpack.converters.base import Writer, WriterConfig, WrittenFile, check_option
+from imgpack.formats.writer_base import Writer, WriterConfig, WrittenFile
 from imgpack.images import Encoded
 from imgpack.manifest import SCHEMA_VERSION
-from imgpack.units import parse_byte_size
 
-COMPRESSIONS = ("none", "gzip", "lzf")
 #: Bytes copied from the staging file per HDF5 write at the end.
 COPY_BLOCK = 64 << 20
 #: Target bytes per chunk when compression makes the datasets chunked.
@@ -37,15 +35,8 @@ DEFAULT_CHUNK = 1 << 20
 
 
 class HDF5Writer(Writer):
-    format = "hdf5"
-    options: ClassVar[dict[str, Any]] = {
-        "compression": "none",
-        "chunk_size": "1MiB",
-        "libver": "earliest",
-    }
-
-    def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
-        super().__init__(directory, config, **options)
+    def __init__(self, directory: Path, config: WriterConfig) -> None:
+        super().__init__(directory, config)
         self.compression = self.settings["compression"]
         self.chunk_bytes = int(self.settings["chunk_size"])
         # "earliest" keeps the file readable by HDF5 1.10 tools (Debian's h5dump, h5ls).
@@ -56,12 +47,6 @@ class HDF5Writer(Writer):
         self._labels: list[int] = []
         self._filenames: list[str] = []
         self._offsets = [0]
-
-    @classmethod
-    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
-        check_option("compression", settings["compression"], COMPRESSIONS)
-        check_option("libver", settings["libver"], ("earliest", "latest"))
-        return {**settings, "chunk_size": parse_byte_size(settings["chunk_size"], "chunk_size")}
 
     def add(self, sample: Encoded) -> None:
         self._staging.write(sample.payload)

@@ -1,4 +1,4 @@
-"""Reader of the ``pt`` format (layout in ``docs/formats/pt.md`` and :mod:`imgpack.converters.pt`)."""
+"""Reader of the ``pt`` format (layout in ``docs/formats/pt.md`` and :mod:`imgpack.formats.pt.writer`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
-from imgpack.readers.base import ImageDataset, Images, decode_batch, new_batch_tensor
+from imgpack.formats.dataset_base import (
+    ImageDataset,
+    Images,
+    check_labels,
+    check_offsets,
+    decode_batch,
+    new_batch_tensor,
+)
 
 
 class PTDataset(ImageDataset):
@@ -24,17 +31,17 @@ class PTDataset(ImageDataset):
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
         self._raw = self.manifest.encoding == "raw"
 
-    def _open(self) -> list[dict[str, torch.Tensor] | None]:
+    def _open(self) -> list[dict[str, Any] | None]:
         return [None] * len(self.manifest.files)
 
-    def _shard(self, number: int) -> dict[str, torch.Tensor]:
+    def _shard(self, number: int) -> dict[str, Any]:
         shards = self.handles
         shard = shards[number]
         if shard is None:
             shard = shards[number] = self._load(number)
         return shard
 
-    def _load(self, number: int) -> dict[str, torch.Tensor]:
+    def _load(self, number: int) -> dict[str, Any]:
         entry = self.manifest.files[number]
         path = self.root / entry.path
         try:
@@ -47,25 +54,20 @@ class PTDataset(ImageDataset):
             raise DataError(f"{path}: not a {self.manifest.encoding} shard (expected keys {keys})")
         labels = shard["labels"]
         problem = None
-        if labels.dtype != torch.int64 or labels.shape != (n,):
-            problem = f"labels should be int64 ({n},), found {labels.dtype} {tuple(labels.shape)}"
-        elif n and (int(labels.min()) < 0 or int(labels.max()) >= len(self.classes)):
-            problem = f"labels outside 0..{len(self.classes) - 1}"
-        elif self._raw:
+        if labels.dtype != torch.int64:
+            problem = f"labels should be int64, found {labels.dtype}"
+        else:
+            problem = check_labels(labels.numpy(), n, len(self.classes))
+        if problem is None and self._raw:
             image = self.manifest.image
             shape = (n, image["height"], image["width"], self.channels)
             if shard["images"].dtype != torch.uint8 or tuple(shard["images"].shape) != shape:
                 problem = f"images should be uint8 {shape}, found {tuple(shard['images'].shape)}"
-        else:
-            offsets = shard["offsets"]
-            if (
-                offsets.shape != (n + 1,)
-                or int(offsets[0]) != 0
-                or int(offsets[-1]) != len(shard["data"])
-            ):
-                problem = "offsets do not match the data"
-            elif bool((offsets[1:] < offsets[:-1]).any()):
-                problem = "offsets are not increasing"
+        elif problem is None:
+            problem = check_offsets(shard["offsets"].numpy(), n, len(shard["data"]))
+        paths = shard.get("paths")
+        if problem is None and paths is not None and len(paths) != n:
+            problem = f"paths lists {len(paths)} samples, expected {n}"
         if problem:
             raise DataError(f"{path}: damaged shard: {problem}")
         return shard
@@ -74,6 +76,12 @@ class PTDataset(ImageDataset):
         return [
             t for i in range(len(self.manifest.files)) for t in self._shard(i)["labels"].tolist()
         ]
+
+    def _load_paths(self) -> list[str] | None:
+        shards = [self._shard(i) for i in range(len(self.manifest.files))]
+        if any("paths" not in shard for shard in shards):
+            return None
+        return [str(p) for shard in shards for p in shard["paths"]]
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1

@@ -2,9 +2,11 @@
 
 Each shard ``shard-NNNNN.pt`` loads with ``torch.load(path, mmap=True, weights_only=True)``:
 
-- raw encoding: ``{"images": uint8 (n, H, W, C), "labels": int64 (n,)}``
+- raw encoding: ``{"images": uint8 (n, H, W, C), "labels": int64 (n,), "paths": [str] * n}``
 - encoded (original/png/jpeg): ``{"data": uint8 (total_bytes,), "offsets": int64 (n + 1,),
-  "labels": int64 (n,)}``; sample ``i`` is ``data[offsets[i]:offsets[i + 1]]``.
+  "labels": int64 (n,), "paths": [str] * n}``; sample ``i`` is ``data[offsets[i]:offsets[i + 1]]``.
+
+``paths`` are the samples' source paths, relative to the source folder.
 
 A shard is assembled in memory and saved when it reaches ``--shard-size`` (default 1 GiB), so
 conversion memory is bounded by one shard.
@@ -17,23 +19,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from imgpack.converters.base import ShardedWriter
+from imgpack.formats.writer_base import ShardedWriter
 from imgpack.images import Encoded
 
 
 class PTWriter(ShardedWriter):
-    format = "pt"
-
     def _start_shard(self, path: Path) -> None:
         self._path = path
         self._data = bytearray()
         self._offsets = [0]
         self._labels: list[int] = []
+        self._paths: list[str] = []
 
     def _append(self, sample: Encoded) -> int:
         self._data += sample.payload
         self._offsets.append(len(self._data))
         self._labels.append(sample.label)
+        self._paths.append(sample.path)
         return len(sample.payload)
 
     def _end_shard(self) -> None:
@@ -42,10 +44,10 @@ class PTWriter(ShardedWriter):
         if self.config.encoding.name == "raw":
             height, width = self.config.policy.size or (0, 0)
             shape = (len(self._labels), height, width, self.config.policy.channels)
-            payload = {"images": data.reshape(shape), "labels": labels}
+            payload = {"images": data.reshape(shape), "labels": labels, "paths": self._paths}
         else:
             offsets = torch.tensor(self._offsets, dtype=torch.int64)
-            payload = {"data": data, "offsets": offsets, "labels": labels}
+            payload = {"data": data, "offsets": offsets, "labels": labels, "paths": self._paths}
         torch.save(payload, self._path)
         del data, payload
         self._data = bytearray()

@@ -20,9 +20,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from imgpack.folder import scan_folder
+from imgpack.formats.dataset_base import collate
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset
-from imgpack.readers.base import collate
 
 
 class FolderDataset(Dataset[tuple[torch.Tensor, int]]):

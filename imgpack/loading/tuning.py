@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from imgpack.pipeline import usable_cpus
-from imgpack.readers.base import collate
+from imgpack.formats.dataset_base import collate
+from imgpack.system import usable_cpus
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Reader of the ``lmdb`` format (layout in ``docs/formats/lmdb.md`` and :mod:`imgpack.lmdb_record`)."""
+"""Reader of the ``lmdb`` format (layout in ``docs/formats/lmdb.md`` and
+:mod:`imgpack.formats.lmdb.record`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from imgpack import lmdb_record
 from imgpack.errors import DataError
-from imgpack.readers.base import ImageDataset, Images, decode_batch, new_batch_tensor
+from imgpack.formats.dataset_base import ImageDataset, Images, decode_batch, new_batch_tensor
+from imgpack.formats.lmdb import record
+from imgpack.images import Kind
 
 # py-lmdb allows one Environment per file per process, so readers of the same output share one.
 # Keyed by the data file's identity, so a replaced output (--overwrite) is opened afresh.
@@ -47,7 +49,9 @@ def _environment(root: Path) -> Any:
     return env
 
 
-_KEY = lmdb_record.KEY_FORMAT.__mod__  # lmdb_record.key without the call overhead
+_KEY = record.KEY_FORMAT.__mod__  # record.key without the call overhead
+#: Bytes of every raw record's start that the batch check reads (a version 2 header).
+_HEAD = record.HEADER_SIZE
 
 
 class LMDBDataset(ImageDataset):
@@ -66,17 +70,18 @@ class LMDBDataset(ImageDataset):
         self._raw = self.manifest.encoding == "raw"
         self._shape = (image["height"], image["width"], self.channels)
         if self._raw:
-            # The fixed bytes every raw record of this output starts with, and its dimensions.
-            head = lmdb_record.pack("RAW", self.channels, 0, self._shape[0], self._shape[1], b"")
+            # The fixed bytes every raw record of this output starts with (but the version, at
+            # byte 4), and its dimensions.
+            head = record.pack(Kind.RAW, self.channels, 0, self._shape[0], self._shape[1], "", b"")
             self._prefix = np.frombuffer(head[:8], np.uint8)
             self._dims = np.frombuffer(head[16:24], np.uint8)
 
     def _open(self) -> Any:
         return _environment(self.root)
 
-    def _header(self, key: Any, value: Any) -> lmdb_record.RecordHeader:
+    def _header(self, key: Any, value: Any) -> record.RecordHeader:
         try:
-            header = lmdb_record.unpack_header(value)
+            header = record.unpack_header(value)
         except DataError as exc:
             raise DataError(f"{self.root}: record {bytes(key).decode()}: {exc}") from None
         if not 0 <= header.label < len(self.classes):
@@ -90,37 +95,52 @@ class LMDBDataset(ImageDataset):
         return header
 
     def _raw_batch(self, keys: list[bytes], values: list[Any]) -> tuple[Images, torch.Tensor]:
-        """Raw records as one batch, every header checked at once with numpy."""
+        """Raw records as one batch, every header checked at once with numpy.
+
+        The pixels are the last ``H * W * C`` bytes of each record (after the header and the
+        path, whose length varies), so the batch is one join of those tails.
+        """
         count = len(values)
-        record = lmdb_record.HEADER_SIZE + int(np.prod(self._shape))
-        blob = bytearray().join(values)  # the one copy out of the map
-        if len(blob) != count * record:
-            for key, value in zip(keys, values, strict=True):  # find the odd one out
-                self._header(key, value)
-            raise DataError(f"{self.root}: a record has the wrong size")
-        rows = np.frombuffer(blob, np.uint8).reshape(count, record)
-        labels = rows[:, 8:16].copy().view("<i8").reshape(count)
-        good = (rows[:, :8] == self._prefix).all(axis=1) & (rows[:, 16:24] == self._dims).all(
-            axis=1
-        )
-        good &= (labels >= 0) & (labels < len(self.classes))
+        pixels = int(np.prod(self._shape))
+        lengths = np.fromiter(map(len, values), np.int64, count)
+        if count and int(lengths.min()) >= _HEAD:
+            labels = self._check_raw_heads(keys, values, lengths, pixels)
+        else:  # tiny version 1 records, or an empty batch: one header at a time
+            labels = np.array(
+                [self._header(k, v).label for k, v in zip(keys, values, strict=True)], np.int64
+            )
+        labels_out = torch.from_numpy(labels.astype(np.int64))
+        if get_worker_info() is None:
+            blob = bytearray().join([v[-pixels:] for v in values])  # the one copy out of the map
+            images = torch.frombuffer(blob, dtype=torch.uint8).view(count, *self._shape)
+            return images.permute(0, 3, 1, 2), labels_out
+        # In a DataLoader worker: straight into shared memory, which the hand-over needs anyway.
+        out = new_batch_tensor((count, *self._shape))
+        rows = out.numpy().reshape(count, pixels)
+        for k, value in enumerate(values):
+            rows[k] = value[-pixels:]
+        return out.permute(0, 3, 1, 2), labels_out
+
+    def _check_raw_heads(
+        self, keys: list[bytes], values: list[Any], lengths: np.ndarray, pixels: int
+    ) -> np.ndarray:
+        """Check every raw record's header at once; return the labels."""
+        count = len(values)
+        heads = np.frombuffer(bytearray().join([v[:_HEAD] for v in values]), np.uint8)
+        heads = heads.reshape(count, _HEAD)
+        version = heads[:, 4]
+        path_length = heads[:, 24:28].copy().view("<u4").reshape(count).astype(np.int64)
+        expected = np.where(version == 1, record.V1_HEADER_SIZE, _HEAD + path_length) + pixels
+        labels = heads[:, 8:16].copy().view("<i8").reshape(count)
+        prefix = heads[:, :8] == self._prefix
+        prefix[:, 4] = (version == 1) | (version == record.VERSION)
+        good = prefix.all(axis=1) & (heads[:, 16:24] == self._dims).all(axis=1)
+        good &= (labels >= 0) & (labels < len(self.classes)) & (lengths == expected)
         if not good.all():
             bad = int(np.flatnonzero(~good)[0])
             self._header(keys[bad], values[bad])  # raises the precise error
-        labels_out = torch.from_numpy(labels.astype(np.int64))
-        if get_worker_info() is None:
-            # The batch is a view of the joined records that steps over each header.
-            height, width, channels = self._shape
-            images = torch.frombuffer(blob, dtype=torch.uint8).as_strided(
-                (count, height, width, channels),
-                (record, width * channels, channels, 1),
-                lmdb_record.HEADER_SIZE,
-            )
-            return images.permute(0, 3, 1, 2), labels_out
-        # In a DataLoader worker: into shared memory, which the hand-over needs anyway.
-        out = new_batch_tensor((count, *self._shape))
-        np.copyto(out.numpy().reshape(count, -1), rows[:, lmdb_record.HEADER_SIZE :])
-        return out.permute(0, 3, 1, 2), labels_out
+            raise DataError(f"{self.root}: record {keys[bad].decode()} has the wrong size")
+        return labels
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         keys = list(map(_KEY, indices.tolist()))
@@ -134,20 +154,29 @@ class LMDBDataset(ImageDataset):
                 raise DataError(f"{self.root}: record {missing.decode()} is missing")
             if self._raw:
                 return self._raw_batch(keys, values)
-            labels = [
-                self._header(key, value).label for key, value in zip(keys, values, strict=True)
+            headers = [self._header(key, value) for key, value in zip(keys, values, strict=True)]
+            labels = [header.label for header in headers]
+            payloads = [
+                bytes(value[header.payload_offset :])
+                for header, value in zip(headers, values, strict=True)
             ]
-            payloads = [bytes(value[lmdb_record.HEADER_SIZE :]) for value in values]
         images = decode_batch(
             payloads, self.channels, lambda k: f"{self.root}: record {keys[k].decode()}"
         )
         return images, torch.tensor(labels, dtype=torch.int64)
 
-    def _load_targets(self) -> list[int]:
+    def _headers(self) -> list[record.RecordHeader]:
         with self.handles.begin(buffers=True) as txn:
-            targets = [self._header(key, value).label for key, value in txn.cursor()]
-        if len(targets) != len(self):
+            headers = [self._header(key, value) for key, value in txn.cursor()]
+        if len(headers) != len(self):
             raise DataError(
-                f"{self.root}: holds {len(targets)} records, the manifest says {len(self)}"
+                f"{self.root}: holds {len(headers)} records, the manifest says {len(self)}"
             )
-        return targets
+        return headers
+
+    def _load_targets(self) -> list[int]:
+        return [header.label for header in self._headers()]
+
+    def _load_paths(self) -> list[str] | None:
+        paths = [header.path for header in self._headers()]
+        return None if None in paths else [p for p in paths if p is not None]

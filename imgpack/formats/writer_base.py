@@ -2,18 +2,19 @@
 
 The conversion engine (:mod:`imgpack.pipeline`) hands a writer the encoded samples one by one,
 in scan order, from a single thread. A writer owns the files it creates inside the (temporary)
-output directory; the engine adds the manifest and moves the directory into place.
+output directory; the engine adds the manifest and moves the directory into place. The format's
+options are parsed by its :class:`~imgpack.formats.FormatSpec` before the writer exists and
+reach it as :attr:`WriterConfig.settings`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any
 
-from imgpack.errors import OptionError
 from imgpack.images import Encoded, Encoding, ImagePolicy
 
 
@@ -21,12 +22,14 @@ from imgpack.images import Encoded, Encoding, ImagePolicy
 class WriterConfig:
     """What every writer is told about the output it writes."""
 
+    format: str
     classes: list[str]
     encoding: Encoding
     policy: ImagePolicy
-    shard_size: int
-    #: Samples the scan found: an upper bound (skipped files make the final count smaller).
-    max_samples: int
+    #: Bytes per shard (sharded formats; 0 for single-file ones).
+    shard_size: int = 0
+    #: The format's options, parsed by its spec (``-o KEY=VALUE``).
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -40,40 +43,14 @@ class WrittenFile:
 class Writer(ABC):
     """Writes one output directory. Use as a context manager; :meth:`close` may be called twice.
 
-    Subclasses set :attr:`format`, may declare format options in :attr:`options` (name ->
-    default), and implement :meth:`add` and :meth:`_finish`.
+    Subclasses implement :meth:`add` and :meth:`_finish`.
     """
 
-    format: ClassVar[str]
-    #: Format-specific options and their defaults; unknown options are refused.
-    options: ClassVar[dict[str, Any]] = {}
-    #: Whether the output rolls over to new files at ``--shard-size``.
-    sharded: ClassVar[bool] = False
-    #: Default ``--shard-size`` in bytes, for sharded formats.
-    default_shard_size: ClassVar[int] = 1 << 30
-
-    def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
+    def __init__(self, directory: Path, config: WriterConfig) -> None:
         self.directory = directory
         self.config = config
-        self.settings = self.check_options(options)
+        self.settings = config.settings
         self._files: list[WrittenFile] | None = None
-
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """The format's settings: its defaults updated with ``options``, checked and normalised.
-        The engine calls it before scanning, so a bad option fails at once."""
-        unknown = sorted(set(options) - set(cls.options))
-        if unknown:
-            allowed = ", ".join(cls.options) or "none"
-            raise OptionError(
-                f"format {cls.format!r} has no option {', '.join(unknown)} (its options: {allowed})"
-            )
-        return cls._normalise({**cls.options, **options})
-
-    @classmethod
-    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
-        """Check and convert the format's own settings (override in a format with options)."""
-        return settings
 
     @abstractmethod
     def add(self, sample: Encoded) -> None:
@@ -116,17 +93,15 @@ class ShardedWriter(Writer):
     of its own.
     """
 
-    sharded = True
-
-    def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
-        super().__init__(directory, config, **options)
+    def __init__(self, directory: Path, config: WriterConfig) -> None:
+        super().__init__(directory, config)
         self._shards: list[WrittenFile] = []
         self._shard_bytes = 0
         self._shard_count = 0
         self._open = False
 
     def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}.{self.format}"
+        return f"shard-{index:05d}.{self.config.format}"
 
     @abstractmethod
     def _start_shard(self, path: Path) -> None: ...
@@ -159,12 +134,3 @@ class ShardedWriter(Writer):
         if self._open:
             self._roll()
         return self._shards
-
-
-def check_option(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
-    """Validate a format option against its allowed values."""
-    if value not in allowed:
-        raise OptionError(
-            f"invalid {name} {value!r}: expected one of {', '.join(map(str, allowed))}"
-        )
-    return value

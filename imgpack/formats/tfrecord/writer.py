@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO
 
-from imgpack import tfexample, tfrecord
-from imgpack.converters.base import ShardedWriter, WrittenFile
-from imgpack.errors import OptionError
+from imgpack.formats.tfrecord import example, framing
+from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoded
 
 
@@ -24,7 +23,7 @@ def example_features(sample: Encoded, class_name: str, label_offset: int) -> dic
     """The features of one sample's record."""
     return {
         "image/encoded": [sample.payload],
-        "image/format": [sample.format.encode()],
+        "image/format": [sample.kind.value.encode()],
         "image/class/label": [sample.label + label_offset],
         "image/class/text": [class_name.encode("utf-8")],
         "image/height": [sample.height],
@@ -36,27 +35,10 @@ def example_features(sample: Encoded, class_name: str, label_offset: int) -> dic
 
 
 class TFRecordWriter(ShardedWriter):
-    format = "tfrecord"
-    options: ClassVar[dict[str, Any]] = {"prefix": "data", "label_offset": 0}
-    default_shard_size = 256 << 20
-
-    def __init__(self, directory: Path, config: Any, **options: Any) -> None:
-        super().__init__(directory, config, **options)
+    def __init__(self, directory: Path, config: WriterConfig) -> None:
+        super().__init__(directory, config)
         self.label_offset = int(self.settings["label_offset"])
         self._fh: BinaryIO | None = None
-
-    @classmethod
-    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
-        prefix = str(settings["prefix"])
-        if not prefix or "/" in prefix or prefix.startswith("."):
-            raise OptionError(f"invalid prefix {prefix!r}: expected a plain file name prefix")
-        try:
-            label_offset = int(settings["label_offset"])
-        except (TypeError, ValueError):
-            raise OptionError(
-                f"invalid label_offset {settings['label_offset']!r}: expected an integer"
-            ) from None
-        return {**settings, "prefix": prefix, "label_offset": label_offset}
 
     def shard_name(self, index: int) -> str:
         # The shard count is known only at the end; _finish renames to -NNNNN-of-MMMMM.
@@ -70,8 +52,8 @@ class TFRecordWriter(ShardedWriter):
     def _append(self, sample: Encoded) -> int:
         assert self._fh is not None
         name = self.config.classes[sample.label]
-        record = tfrecord.frame(
-            tfexample.encode_example(example_features(sample, name, self.label_offset))
+        record = framing.frame(
+            example.encode_example(example_features(sample, name, self.label_offset))
         )
         self._fh.write(record)
         self._index.append((self._offset, len(record)))
@@ -83,7 +65,7 @@ class TFRecordWriter(ShardedWriter):
         path = Path(self._fh.name)
         self._fh.close()
         self._fh = None
-        tfrecord.write_index(path.with_suffix(".tfrecord"), self._index)  # .partial -> .idx below
+        framing.write_index(path.with_suffix(".tfrecord"), self._index)  # .partial -> .idx below
 
     def _finish(self) -> list[WrittenFile]:
         partial = super()._finish()
@@ -94,7 +76,7 @@ class TFRecordWriter(ShardedWriter):
             old = self.directory / written.path
             new = self.directory / f"{prefix}-{number:05d}-of-{total:05d}.tfrecord"
             os.rename(old, new)
-            os.rename(tfrecord.index_path(old.with_suffix(".tfrecord")), tfrecord.index_path(new))
+            os.rename(framing.index_path(old.with_suffix(".tfrecord")), framing.index_path(new))
             files.append(WrittenFile(new.name, written.num_samples))
         return files
 

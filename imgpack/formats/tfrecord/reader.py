@@ -1,18 +1,15 @@
-"""Readers of TFRecord files: imgpack's ``tfrecord`` outputs and ``tf.train.Example`` files
-written by other tools (layout in ``docs/formats/tfrecord.md``).
+"""The map-style reader of TFRecord files: imgpack's ``tfrecord`` outputs and
+``tf.train.Example`` files written by other tools (layout in ``docs/formats/framing.md``).
 
-- :class:`TFRecordDataset` is map-style: random access through the ``.idx`` files (or an index
-  built in memory), CRCs checked by default.
-- :class:`TFRecordStream` is an ``IterableDataset``: sequential reads with an optional shuffle
-  buffer, split across DataLoader workers and DDP ranks.
+:class:`Records` knows where the records are and how one becomes ``(pixels, label)``; it serves
+:class:`TFRecordDataset` (random access through the ``.idx`` files, or an index built in memory,
+CRCs checked by default) and :class:`~imgpack.formats.framing.stream.TFRecordStream`.
 """
 
 from __future__ import annotations
 
 import glob
-import math
 import os
-import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
-from imgpack import tfexample, tfrecord
 from imgpack.errors import DataError, ImageError, ManifestError
-from imgpack.images import ImagePolicy, apply_policy, decode_stored
+from imgpack.formats.dataset_base import ImageDataset, Images, arrays_to_batch
+from imgpack.formats.tfrecord import example, framing
+from imgpack.images import ImagePolicy, Kind, apply_policy, decode_stored
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
-from imgpack.readers.base import ImageDataset, Images, arrays_to_batch, collate
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
 
@@ -68,12 +64,13 @@ class Records:
                 else label_offset
             )
             self._labels: list[int] | None = None
+            self._paths: list[str] | None = None
         else:
             self.foreign = True
             self.label_offset = label_offset or 0
             self.shards = [self._shard(p) for p in _record_files(paths)]
             self.root = self.shards[0].path.parent
-            self.manifest, self._labels = self._scan_foreign()
+            self.manifest, self._labels, self._paths = self._scan_foreign()
         self.channels = int(self.manifest.image.get("channels", 3))
         self.policy = ImagePolicy()
 
@@ -81,28 +78,31 @@ class Records:
     def _shard(path: Path) -> Shard:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such TFRecord file")
-        if tfrecord.is_gzip(path):
+        if framing.is_gzip(path):
             return Shard(path, np.empty(0, np.int64), np.empty(0, np.int64), gzip=True)
-        index = tfrecord.read_index(path)
+        index = framing.read_index(path)
         if index is None:
-            index = tfrecord.build_index(path)
+            index = framing.build_index(path)
         array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
         return Shard(path, array[:, 0].copy(), array[:, 1].copy())
 
-    def _scan_foreign(self) -> tuple[Manifest, list[int]]:
-        """One pass over foreign files: count records (GZIP ones too) and build the label map."""
+    def _scan_foreign(self) -> tuple[Manifest, list[int], list[str] | None]:
+        """One pass over foreign files: count records (GZIP ones too), build the label map and
+        collect the ``image/filename`` of every record (``None`` unless every record has one)."""
         labels: list[int] = []
+        paths: list[str] | None = []
         names: dict[int, str] = {}
         for shard in self.shards:
             count = 0
-            with tfrecord.open_records(shard.path) as fh:
-                for offset, data in tfrecord.iter_frames(fh, str(shard.path), self.check_crc):
+            with framing.open_records(shard.path) as fh:
+                for offset, data in framing.iter_frames(fh, str(shard.path), self.check_crc):
                     features = _parse(data, f"{shard.path} at offset {offset}")
                     label = _label(features, f"{shard.path} at offset {offset}") - self.label_offset
                     labels.append(label)
                     text = features.get("image/class/text")
                     if text and isinstance(text[0], bytes):
                         names.setdefault(label, text[0].decode("utf-8", "replace"))
+                    paths = _collect_path(paths, features)
                     count += 1
             if shard.gzip:
                 shard.offsets = np.full(count, -1, np.int64)
@@ -128,13 +128,27 @@ class Records:
             files=files,
             options={"label_offset": self.label_offset, "foreign": True},
         )
-        return manifest, labels
+        return manifest, labels, paths
 
     @property
     def labels(self) -> list[int]:
         if self._labels is None:
             self._labels = [label for _, _, _, label in self.iterate(decode=False)]
         return self._labels
+
+    @property
+    def paths(self) -> list[str] | None:
+        """The ``image/filename`` of every record, or ``None`` unless every record has one."""
+        if self._paths is None and not self.foreign:
+            paths: list[str] | None = []
+            for shard in self.shards:
+                with framing.open_records(shard.path) as fh:
+                    for offset, data in framing.iter_frames(fh, str(shard.path), self.check_crc):
+                        paths = _collect_path(
+                            paths, _parse(data, f"{shard.path} at offset {offset}")
+                        )
+            self._paths = paths
+        return self._paths
 
     def sample(
         self, data: memoryview, where: str, decode: bool = True
@@ -152,7 +166,7 @@ class Records:
         payload = encoded[0]
         fmt = features.get("image/format") or [b""]
         try:
-            if fmt[0] == b"RAW":
+            if fmt[0] == Kind.RAW.value.encode():
                 shape = tuple(
                     int(features[k][0]) for k in ("image/height", "image/width", "image/channels")
                 )
@@ -177,9 +191,9 @@ class Records:
             shard = self.shards[number]
             first = min(records) if records and not shard.gzip else 0
             start = int(shard.offsets[first]) if first else 0
-            with tfrecord.open_records(shard.path) as fh:
+            with framing.open_records(shard.path) as fh:
                 fh.seek(start)  # skip the records this reader does not need
-                frames = tfrecord.iter_frames(fh, str(shard.path), self.check_crc, start)
+                frames = framing.iter_frames(fh, str(shard.path), self.check_crc, start)
                 for record, (offset, data) in enumerate(frames, start=first):
                     if record in records:
                         pixels, label = self.sample(
@@ -221,14 +235,25 @@ def _record_files(paths: list[Path]) -> list[Path]:
     return files
 
 
-def _parse(data: memoryview, where: str) -> dict[str, tfexample.FeatureValue]:
+def _parse(data: memoryview, where: str) -> dict[str, example.FeatureValue]:
     try:
-        return tfexample.decode_example(data)
+        return example.decode_example(data)
     except DataError as exc:
         raise DataError(f"{where}: {exc}") from None
 
 
-def _label(features: dict[str, tfexample.FeatureValue], where: str) -> int:
+def _collect_path(
+    paths: list[str] | None, features: dict[str, example.FeatureValue]
+) -> list[str] | None:
+    """``paths`` with this record's ``image/filename`` added, or ``None`` once one lacks it."""
+    value = features.get("image/filename")
+    if paths is None or not value or not isinstance(value[0], bytes):
+        return None
+    paths.append(value[0].decode("utf-8", "surrogateescape"))
+    return paths
+
+
+def _label(features: dict[str, example.FeatureValue], where: str) -> int:
     value = features.get("image/class/label")
     if not value or not isinstance(value[0], int):
         raise DataError(f"{where}: no image/class/label")
@@ -282,6 +307,9 @@ class TFRecordDataset(ImageDataset):
     def _load_targets(self) -> list[int]:
         return list(self.records.labels)
 
+    def _load_paths(self) -> list[str] | None:
+        return self.records.paths
+
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1
         local = indices - self._starts[shard_of]
@@ -294,139 +322,6 @@ class TFRecordDataset(ImageDataset):
             offset, size = int(shard.offsets[record]), int(shard.sizes[record])
             where = f"{shard.path} at offset {offset}"
             data = os.pread(self._fd(int(shard_of[pos])), size, offset)
-            frame = tfrecord.unframe(data, where, self.records.check_crc)
+            frame = framing.unframe(data, where, self.records.check_crc)
             arrays[pos], labels[pos] = self.records.sample(frame, where)
         return arrays_to_batch(arrays), torch.tensor(labels, dtype=torch.int64)
-
-
-class TFRecordStream(IterableDataset[tuple[Any, Any]]):
-    """Sequential reader of TFRecord files (GZIP-compressed ones too), as an ``IterableDataset``.
-
-    Each epoch lists every record in file order (the file order shuffled per epoch when
-    ``shuffle_buffer > 0``), gives each DDP rank one contiguous part and each DataLoader worker
-    one contiguous part of its rank's, so every record is read once per epoch. Every rank gets
-    the same count: with ``drop_remainder=False`` (default) the last ranks' parts wrap around to
-    the first records (up to ``world_size - 1`` records read twice an epoch, like
-    ``DistributedSampler``); with ``drop_remainder=True`` those ``N mod world_size`` records are
-    left out of the epoch instead. ``shuffle_buffer`` samples are kept and drawn at random
-    (seeded by ``seed``, the epoch, the rank and the worker). Call :meth:`set_epoch` each epoch.
-
-    With ``batch_size=N`` the stream yields whole batches, ``(images (N, C, H, W), labels)``,
-    each image copied once into the batch tensor: pass ``batch_size=None`` to the DataLoader.
-    Without it, samples are yielded one by one for the DataLoader to batch.
-    """
-
-    def __init__(
-        self,
-        source: Source,
-        transform: Callable[[torch.Tensor], Any] | None = None,
-        target_transform: Callable[[int], Any] | None = None,
-        shuffle_buffer: int = 0,
-        seed: int = 0,
-        check_crc: bool = True,
-        label_offset: int | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        drop_remainder: bool = False,
-        batch_size: int | None = None,
-    ) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"invalid batch_size {batch_size!r}: expected 1 or more, or None")
-        self.batch_size = batch_size
-        self.records = Records(source, check_crc, label_offset)
-        self.classes = list(self.records.manifest.classes)
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        self.transform, self.target_transform = transform, target_transform
-        self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
-        self.rank, self.world_size = _distributed(rank, world_size)
-        self.drop_remainder = drop_remainder
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        """Samples this rank reads per epoch (all its workers together)."""
-        total = sum(len(s) for s in self.records.shards)
-        return (
-            total // self.world_size if self.drop_remainder else math.ceil(total / self.world_size)
-        )
-
-    def plan(self, worker: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
-        """``(shard, record)`` pairs this rank's ``worker`` reads this epoch, in read order."""
-        order = list(range(len(self.records.shards)))
-        if self.shuffle_buffer > 0:
-            random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
-        everything = [(s, r) for s in order for r in range(len(self.records.shards[s]))]
-        per_rank = len(self)
-        start = self.rank * per_rank
-        mine = [everything[(start + k) % len(everything)] for k in range(per_rank)]
-        lo, hi = (len(mine) * worker) // num_workers, (len(mine) * (worker + 1)) // num_workers
-        return mine[lo:hi]
-
-    def _decoded(self) -> Iterator[tuple[np.ndarray, int]]:
-        """This worker's ``(pixels, label)`` for the epoch, through the shuffle buffer."""
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        wanted: dict[int, set[int]] = {}
-        repeats: dict[tuple[int, int], int] = {}
-        for shard, record in self.plan(worker, workers):
-            wanted.setdefault(shard, set()).add(record)
-            repeats[shard, record] = repeats.get((shard, record), 0) + 1  # wrap-around repeats
-        rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}-{worker}")
-        buffer: list[tuple[np.ndarray, int]] = []
-        for shard, record, pixels, label in self.records.iterate(wanted):
-            assert pixels is not None
-            for _ in range(repeats[shard, record]):
-                if self.shuffle_buffer <= 0:
-                    yield pixels, label
-                elif len(buffer) < self.shuffle_buffer:
-                    buffer.append((pixels, label))
-                else:
-                    k = rng.randrange(len(buffer))
-                    yield buffer[k]
-                    buffer[k] = (pixels, label)
-        rng.shuffle(buffer)
-        yield from buffer
-
-    def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        if self.batch_size is None:
-            for pixels, label in self._decoded():
-                yield self._sample(pixels, label)
-            return
-        pending: list[tuple[np.ndarray, int]] = []
-        for item in self._decoded():
-            pending.append(item)
-            if len(pending) == self.batch_size:
-                yield self._batch(pending)
-                pending = []
-        if pending:
-            yield self._batch(pending)
-
-    def _batch(self, items: list[tuple[np.ndarray, int]]) -> tuple[Any, Any]:
-        """A whole batch, decoded images copied once into one tensor (no transforms set)."""
-        if self.transform is None and self.target_transform is None:
-            labels = torch.tensor([label for _, label in items], dtype=torch.int64)
-            return arrays_to_batch([pixels for pixels, _ in items]), labels
-        return collate([self._sample(pixels, label) for pixels, label in items])
-
-    def _sample(self, pixels: np.ndarray, label: int) -> tuple[Any, Any]:
-        writable = pixels if pixels.flags.writeable else pixels.copy()
-        image: Any = torch.from_numpy(writable).permute(2, 0, 1)
-        target: Any = label
-        if self.transform is not None:
-            image = self.transform(image)
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return image, target
-
-
-def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank, world_size = rank or 0, world_size or 1
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-    return rank, world_size

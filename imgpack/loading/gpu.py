@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from imgpack.errors import ImgpackError, OptionError
+from imgpack.formats.dataset_base import collate
 from imgpack.images import ImagePolicy, resize_pixels
-from imgpack.readers.base import collate
 from imgpack.units import parse_image_size
 
 #: Samples copied to the device per step while loading (bounded host memory).
@@ -177,7 +177,7 @@ class DeviceLoader:
     ) -> None:
         raw = getattr(getattr(dataset, "manifest", None), "encoding", None) == "raw"
         if workers is None:
-            from imgpack.pipeline import usable_cpus
+            from imgpack.system import usable_cpus
 
             workers = 0 if raw else usable_cpus()
         loader = DataLoader(

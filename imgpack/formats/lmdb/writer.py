@@ -1,7 +1,7 @@
 """The ``lmdb`` format: the output directory is an LMDB environment (``data.mdb``, ``lock.mdb``).
 
 One record per sample, keyed by its zero-padded index, in the layout of
-:mod:`imgpack.lmdb_record`. Records are written in append mode and committed in batches; the map
+:mod:`imgpack.formats.lmdb.record`. Records are written in append mode and committed in batches; the map
 starts at ``map_size`` (64 MiB by default) and doubles whenever a batch does not fit (the batch
 is replayed), so no size has to be guessed. ``data.mdb`` grows with what is written (no map-sized
 tail); it is compacted at the end only if free pages make up more than 5% of it.
@@ -12,14 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, ClassVar
 
 import lmdb
 
-from imgpack import lmdb_record
-from imgpack.converters.base import Writer, WriterConfig, WrittenFile
+from imgpack.formats.lmdb import record
+from imgpack.formats.writer_base import Writer, WriterConfig, WrittenFile
 from imgpack.images import Encoded
-from imgpack.units import parse_byte_size
 
 #: Records per write transaction, and bytes; a commit happens at whichever comes first.
 COMMIT_RECORDS = 1000
@@ -29,13 +27,9 @@ COMPACT_ABOVE = 0.05
 
 
 class LMDBWriter(Writer):
-    format = "lmdb"
-    options: ClassVar[dict[str, Any]] = {"map_size": "64MiB"}
-
-    def __init__(self, directory: Path, config: WriterConfig, **options: Any) -> None:
-        super().__init__(directory, config, **options)
+    def __init__(self, directory: Path, config: WriterConfig) -> None:
+        super().__init__(directory, config)
         self.map_size = int(self.settings["map_size"])
-        self.growths = 0
         self._env = lmdb.open(
             str(directory),
             map_size=self.map_size,
@@ -48,20 +42,17 @@ class LMDBWriter(Writer):
         self._pending_bytes = 0
         self._count = 0
 
-    @classmethod
-    def _normalise(cls, settings: dict[str, Any]) -> dict[str, Any]:
-        return {**settings, "map_size": parse_byte_size(settings["map_size"], "map_size")}
-
     def add(self, sample: Encoded) -> None:
-        value = lmdb_record.pack(
-            sample.format,
+        value = record.pack(
+            sample.kind,
             sample.channels,
             sample.label,
             sample.height,
             sample.width,
+            sample.path,
             sample.payload,
         )
-        self._pending.append((lmdb_record.key(self._count), value))
+        self._pending.append((record.key(self._count), value))
         self._pending_bytes += len(value)
         self._count += 1
         if len(self._pending) >= COMMIT_RECORDS or self._pending_bytes >= COMMIT_BYTES:
@@ -76,7 +67,6 @@ class LMDBWriter(Writer):
                 # The transaction was aborted: grow the map and replay the whole batch.
                 self.map_size = max(self.map_size * 2, self.map_size + 2 * self._pending_bytes)
                 self._env.set_mapsize(self.map_size)
-                self.growths += 1
                 continue
             self._pending = []
             self._pending_bytes = 0

@@ -8,7 +8,14 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
-from imgpack.readers.base import ImageDataset, Images, decode_batch, new_batch_tensor
+from imgpack.formats.dataset_base import (
+    ImageDataset,
+    Images,
+    check_labels,
+    check_offsets,
+    decode_batch,
+    new_batch_tensor,
+)
 
 #: HDF5 chunk cache per open file on the chunked path (h5py's default is 1 MiB).
 CHUNK_CACHE_BYTES = 64 << 20
@@ -52,23 +59,15 @@ class HDF5Dataset(ImageDataset):
 
     def _check_layout(self) -> None:
         n = len(self)
-        problem = None
-        if self._labels.shape != (n,):
-            problem = f"labels has shape {self._labels.shape}, expected ({n},)"
-        elif n and (self._labels.min() < 0 or self._labels.max() >= len(self.classes)):
-            problem = f"labels outside 0..{len(self.classes) - 1}"
-        elif self._raw:
+        problem = check_labels(self._labels, n, len(self.classes))
+        if problem is None and self._raw:
             image = self.manifest.image
             expected = (n, image["height"], image["width"], self.channels)
             if self._shape != expected:
                 problem = f"images has shape {self._shape}, expected {expected}"
-        else:
-            offsets = self._offsets
-            assert offsets is not None
-            if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != self._shape[0]:
-                problem = "offsets do not match data"
-            elif (np.diff(offsets) < 0).any():
-                problem = "offsets are not increasing"
+        elif problem is None:
+            assert self._offsets is not None
+            problem = check_offsets(self._offsets, n, self._shape[0])
         if problem:
             raise DataError(f"{self.path}: damaged file: {problem}")
 
@@ -96,6 +95,22 @@ class HDF5Dataset(ImageDataset):
 
     def _load_targets(self) -> list[int]:
         return self._labels.tolist()
+
+    def _load_paths(self) -> list[str] | None:
+        import h5py
+
+        try:
+            with h5py.File(self.path, "r") as f:
+                if "filenames" not in f:
+                    return None
+                names = f["filenames"].asstr()[...]
+        except (OSError, KeyError, ValueError) as exc:
+            raise DataError(f"{self.path}: cannot read the filenames: {exc}") from None
+        if len(names) != len(self):
+            raise DataError(
+                f"{self.path}: filenames lists {len(names)} samples, expected {len(self)}"
+            )
+        return [str(name) for name in names]
 
     # -- reading ----------------------------------------------------------------------------
     def _read_rows(self, indices: np.ndarray) -> np.ndarray:

@@ -1,0 +1,141 @@
+"""Where a conversion's read + validate + encode work runs.
+
+An executor takes a :class:`Job` (the source root, the image policy and the encoding) and the
+samples in scan order, and yields one :data:`Outcome` per sample, **in scan order**, whatever order
+the work finishes in: the writer downstream sees the same sequence from every executor, so the
+output bytes do not depend on where the work ran.
+
+- :class:`LocalExecutor`: a process pool on this machine with a bounded window of chunks in
+  flight (memory stays bounded whatever the dataset size).
+
+An executor for a cluster plugs in here with the same contract.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import warnings
+from collections import deque
+from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from imgpack.errors import ImageError, ImgpackError
+from imgpack.folder import Sample
+from imgpack.images import Encoded, Encoding, ImagePolicy, process_file
+
+#: Chunks in flight per worker: enough to keep every worker busy, few enough to bound memory.
+WINDOW_PER_WORKER = 4
+MAX_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A source file that could not be converted, and why."""
+
+    path: str
+    reason: str
+
+
+Outcome = Encoded | Failure
+
+
+@dataclass(frozen=True)
+class Job:
+    """How every sample of one conversion is processed (small: sent with every chunk)."""
+
+    root: str
+    policy: ImagePolicy
+    encoding: Encoding
+
+
+class Executor(Protocol):
+    def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
+        """One outcome per sample of ``samples``, in that order."""
+        ...
+
+
+def process_chunk(job: Job, items: Sequence[Sample]) -> list[Outcome]:
+    """Read, validate and encode ``items`` (in a worker); a bad file becomes a :class:`Failure`."""
+    out: list[Outcome] = []
+    for sample in items:
+        try:
+            out.append(process_file(job.root, sample.path, sample.label, job.policy, job.encoding))
+        except ImageError as exc:
+            out.append(Failure(exc.path, exc.reason))
+    return out
+
+
+def _ignore_sigint() -> None:
+    # The parent handles Ctrl-C and tears the pool down; workers should not print tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """fork where the platform has it, else spawn.
+
+    The workers run only imgpack's own read/decode/encode code (Pillow, numpy), never torch,
+    OpenMP or logging, so forking a parent that holds other threads is safe here, as it is for
+    torch's DataLoader workers. forkserver and spawn would re-run the caller's ``__main__``
+    module in every worker (on Python 3.11 the forkserver does not preload it): for a training
+    script that imports torch, seconds of start-up per worker.
+    """
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def chunks(items: Sequence[Any], largest: int) -> Iterator[Sequence[Any]]:
+    """Slices of ``items`` of 1, 2, 4, ... up to ``largest`` items: the first results arrive at
+    once, later chunks amortise the per-task overhead."""
+    start, size = 0, 1
+    while start < len(items):
+        yield items[start : start + size]
+        start += size
+        size = min(size * 2, largest)
+
+
+class LocalExecutor:
+    """A process pool of ``workers`` processes (``1``: in this process, no pool)."""
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be 1 or more, not {workers}")
+        self.workers = workers
+
+    def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
+        workers = self.workers
+        if workers == 1:
+            for sample in samples:
+                yield from process_chunk(job, [sample])
+            return
+        largest = max(1, min(MAX_CHUNK, len(samples) // (workers * 8)))
+        window: deque[Future[list[Outcome]]] = deque()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns about fork() in a multi-threaded process; see _pool_context.
+            warnings.filterwarnings(
+                "ignore",
+                message=r".*use of fork\(\) may lead to deadlocks",
+                category=DeprecationWarning,
+            )
+            pool = ProcessPoolExecutor(
+                workers, mp_context=_pool_context(), initializer=_ignore_sigint
+            )
+            first = pool.submit(process_chunk, job, [])  # starts the workers
+        try:
+            first.result()
+            for part in chunks(samples, largest):
+                window.append(pool.submit(process_chunk, job, part))
+                if len(window) >= workers * WINDOW_PER_WORKER:
+                    yield from window.popleft().result()
+            while window:
+                yield from window.popleft().result()
+        except BrokenProcessPool:
+            raise ImgpackError(
+                "a conversion worker died unexpectedly (out of memory?); try fewer --workers"
+            ) from None
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)

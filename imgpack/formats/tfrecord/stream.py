@@ -1,0 +1,150 @@
+"""The streaming reader of TFRecord files (layout in ``docs/formats/tfrecord.md``): an
+``IterableDataset`` with sequential reads, an optional shuffle buffer, split across DataLoader
+workers and DDP ranks; GZIP-compressed files too."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from imgpack.formats.dataset_base import arrays_to_batch, collate
+from imgpack.formats.tfrecord.reader import Records, Source
+
+
+class TFRecordStream(IterableDataset[tuple[Any, Any]]):
+    """Sequential reader of TFRecord files (GZIP-compressed ones too), as an ``IterableDataset``.
+
+    Each epoch lists every record in file order (the file order shuffled per epoch when
+    ``shuffle_buffer > 0``), gives each DDP rank one contiguous part and each DataLoader worker
+    one contiguous part of its rank's, so every record is read once per epoch. Every rank gets
+    the same count: with ``drop_remainder=False`` (default) the last ranks' parts wrap around to
+    the first records (up to ``world_size - 1`` records read twice an epoch, like
+    ``DistributedSampler``); with ``drop_remainder=True`` those ``N mod world_size`` records are
+    left out of the epoch instead. ``shuffle_buffer`` samples are kept and drawn at random
+    (seeded by ``seed``, the epoch, the rank and the worker). Call :meth:`set_epoch` each epoch.
+
+    With ``batch_size=N`` the stream yields whole batches, ``(images (N, C, H, W), labels)``,
+    each image copied once into the batch tensor: pass ``batch_size=None`` to the DataLoader.
+    Without it, samples are yielded one by one for the DataLoader to batch.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        transform: Callable[[torch.Tensor], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        check_crc: bool = True,
+        label_offset: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_remainder: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"invalid batch_size {batch_size!r}: expected 1 or more, or None")
+        self.batch_size = batch_size
+        self.records = Records(source, check_crc, label_offset)
+        self.classes = list(self.records.manifest.classes)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.transform, self.target_transform = transform, target_transform
+        self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
+        self.rank, self.world_size = _distributed(rank, world_size)
+        self.drop_remainder = drop_remainder
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch (all its workers together)."""
+        total = sum(len(s) for s in self.records.shards)
+        return (
+            total // self.world_size if self.drop_remainder else math.ceil(total / self.world_size)
+        )
+
+    def plan(self, worker: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
+        """``(shard, record)`` pairs this rank's ``worker`` reads this epoch, in read order."""
+        order = list(range(len(self.records.shards)))
+        if self.shuffle_buffer > 0:
+            random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        everything = [(s, r) for s in order for r in range(len(self.records.shards[s]))]
+        per_rank = len(self)
+        start = self.rank * per_rank
+        mine = [everything[(start + k) % len(everything)] for k in range(per_rank)]
+        lo, hi = (len(mine) * worker) // num_workers, (len(mine) * (worker + 1)) // num_workers
+        return mine[lo:hi]
+
+    def _decoded(self) -> Iterator[tuple[np.ndarray, int]]:
+        """This worker's ``(pixels, label)`` for the epoch, through the shuffle buffer."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        wanted: dict[int, set[int]] = {}
+        repeats: dict[tuple[int, int], int] = {}
+        for shard, record in self.plan(worker, workers):
+            wanted.setdefault(shard, set()).add(record)
+            repeats[shard, record] = repeats.get((shard, record), 0) + 1  # wrap-around repeats
+        rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}-{worker}")
+        buffer: list[tuple[np.ndarray, int]] = []
+        for shard, record, pixels, label in self.records.iterate(wanted):
+            assert pixels is not None
+            for _ in range(repeats[shard, record]):
+                if self.shuffle_buffer <= 0:
+                    yield pixels, label
+                elif len(buffer) < self.shuffle_buffer:
+                    buffer.append((pixels, label))
+                else:
+                    k = rng.randrange(len(buffer))
+                    yield buffer[k]
+                    buffer[k] = (pixels, label)
+        rng.shuffle(buffer)
+        yield from buffer
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        if self.batch_size is None:
+            for pixels, label in self._decoded():
+                yield self._sample(pixels, label)
+            return
+        pending: list[tuple[np.ndarray, int]] = []
+        for item in self._decoded():
+            pending.append(item)
+            if len(pending) == self.batch_size:
+                yield self._batch(pending)
+                pending = []
+        if pending:
+            yield self._batch(pending)
+
+    def _batch(self, items: list[tuple[np.ndarray, int]]) -> tuple[Any, Any]:
+        """A whole batch, decoded images copied once into one tensor (no transforms set)."""
+        if self.transform is None and self.target_transform is None:
+            labels = torch.tensor([label for _, label in items], dtype=torch.int64)
+            return arrays_to_batch([pixels for pixels, _ in items]), labels
+        return collate([self._sample(pixels, label) for pixels, label in items])
+
+    def _sample(self, pixels: np.ndarray, label: int) -> tuple[Any, Any]:
+        writable = pixels if pixels.flags.writeable else pixels.copy()
+        image: Any = torch.from_numpy(writable).permute(2, 0, 1)
+        target: Any = label
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+
+def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    return rank, world_size

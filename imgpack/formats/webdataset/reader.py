@@ -1,0 +1,131 @@
+"""Reader of the ``webdataset`` format (layout in :mod:`imgpack.formats.webdataset.layout`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from imgpack.errors import DataError
+from imgpack.formats.dataset_base import (
+    ImageDataset,
+    Images,
+    check_labels,
+    decode_batch,
+    new_batch_tensor,
+)
+from imgpack.formats.webdataset import layout
+
+
+class WebDatasetDataset(ImageDataset):
+    """Map-style dataset over a ``webdataset`` output.
+
+    The ``.idx`` beside each shard says where every image member's bytes are, so a sample is one
+    ``os.pread`` from its tar, with no scan. Shards open lazily in the reading process. For
+    sequential streaming with the ``webdataset`` library itself, see ``docs/formats/webdataset.md``.
+    """
+
+    format = "webdataset"
+
+    def __init__(self, root: Any, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self._raw = self.manifest.encoding == "raw"
+        self._paths = [self.root / f.path for f in self.manifest.files]
+        counts = [f.num_samples for f in self.manifest.files]
+        self._starts = np.cumsum([0, *counts], dtype=np.int64)
+        parts = [
+            self._read_index(path, count) for path, count in zip(self._paths, counts, strict=True)
+        ]
+        table = np.concatenate(parts) if parts else np.empty((0, 3), np.int64)
+        self._offsets, self._sizes, self._labels = table[:, 0], table[:, 1], table[:, 2].copy()
+        problem = check_labels(self._labels, len(self), len(self.classes))
+        if problem:
+            raise DataError(f"{self.root}: damaged index: {problem}")
+        if self._raw:
+            image = self.manifest.image
+            self._shape = (int(image["height"]), int(image["width"]), self.channels)
+            self._npy = layout.npy_header(self._shape)
+
+    @staticmethod
+    def _read_index(shard: Any, count: int) -> np.ndarray:
+        path = layout.index_path(shard)
+        try:
+            text = path.read_text(encoding="ascii")
+            size = shard.stat().st_size
+            table = np.array(text.split(), dtype=np.int64).reshape(-1, 3)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise DataError(f"{path}: cannot read the sample index: {exc}") from None
+        if len(table) != count:
+            raise DataError(f"{path}: lists {len(table)} samples, the manifest says {count}")
+        if count and ((table[:, :2] < 0).any() or int((table[:, 0] + table[:, 1]).max()) > size):
+            raise DataError(f"{path}: an entry points outside {shard.name} ({size} bytes)")
+        return table
+
+    def _open(self) -> dict[int, int]:
+        return {}  # shard number -> file descriptor, opened on first use
+
+    def _close(self, handles: Any) -> None:
+        for fd in handles.values():
+            os.close(fd)
+
+    def _fd(self, number: int) -> int:
+        fds = self.handles
+        if number not in fds:
+            try:
+                fds[number] = os.open(self._paths[number], os.O_RDONLY)
+            except OSError as exc:
+                raise DataError(f"{self._paths[number]}: cannot open: {exc.strerror}") from None
+        return int(fds[number])
+
+    def _load_targets(self) -> list[int]:
+        return self._labels.tolist()
+
+    def _load_paths(self) -> list[str] | None:
+        paths: list[str] = []
+        for shard in self._paths:
+            try:
+                with tarfile.open(shard, "r:") as tar:
+                    for member in tar:
+                        if member.name.endswith(".json"):
+                            data = tar.extractfile(member)
+                            assert data is not None
+                            paths.append(str(json.loads(data.read())["path"]))
+            except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
+                raise DataError(f"{shard}: cannot read the sample metadata: {exc}") from None
+        if len(paths) != len(self):
+            raise DataError(f"{self.root}: holds {len(paths)} .json members, expected {len(self)}")
+        return paths
+
+    def _read(self, index: int) -> bytes:
+        number = int(np.searchsorted(self._starts, index, side="right") - 1)
+        offset, size = int(self._offsets[index]), int(self._sizes[index])
+        data = os.pread(self._fd(number), size, offset)
+        if len(data) != size:
+            raise DataError(
+                f"{self._paths[number]}: sample {index} is cut short ({len(data)} of {size} bytes)"
+            )
+        return data
+
+    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        labels = torch.from_numpy(self._labels[indices])
+        if not self._raw:
+            payloads = [self._read(i) for i in indices.tolist()]
+            images = decode_batch(payloads, self.channels, lambda k: self._where(int(indices[k])))
+            return images, labels
+        out = new_batch_tensor((len(indices), *self._shape))
+        rows = out.numpy().reshape(len(indices), -1)
+        head = len(self._npy)
+        for k, index in enumerate(indices.tolist()):
+            data = self._read(index)
+            if len(data) != head + rows.shape[1] or not data.startswith(self._npy):
+                raise DataError(f"{self._where(index)}: not a uint8 {self._shape} .npy array")
+            rows[k] = np.frombuffer(data, np.uint8, offset=head)
+        return out.permute(0, 3, 1, 2), labels
+
+    def _where(self, index: int) -> str:
+        number = int(np.searchsorted(self._starts, index, side="right") - 1)
+        return f"{self._paths[number]}: sample {index} ({layout.KEY_FORMAT % index})"

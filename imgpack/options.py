@@ -1,0 +1,125 @@
+"""Every conversion option, validated once, with its default in one place.
+
+:class:`ConvertOptions` is what the CLI builds from its flags, what :func:`imgpack.convert` builds
+from its keywords, and what the engine and the writers read. Its defaults are the documented
+ones; the image-policy defaults come from :class:`~imgpack.images.ImagePolicy` itself. Building
+one checks every value and normalises it (``size="224"`` becomes ``(224, 224)``, ``"1GiB"``
+becomes bytes, the format's ``-o`` options are parsed by its spec), so a bad option fails before
+a long scan, never after it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from imgpack import formats
+from imgpack.errors import OptionError
+from imgpack.formats import FormatSpec
+from imgpack.images import Encoding, ImagePolicy, parse_color
+from imgpack.units import parse_byte_size, parse_image_size
+
+ON_ERROR = ("fail", "skip")
+_POLICY = ImagePolicy()
+_ENCODING = Encoding()
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """The options of one conversion (see :func:`imgpack.pipeline.convert` for each)."""
+
+    format: str = "pt"
+    encoding: str = _ENCODING.name
+    size: tuple[int, int] | None = None
+    quality: int = _ENCODING.quality
+    resize: str = _POLICY.resize
+    resample: str = _POLICY.resample
+    grayscale: bool = False
+    background: tuple[int, int, int] = _POLICY.background
+    max_pixels: int | None = _POLICY.max_pixels
+    workers: int | None = None  # None: the usable CPUs of the machine that converts
+    shard_size: int | None = None  # None: the format's default (sharded formats)
+    overwrite: bool = False
+    on_error: str = "fail"
+    classes_from: str | None = None
+    progress: bool = True
+    #: The format's own options (``-o KEY=VALUE``), parsed by its spec.
+    format_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        spec = formats.get(self.format)
+        set_ = object.__setattr__  # frozen: normalise in place once, here
+        if self.size is not None:
+            set_(self, "size", parse_image_size(self.size))
+        set_(self, "background", parse_color(self.background))
+        self.encoding_spec  # noqa: B018 - validates encoding and quality
+        self.policy  # noqa: B018 - validates resize, resample, max_pixels
+        if self.encoding == "raw" and self.size is None:
+            raise OptionError("encoding 'raw' needs a fixed image size: give --size N or HxW")
+        if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):
+            raise OptionError(f"invalid workers {self.workers!r}: expected 1 or more")
+        if self.on_error not in ON_ERROR:
+            raise OptionError(
+                f"invalid on_error {self.on_error!r}: expected one of {', '.join(ON_ERROR)}"
+            )
+        if self.shard_size is not None and not spec.sharded:
+            raise OptionError(
+                f"format {self.format!r} writes a single file; --shard-size does not apply to it"
+            )
+        if spec.sharded:
+            size = self.shard_size if self.shard_size is not None else spec.default_shard_size
+            set_(self, "shard_size", parse_byte_size(size or 0, "shard size"))
+        if self.classes_from is not None:
+            set_(self, "classes_from", os.fspath(self.classes_from))
+        set_(self, "format_options", spec.check_options(self.format_options))
+
+    @classmethod
+    def create(cls, format: str = "pt", **options: Any) -> ConvertOptions:
+        """Options from keywords: the names of this class's fields, and any other keyword as a
+        format option (``map_size="1GiB"``, ``compression="gzip"``)."""
+        own = {f.name for f in fields(cls)} - {"format", "format_options"}
+        given = {k: v for k, v in options.items() if k in own}
+        format_options = {
+            **options.get("format_options", {}),
+            **{k: v for k, v in options.items() if k not in own and k != "format_options"},
+        }
+        return cls(format=format, format_options=format_options, **given)
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of option ``name`` (for the CLI's help)."""
+        for f in fields(cls):
+            if f.name == name:
+                return f.default
+        raise KeyError(name)
+
+    @property
+    def spec(self) -> FormatSpec:
+        return formats.get(self.format)
+
+    @property
+    def policy(self) -> ImagePolicy:
+        return ImagePolicy(
+            size=self.size,
+            resize=self.resize,
+            resample=self.resample,
+            channels=1 if self.grayscale else 3,
+            background=self.background,
+            max_pixels=self.max_pixels,
+        )
+
+    @property
+    def encoding_spec(self) -> Encoding:
+        return Encoding(self.encoding, self.quality)
+
+    def recorded(self) -> dict[str, Any]:
+        """What the manifest records under ``options``."""
+        return {
+            "encoding": self.encoding,
+            "quality": self.quality if self.encoding == "jpeg" else None,
+            "shard_size": self.shard_size,
+            "on_error": self.on_error,
+            "max_pixels": self.max_pixels,
+            **self.format_options,
+        }

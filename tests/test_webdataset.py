@@ -1,0 +1,184 @@
+"""What is particular to the webdataset format (the shared round-trip, determinism and reader
+tests cover it too, parametrized over every format)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import FakeFolder, build_uniform_folder
+
+from imgpack import convert, open_dataset
+from imgpack.errors import DataError
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "formats" / "webdataset.md"
+
+
+def _doc_snippet() -> str:
+    """The no-imgpack reading example of docs/formats/webdataset.md, as it stands."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split("## Reading with the `webdataset` package", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, flags=re.S)
+    assert match is not None
+    return match.group(1)
+
+
+def _run_doc_snippet(folder: Path) -> list[tuple[Any, ...]]:
+    """Run the docs' snippet in ``folder`` (it reads ``out/``), collecting what it prints."""
+    printed: list[tuple[Any, ...]] = []
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        exec(_doc_snippet(), {"print": lambda *args: printed.append(args)})
+    finally:
+        os.chdir(cwd)
+    return printed
+
+
+# The webdataset package leaves its tar files to the garbage collector.
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(
+    "options",
+    [{"encoding": "original"}, {"encoding": "raw", "size": 12}, {"encoding": "png", "size": 9}],
+    ids=str,
+)
+def test_the_webdataset_package_reads_what_imgpack_reads(
+    options: dict[str, Any], edge_folder: FakeFolder, tmp_path: Path
+) -> None:
+    convert(
+        edge_folder.root, tmp_path / "out", "webdataset", shard_size=2000, progress=False, **options
+    )
+    ds = open_dataset(tmp_path / "out")
+    assert len(ds.manifest.files) > 1  # several shards, read in order
+    printed = _run_doc_snippet(tmp_path)
+    assert len(printed) == len(ds) == len(edge_folder.images)
+    for i, (path, class_name, label, shape) in enumerate(printed):
+        rel, target = edge_folder.images[i]
+        assert (path, class_name, label) == (rel, ds.classes[target], target)
+        assert shape == tuple(ds[i][0].permute(1, 2, 0).shape)
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("encoding", ["original", "raw"])
+def test_webdataset_decoders_give_the_same_pixels(
+    encoding: str, edge_folder: FakeFolder, tmp_path: Path
+) -> None:
+    import webdataset as wds
+
+    size = 10 if encoding == "raw" else None
+    convert(
+        edge_folder.root,
+        tmp_path / "out",
+        "webdataset",
+        encoding=encoding,
+        size=size,
+        progress=False,
+    )
+    ds = open_dataset(tmp_path / "out")
+    shards = [str(tmp_path / "out" / f.path) for f in ds.manifest.files]
+    stream = wds.WebDataset(shards, shardshuffle=False).decode("rgb8")
+    samples = list(stream.to_tuple("__key__", "jpg;jpeg;png;npy", "cls"))
+    assert [key for key, _, _ in samples] == [f"{i:010d}" for i in range(len(ds))]
+    for i, (_, pixels, label) in enumerate(samples):
+        image, target = ds[i]
+        assert label == target
+        assert np.array_equal(pixels, image.permute(1, 2, 0).numpy())
+
+
+def test_tar_lists_the_members(edge_folder: FakeFolder, tmp_path: Path) -> None:
+    convert(edge_folder.root, tmp_path / "out", "webdataset", progress=False)
+    listing = subprocess.run(
+        ["tar", "tf", str(tmp_path / "out" / "data-000000.tar")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert len(listing) == 3 * len(edge_folder.images)
+    by_source = {rel: listing[3 * i] for i, (rel, _) in enumerate(edge_folder.images)}
+    assert listing[1:3] == ["0000000000.cls", "0000000000.json"]
+    # The kept original's extension when it names the content, else the content's.
+    assert by_source["ant/plain.jpg"].endswith(".jpg")
+    assert by_source["ant/png_named.jpg"].endswith(".png")
+    assert by_source["bee/UPPER.PNG"].endswith(".png")
+    assert by_source["bee/rgba.png"].endswith(".png")  # re-encoded: alpha composited
+    with tarfile.open(tmp_path / "out" / "data-000000.tar") as tar:
+        member = tar.getmember("0000000003.json")
+        assert (member.mode, member.mtime, member.uid, member.gid) == (0o444, 0, 0, 0)
+        meta = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
+    rel, label = edge_folder.images[3]
+    assert meta == {"class": edge_folder.classes[label], "path": rel}
+
+
+def test_raw_members_are_plain_npy(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "webdataset", encoding="raw", size=16, progress=False)
+    with tarfile.open(tmp_path / "out" / "data-000000.tar") as tar:
+        data = tar.extractfile("0000000007.npy").read()  # type: ignore[union-attr]
+    array = np.load(io.BytesIO(data), allow_pickle=False)
+    assert array.dtype == np.uint8 and array.shape == (16, 16, 3)
+    assert torch.equal(
+        torch.from_numpy(array).permute(2, 0, 1), open_dataset(tmp_path / "out")[7][0]
+    )
+
+
+def test_index_lines_point_at_the_image_members(uniform_folder: Path, tmp_path: Path) -> None:
+    convert(uniform_folder, tmp_path / "out", "webdataset", shard_size="10KB", progress=False)
+    out = tmp_path / "out"
+    ds = open_dataset(out)
+    count = 0
+    for entry in ds.manifest.files:
+        lines = (out / entry.path).with_suffix(".idx").read_text().splitlines()
+        assert len(lines) == entry.num_samples
+        blob = (out / entry.path).read_bytes()
+        with tarfile.open(out / entry.path) as tar:
+            images = [m for m in tar.getmembers() if m.name.endswith(".png")]
+        for line, member in zip(lines, images, strict=True):
+            offset, size, label = map(int, line.split())
+            assert (offset, size) == (member.offset_data, member.size)
+            assert blob[offset : offset + size][:8] == b"\x89PNG\r\n\x1a\n"
+            assert label == ds.targets[count]
+            count += 1
+    assert count == len(ds) == 60
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda text: text.replace("\n", "\n1 2 3\n", 1), "lists 61 samples, the manifest says 60"),
+        (lambda text: "99999999 10 0\n" + text.split("\n", 1)[1], "points outside data-000000.tar"),
+        (lambda text: text.replace(" 1\n", " 7\n", 1), r"labels outside 0\.\.2"),
+        (lambda text: "x" + text, "cannot read the sample index"),
+    ],
+)
+def test_damaged_index_is_refused(
+    damage: Any, match: str, uniform_folder: Path, tmp_path: Path
+) -> None:
+    convert(uniform_folder, tmp_path / "out", "webdataset", progress=False)
+    index = tmp_path / "out" / "data-000000.idx"
+    index.write_text(damage(index.read_text()))
+    with pytest.raises(DataError, match=match):
+        open_dataset(tmp_path / "out")
+
+
+def test_damaged_image_names_shard_and_sample(tmp_path: Path) -> None:
+    src = build_uniform_folder(tmp_path / "src", count=6)
+    convert(src, tmp_path / "out", "webdataset", encoding="raw", size=16, progress=False)
+    shard = tmp_path / "out" / "data-000000.tar"
+    offset = int((tmp_path / "out" / "data-000000.idx").read_text().splitlines()[4].split()[0])
+    blob = bytearray(shard.read_bytes())
+    blob[offset : offset + 6] = b"NOTNPY"
+    shard.write_bytes(bytes(blob))
+    ds = open_dataset(tmp_path / "out")
+    assert ds[3][0].shape == (3, 16, 16)
+    with pytest.raises(DataError, match=r"data-000000.tar: sample 4 \(0000000004\): not a uint8"):
+        ds.__getitems__([3, 4])
