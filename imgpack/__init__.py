@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 from imgpack.errors import ImgpackError
 from imgpack.version import __version__
 
-__all__ = ["ImgpackError", "__version__", "convert", "open_dataset"]
+__all__ = ["ImgpackError", "__version__", "convert", "open_dataset", "verify"]
 
 if TYPE_CHECKING:
     from imgpack.formats.dataset_base import ImageDataset
     from imgpack.manifest import Manifest
+    from imgpack.verification import Report
 
 
 def convert(src: Any, dst: Any, format: str = "pt", **options: Any) -> Manifest:
@@ -30,3 +31,10 @@ def open_dataset(path: Any, **kwargs: Any) -> ImageDataset:
     from imgpack.readers import open_dataset as _open_dataset
 
     return _open_dataset(path, **kwargs)
+
+
+def verify(path: Any, deep: bool = False, **kwargs: Any) -> Report:
+    """Check an imgpack output for damage; see :func:`imgpack.verification.verify`."""
+    from imgpack.verification import verify as _verify
+
+    return _verify(path, deep=deep, **kwargs)

@@ -142,6 +142,12 @@ def main(verbose: bool) -> None:
 )
 @click.option("--overwrite", is_flag=True, help="Replace DST if it is an existing imgpack output.")
 @click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted conversion of the same SRC, DST and options from its last "
+    "checkpoint; the output is the same as an uninterrupted run's.",
+)
+@click.option(
     "--on-error",
     type=click.Choice(ON_ERROR),
     default=_default("on_error"),
@@ -181,6 +187,7 @@ def convert(
     workers: int | None,
     shard_size: str | None,
     overwrite: bool,
+    resume: bool,
     on_error: str,
     classes_from: Path | None,
     compression: str | None,
@@ -214,6 +221,7 @@ def convert(
         workers=workers,
         shard_size=shard_size,
         overwrite=overwrite,
+        resume=resume,
         on_error=on_error,
         classes_from=classes_from,
         progress=not quiet,
@@ -270,6 +278,32 @@ def info(dst: Path, as_json: bool) -> None:
         f"created:   {manifest.created_by}",
     ]
     click.echo("\n".join(lines))
+
+
+@main.command(name="verify")
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--deep", is_flag=True, help="Also decode every record; check shape and label.")
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=None, help="Threads [default: usable CPUs]."
+)
+@json_option("report")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@friendly_errors
+def verify_command(
+    dst: Path, deep: bool, workers: int | None, json_path: Path | None, quiet: bool
+) -> None:
+    """Check DST for damage: files against the manifest (size, sha256), every record's checksum,
+    and with --deep every decode. One line per problem, a summary last; exit 1 when damaged."""
+    from imgpack.verification import verify
+
+    report = verify(dst, deep=deep, workers=workers, progress=not quiet)
+    for problem in report.problems:
+        click.echo(problem.line())
+    click.echo(report.summary())
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    if not report.ok:
+        raise SystemExit(1)
 
 
 def _parse_workers(value: str) -> list[int]:

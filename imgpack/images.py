@@ -32,7 +32,9 @@ else a lossless PNG of the policy's pixels.
 from __future__ import annotations
 
 import io
+import struct
 import warnings
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageColor, ImageOps
+from PIL import Image, ImageColor, ImageFile, ImageOps
 
 from imgpack.errors import DataError, ImageError, OptionError
 from imgpack.units import parse_image_size
@@ -184,16 +186,48 @@ class Encoded:
 
 
 @contextmanager
-def _pixel_limit(max_pixels: int | None) -> Iterator[None]:
-    """Let imgpack's own limit decide instead of Pillow's global one."""
-    saved = Image.MAX_IMAGE_PIXELS
+def _strict() -> Iterator[None]:
+    """Pillow as imgpack needs it, whatever the caller set: a truncated image raises (a training
+    script's ``ImageFile.LOAD_TRUNCATED_IMAGES = True`` must not turn validation off), and
+    imgpack's own pixel limit decides instead of Pillow's global one."""
+    saved = Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES
     Image.MAX_IMAGE_PIXELS = None
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             yield
     finally:
-        Image.MAX_IMAGE_PIXELS = saved
+        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = saved
+
+
+_PNG_CHUNK = struct.Struct(">I4s")
+
+
+def check_png(data: bytes | memoryview, path: str) -> None:
+    """Walk a PNG's chunks and check each one's CRC-32 and that ``IEND`` closes the file.
+
+    Pillow does not check the CRCs of the image data (``IDAT``) and may stop inflating before the
+    zlib checksum, so damaged image data can decode to wrong pixels without an error; the chunk
+    CRCs catch it.
+    """
+    view = memoryview(data)
+    offset = 8
+    while True:
+        if offset + 12 > len(view):
+            raise ImageError(path, f"truncated PNG data (chunk header at byte {offset})")
+        length, name = _PNG_CHUNK.unpack_from(view, offset)
+        end = offset + 8 + length
+        if end + 4 > len(view):
+            raise ImageError(path, f"truncated PNG data (chunk {name!r} at byte {offset})")
+        (crc,) = struct.unpack_from(">I", view, end)
+        if zlib.crc32(view[offset + 4 : end]) != crc:
+            raise ImageError(
+                path, f"damaged PNG data (CRC mismatch in chunk {name!r} at byte {offset})"
+            )
+        if name == b"IEND":
+            return
+        offset = end + 4
 
 
 def _to_rgb_array(img: Image.Image, background: tuple[int, int, int]) -> np.ndarray:
@@ -252,8 +286,8 @@ def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str
             "expected JPEG, PNG, GIF, BMP, TIFF, WEBP or PPM data",
         )
     try:
-        with _pixel_limit(policy.max_pixels):
-            img = Image.open(io.BytesIO(data))
+        with _strict():
+            img = Image.open(io.BytesIO(data), formats=[kind])
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
         raise ImageError(path, f"cannot decode {kind} data: {exc}") from None
     pixels = img.width * img.height
@@ -274,7 +308,7 @@ def _load(img: Image.Image, kind: str, path: str, draft: bool = False) -> None:
     half the time. For checking a file whose bytes are kept, not for its pixels.
     """
     try:
-        with _pixel_limit(None):
+        with _strict():
             if draft and kind == "JPEG":
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
             img.load()
@@ -283,6 +317,8 @@ def _load(img: Image.Image, kind: str, path: str, draft: bool = False) -> None:
 
 
 def _orientation(img: Image.Image) -> int:
+    """The EXIF orientation (1 when there is none, or when the EXIF block cannot be parsed).
+    Call it on a loaded image: for a PNG, Pillow decodes the image to look for EXIF."""
     try:
         return int(img.getexif().get(0x0112, 1))
     except Exception:
@@ -324,6 +360,8 @@ def apply_policy(data: bytes, path: str, policy: ImagePolicy) -> tuple[np.ndarra
     these pixels (see :func:`_is_plain`).
     """
     img, kind = _open(data, path, policy)
+    if kind == "PNG":
+        check_png(data, path)
     _load(img, kind, path)
     return _policy_pixels(img, kind, path, policy), _is_plain(img, kind, policy)
 
@@ -351,13 +389,21 @@ def process_file(
         reason = exc.strerror or str(exc)
         raise ImageError(path, f"cannot read: {reason}") from None
     img, kind = _open(data, path, policy)
+    if kind == "PNG":
+        check_png(data, path)
     keepable = encoding.name == "original" or (encoding.name == "png" and kind == "PNG")
+    # Decode (which validates) before anything reads EXIF: for a PNG, reading EXIF decodes the
+    # image, and an error there must not be lost. A JPEG's EXIF comes from its header.
+    if kind != "JPEG":
+        _load(img, kind, path)
     if keepable and _is_plain(img, kind, policy):
         # The bytes are kept: decode them only to validate them, and copy no pixels.
         width, height = img.size
-        _load(img, kind, path, draft=True)
+        if kind == "JPEG":
+            _load(img, kind, path, draft=True)
         return Encoded(path, label, data, height, width, policy.channels, Kind(kind))
-    _load(img, kind, path)
+    if kind == "JPEG":
+        _load(img, kind, path)
     pixels = _policy_pixels(img, kind, path, policy)
     height, width, channels = pixels.shape
     if encoding.name == "raw":
@@ -372,12 +418,14 @@ def process_file(
 def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
     """Decode a stored JPEG/PNG record into HxWxC uint8 (the reader side of the policy).
 
-    The array may be read-only: copy it (or into a batch) before handing it to torch.
+    The array may be read-only: copy it (or into a batch) before handing it to torch. Only the
+    JPEG and PNG decoders are used, strictly (a truncated record raises), and with no pixel limit:
+    the conversion applied its own.
 
     Raises :class:`~imgpack.errors.DataError` when the bytes do not decode to 8-bit L or RGB.
     """
     try:
-        with Image.open(io.BytesIO(payload)) as img:
+        with _strict(), Image.open(io.BytesIO(payload), formats=list(_KEEPABLE)) as img:
             img.load()
             mode = img.mode
             pixels = np.asarray(img)  # one copy out of Pillow; read-only

@@ -41,6 +41,8 @@ class ConvertOptions:
     workers: int | None = None  # None: the usable CPUs of the machine that converts
     shard_size: int | None = None  # None: the format's default (sharded formats)
     overwrite: bool = False
+    #: Continue an interrupted conversion of the same SRC, DST and options from its checkpoint.
+    resume: bool = False
     on_error: str = "fail"
     classes_from: str | None = None
     progress: bool = True

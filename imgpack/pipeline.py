@@ -2,25 +2,34 @@
 
     plan     SRC + ConvertOptions -> the scan (ordered samples, label map) and the writer's config
     process  an executor reads + validates + encodes every sample, yielding them in scan order
-    write    one writer stores them in a temp dir beside DST; --on-error decides on bad files
+    write    one writer stores them in a temp dir beside DST; --on-error decides on bad files;
+             a checkpoint is saved whenever the writer has made more samples durable
     publish  the manifest is written last, then the temp dir is renamed to DST
 
 The output depends only on the input and the options: the worker count and the executor change
 the speed, never the bytes. Memory stays bounded by the executor's window plus what the writer
 buffers (for ``pt``, one shard), whatever the dataset size. A failure or an interrupt removes the
 temp dir and leaves DST as it was.
+
+A conversion that was killed (no chance to clean up) leaves its temp dir with its last checkpoint:
+``--resume`` continues it from there when SRC, DST and the options are the same (checked by a
+fingerprint), redoing at most one checkpoint of work, and writes the same bytes an uninterrupted
+run writes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
+from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +38,17 @@ from tqdm import tqdm
 from imgpack.errors import ImageError, ImgpackError, OptionError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import Scan, read_class_list, scan_folder
-from imgpack.formats.writer_base import WriterConfig, WrittenFile
+from imgpack.formats.writer_base import KEEP_PREFIX, WriterConfig, WrittenFile
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file, write_manifest
 from imgpack.options import ConvertOptions
 from imgpack.system import usable_cpus
 from imgpack.version import __version__
 
 log = logging.getLogger(__name__)
+
+#: The checkpoint in a temp output dir (removed before publishing).
+CHECKPOINT = KEEP_PREFIX + "checkpoint.json"
+TEMP_SUFFIX = ".imgpack-tmp"
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,47 @@ class Plan:
             settings=dict(opts.format_options),
         )
 
+    def fingerprint(self) -> str:
+        """What the output depends on: the source, its scan and the options (not the workers)."""
+        opts = self.options
+        digest = hashlib.sha256()
+        head = {
+            "imgpack": __version__,
+            "format": opts.format,
+            "options": opts.recorded(),
+            "image": opts.policy.describe(),
+            "source": str(self.src.resolve()),
+            "classes": self.scan.classes,
+        }
+        digest.update(json.dumps(head, sort_keys=True).encode())
+        for sample in self.scan.samples:
+            digest.update(f"{sample.label}\t{sample.path}\n".encode("utf-8", "surrogateescape"))
+        return digest.hexdigest()
+
+
+@dataclass
+class Checkpoint:
+    """Where an interrupted conversion stood: scan samples consumed, samples written (all of
+    them durable in the files), the files skipped so far, and the writer's own state."""
+
+    fingerprint: str
+    position: int = 0
+    count: int = 0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    writer: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, directory: Path) -> None:
+        tmp = directory / (CHECKPOINT + ".tmp")
+        tmp.write_text(json.dumps(asdict(self)), encoding="utf-8")
+        os.replace(tmp, directory / CHECKPOINT)
+
+    @classmethod
+    def load(cls, directory: Path) -> Checkpoint | None:
+        try:
+            return cls(**json.loads((directory / CHECKPOINT).read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+
 
 @dataclass
 class Written:
@@ -80,22 +134,41 @@ def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: Conv
     return Plan(src_path, dst_path, options, scan_folder(src_path, classes))
 
 
-def process(plan: Plan, executor: Executor | None = None) -> Generator[Outcome, None, None]:
-    """Every sample's outcome, in scan order (the local process pool unless told otherwise)."""
+def process(
+    plan: Plan, executor: Executor | None = None, start: int = 0
+) -> Generator[Outcome, None, None]:
+    """The outcome of every sample from scan position ``start`` on, in scan order (the local
+    process pool unless told otherwise)."""
     if executor is None:
         executor = LocalExecutor(plan.options.workers or usable_cpus())
-    return executor.outcomes(plan.job, plan.scan.samples)
+    return executor.outcomes(plan.job, plan.scan.samples[start:])
 
 
-def write(plan: Plan, directory: Path, outcomes: Generator[Outcome, None, None]) -> Written:
-    """Store the outcomes with the format's writer in ``directory``, applying ``--on-error``."""
+def write(
+    plan: Plan,
+    directory: Path,
+    outcomes: Generator[Outcome, None, None],
+    resume: Checkpoint | None = None,
+) -> Written:
+    """Store the outcomes with the format's writer in ``directory``, applying ``--on-error`` and
+    saving a checkpoint whenever the writer makes more samples durable. With ``resume``, the
+    outcomes start at its position and the writer continues from its state."""
     opts = plan.options
     writer = opts.spec.writer_class()(directory, plan.writer_config())
-    skipped: list[dict[str, str]] = []
-    count = 0
+    state = resume or Checkpoint(plan.fingerprint())
+    skipped, count, position = list(state.skipped), state.count, state.position
+    # Samples after the checkpoint that the writer's files hold already: passed over.
+    already = writer.resume(state.writer) if resume is not None else 0
+    marks: deque[tuple[int, int, int]] = deque()  # (count, position, skipped) after each sample
+    checkpoints = _can_checkpoint(writer)
+    if checkpoints and resume is None:
+        state.writer = writer.checkpoint_state()
+        state.save(directory)
+    saved = writer.durable
     total = len(plan.scan.samples)
     bar = tqdm(
         total=total,
+        initial=position,
         unit="img",
         desc=opts.format,
         file=sys.stderr,
@@ -105,6 +178,7 @@ def write(plan: Plan, directory: Path, outcomes: Generator[Outcome, None, None])
     with closing(outcomes), bar, writer:
         for outcome in outcomes:
             bar.update(1)
+            position += 1
             if isinstance(outcome, Failure):
                 if opts.on_error == "fail":
                     raise ImageError(
@@ -114,14 +188,42 @@ def write(plan: Plan, directory: Path, outcomes: Generator[Outcome, None, None])
                 log.info("skipped %s: %s", outcome.path, outcome.reason)  # summary lists them
                 skipped.append({"path": outcome.path, "reason": outcome.reason})
                 continue
-            writer.add(outcome)
+            if already:
+                already -= 1
+            else:
+                writer.add(outcome)
             count += 1
+            if not checkpoints:
+                continue
+            marks.append((count, position, len(skipped)))
+            if writer.durable > saved:
+                while marks[0][0] < writer.durable:
+                    marks.popleft()
+                _, at, skips = marks.popleft()
+                Checkpoint(
+                    state.fingerprint,
+                    at,
+                    writer.durable,
+                    skipped[:skips],
+                    writer.checkpoint_state(),
+                ).save(directory)
+                saved = writer.durable
         if count == 0:
             raise ImgpackError(
                 f"{plan.src}: every one of the {total} image files was skipped; nothing to write "
                 f"(first: {skipped[0]['path']}: {skipped[0]['reason']})"
             )
-    return Written(writer.close(), count, skipped)
+    files = writer.close()
+    (directory / CHECKPOINT).unlink(missing_ok=True)
+    return Written(files, count, skipped)
+
+
+def _can_checkpoint(writer: Any) -> bool:
+    try:
+        writer.checkpoint_state()
+    except NotImplementedError:
+        return False
+    return True
 
 
 def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
@@ -166,12 +268,43 @@ def publish(tmp: Path, dst: Path) -> None:
         os.rename(tmp, dst)
 
 
+def leftovers(dst: Path) -> list[Path]:
+    """Temp dirs of conversions to ``dst`` that were killed before they could clean up."""
+    if not dst.parent.is_dir():
+        return []
+    return sorted(p for p in dst.parent.glob(f".{dst.name}.*{TEMP_SUFFIX}") if p.is_dir())
+
+
+def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
+    """The leftover temp dir of an interrupted run of this very conversion, with its checkpoint."""
+    found = leftovers(the_plan.dst)
+    fingerprint = the_plan.fingerprint()
+    for candidate in found:
+        checkpoint = Checkpoint.load(candidate)
+        if checkpoint is not None and checkpoint.fingerprint == fingerprint:
+            return candidate, checkpoint
+    if found:
+        raise OptionError(
+            f"{found[0]}: left by a conversion to {the_plan.dst} with another source or other "
+            "options, so it cannot be resumed with these; run the same command as before with "
+            "--resume, or remove it and convert without --resume"
+        )
+    log.info("%s: no interrupted conversion to resume; starting from the beginning", the_plan.dst)
+    return None, None
+
+
 @contextmanager
-def temp_output(dst: Path) -> Iterator[Path]:
-    """A temp dir beside ``dst`` (same filesystem, so publishing is a rename), removed on error."""
+def temp_output(dst: Path, existing: Path | None = None) -> Iterator[Path]:
+    """A temp dir beside ``dst`` (same filesystem, so publishing is a rename), removed on error;
+    ``existing`` is the temp dir of an interrupted conversion being resumed."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-tmp", dir=dst.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
+    if existing is not None:
+        tmp = existing
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=TEMP_SUFFIX, dir=dst.parent))
+        os.chmod(
+            tmp, 0o777 & ~_umask()
+        )  # mkdtemp makes it private; an output is an ordinary folder
     try:
         yield tmp
     except BaseException:
@@ -216,8 +349,19 @@ def convert(
     elif kwargs or format != "pt":
         raise OptionError("give either options= or format and keyword options, not both")
     the_plan = plan(src, dst, options)
-    with temp_output(the_plan.dst) as tmp:
-        written = write(the_plan, tmp, process(the_plan, executor))
+    existing, checkpoint = _resumable(the_plan) if options.resume else (None, None)
+    if not options.resume:
+        for left in leftovers(the_plan.dst):
+            log.warning(
+                "%s: left by an interrupted conversion to %s; resume it with --resume (same "
+                "source and options), or remove it",
+                left,
+                the_plan.dst,
+            )
+    start = checkpoint.position if checkpoint is not None else 0
+    with temp_output(the_plan.dst, existing) as tmp:
+        outcomes = process(the_plan, executor, start)
+        written = write(the_plan, tmp, outcomes, checkpoint)
         manifest = build_manifest(the_plan, tmp, written)
         write_manifest(tmp, manifest)
         publish(tmp, the_plan.dst)

@@ -206,6 +206,19 @@ def build_uniform_folder(
     return root
 
 
+def refresh_manifest(output: Path) -> None:
+    """Record the current size and sha256 of every file in ``output``'s manifest, as if the
+    damage a test made through a format's own library (LMDB, h5py, torch) had been there when
+    the output was written: the readers' per-record checks must find it."""
+    from imgpack.manifest import read_manifest, sha256_file, write_manifest
+
+    manifest = read_manifest(output)
+    for entry in manifest.files:
+        entry.bytes = (output / entry.path).stat().st_size
+        entry.sha256 = sha256_file(output / entry.path)
+    write_manifest(output, manifest)
+
+
 @pytest.fixture
 def uniform_folder(tmp_path: Path) -> Path:
     return build_uniform_folder(tmp_path / "uniform")

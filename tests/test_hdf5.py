@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from conftest import FakeFolder
+from conftest import FakeFolder, refresh_manifest
 from torch.utils.data import DataLoader
 
 from imgpack import convert, open_dataset
@@ -150,6 +150,9 @@ def test_truncated_file_is_reported(uniform_folder: Path, tmp_path: Path) -> Non
     convert(uniform_folder, tmp_path / "out", "hdf5", encoding="raw", size=16, progress=False)
     path = tmp_path / "out" / "data.h5"
     path.write_bytes(path.read_bytes()[:4000])
+    with pytest.raises(DataError, match=r"data\.h5: 4000 bytes, the manifest says"):
+        open_dataset(tmp_path / "out")
+    refresh_manifest(tmp_path / "out")  # a short file its manifest agrees with: h5py refuses it
     with pytest.raises(DataError, match=r"data\.h5: cannot read the HDF5 layout"):
         open_dataset(tmp_path / "out")
 
@@ -160,5 +163,7 @@ def test_corrupt_encoded_sample_names_file_and_sample(uniform_folder: Path, tmp_
         start = int(f["offsets"][6])
         f["data"][start + 20 : start + 60] = np.full(40, 7, np.uint8)
     ds = open_dataset(tmp_path / "out")
-    with pytest.raises(DataError, match=r"data\.h5: sample 6: cannot decode"):
+    with pytest.raises(DataError, match=r"data\.h5: sample 6 \(source .*\): checksum mismatch"):
         ds.__getitems__([5, 6])
+    with pytest.raises(DataError, match=r"data\.h5: sample 6: cannot decode"):
+        open_dataset(tmp_path / "out", verify=False).__getitems__([5, 6])

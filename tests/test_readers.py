@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refresh_manifest
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
@@ -106,6 +107,10 @@ def test_damaged_pt_shard_is_reported(uniform_folder: Path, tmp_path: Path) -> N
     shard = dst / "shard-00000.pt"
     data = bytearray(shard.read_bytes())
     shard.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(DataError, match=r"shard-00000\.pt: \d+ bytes, the manifest says \d+"):
+        open_dataset(dst)
+    # A shard of the right size that is not a torch file is refused when loaded.
+    shard.write_bytes(bytes(len(data)))
     ds = open_dataset(dst)
     with pytest.raises(DataError, match=r"shard-00000\.pt: cannot load shard"):
         ds[0]
@@ -118,7 +123,15 @@ def test_corrupt_encoded_record_names_file_and_sample(uniform_folder: Path, tmp_
     start = int(shard["offsets"][4])
     shard["data"][start + 20 : start + 60] = 7
     torch.save(shard, dst / "shard-00000.pt")
+    refresh_manifest(dst)
     ds = open_dataset(dst)
-    with pytest.raises(DataError, match=r"shard-00000.pt: sample 4: cannot decode"):
+    with pytest.raises(
+        DataError,
+        match=r"shard-00000.pt: sample 4 \(source class0/img0012.png\): checksum mismatch",
+    ):
         ds[4]
     assert ds[3][0].shape == (3, 16, 16)
+    # Without the check, the damage is found by the decoder, which names the sample too.
+    unchecked = open_dataset(dst, verify=False)
+    with pytest.raises(DataError, match=r"shard-00000.pt: sample 4: cannot decode"):
+        unchecked[4]

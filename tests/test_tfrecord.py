@@ -219,7 +219,7 @@ def _records_of(path: Path) -> list[dict[str, tfexample.FeatureValue]]:
     [
         ("data", "data CRC mismatch"),
         ("length", "length CRC mismatch"),
-        ("truncate", "truncated|does not match"),
+        ("truncate", "truncated|does not match|records end at byte"),
     ],
 )
 def test_corruption_is_detected_with_file_and_offset(
@@ -237,6 +237,17 @@ def test_corruption_is_detected_with_file_and_offset(
     else:
         blob = blob[: offset + size - 10]
     shard.path.write_bytes(bytes(blob))
+    if where == "truncate":
+        # The output is refused at open: the file is shorter than its manifest says...
+        with pytest.raises(DataError, match=r"\.tfrecord: \d+ bytes, the manifest says"):
+            open_dataset(tmp_path / "out")
+        # ...and read as a plain TFRecord file, its stale .idx is refused too.
+        with pytest.raises(DataError, match=match):
+            TFRecordDataset(shard.path)
+        shard.path.with_suffix(".idx").unlink()
+        with pytest.raises(DataError, match=match):
+            TFRecordDataset(shard.path)
+        return
     ds = open_dataset(tmp_path / "out")
     assert ds[2][0].shape == (3, 16, 16)
     with pytest.raises(

@@ -143,7 +143,7 @@ def test_index_lines_point_at_the_image_members(uniform_folder: Path, tmp_path: 
         with tarfile.open(out / entry.path) as tar:
             images = [m for m in tar.getmembers() if m.name.endswith(".png")]
         for line, member in zip(lines, images, strict=True):
-            offset, size, label = map(int, line.split())
+            offset, size, label, _ = map(int, line.split())
             assert (offset, size) == (member.offset_data, member.size)
             assert blob[offset : offset + size][:8] == b"\x89PNG\r\n\x1a\n"
             assert label == ds.targets[count]
@@ -154,9 +154,15 @@ def test_index_lines_point_at_the_image_members(uniform_folder: Path, tmp_path: 
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
-        (lambda text: text.replace("\n", "\n1 2 3\n", 1), "lists 61 samples, the manifest says 60"),
-        (lambda text: "99999999 10 0\n" + text.split("\n", 1)[1], "points outside data-000000.tar"),
-        (lambda text: text.replace(" 1\n", " 7\n", 1), r"labels outside 0\.\.2"),
+        (
+            lambda text: text.replace("\n", "\n1 2 3 4\n", 1),
+            "lists 61 samples, the manifest says 60",
+        ),
+        (
+            lambda text: "99999999 10 0 0\n" + text.split("\n", 1)[1],
+            "points outside data-000000.tar",
+        ),
+        (lambda text: text.replace(" 1 ", " 7 ", 1), r"labels outside 0\.\.2"),
         (lambda text: "x" + text, "cannot read the sample index"),
     ],
 )

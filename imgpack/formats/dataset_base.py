@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, overload
 
@@ -24,7 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from imgpack.errors import DataError, ManifestError
+from imgpack.checksum import record_crc
+from imgpack.errors import DataError, ImgpackError, ManifestError
 from imgpack.images import decode_stored
 from imgpack.manifest import Manifest, read_manifest
 
@@ -103,6 +106,14 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     ``targets``, ``samples``. Subclasses set :attr:`format` and implement :meth:`_open`
     (per-process handles), :meth:`_gather` (a batch of valid indices to images and labels),
     :meth:`_load_targets` and :meth:`_load_paths` (the stored source paths).
+
+    ``verify``: check every record's CRC-32C as it is read (``True``), never (``False``), or
+    where it costs little (``None``, the default: encoded outputs, whose reads are bound by the
+    image decode; not raw pixels). A mismatch raises :class:`~imgpack.errors.DataError` naming
+    the file, the sample and its source path.
+
+    Opening checks the manifest against the files (each a regular file of the recorded size,
+    sample counts adding up), so a truncated or swapped file is refused before it is mapped.
     """
 
     format: ClassVar[str]
@@ -113,6 +124,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         transform: Callable[[torch.Tensor], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
         manifest: Manifest | None = None,
+        verify: bool | None = None,
     ) -> None:
         self.root = Path(root)
         # A reader of files imgpack did not write passes a manifest it built itself.
@@ -122,6 +134,9 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "
                 f"(open it with imgpack.open_dataset)"
             )
+        if manifest is None:
+            check_files(self.root, self.manifest)
+        self.verify: bool = self.manifest.encoding != "raw" if verify is None else bool(verify)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
         self.transform = transform
@@ -198,6 +213,45 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     def _load_paths(self) -> list[str] | None:
         """The stored source path of every sample (relative, POSIX), or ``None`` if not stored."""
 
+    def _source(self, index: int) -> str:
+        """`` (source PATH)`` for an error about sample ``index``, when the path can be had."""
+        try:
+            paths = self._load_paths()
+        except Exception:  # the output is damaged already; the error names the sample anyway
+            return ""
+        return f" (source {paths[index]})" if paths and 0 <= index < len(paths) else ""
+
+    @abstractmethod
+    def _records(self, indices: np.ndarray) -> Iterator[Record]:
+        """The stored records of valid sample ``indices``, in that order, without decoding."""
+
+    def _checked(self, records: Iterator[Record]) -> Iterator[Record]:
+        """``records``, each checked against its stored checksum (:mod:`imgpack.checksum`)."""
+        for record in records:
+            if record.crc is not None and record_crc(record.payload, record.label) != record.crc:
+                raise DataError(
+                    f"{record.where}: sample {record.index}{self._source(record.index)}: "
+                    "checksum mismatch (damaged record)"
+                )
+            yield record
+
+    def damaged(self, indices: Sequence[int] | np.ndarray) -> Iterator[tuple[int, str]]:
+        """``(index, problem)`` for every damaged record among ``indices`` (structure, label
+        range, checksum), without decoding images; used by :func:`imgpack.verify`."""
+        idx = self._indices(indices)
+        try:
+            for _ in self._checked(self._records(idx)):
+                pass
+            return
+        except ImgpackError:
+            pass
+        for index in idx.tolist():  # find each bad one
+            try:
+                for _ in self._checked(self._records(np.array([index], np.int64))):
+                    pass
+            except ImgpackError as exc:
+                yield index, str(exc)
+
     @abstractmethod
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         """Images and int64 labels of valid sample ``indices`` (an int64 array), in that order."""
@@ -237,6 +291,45 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         return (
             f"{type(self).__name__}(root={str(self.root)!r}, samples={len(self)}, "
             f"classes={len(self.classes)}, encoding={self.manifest.encoding!r})"
+        )
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored record as :meth:`ImageDataset._records` yields it."""
+
+    index: int
+    payload: Any  # the stored bytes (bytes or a buffer)
+    label: int
+    crc: int | None  # the stored checksum; None where the output stores none
+    where: str  # the file (and position) holding it, for messages
+
+
+def check_files(root: Path, manifest: Manifest) -> None:
+    """Check the files an output's manifest lists before any is opened or mapped: plain names
+    inside the output, regular files (never a FIFO or a device), of exactly the recorded size,
+    and per-file sample counts adding up to ``num_samples``."""
+    total = 0
+    for entry in manifest.files:
+        name = entry.path
+        if not name or name.startswith(("/", ".")) or "/" in name or "\\" in name:
+            raise ManifestError(f"{root}: manifest names {name!r}, not a plain file name")
+        path = root / name
+        try:
+            st = path.lstat()
+        except OSError as exc:
+            raise DataError(f"{path}: missing ({exc.strerror}); the output is incomplete") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: not a regular file")
+        if st.st_size != entry.bytes:
+            raise DataError(
+                f"{path}: {st.st_size} bytes, the manifest says {entry.bytes} (truncated or "
+                "replaced; imgpack verify tells more)"
+            )
+        total += entry.num_samples
+    if total != manifest.num_samples:
+        raise ManifestError(
+            f"{root}: the files hold {total} samples, the manifest says {manifest.num_samples}"
         )
 
 

@@ -17,6 +17,9 @@ from typing import Any
 
 from imgpack.images import Encoded, Encoding, ImagePolicy
 
+#: Files of the engine's own in a temp output dir (the checkpoint), which writers leave alone.
+KEEP_PREFIX = ".imgpack-"
+
 
 @dataclass(frozen=True)
 class WriterConfig:
@@ -43,7 +46,10 @@ class WrittenFile:
 class Writer(ABC):
     """Writes one output directory. Use as a context manager; :meth:`close` may be called twice.
 
-    Subclasses implement :meth:`add` and :meth:`_finish`.
+    Subclasses implement :meth:`add` and :meth:`_finish`. A writer that can resume an interrupted
+    conversion also keeps :attr:`durable` (how many samples its files hold completely, as of its
+    last checkpoint) and implements :meth:`checkpoint_state` and :meth:`resume`; the engine saves
+    a checkpoint whenever :attr:`durable` grows.
     """
 
     def __init__(self, directory: Path, config: WriterConfig) -> None:
@@ -51,6 +57,21 @@ class Writer(ABC):
         self.config = config
         self.settings = config.settings
         self._files: list[WrittenFile] | None = None
+        #: Samples complete in the files as of the last checkpoint (0: none, or no checkpoints).
+        self.durable = 0
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What :meth:`resume` needs to continue from :attr:`durable` samples (JSON-able)."""
+        raise NotImplementedError(f"format {self.config.format!r} cannot resume")
+
+    def resume(self, state: dict[str, Any]) -> int:
+        """Continue, in a fresh writer over the same directory, from a :meth:`checkpoint_state`.
+
+        Returns how many samples after the checkpoint the files already hold (written and made
+        durable after the checkpoint was saved); the engine passes that many over. Files or
+        bytes past the checkpoint that are not complete are removed or truncated here.
+        """
+        raise NotImplementedError(f"format {self.config.format!r} cannot resume")
 
     @abstractmethod
     def add(self, sample: Encoded) -> None:
@@ -129,6 +150,24 @@ class ShardedWriter(Writer):
         self._end_shard()
         self._shards.append(WrittenFile(self.shard_name(len(self._shards)), self._shard_count))
         self._open = False
+        self.durable = sum(shard.num_samples for shard in self._shards)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"shards": [[shard.path, shard.num_samples] for shard in self._shards]}
+
+    def resume(self, state: dict[str, Any]) -> int:
+        """Keep the completed shards; remove whatever else was being written."""
+        self._shards = [WrittenFile(str(path), int(count)) for path, count in state["shards"]]
+        self.durable = sum(shard.num_samples for shard in self._shards)
+        keep = {shard.path for shard in self._shards} | self._companions()
+        for path in self.directory.iterdir():
+            if path.name not in keep and not path.name.startswith(KEEP_PREFIX):
+                path.unlink()
+        return 0
+
+    def _companions(self) -> set[str]:
+        """Files beside the completed shards that belong to them (index files)."""
+        return set()
 
     def _finish(self) -> list[WrittenFile]:
         if self._open:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
+    Record,
     check_labels,
     check_offsets,
     decode_batch,
@@ -52,10 +54,16 @@ class HDF5Dataset(ImageDataset):
                 self._offset = int(offset) if contiguous and offset is not None else None
                 self._labels = np.asarray(f["labels"][...], dtype=np.int64)
                 self._offsets = None if self._raw else np.asarray(f["offsets"][...], dtype=np.int64)
-        except (OSError, KeyError) as exc:
+                crcs = f.get("crc32c")
+                self._crcs = None if crcs is None else np.asarray(crcs[...], dtype=np.int64)
+        except (OSError, KeyError, ValueError, TypeError) as exc:
             raise DataError(f"{self.path}: cannot read the HDF5 layout: {exc}") from None
         self._check_layout()
         self.mmap = bool(mmap) and (self._offset is not None or self._shape[0] == 0)
+        if self._offset is not None:
+            end = self._offset + int(np.prod(self._shape))
+            if end > self.path.stat().st_size:
+                raise DataError(f"{self.path}: damaged file: {self._name} runs past its end")
 
     def _check_layout(self) -> None:
         n = len(self)
@@ -68,6 +76,8 @@ class HDF5Dataset(ImageDataset):
         elif problem is None:
             assert self._offsets is not None
             problem = check_offsets(self._offsets, n, self._shape[0])
+        if problem is None and self._crcs is not None and self._crcs.shape != (n,):
+            problem = f"crc32c has shape {self._crcs.shape}, expected ({n},)"
         if problem:
             raise DataError(f"{self.path}: damaged file: {problem}")
 
@@ -131,24 +141,43 @@ class HDF5Dataset(ImageDataset):
             raise DataError(f"{self.path}: cannot read rows {run[0]}..{run[-1]}: {exc}") from None
         return out[inverse.reshape(-1)]
 
+    def _payloads(self, indices: np.ndarray) -> list[Any]:
+        """The stored bytes of ``indices``, in that order."""
+        if self._raw:
+            if self.mmap:
+                return [self.handles[i].numpy().data for i in indices.tolist()]
+            return [row.data for row in self._read_rows(indices)]
+        assert self._offsets is not None
+        starts, ends = self._offsets[indices], self._offsets[indices + 1]
+        if self.mmap:
+            data = self.handles
+            return [
+                data[a:b].numpy().data for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+            ]
+        return self._read_spans(starts, ends)
+
+    def _records(self, indices: np.ndarray) -> Iterator[Record]:
+        payloads = self._payloads(indices)
+        for k, index in enumerate(indices.tolist()):
+            crc = None if self._crcs is None else int(self._crcs[index])
+            yield Record(index, payloads[k], int(self._labels[index]), crc, str(self.path))
+
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
         if self._raw:
+            if self.verify:
+                for _ in self._checked(self._records(indices)):
+                    pass
             if self.mmap:
                 out = new_batch_tensor((len(indices), *self._shape[1:]))
                 torch.index_select(self.handles, 0, torch.from_numpy(indices), out=out)
             else:
                 out = torch.from_numpy(self._read_rows(indices))
             return out.permute(0, 3, 1, 2), labels
-        assert self._offsets is not None
-        starts, ends = self._offsets[indices], self._offsets[indices + 1]
-        if self.mmap:
-            data = self.handles
-            payloads = [
-                data[a:b].numpy().data for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
-            ]
+        if self.verify:
+            payloads = [r.payload for r in self._checked(self._records(indices))]
         else:
-            payloads = self._read_spans(starts, ends)
+            payloads = self._payloads(indices)
         images = decode_batch(
             payloads, self.channels, lambda k: f"{self.path}: sample {indices[k]}"
         )

@@ -5,18 +5,23 @@ Layout (``docs/formats/hdf5.md``):
 - raw encoding: ``images`` uint8 ``(N, H, W, C)``;
 - encoded: ``data`` uint8 ``(total_bytes,)`` and ``offsets`` int64 ``(N + 1,)``, sample ``i``
   being ``data[offsets[i]:offsets[i + 1]]``;
-- always ``labels`` int64 ``(N,)`` and ``filenames`` (UTF-8 strings, paths relative to SRC);
+- always ``labels`` int64 ``(N,)``, ``filenames`` (UTF-8 strings, paths relative to SRC) and
+  ``crc32c`` uint32 ``(N,)``, each sample's checksum (:mod:`imgpack.checksum`);
 - root attributes ``imgpack`` (schema version), ``classes``, ``encoding``, ``height``, ``width``,
   ``channels``.
 
 Uncompressed datasets are contiguous, so the reader can memory-map them. A contiguous dataset
 needs its final size when it is created, which is known only at the end (skipped files, encoded
 sizes): the image bytes are streamed to a staging file beside ``data.h5`` and copied in, block by
-block, at the end. Memory stays bounded; the image bytes are written twice.
+block, at the end. Memory stays bounded; the image bytes are written twice. Every
+:data:`BLOCK_RECORDS` samples (or :data:`BLOCK_BYTES`) the staging file and a journal of the
+samples' labels, sizes, checksums and paths are flushed: an interrupted conversion resumes from
+the last such block.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from imgpack.checksum import record_crc
+from imgpack.errors import DataError
 from imgpack.formats.writer_base import Writer, WriterConfig, WrittenFile
 from imgpack.images import Encoded
 from imgpack.manifest import SCHEMA_VERSION
@@ -32,6 +39,9 @@ from imgpack.manifest import SCHEMA_VERSION
 COPY_BLOCK = 64 << 20
 #: Target bytes per chunk when compression makes the datasets chunked.
 DEFAULT_CHUNK = 1 << 20
+#: A checkpoint every this many samples, or bytes, whichever comes first.
+BLOCK_RECORDS = 1000
+BLOCK_BYTES = 64 << 20
 
 
 class HDF5Writer(Writer):
@@ -43,16 +53,68 @@ class HDF5Writer(Writer):
         latest = self.settings["libver"] == "latest"
         self.libver = ("latest", "latest") if latest else ("earliest", "v110")
         self._staging_path = directory / ".data.staging"
-        self._staging = open(self._staging_path, "wb")  # noqa: SIM115 - closed in _finish/_abort
+        # Append mode: a resumed conversion continues the files an interrupted one left.
+        self._staging = open(self._staging_path, "ab")  # noqa: SIM115 - closed in _finish/_abort
+        self._journal = open(directory / ".data.journal", "ab")  # noqa: SIM115 - likewise
         self._labels: list[int] = []
         self._filenames: list[str] = []
+        self._crcs: list[int] = []
         self._offsets = [0]
+        self._block_start = self._offsets[-1]
 
     def add(self, sample: Encoded) -> None:
         self._staging.write(sample.payload)
         self._offsets.append(self._offsets[-1] + len(sample.payload))
         self._labels.append(sample.label)
         self._filenames.append(sample.path)
+        self._crcs.append(record_crc(sample.payload, sample.label))
+        pending = len(self._labels) - self.durable
+        if pending >= BLOCK_RECORDS or self._offsets[-1] - self._block_start >= BLOCK_BYTES:
+            self._end_block()
+
+    def _end_block(self) -> None:
+        """Flush the staged bytes and journal the block's samples: a checkpoint."""
+        lines = [
+            json.dumps(
+                [
+                    self._labels[i],
+                    self._offsets[i + 1] - self._offsets[i],
+                    self._crcs[i],
+                    self._filenames[i],
+                ]
+            )
+            + "\n"
+            for i in range(self.durable, len(self._labels))
+        ]
+        self._staging.flush()
+        self._journal.write("".join(lines).encode("utf-8", "surrogateescape"))
+        self._journal.flush()
+        self.durable = len(self._labels)
+        self._block_start = self._offsets[-1]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "records": self.durable,
+            "staging_bytes": self._offsets[self.durable],
+            "journal_bytes": self._journal.tell(),
+        }
+
+    def resume(self, state: dict[str, Any]) -> int:
+        """Cut the staging file and the journal back to the checkpoint; reload the journal."""
+        self._staging.truncate(int(state["staging_bytes"]))
+        self._journal.truncate(int(state["journal_bytes"]))
+        with open(self.directory / ".data.journal", "rb") as fh:
+            for line in fh.read().decode("utf-8", "surrogateescape").splitlines():
+                label, size, crc, path = json.loads(line)
+                self._labels.append(label)
+                self._offsets.append(self._offsets[-1] + size)
+                self._crcs.append(crc)
+                self._filenames.append(path)
+        if len(self._labels) != int(state["records"]):
+            raise DataError(f"{self.directory}: the journal does not match its checkpoint")
+        self.durable = len(self._labels)
+        self._block_start = self._offsets[-1]
+        return 0
 
     def _dataset_options(self, shape: tuple[int, ...]) -> dict[str, Any]:
         options: dict[str, Any] = {"track_times": False}  # no timestamps: same input, same bytes
@@ -66,6 +128,7 @@ class HDF5Writer(Writer):
 
     def _finish(self) -> list[WrittenFile]:
         self._staging.close()
+        self._journal.close()
         count = len(self._labels)
         total = self._offsets[-1]
         policy = self.config.policy
@@ -88,12 +151,14 @@ class HDF5Writer(Writer):
                 )
             self._copy_staging(target, count, total)
             f.create_dataset("labels", data=np.asarray(self._labels, np.int64), track_times=False)
+            f.create_dataset("crc32c", data=np.asarray(self._crcs, np.uint32), track_times=False)
             f.create_dataset(
                 "filenames",
                 data=np.array(self._filenames, dtype=h5py.string_dtype()),
                 track_times=False,
             )
         os.unlink(self._staging_path)
+        os.unlink(self.directory / ".data.journal")
         return [WrittenFile("data.h5", count)]
 
     def _copy_staging(self, target: h5py.Dataset, count: int, total: int) -> None:
@@ -114,3 +179,4 @@ class HDF5Writer(Writer):
 
     def _abort(self) -> None:
         self._staging.close()
+        self._journal.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,13 @@ import torch
 from torch.utils.data import get_worker_info
 
 from imgpack.errors import DataError
-from imgpack.formats.dataset_base import ImageDataset, Images, decode_batch, new_batch_tensor
+from imgpack.formats.dataset_base import (
+    ImageDataset,
+    Images,
+    Record,
+    decode_batch,
+    new_batch_tensor,
+)
 from imgpack.formats.lmdb import record
 from imgpack.images import Kind
 
@@ -77,7 +84,11 @@ class LMDBDataset(ImageDataset):
             self._dims = np.frombuffer(head[16:24], np.uint8)
 
     def _open(self) -> Any:
-        return _environment(self.root)
+        env = _environment(self.root)
+        entries = env.stat()["entries"]
+        if entries != len(self):
+            raise DataError(f"{self.root}: holds {entries} records, the manifest says {len(self)}")
+        return env
 
     def _header(self, key: Any, value: Any) -> record.RecordHeader:
         try:
@@ -142,28 +153,42 @@ class LMDBDataset(ImageDataset):
             raise DataError(f"{self.root}: record {keys[bad].decode()} has the wrong size")
         return labels
 
-    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+    def _values(self, txn: Any, keys: list[bytes]) -> list[Any]:
+        # A loop of get() measured faster than Cursor.getmulti() for random keys (py-lmdb 3.0),
+        # and keeps request order.
+        get = txn.get
+        values = [get(key) for key in keys]
+        if None in values:
+            missing = keys[values.index(None)]
+            raise DataError(f"{self.root}: record {missing.decode()} is missing")
+        return values
+
+    def _records(self, indices: np.ndarray) -> Iterator[Record]:
         keys = list(map(_KEY, indices.tolist()))
         with self.handles.begin(buffers=True) as txn:
-            # One read transaction for the batch. A loop of get() measured faster than
-            # Cursor.getmulti() for random keys (py-lmdb 3.0), and keeps request order.
-            get = txn.get
-            values = [get(key) for key in keys]
-            if None in values:
-                missing = keys[values.index(None)]
-                raise DataError(f"{self.root}: record {missing.decode()} is missing")
-            if self._raw:
-                return self._raw_batch(keys, values)
-            headers = [self._header(key, value) for key, value in zip(keys, values, strict=True)]
-            labels = [header.label for header in headers]
-            payloads = [
-                bytes(value[header.payload_offset :])
-                for header, value in zip(headers, values, strict=True)
-            ]
-        images = decode_batch(
-            payloads, self.channels, lambda k: f"{self.root}: record {keys[k].decode()}"
-        )
-        return images, torch.tensor(labels, dtype=torch.int64)
+            values = self._values(txn, keys)
+            out = []
+            for index, key, value in zip(indices.tolist(), keys, values, strict=True):
+                header = self._header(key, value)
+                payload = bytes(value[header.payload_offset :])
+                where = f"{self.root}: record {key.decode()}"
+                out.append(Record(index, payload, header.label, header.crc, where))
+        yield from out
+
+    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        if self._raw:
+            if self.verify:
+                for _ in self._checked(self._records(indices)):
+                    pass
+            keys = list(map(_KEY, indices.tolist()))
+            with self.handles.begin(buffers=True) as txn:  # one read transaction for the batch
+                return self._raw_batch(keys, self._values(txn, keys))
+        records = self._records(indices)
+        if self.verify:
+            records = self._checked(records)
+        batch = list(records)
+        images = decode_batch([r.payload for r in batch], self.channels, lambda k: batch[k].where)
+        return images, torch.tensor([r.label for r in batch], dtype=torch.int64)
 
     def _headers(self) -> list[record.RecordHeader]:
         with self.handles.begin(buffers=True) as txn:

@@ -16,14 +16,14 @@ offset  size  type        field
 16      4     uint32      height (pixels)
 20      4     uint32      width (pixels)
 24      4     uint32      path length ``p`` in bytes
-28      4     bytes       reserved, 0
+28      4     uint32      checksum: CRC-32C of the payload, then the label as int64 LE
 32      p     bytes       source path relative to the source folder (UTF-8)
 32 + p  n     bytes       payload: raw HWC uint8 pixels (height * width * channels bytes),
                           or a complete JPEG/PNG file
 ======  ====  ==========  ==========================================================
 
 Version 1 records (imgpack 0.1) have a 24-byte header (the first six fields) and no path; the
-reader still reads them. No pickle: any language reads a record with a struct unpack.
+reader still reads them (with no checksum to check). No pickle: any language reads a record with a struct unpack.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.images import Kind
 
 MAGIC = b"IMGP"
 VERSION = 2
-HEADER = struct.Struct("<4sBBBBqIII4x")
+HEADER = struct.Struct("<4sBBBBqIIII")
 HEADER_SIZE = HEADER.size  # 32
 #: The fields every version starts with, and the size of a version 1 header.
 COMMON = struct.Struct("<4sBBBBqII")
@@ -62,6 +63,8 @@ class RecordHeader:
     payload_offset: int
     #: The stored source path, or ``None`` in a version 1 record.
     path: str | None
+    #: The stored checksum, or ``None`` in a version 1 record.
+    crc: int | None
 
 
 def pack(
@@ -69,8 +72,9 @@ def pack(
 ) -> bytes:
     """A complete record value."""
     encoded_path = path.encode("utf-8", "surrogateescape")
+    crc = record_crc(payload, label)
     header = HEADER.pack(
-        MAGIC, VERSION, CODES[kind], channels, 0, label, height, width, len(encoded_path)
+        MAGIC, VERSION, CODES[kind], channels, 0, label, height, width, len(encoded_path), crc
     )
     return b"".join((header, encoded_path, payload))
 
@@ -90,18 +94,19 @@ def unpack_header(value: bytes | memoryview) -> RecordHeader:
     if code not in KINDS:
         raise DataError(f"unknown payload kind {code}")
     path: str | None = None
+    crc: int | None = None
     start = V1_HEADER_SIZE
     if version == VERSION:
         if len(value) < HEADER_SIZE:
             raise DataError(
                 f"record is {len(value)} bytes, shorter than its {HEADER_SIZE}-byte header"
             )
-        (length,) = struct.unpack_from("<I", value, 24)
+        length, crc = struct.unpack_from("<II", value, 24)
         start = HEADER_SIZE + length
         if start > len(value):
             raise DataError(f"path length {length} runs past the end of the record")
         path = bytes(value[HEADER_SIZE:start]).decode("utf-8", "surrogateescape")
-    header = RecordHeader(KINDS[code], channels, label, height, width, start, path)
+    header = RecordHeader(KINDS[code], channels, label, height, width, start, path, crc)
     if header.kind is Kind.RAW and len(value) - start != height * width * channels:
         raise DataError(
             f"raw payload is {len(value) - start} bytes, expected {height}x{width}x{channels}"

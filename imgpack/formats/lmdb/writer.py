@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
+from imgpack.errors import DataError
 from imgpack.formats.lmdb import record
 from imgpack.formats.writer_base import Writer, WriterConfig, WrittenFile
 from imgpack.images import Encoded
@@ -70,6 +72,25 @@ class LMDBWriter(Writer):
                 continue
             self._pending = []
             self._pending_bytes = 0
+        self.durable = self._count
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"records": self.durable, "map_size": self.map_size}
+
+    def resume(self, state: dict[str, Any]) -> int:
+        """Continue after the last committed batch: LMDB's commits are atomic, so the
+        environment holds exactly the batches committed before the interruption (one more than
+        the checkpoint says when it came between a commit and its checkpoint)."""
+        entries = int(self._env.stat()["entries"])
+        if entries < int(state["records"]):
+            raise DataError(
+                f"{self.directory}: holds {entries} records, its checkpoint says "
+                f"{state['records']}; convert again without --resume"
+            )
+        self._count = self.durable = entries
+        self.map_size = max(int(state["map_size"]), int(self._env.info()["map_size"]))
+        self._env.set_mapsize(self.map_size)
+        return entries - int(state["records"])
 
     def _finish(self) -> list[WrittenFile]:
         self._commit()

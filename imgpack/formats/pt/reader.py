@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
+    Record,
     check_labels,
     check_offsets,
     decode_batch,
@@ -65,9 +67,11 @@ class PTDataset(ImageDataset):
                 problem = f"images should be uint8 {shape}, found {tuple(shard['images'].shape)}"
         elif problem is None:
             problem = check_offsets(shard["offsets"].numpy(), n, len(shard["data"]))
-        paths = shard.get("paths")
+        paths, crcs = shard.get("paths"), shard.get("crc32c")
         if problem is None and paths is not None and len(paths) != n:
             problem = f"paths lists {len(paths)} samples, expected {n}"
+        if problem is None and crcs is not None and tuple(crcs.shape) != (n,):
+            problem = f"crc32c has shape {tuple(crcs.shape)}, expected ({n},)"
         if problem:
             raise DataError(f"{path}: damaged shard: {problem}")
         return shard
@@ -83,23 +87,38 @@ class PTDataset(ImageDataset):
             return None
         return [str(p) for shard in shards for p in shard["paths"]]
 
-    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+    def _records(self, indices: np.ndarray) -> Iterator[Record]:
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1
-        local = torch.from_numpy(indices - self._starts[shard_of])
-        if self._raw:
-            return self._gather_raw(shard_of, local)
-        payloads, labels = [], []
-        for number, i in zip(shard_of.tolist(), local.tolist(), strict=True):
+        local = (indices - self._starts[shard_of]).tolist()
+        for index, number, i in zip(indices.tolist(), shard_of.tolist(), local, strict=True):
             shard = self._shard(number)
-            start, end = int(shard["offsets"][i]), int(shard["offsets"][i + 1])
-            payloads.append(shard["data"][start:end].numpy().data)
-            labels.append(int(shard["labels"][i]))
+            if self._raw:
+                payload = shard["images"][i].numpy().data
+            else:
+                start, end = int(shard["offsets"][i]), int(shard["offsets"][i + 1])
+                payload = shard["data"][start:end].numpy().data
+            crcs = shard.get("crc32c")
+            crc = int(crcs[i]) if crcs is not None else None
+            where = str(self.root / self.manifest.files[number].path)
+            yield Record(index, payload, int(shard["labels"][i]), crc, where)
 
-        def where(k: int) -> str:
-            return f"{self.root / self.manifest.files[shard_of[k]].path}: sample {int(local[k])}"
-
-        images = decode_batch(payloads, self.channels, where)
-        return images, torch.tensor(labels, dtype=torch.int64)
+    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        if self._raw:
+            if self.verify:
+                for _ in self._checked(self._records(indices)):
+                    pass
+            shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+            return self._gather_raw(shard_of, torch.from_numpy(indices - self._starts[shard_of]))
+        records = self._records(indices)
+        if self.verify:
+            records = self._checked(records)
+        batch = list(records)
+        images = decode_batch(
+            [r.payload for r in batch],
+            self.channels,
+            lambda k: f"{batch[k].where}: sample {batch[k].index}",
+        )
+        return images, torch.tensor([r.label for r in batch], dtype=torch.int64)
 
     def _gather_raw(self, shard_of: np.ndarray, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
         image = self.manifest.image

@@ -25,8 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-import google_crc32c
-
+from imgpack.checksum import crc32c
 from imgpack.errors import DataError
 
 _LENGTH = struct.Struct("<Q")
@@ -34,11 +33,6 @@ _CRC = struct.Struct("<I")
 HEADER_SIZE = 12  # length + its CRC
 FOOTER_SIZE = 4
 MASK_DELTA = 0xA282EAD8
-
-
-def crc32c(data: bytes | memoryview) -> int:
-    """Plain CRC-32C (Castagnoli) of ``data``."""
-    return int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
 
 
 def masked_crc32c(data: bytes | memoryview) -> int:
@@ -101,11 +95,31 @@ def iter_frames(
         if not header:
             return
         length = read_length(header, f"{name} at offset {offset}", check_crc)
-        rest = fh.read(length + FOOTER_SIZE)
+        rest = read_at_most(fh, length + FOOTER_SIZE)
         if len(rest) < length + FOOTER_SIZE:
             raise DataError(f"{name}: truncated record at offset {offset} (length {length})")
         yield offset, unframe(header + rest, f"{name} at offset {offset}", check_crc)
         offset += HEADER_SIZE + length + FOOTER_SIZE
+
+
+#: Largest piece read at once: a damaged length field costs at most this much memory beyond
+#: what the file really holds.
+READ_PIECE = 16 << 20
+
+
+def read_at_most(fh: BinaryIO, size: int) -> bytes:
+    """Up to ``size`` bytes of ``fh`` (fewer at the end of the stream), read in bounded pieces,
+    so that a hostile length field never allocates more than the stream holds."""
+    if size <= READ_PIECE:
+        return fh.read(size)
+    pieces = []
+    while size > 0:
+        piece = fh.read(min(size, READ_PIECE))
+        if not piece:
+            break
+        pieces.append(piece)
+        size -= len(piece)
+    return b"".join(pieces)
 
 
 def open_records(path: Path) -> BinaryIO:
@@ -157,8 +171,12 @@ def read_index(path: Path) -> list[tuple[int, int]] | None:
     target = index_path(path)
     if not target.is_file():
         return None
+    try:
+        text = target.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{target}: unreadable index: {exc}") from None
     index = []
-    for number, line in enumerate(target.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts:
             continue
@@ -169,4 +187,25 @@ def read_index(path: Path) -> list[tuple[int, int]] | None:
                 f"{target}: line {number}: expected 'offset size', got {line!r}"
             ) from None
         index.append((offset, size))
+    check_index(path, index)
     return index
+
+
+def check_index(path: Path, index: list[tuple[int, int]]) -> None:
+    """Check ``.idx`` entries against the framing: contiguous frames from byte 0, each at least
+    a frame's overhead long, the last ending where the file does. A stale or edited index is
+    refused (:class:`DataError`) rather than trusted."""
+    expected = 0
+    for number, (offset, size) in enumerate(index, 1):
+        if offset != expected or size < HEADER_SIZE + FOOTER_SIZE:
+            raise DataError(
+                f"{index_path(path)}: line {number}: record at {offset} of {size} bytes does not "
+                f"match the framing (expected one at {expected}); rebuild it with imgpack index"
+            )
+        expected = offset + size
+    size = path.stat().st_size
+    if expected != size:
+        raise DataError(
+            f"{index_path(path)}: its records end at byte {expected}, {path.name} has {size} "
+            "bytes; rebuild it with imgpack index"
+        )

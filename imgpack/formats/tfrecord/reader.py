@@ -19,7 +19,13 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError, ImageError, ManifestError
-from imgpack.formats.dataset_base import ImageDataset, Images, arrays_to_batch
+from imgpack.formats.dataset_base import (
+    ImageDataset,
+    Images,
+    Record,
+    arrays_to_batch,
+    check_files,
+)
 from imgpack.formats.tfrecord import example, framing
 from imgpack.images import ImagePolicy, Kind, apply_policy, decode_stored
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
@@ -56,8 +62,15 @@ class Records:
                 raise ManifestError(
                     f"{self.root}: holds format {self.manifest.format!r}, not 'tfrecord'"
                 )
+            check_files(self.root, self.manifest)
             self.foreign = False
             self.shards = [self._shard(self.root / f.path) for f in self.manifest.files]
+            for entry, shard in zip(self.manifest.files, self.shards, strict=True):
+                if len(shard) != entry.num_samples and not shard.gzip:
+                    raise DataError(
+                        f"{shard.path}: its .idx lists {len(shard)} records, the manifest says "
+                        f"{entry.num_samples}"
+                    )
             self.label_offset = int(
                 self.manifest.options.get("label_offset", 0)
                 if label_offset is None
@@ -267,8 +280,9 @@ class TFRecordDataset(ImageDataset):
     a folder of ``*.tfrecord``, a glob, or a list of them) with the conventional ImageNet keys.
     Records are found through the ``.idx`` beside each file, or an index built in memory. Foreign
     images go through imgpack's image policy (RGB, EXIF applied, alpha composited). CRCs are
-    checked unless ``check_crc=False``; a bad CRC or a truncated record raises
-    :class:`~imgpack.errors.DataError` naming the file and offset.
+    checked unless ``check_crc=False`` (``verify=True`` checks them whatever ``check_crc``
+    says); a bad CRC or a truncated record raises :class:`~imgpack.errors.DataError` naming the
+    file and offset.
     """
 
     format = "tfrecord"
@@ -280,9 +294,12 @@ class TFRecordDataset(ImageDataset):
         target_transform: Callable[[int], Any] | None = None,
         check_crc: bool = True,
         label_offset: int | None = None,
+        verify: bool | None = None,
     ) -> None:
-        records = Records(source, check_crc, label_offset)
-        super().__init__(records.root, transform, target_transform, manifest=records.manifest)
+        records = Records(source, check_crc or bool(verify), label_offset)
+        super().__init__(
+            records.root, transform, target_transform, manifest=records.manifest, verify=verify
+        )
         self.records = records
         if any(s.gzip for s in records.shards):
             raise DataError(
@@ -310,18 +327,30 @@ class TFRecordDataset(ImageDataset):
     def _load_paths(self) -> list[str] | None:
         return self.records.paths
 
-    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+    def _frames(self, indices: np.ndarray) -> Iterator[tuple[int, memoryview, str]]:
+        """``(position in indices, record data, where)``, read shard by shard in file order;
+        the frame's CRCs are checked unless ``check_crc=False``."""
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1
         local = indices - self._starts[shard_of]
-        arrays: list[Any] = [None] * len(indices)
-        labels = [0] * len(indices)
-        # Group by shard and read each shard's records in file order.
         for pos in np.lexsort((local, shard_of)).tolist():
             shard = self.records.shards[int(shard_of[pos])]
             record = int(local[pos])
             offset, size = int(shard.offsets[record]), int(shard.sizes[record])
             where = f"{shard.path} at offset {offset}"
             data = os.pread(self._fd(int(shard_of[pos])), size, offset)
-            frame = framing.unframe(data, where, self.records.check_crc)
+            yield pos, framing.unframe(data, where, self.records.check_crc), where
+
+    def _records(self, indices: np.ndarray) -> Iterator[Record]:
+        found: list[Record | None] = [None] * len(indices)
+        for pos, frame, where in self._frames(indices):
+            _, label = self.records.sample(frame, where, decode=False)
+            # The frame's own CRC-32C (checked in _frames) is the record's checksum.
+            found[pos] = Record(int(indices[pos]), frame, label, None, where)
+        yield from (r for r in found if r is not None)
+
+    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        arrays: list[Any] = [None] * len(indices)
+        labels = [0] * len(indices)
+        for pos, frame, where in self._frames(indices):
             arrays[pos], labels[pos] = self.records.sample(frame, where)
         return arrays_to_batch(arrays), torch.tensor(labels, dtype=torch.int64)

@@ -67,6 +67,12 @@ class TFRecordWriter(ShardedWriter):
         self._fh = None
         framing.write_index(path.with_suffix(".tfrecord"), self._index)  # .partial -> .idx below
 
+    def _companions(self) -> set[str]:
+        return {
+            framing.index_path((self.directory / s.path).with_suffix(".tfrecord")).name
+            for s in self._shards
+        }
+
     def _finish(self) -> list[WrittenFile]:
         partial = super()._finish()
         total = len(partial)

@@ -13,8 +13,10 @@ the key ``%010d % i``, as WebDataset groups them:
 
 Members are written with mode ``0444``, owner ``0:0`` and ``mtime`` 0, so the same input gives
 the same bytes. Beside each shard, ``data-000000.idx`` has one line per sample,
-``offset size label``: where the image member's data starts in the tar, its size, and the label,
-so a reader finds any sample without scanning the tar.
+``offset size label crc32c``: where the image member's data starts in the tar, its size, the
+label, and the record's checksum (:mod:`imgpack.checksum`: CRC-32C of the image member's bytes,
+then the label as int64 little-endian), so a reader finds and checks any sample without scanning
+the tar.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from imgpack.images import Kind
 
 KEY_FORMAT = "%010d"
 INDEX_SUFFIX = ".idx"
+INDEX_COLUMNS = 4  # offset size label crc32c
 #: Extensions a kept original file may keep, by content.
 KEEPABLE_EXTENSIONS = {Kind.JPEG: ("jpg", "jpeg"), Kind.PNG: ("png",)}
 EXTENSIONS = {Kind.JPEG: "jpg", Kind.PNG: "png", Kind.RAW: "npy"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tarfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
+    Record,
     check_labels,
     decode_batch,
     new_batch_tensor,
@@ -40,8 +42,9 @@ class WebDatasetDataset(ImageDataset):
         parts = [
             self._read_index(path, count) for path, count in zip(self._paths, counts, strict=True)
         ]
-        table = np.concatenate(parts) if parts else np.empty((0, 3), np.int64)
-        self._offsets, self._sizes, self._labels = table[:, 0], table[:, 1], table[:, 2].copy()
+        table = np.concatenate(parts) if parts else np.empty((0, layout.INDEX_COLUMNS), np.int64)
+        self._offsets, self._sizes = table[:, 0].copy(), table[:, 1].copy()
+        self._labels, self._crcs = table[:, 2].copy(), table[:, 3].copy()
         problem = check_labels(self._labels, len(self), len(self.classes))
         if problem:
             raise DataError(f"{self.root}: damaged index: {problem}")
@@ -56,7 +59,7 @@ class WebDatasetDataset(ImageDataset):
         try:
             text = path.read_text(encoding="ascii")
             size = shard.stat().st_size
-            table = np.array(text.split(), dtype=np.int64).reshape(-1, 3)
+            table = np.array(text.split(), dtype=np.int64).reshape(-1, layout.INDEX_COLUMNS)
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise DataError(f"{path}: cannot read the sample index: {exc}") from None
         if len(table) != count:
@@ -110,19 +113,32 @@ class WebDatasetDataset(ImageDataset):
             )
         return data
 
+    def _records(self, indices: np.ndarray) -> Iterator[Record]:
+        for index in indices.tolist():
+            number = int(np.searchsorted(self._starts, index, side="right") - 1)
+            label, crc = int(self._labels[index]), int(self._crcs[index])
+            yield Record(index, self._read(index), label, crc, str(self._paths[number]))
+
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
+        records = self._records(indices)
+        if self.verify:
+            records = self._checked(records)
         if not self._raw:
-            payloads = [self._read(i) for i in indices.tolist()]
-            images = decode_batch(payloads, self.channels, lambda k: self._where(int(indices[k])))
+            batch = list(records)
+            images = decode_batch(
+                [r.payload for r in batch], self.channels, lambda k: self._where(batch[k].index)
+            )
             return images, labels
         out = new_batch_tensor((len(indices), *self._shape))
         rows = out.numpy().reshape(len(indices), -1)
         head = len(self._npy)
-        for k, index in enumerate(indices.tolist()):
-            data = self._read(index)
+        for k, record in enumerate(records):
+            data = record.payload
             if len(data) != head + rows.shape[1] or not data.startswith(self._npy):
-                raise DataError(f"{self._where(index)}: not a uint8 {self._shape} .npy array")
+                raise DataError(
+                    f"{self._where(record.index)}: not a uint8 {self._shape} .npy array"
+                )
             rows[k] = np.frombuffer(data, np.uint8, offset=head)
         return out.permute(0, 3, 1, 2), labels
 

@@ -6,7 +6,9 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
+from imgpack.checksum import record_crc
 from imgpack.formats.webdataset import layout
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.images import Encoded, Kind
@@ -54,8 +56,17 @@ class WebDatasetWriter(ShardedWriter):
         self._member(f"{key}.cls", str(sample.label).encode("ascii"))
         meta = {"class": self.config.classes[sample.label], "path": sample.path}
         self._member(f"{key}.json", json.dumps(meta, sort_keys=True).encode("ascii"))
-        self._index.append(f"{offset} {len(payload)} {sample.label}\n")
+        crc = record_crc(payload, sample.label)
+        self._index.append(f"{offset} {len(payload)} {sample.label} {crc}\n")
         return self._tar.offset - start
+
+    def _companions(self) -> set[str]:
+        return {layout.index_path(self.directory / s.path).name for s in self._shards}
+
+    def resume(self, state: dict[str, Any]) -> int:
+        already = super().resume(state)
+        self._key = self.durable
+        return already
 
     def _end_shard(self) -> None:
         assert self._tar is not None
