@@ -56,6 +56,8 @@ class Scan:
     samples: list[Sample]
     empty_classes: list[str] = field(default_factory=list)
     ignored_files: int = 0
+    #: Folders under a class that could not be listed: ``{"path": ..., "reason": ...}``.
+    unreadable: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def class_to_idx(self) -> dict[str, int]:
@@ -113,13 +115,21 @@ def read_class_list(source: str | os.PathLike[str]) -> list[str]:
     return classes
 
 
-def _walk_class(root: Path, class_name: str) -> tuple[list[str], int]:
-    """Relative POSIX paths of the image files under ``root/class_name``, in torchvision's order."""
+def _walk_class(
+    root: Path, class_name: str, unreadable: list[dict[str, str]]
+) -> tuple[list[str], int]:
+    """Relative POSIX paths of the image files under ``root/class_name``, in torchvision's order.
+    Folders that cannot be listed are added to ``unreadable``."""
     found: list[tuple[str, str]] = []
     ignored = 0
     top = root / class_name
     visited: set[tuple[int, int]] = set()
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+
+    def failed(exc: OSError) -> None:
+        where = Path(exc.filename).relative_to(root).as_posix() if exc.filename else class_name
+        unreadable.append({"path": where + "/", "reason": f"cannot list folder: {exc.strerror}"})
+
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=failed):
         st = os.stat(dirpath)
         key = (st.st_dev, st.st_ino)
         if key in visited:
@@ -173,18 +183,19 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
             )
     samples: list[Sample] = []
     empty: list[str] = []
+    unreadable: list[dict[str, str]] = []
     ignored = 0
     present = set(folders)
     for label, name in enumerate(classes):
         if name not in present:
             empty.append(name)
             continue
-        paths, skipped = _walk_class(root, name)
+        paths, skipped = _walk_class(root, name, unreadable)
         ignored += skipped
         if not paths:
             empty.append(name)
         samples.extend(Sample(path, label) for path in paths)
-    if not samples:
+    if not samples and not unreadable:
         raise ScanError(
             f"{root}: found no image files in {len(folders)} class folder(s). Images are recognised "
             f"by the extensions {', '.join(IMAGE_EXTENSIONS)} (any case)"
@@ -198,4 +209,5 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
         samples=samples,
         empty_classes=empty,
         ignored_files=ignored,
+        unreadable=unreadable,
     )

@@ -79,13 +79,34 @@ class Manifest:
         if not isinstance(fmt, str) or not fmt:
             raise ManifestError(f"{where}: malformed manifest (format {fmt!r} is not a name)")
         try:
+            image = dict(data["image"])
+            for key in ("height", "width"):
+                if image.get(key) is not None:
+                    image[key] = _count(image[key], f"image.{key}", low=1)
+            image["channels"] = _count(image.get("channels", 3), "image.channels", low=1)
+            if image["channels"] not in (1, 3):
+                raise ValueError(f"image.channels is {image['channels']}, expected 1 or 3")
+            classes = data["classes"]
+            if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+                raise TypeError("classes is not a list of names")
+            if len(set(classes)) != len(classes):
+                raise ValueError("classes lists a name twice")
+            files = [
+                FileEntry(
+                    path=_name(entry["path"]),
+                    bytes=_count(entry["bytes"], "files.bytes"),
+                    num_samples=_count(entry["num_samples"], "files.num_samples"),
+                    sha256=str(entry.get("sha256", "")),
+                )
+                for entry in data["files"]
+            ]
             return cls(
                 format=fmt,
-                num_samples=int(data["num_samples"]),
-                classes=list(data["classes"]),
+                num_samples=_count(data["num_samples"], "num_samples"),
+                classes=list(classes),
                 encoding=str(data["encoding"]),
-                image=dict(data["image"]),
-                files=[FileEntry(**entry) for entry in data["files"]],
+                image=image,
+                files=files,
                 options=dict(data.get("options", {})),
                 source=dict(data.get("source", {})),
                 skipped=list(data.get("skipped", [])),
@@ -96,6 +117,26 @@ class Manifest:
             raise ManifestError(
                 f"{where}: malformed manifest ({type(exc).__name__}: {exc})"
             ) from None
+
+
+def _count(value: Any, name: str, low: int = 0) -> int:
+    """An integer field: a JSON integer (not a float, not a bool) of at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} is {value!r}, expected an integer of at least {low}")
+    return value
+
+
+def _name(value: Any) -> str:
+    """A file name in an output: a plain relative name inside it."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or value in (".", "..")
+        or "/" in value
+        or "\\" in value
+    ):
+        raise ValueError(f"file name {value!r} is not a plain name inside the output")
+    return value
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:

@@ -35,7 +35,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack.errors import ImageError, ImgpackError, OptionError
+from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import Scan, read_class_list, scan_folder
 from imgpack.formats.writer_base import KEEP_PREFIX, WriterConfig, WrittenFile
@@ -131,7 +131,15 @@ def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: Conv
     src_path, dst_path = Path(src), Path(dst)
     _check_paths(src_path, dst_path, options.overwrite)
     classes = read_class_list(options.classes_from) if options.classes_from is not None else None
-    return Plan(src_path, dst_path, options, scan_folder(src_path, classes))
+    scan = scan_folder(src_path, classes)
+    if scan.unreadable and options.on_error == "fail":
+        first = scan.unreadable[0]
+        more = f" (and {len(scan.unreadable) - 1} more)" if len(scan.unreadable) > 1 else ""
+        raise ScanError(
+            f"{src_path}/{first['path']}: {first['reason']}{more}; its images would be left "
+            "out (use --on-error skip to convert without them, recorded as skipped)"
+        )
+    return Plan(src_path, dst_path, options, scan)
 
 
 def process(
@@ -155,7 +163,7 @@ def write(
     outcomes start at its position and the writer continues from its state."""
     opts = plan.options
     writer = opts.spec.writer_class()(directory, plan.writer_config())
-    state = resume or Checkpoint(plan.fingerprint())
+    state = resume or Checkpoint(plan.fingerprint(), skipped=list(plan.scan.unreadable))
     skipped, count, position = list(state.skipped), state.count, state.position
     # Samples after the checkpoint that the writer's files hold already: passed over.
     already = writer.resume(state.writer) if resume is not None else 0

@@ -24,9 +24,10 @@ from imgpack.formats.dataset_base import (
 from imgpack.formats.lmdb import record
 from imgpack.images import Kind
 
-# py-lmdb allows one Environment per file per process, so readers of the same output share one.
-# Keyed by the data file's identity, so a replaced output (--overwrite) is opened afresh.
-_environments: dict[tuple[str, int, int], Any] = {}
+# py-lmdb allows one Environment per file per process, so readers of the same output share one:
+# path -> (the data file's identity when opened, environment). A replaced or rewritten data.mdb
+# (--overwrite, a repair) has a new identity: its path's environment is closed and opened afresh.
+_environments: dict[str, tuple[tuple[int, int, int], Any]] = {}
 _environments_pid: int | None = None
 
 
@@ -38,19 +39,23 @@ def _environment(root: Path) -> Any:
     if _environments_pid != os.getpid():
         # Inherited through a fork: LMDB handles must not be used in the child. Unmapping the
         # child's copy leaves the parent's untouched.
-        for env in _environments.values():
+        for _, env in _environments.values():
             with contextlib.suppress(Exception):
                 env.close()
         _environments.clear()
         _environments_pid = os.getpid()
     try:
         st = (root / "data.mdb").stat()
-        ident = (str(root.resolve()), st.st_ino, st.st_mtime_ns)
-        env = _environments.get(ident)
-        if env is None:
-            env = _environments[ident] = lmdb.open(
-                str(root), readonly=True, lock=False, readahead=False, meminit=False, subdir=True
-            )
+        key, ident = str(root.resolve()), (st.st_ino, st.st_mtime_ns, st.st_size)
+        known = _environments.get(key)
+        if known is not None and known[0] == ident:
+            return known[1]
+        if known is not None:
+            known[1].close()
+        env = lmdb.open(
+            str(root), readonly=True, lock=False, readahead=False, meminit=False, subdir=True
+        )
+        _environments[key] = (ident, env)
     except (OSError, lmdb.Error) as exc:
         raise DataError(f"{root}: cannot open the LMDB environment: {exc}") from None
     return env

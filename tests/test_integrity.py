@@ -1,0 +1,223 @@
+"""Damage to an output is detected: record checksums, checked opens, imgpack verify; and a source
+folder that cannot be listed is never silently left out."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import build_uniform_folder
+
+from imgpack import convert, open_dataset, verify
+from imgpack.cli import main
+from imgpack.converters import FORMATS
+from imgpack.errors import DataError, ImgpackError, ManifestError, ScanError
+from imgpack.formats.tfrecord import framing
+
+
+def _flip_inside_a_record(out: Path, source: bytes) -> Path:
+    """Flip one byte of ``source``'s stored copy (an ``original`` output keeps its bytes)."""
+    probe = source[len(source) // 2 : len(source) // 2 + 32]
+    for path in sorted(out.iterdir()):
+        blob = bytearray(path.read_bytes())
+        at = blob.find(probe)
+        if at >= 0:
+            blob[at + 5] ^= 0x01
+            path.write_bytes(bytes(blob))
+            return path
+    raise AssertionError("the stored bytes were not found")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_flipped_byte_is_caught_and_named(fmt: str, uniform_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert(uniform_folder, out, fmt, encoding="original", progress=False)
+    ds = open_dataset(out)
+    source_path, _ = ds.samples[7]
+    damaged = _flip_inside_a_record(out, Path(source_path).read_bytes())
+    ds = open_dataset(out, verify=True)
+    assert ds[6][0].shape == (3, 16, 16)
+    named = "out: record 0000000007" if fmt == "lmdb" else damaged.name  # LMDB: env and key
+    with pytest.raises(DataError, match=rf"{named}.*(checksum|CRC) mismatch"):
+        ds.__getitems__([6, 7])
+    report = verify(out)
+    assert not report.ok
+    lines = [p.line() for p in report.problems]
+    assert any(damaged.name in line and "sha256 differs" in line for line in lines)
+    if fmt != "tfrecord":  # TFRecord errors name the byte offset of the record instead
+        assert any("sample 7" in line and Path(source_path).name in line for line in lines)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_verify_command(fmt: str, uniform_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert(uniform_folder, out, fmt, encoding="raw", size=16, progress=False)
+    runner = CliRunner()
+    result = runner.invoke(
+        main, ["verify", str(out), "--deep", "-q", "--json", str(tmp_path / "r.json")]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1].startswith(f"{out}: intact: ")
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
+    first = out / open_dataset(out).manifest.files[0].path
+    blob = bytearray(first.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    first.write_bytes(bytes(blob))
+    result = runner.invoke(main, ["verify", str(out), "-q"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith(f"{out}: DAMAGED")
+    assert any(first.name in line for line in lines[:-1])
+
+
+def test_verify_names_missing_and_short_files(uniform_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert(uniform_folder, out, "pt", encoding="raw", size=16, shard_size=3000, progress=False)
+    shards = sorted(out.glob("shard-*.pt"))
+    shards[0].unlink()
+    shards[1].write_bytes(shards[1].read_bytes()[:100])
+    lines = [p.line() for p in verify(out).problems]
+    assert any(shards[0].name in line and "missing" in line for line in lines)
+    assert any(shards[1].name in line and "100 bytes, the manifest says" in line for line in lines)
+    with pytest.raises(DataError, match="missing"):
+        open_dataset(out)
+
+
+def _edit_manifest(out: Path, **changes: object) -> None:
+    path = out / "imgpack.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if key.startswith("file0_"):
+            data["files"][0][key[6:]] = value
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"num_samples": 59}, "the files hold 60 samples, the manifest says 59"),
+        ({"num_samples": 60.5}, "num_samples is 60.5, expected an integer"),
+        ({"num_samples": True}, "num_samples is True"),
+        ({"file0_num_samples": -1}, "files.num_samples is -1"),
+        ({"file0_bytes": 10}, "10 bytes|the manifest says 10"),
+        ({"file0_path": "../elsewhere.pt"}, "not a plain name inside the output"),
+        ({"classes": ["a", "a", "b"]}, "classes lists a name twice"),
+    ],
+)
+def test_edited_manifests_are_refused(
+    changes: dict[str, object], match: str, uniform_folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    convert(uniform_folder, out, "pt", encoding="raw", size=16, progress=False)
+    _edit_manifest(out, **changes)
+    with pytest.raises((ManifestError, DataError), match=match):
+        open_dataset(out)
+    assert not verify(out).ok
+
+
+def test_damaged_tfrecord_index_is_refused(uniform_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert(uniform_folder, out, "tfrecord", encoding="png", progress=False)
+    index = next(out.glob("*.idx"))
+    original = index.read_text()
+    index.write_bytes(b"\xff\xfe" + original.encode())
+    with pytest.raises(DataError, match=r"\.idx: unreadable index"):
+        open_dataset(out)
+    lines = original.splitlines()
+    lines[3], lines[4] = lines[4], lines[3]  # a stale order
+    index.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"line 4: record at \d+ .* does not match the framing"):
+        open_dataset(out)
+    index.write_text("\n".join(original.splitlines()[:-1]) + "\n")  # one record short
+    with pytest.raises(DataError, match="its records end at byte"):
+        open_dataset(out)
+
+
+def test_hostile_tfrecord_lengths_do_not_allocate(tmp_path: Path) -> None:
+    """A length field of 2**40 with a valid CRC: refused without reading (plain file) or after
+    reading only what the stream holds (GZIP), in a child process with 1 GiB of address space."""
+    length = struct.pack("<Q", 1 << 40)
+    record = length + struct.pack("<I", framing.masked_crc32c(length)) + b"x" * 1000
+    (tmp_path / "plain.tfrecord").write_bytes(record)
+    (tmp_path / "packed.tfrecord").write_bytes(gzip.compress(record))
+    code = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from imgpack.formats.tfrecord import framing
+from imgpack.errors import DataError
+for name in sys.argv[1:]:
+    try:
+        with framing.open_records(name) as fh:
+            list(framing.iter_frames(fh, name))
+    except DataError as exc:
+        print("refused:", exc)
+"""
+    paths = [str(tmp_path / "plain.tfrecord"), str(tmp_path / "packed.tfrecord")]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("refused:") == 2 and "truncated record" in done.stdout
+
+
+def test_truncated_lmdb_is_refused_not_a_crash(uniform_folder: Path, tmp_path: Path) -> None:
+    """A data.mdb cut short would SIGBUS a reader that maps it; it is refused at open instead."""
+    out = tmp_path / "out"
+    convert(uniform_folder, out, "lmdb", encoding="raw", size=16, progress=False)
+    data = out / "data.mdb"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    code = (
+        "import sys; from imgpack import open_dataset; from imgpack.errors import ImgpackError\n"
+        "try:\n    ds = open_dataset(sys.argv[1]); [ds[i] for i in range(len(ds))]\n"
+        "except ImgpackError as exc:\n    print('refused:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "the manifest says" in done.stdout
+
+
+def _unreadable(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Make ``folder`` unlistable (tests run as root, whom permissions do not stop)."""
+    real = os.scandir
+
+    def scandir(path: object = ".") -> object:
+        if Path(os.fsdecode(path)) == folder:  # type: ignore[arg-type]
+            raise PermissionError(13, "Permission denied", os.fsdecode(path))  # type: ignore[arg-type]
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_an_unreadable_folder_is_never_left_out_silently(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = build_uniform_folder(tmp_path / "src", count=12)
+    hidden = src / "class1" / "sub"
+    build_uniform_folder(hidden, count=2, classes=1)
+    _unreadable(monkeypatch, hidden)
+    with pytest.raises(ScanError, match=r"class1/sub/: cannot list folder: Permission denied"):
+        convert(src, tmp_path / "out", "pt", workers=1, progress=False)
+    assert not (tmp_path / "out").exists()
+    manifest = convert(src, tmp_path / "out", "pt", workers=1, on_error="skip", progress=False)
+    assert manifest.skipped[0] == {
+        "path": "class1/sub/",
+        "reason": "cannot list folder: Permission denied",
+    }
+    assert manifest.num_samples == 12
+
+
+def test_verify_of_something_that_is_not_an_output(tmp_path: Path) -> None:
+    report = verify(tmp_path)
+    assert not report.ok and "not an imgpack output" in report.problems[0].message
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "nowhere")])
+    assert result.exit_code == 1 and "no such imgpack output" in result.output
+    assert isinstance(DataError("x"), ImgpackError)
