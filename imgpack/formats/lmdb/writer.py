@@ -32,17 +32,20 @@ class LMDBWriter(Writer):
     def __init__(self, directory: Path, config: WriterConfig) -> None:
         super().__init__(directory, config)
         self.map_size = int(self.settings["map_size"])
-        self._env = lmdb.open(
-            str(directory),
+        self._env = self._open_env()
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_bytes = 0
+        self._count = 0
+
+    def _open_env(self) -> lmdb.Environment:
+        return lmdb.open(
+            str(self.directory),
             map_size=self.map_size,
             subdir=True,
             sync=False,
             metasync=False,
             max_dbs=0,
         )
-        self._pending: list[tuple[bytes, bytes]] = []
-        self._pending_bytes = 0
-        self._count = 0
 
     def add(self, sample: Encoded) -> None:
         value = record.pack(
@@ -72,6 +75,12 @@ class LMDBWriter(Writer):
                 continue
             self._pending = []
             self._pending_bytes = 0
+            # A fresh environment for the next transaction: LMDB recycles a process's page
+            # buffers across transactions without clearing them, so the unused bytes of a page
+            # would depend on the process's history, and a resumed conversion would write
+            # other bytes than an uninterrupted one. A new environment starts with clean ones.
+            self._env.close()
+            self._env = self._open_env()
         self.durable = self._count
 
     def checkpoint_state(self) -> dict[str, Any]:

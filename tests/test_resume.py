@@ -1,0 +1,151 @@
+"""A conversion killed with SIGKILL leaves DST as it was, and --resume finishes it with exactly the
+bytes of an uninterrupted run (real `imgpack convert` processes, every format)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from imgpack import convert, open_dataset, verify
+from imgpack.converters import FORMATS
+from imgpack.errors import OptionError
+from imgpack.pipeline import CHECKPOINT, leftovers
+
+COUNT = 2400  # more than two LMDB commits / HDF5 blocks of 1000
+SHARD = {"pt": "40KB", "tfrecord": "40KB", "webdataset": "80KB"}
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("many") / "src"
+    rng = np.random.default_rng(5)
+    for i in range(COUNT):
+        folder = root / f"c{i % 4}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def _args(fmt: str) -> list[str]:
+    shard = SHARD.get(fmt)
+    return ["--format", fmt, "--encoding", "png", *(["--shard-size", shard] if shard else [])]
+
+
+def _convert(src: Path, dst: Path, *args: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "imgpack.cli", "convert", str(src), str(dst), "-q", *args]
+    # A session of its own, so the test can kill the conversion with its pool workers.
+    return subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+
+
+def _kill_at(process: subprocess.Popen[bytes], dst: Path, position: int) -> int:
+    """SIGKILL ``process`` once its checkpoint has passed ``position``; the position reached."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for left in leftovers(dst):
+            try:
+                reached = json.loads((left / CHECKPOINT).read_text())["position"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if reached >= position:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+                return int(reached)
+        if process.poll() is not None:
+            _, err = process.communicate()
+            raise AssertionError(f"finished before reaching {position}: {err!r}")
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    raise AssertionError("no checkpoint reached in time")
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "lock.mdb"}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_killed_conversion_resumes_to_the_same_bytes(fmt: str, many: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "imgpack.cli",
+            "convert",
+            str(many),
+            str(reference),
+            "-q",
+            *_args(fmt),
+        ],
+        capture_output=True,
+    )
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
+    reached = _kill_at(_convert(many, out, *_args(fmt)), out, target)
+    assert 0 < reached < COUNT
+    assert not out.exists()  # nothing half-written looks like an output
+    [left] = leftovers(out)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "imgpack.cli",
+            "convert",
+            str(many),
+            str(out),
+            "-q",
+            "--resume",
+            *_args(fmt),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert not left.exists() and leftovers(out) == []
+    assert _files(out) == _files(reference)  # every data file and the manifest, byte for byte
+    assert verify(out).ok
+
+
+def test_killed_overwrite_keeps_the_old_output(many: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert(many, out, "lmdb", encoding="raw", size=8, progress=False)
+    before = _files(out)
+    _kill_at(_convert(many, out, "--overwrite", *_args("lmdb")), out, COUNT // 2)
+    assert _files(out) == before
+    assert verify(out, deep=True).ok and len(open_dataset(out)) == COUNT
+
+
+def test_resume_refuses_other_options_and_warns_without_it(
+    many: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    _kill_at(_convert(many, out, *_args("hdf5")), out, COUNT // 3)
+    with pytest.raises(
+        OptionError, match=r"left by a conversion .* with another source or other options"
+    ):
+        convert(many, out, "hdf5", encoding="jpeg", resume=True, progress=False)
+    with caplog.at_level(logging.WARNING):
+        convert(many, out, "hdf5", encoding="png", progress=False)
+    assert "left by an interrupted conversion" in caplog.text and "--resume" in caplog.text
+    assert len(leftovers(out)) == 1  # the fresh run leaves the old leftover for the user to decide
+
+
+def test_resume_with_nothing_to_resume_converts(many: Path, tmp_path: Path) -> None:
+    src = many.parent / "few"
+    for i in range(3):
+        (src / "a").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (4, 4), (i, 0, 0)).save(src / "a" / f"{i}.png")
+    manifest = convert(src, tmp_path / "out", "pt", resume=True, progress=False)
+    assert manifest.num_samples == 3
