@@ -1,0 +1,151 @@
+"""What integrity costs, per format, in one run on the same images.
+
+- Record checksums on reads: DataLoader(batch_size=256, shuffle=True, collate_fn=collate,
+  num_workers=0) over raw 32x32 images and over original-bytes JPEGs, verify=False against
+  verify=True, measured in turn (best of --repeats).
+- imgpack verify (the quick check) against a plain `cat` of the same files, both from the page
+  cache, in MB/s.
+- Resuming: a conversion of the JPEG folder killed (SIGKILL) at 25/50/75% of its uninterrupted
+  time; the share of the samples its checkpoint had kept, and the resumed run's time against the
+  uninterrupted one.
+
+    python scripts/bench_integrity.py [--formats pt,lmdb] [--raw-count 20000] [--jpeg-count 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchlib import best_of, machine, make_jpeg_folder, make_png_folder, print_table, save_json
+from torch.utils.data import DataLoader
+
+from imgpack import convert, open_dataset, verify
+from imgpack.converters import FORMATS
+from imgpack.pipeline import CHECKPOINT, leftovers
+from imgpack.readers import collate
+
+
+def read_rate(path: Path, verify_records: bool, samples: int) -> tuple[int, float]:
+    ds = open_dataset(path, verify=verify_records)
+    loader = DataLoader(ds, batch_size=256, shuffle=True, collate_fn=collate)
+    start, seen = time.perf_counter(), 0
+    for images, _ in loader:
+        seen += len(images)
+        if seen >= samples:
+            break
+    return seen, time.perf_counter() - start
+
+
+def cat_rate(out: Path) -> float:
+    files = [str(p) for p in out.iterdir() if p.is_file()]
+    size = sum(os.path.getsize(f) for f in files)
+    start = time.perf_counter()
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    return size / (time.perf_counter() - start) / 1e6
+
+
+def verify_rate(out: Path) -> float:
+    start = time.perf_counter()
+    report = verify(out)
+    assert report.ok, [p.line() for p in report.problems]
+    return report.bytes / (time.perf_counter() - start) / 1e6
+
+
+def killed_then_resumed(
+    src: Path, out: Path, fmt: str, after: float, total: int
+) -> tuple[float, float]:
+    """Kill a conversion ``after`` seconds in; return (share kept by its checkpoint, resume s)."""
+    command = [sys.executable, "-m", "imgpack.cli", "convert", str(src), str(out), "-q"]
+    command += ["--format", fmt]
+    process = subprocess.Popen(command, start_new_session=True)
+    time.sleep(after)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    kept = 0
+    for left in leftovers(out):
+        kept = json.loads((left / CHECKPOINT).read_text())["position"]
+    start = time.perf_counter()
+    subprocess.run([*command, "--resume"], check=True)
+    return kept / total, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--raw-count", type=int, default=20_000)
+    parser.add_argument("--jpeg-count", type=int, default=2_000)
+    parser.add_argument("--jpeg-reads", type=int, default=1_000)
+    parser.add_argument("--data", default="bench-data")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    formats = args.formats.split(",")
+    data = Path(args.data)
+    print(machine())
+    png = make_png_folder(data / f"png32-{args.raw_count}", args.raw_count, 32, 10)
+    jpg = make_jpeg_folder(data / f"jpeg500-{args.jpeg_count}", args.jpeg_count)
+    results: dict[str, dict[str, float]] = {}
+    for fmt in formats:
+        r = results[fmt] = {}
+        raw, enc = data / f"integrity-{fmt}-raw", data / f"integrity-{fmt}-jpeg"
+        for out in (raw, enc):
+            shutil.rmtree(out, ignore_errors=True)
+        convert(png, raw, fmt, encoding="raw", size=32, progress=False)
+        start = time.perf_counter()
+        convert(jpg, enc, fmt, encoding="original", progress=False)
+        r["convert_s"] = time.perf_counter() - start
+        for name, out, count in (("raw", raw, args.raw_count), ("jpeg", enc, args.jpeg_reads)):
+            off = best_of(args.repeats, lambda out=out, count=count: read_rate(out, False, count))
+            on = best_of(args.repeats, lambda out=out, count=count: read_rate(out, True, count))
+            r[f"{name}_reads"], r[f"{name}_reads_verified"] = off, on
+            r[f"{name}_verify_ratio"] = on / off
+        cat_rate(enc)  # warm the page cache for both
+        r["cat_mb_s"] = max(cat_rate(enc) for _ in range(args.repeats))
+        r["verify_mb_s"] = max(verify_rate(enc) for _ in range(args.repeats))
+        for share in (0.25, 0.5, 0.75):
+            out = data / f"integrity-{fmt}-killed"
+            shutil.rmtree(out, ignore_errors=True)
+            kept, seconds = killed_then_resumed(
+                jpg, out, fmt, share * r["convert_s"], args.jpeg_count
+            )
+            r[f"kept_at_{int(share * 100)}"] = kept
+            r[f"resume_time_at_{int(share * 100)}"] = seconds / r["convert_s"]
+            shutil.rmtree(out, ignore_errors=True)
+        rows = [
+            (
+                "raw reads, verify=False / True",
+                f"{r['raw_reads']:,.0f} / {r['raw_reads_verified']:,.0f} samples/s = {r['raw_verify_ratio']:.2f}x",
+            ),
+            (
+                "jpeg reads, verify=False / True",
+                f"{r['jpeg_reads']:,.0f} / {r['jpeg_reads_verified']:,.0f} samples/s = {r['jpeg_verify_ratio']:.2f}x",
+            ),
+            (
+                "imgpack verify / cat",
+                f"{r['verify_mb_s']:,.0f} / {r['cat_mb_s']:,.0f} MB/s = {r['verify_mb_s'] / r['cat_mb_s']:.2f}x",
+            ),
+            (
+                "killed at 25/50/75%: kept",
+                " / ".join(f"{r[f'kept_at_{p}']:.0%}" for p in (25, 50, 75)),
+            ),
+            (
+                "resume time / uninterrupted",
+                " / ".join(f"{r[f'resume_time_at_{p}']:.2f}" for p in (25, 50, 75)),
+            ),
+        ]
+        print_table(fmt, rows)
+    save_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
