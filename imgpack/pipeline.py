@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ class Plan:
             settings=dict(opts.format_options),
         )
 
+    @cached_property
     def fingerprint(self) -> str:
         """What the output depends on: the source, its scan and the options (not the workers)."""
         opts = self.options
@@ -163,7 +165,7 @@ def write(
     outcomes start at its position and the writer continues from its state."""
     opts = plan.options
     writer = opts.spec.writer_class()(directory, plan.writer_config())
-    state = resume or Checkpoint(plan.fingerprint(), skipped=list(plan.scan.unreadable))
+    state = resume or Checkpoint(plan.fingerprint, skipped=list(plan.scan.unreadable))
     skipped, count, position = list(state.skipped), state.count, state.position
     # Samples after the checkpoint that the writer's files hold already: passed over.
     already = writer.resume(state.writer) if resume is not None else 0
@@ -285,15 +287,22 @@ def leftovers(dst: Path) -> list[Path]:
 
 def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
     """The leftover temp dir of an interrupted run of this very conversion, with its checkpoint."""
-    found = leftovers(the_plan.dst)
-    fingerprint = the_plan.fingerprint()
-    for candidate in found:
+    fingerprint = the_plan.fingerprint
+    others = []
+    for candidate in leftovers(the_plan.dst):
         checkpoint = Checkpoint.load(candidate)
-        if checkpoint is not None and checkpoint.fingerprint == fingerprint:
+        if checkpoint is None:
+            log.warning("%s: holds no checkpoint, nothing to resume; remove it", candidate)
+        elif checkpoint.fingerprint == fingerprint:
+            if not checkpoint.writer:  # killed before its writer started: nothing kept
+                shutil.rmtree(candidate)
+                return None, None
             return candidate, checkpoint
-    if found:
+        else:
+            others.append(candidate)
+    if others:
         raise OptionError(
-            f"{found[0]}: left by a conversion to {the_plan.dst} with another source or other "
+            f"{others[0]}: left by a conversion to {the_plan.dst} with another source or other "
             "options, so it cannot be resumed with these; run the same command as before with "
             "--resume, or remove it and convert without --resume"
         )
@@ -368,6 +377,8 @@ def convert(
             )
     start = checkpoint.position if checkpoint is not None else 0
     with temp_output(the_plan.dst, existing) as tmp:
+        if checkpoint is None:  # at once: a run killed from here on can be recognised
+            Checkpoint(the_plan.fingerprint, skipped=list(the_plan.scan.unreadable)).save(tmp)
         outcomes = process(the_plan, executor, start)
         written = write(the_plan, tmp, outcomes, checkpoint)
         manifest = build_manifest(the_plan, tmp, written)

@@ -5,9 +5,10 @@
   verify=True, measured in turn (best of --repeats).
 - imgpack verify (the quick check) against a plain `cat` of the same files, both from the page
   cache, in MB/s.
-- Resuming: a conversion of the JPEG folder killed (SIGKILL) at 25/50/75% of its uninterrupted
-  time; the share of the samples its checkpoint had kept, and the resumed run's time against the
-  uninterrupted one.
+- Resuming: an `imgpack convert` of the JPEG folder (a subprocess; sharded formats with
+  --resume-shard-size shards, so that there are checkpoints to keep) killed with SIGKILL at
+  25/50/75% of its uninterrupted wall time; the share of the samples its checkpoint had kept,
+  and the resumed run's wall time against the uninterrupted one.
 
     python scripts/bench_integrity.py [--formats pt,lmdb] [--raw-count 20000] [--jpeg-count 2000]
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 from benchlib import best_of, machine, make_jpeg_folder, make_png_folder, print_table, save_json
 from torch.utils.data import DataLoader
 
-from imgpack import convert, open_dataset, verify
+from imgpack import convert, formats, open_dataset, verify
 from imgpack.converters import FORMATS
 from imgpack.pipeline import CHECKPOINT, leftovers
 from imgpack.readers import collate
@@ -59,22 +60,42 @@ def verify_rate(out: Path) -> float:
     return report.bytes / (time.perf_counter() - start) / 1e6
 
 
+def convert_command(src: Path, out: Path, fmt: str, shard_size: str) -> list[str]:
+    command = [sys.executable, "-m", "imgpack.cli", "convert", str(src), str(out), "-q"]
+    command += ["--format", fmt, "--encoding", "original"]
+    if formats.get(fmt).sharded:
+        command += ["--shard-size", shard_size]
+    return command
+
+
+def uninterrupted(command: list[str], out: Path) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    subprocess.run(command, check=True)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(out)
+    return seconds
+
+
 def killed_then_resumed(
-    src: Path, out: Path, fmt: str, after: float, total: int
+    command: list[str], out: Path, after: float, total: int
 ) -> tuple[float, float]:
     """Kill a conversion ``after`` seconds in; return (share kept by its checkpoint, resume s)."""
-    command = [sys.executable, "-m", "imgpack.cli", "convert", str(src), str(out), "-q"]
-    command += ["--format", fmt]
     process = subprocess.Popen(command, start_new_session=True)
     time.sleep(after)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     kept = 0
     for left in leftovers(out):
-        kept = json.loads((left / CHECKPOINT).read_text())["position"]
+        try:  # killed before its first checkpoint was written: nothing kept
+            kept = json.loads((left / CHECKPOINT).read_text())["position"]
+        except FileNotFoundError:
+            kept = 0
     start = time.perf_counter()
     subprocess.run([*command, "--resume"], check=True)
-    return kept / total, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    shutil.rmtree(out)
+    return kept / total, seconds
 
 
 def main() -> None:
@@ -87,15 +108,16 @@ def main() -> None:
     parser.add_argument("--jpeg-reads", type=int, default=1_000)
     parser.add_argument("--data", default="bench-data")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--resume-shard-size", default="8MB")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    formats = args.formats.split(",")
+    names = args.formats.split(",")
     data = Path(args.data)
     print(machine())
     png = make_png_folder(data / f"png32-{args.raw_count}", args.raw_count, 32, 10)
     jpg = make_jpeg_folder(data / f"jpeg500-{args.jpeg_count}", args.jpeg_count)
     results: dict[str, dict[str, float]] = {}
-    for fmt in formats:
+    for fmt in names:
         r = results[fmt] = {}
         raw, enc = data / f"integrity-{fmt}-raw", data / f"integrity-{fmt}-jpeg"
         for out in (raw, enc):
@@ -112,15 +134,13 @@ def main() -> None:
         cat_rate(enc)  # warm the page cache for both
         r["cat_mb_s"] = max(cat_rate(enc) for _ in range(args.repeats))
         r["verify_mb_s"] = max(verify_rate(enc) for _ in range(args.repeats))
+        out = data / f"integrity-{fmt}-killed"
+        command = convert_command(jpg, out, fmt, args.resume_shard_size)
+        whole = r["convert_wall_s"] = uninterrupted(command, out)
         for share in (0.25, 0.5, 0.75):
-            out = data / f"integrity-{fmt}-killed"
-            shutil.rmtree(out, ignore_errors=True)
-            kept, seconds = killed_then_resumed(
-                jpg, out, fmt, share * r["convert_s"], args.jpeg_count
-            )
+            kept, seconds = killed_then_resumed(command, out, share * whole, args.jpeg_count)
             r[f"kept_at_{int(share * 100)}"] = kept
-            r[f"resume_time_at_{int(share * 100)}"] = seconds / r["convert_s"]
-            shutil.rmtree(out, ignore_errors=True)
+            r[f"resume_time_at_{int(share * 100)}"] = seconds / whole
         rows = [
             (
                 "raw reads, verify=False / True",

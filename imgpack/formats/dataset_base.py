@@ -294,6 +294,31 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         )
 
 
+class PreadDataset(ImageDataset):
+    """A reader whose records are read with ``os.pread`` from an output's shard files: file
+    descriptors open on first use in the reading process. Subclasses set :attr:`shard_files`."""
+
+    shard_files: list[Path]
+
+    def _open(self) -> dict[int, int]:
+        return {}  # shard number -> file descriptor, opened on first use
+
+    def _close(self, handles: Any) -> None:
+        for fd in handles.values():
+            os.close(fd)
+
+    def _fd(self, number: int) -> int:
+        fds = self.handles
+        if number not in fds:
+            try:
+                fds[number] = os.open(self.shard_files[number], os.O_RDONLY)
+            except OSError as exc:
+                raise DataError(
+                    f"{self.shard_files[number]}: cannot open: {exc.strerror}"
+                ) from None
+        return int(fds[number])
+
+
 @dataclass(frozen=True)
 class Record:
     """One stored record as :meth:`ImageDataset._records` yields it."""

@@ -20,8 +20,8 @@ import torch
 
 from imgpack.errors import DataError, ImageError, ManifestError
 from imgpack.formats.dataset_base import (
-    ImageDataset,
     Images,
+    PreadDataset,
     Record,
     arrays_to_batch,
     check_files,
@@ -273,7 +273,7 @@ def _label(features: dict[str, example.FeatureValue], where: str) -> int:
     return value[0]
 
 
-class TFRecordDataset(ImageDataset):
+class TFRecordDataset(PreadDataset):
     """Map-style dataset over TFRecord files.
 
     ``source``: an imgpack ``tfrecord`` output, or TFRecord files written by other tools (a file,
@@ -296,7 +296,7 @@ class TFRecordDataset(ImageDataset):
         label_offset: int | None = None,
         verify: bool | None = None,
     ) -> None:
-        records = Records(source, check_crc or bool(verify), label_offset)
+        records = Records(source, check_crc if verify is None else verify, label_offset)
         super().__init__(
             records.root, transform, target_transform, manifest=records.manifest, verify=verify
         )
@@ -307,19 +307,7 @@ class TFRecordDataset(ImageDataset):
                 "random access; read them with TFRecordStream"
             )
         self._starts = np.cumsum([0, *(len(s) for s in records.shards)], dtype=np.int64)
-
-    def _open(self) -> dict[int, int]:
-        return {}  # shard number -> file descriptor, opened on first use
-
-    def _close(self, handles: Any) -> None:
-        for fd in handles.values():
-            os.close(fd)
-
-    def _fd(self, number: int) -> int:
-        fds = self.handles
-        if number not in fds:
-            fds[number] = os.open(self.records.shards[number].path, os.O_RDONLY)
-        return int(fds[number])
+        self.shard_files = [shard.path for shard in records.shards]
 
     def _load_targets(self) -> list[int]:
         return list(self.records.labels)

@@ -32,6 +32,9 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
     With ``batch_size=N`` the stream yields whole batches, ``(images (N, C, H, W), labels)``,
     each image copied once into the batch tensor: pass ``batch_size=None`` to the DataLoader.
     Without it, samples are yielded one by one for the DataLoader to batch.
+
+    Record CRCs are checked unless ``check_crc=False``; ``verify=True`` checks them whatever
+    ``check_crc`` says and ``verify=False`` skips them (the switch of the map-style readers).
     """
 
     def __init__(
@@ -47,11 +50,12 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         world_size: int | None = None,
         drop_remainder: bool = False,
         batch_size: int | None = None,
+        verify: bool | None = None,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"invalid batch_size {batch_size!r}: expected 1 or more, or None")
         self.batch_size = batch_size
-        self.records = Records(source, check_crc, label_offset)
+        self.records = Records(source, check_crc if verify is None else verify, label_offset)
         self.classes = list(self.records.manifest.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.transform, self.target_transform = transform, target_transform

@@ -13,8 +13,8 @@ import torch
 
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
-    ImageDataset,
     Images,
+    PreadDataset,
     Record,
     check_labels,
     decode_batch,
@@ -23,7 +23,7 @@ from imgpack.formats.dataset_base import (
 from imgpack.formats.webdataset import layout
 
 
-class WebDatasetDataset(ImageDataset):
+class WebDatasetDataset(PreadDataset):
     """Map-style dataset over a ``webdataset`` output.
 
     The ``.idx`` beside each shard says where every image member's bytes are, so a sample is one
@@ -36,7 +36,7 @@ class WebDatasetDataset(ImageDataset):
     def __init__(self, root: Any, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
         self._raw = self.manifest.encoding == "raw"
-        self._paths = [self.root / f.path for f in self.manifest.files]
+        self._paths = self.shard_files = [self.root / f.path for f in self.manifest.files]
         counts = [f.num_samples for f in self.manifest.files]
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
         parts = [
@@ -67,22 +67,6 @@ class WebDatasetDataset(ImageDataset):
         if count and ((table[:, :2] < 0).any() or int((table[:, 0] + table[:, 1]).max()) > size):
             raise DataError(f"{path}: an entry points outside {shard.name} ({size} bytes)")
         return table
-
-    def _open(self) -> dict[int, int]:
-        return {}  # shard number -> file descriptor, opened on first use
-
-    def _close(self, handles: Any) -> None:
-        for fd in handles.values():
-            os.close(fd)
-
-    def _fd(self, number: int) -> int:
-        fds = self.handles
-        if number not in fds:
-            try:
-                fds[number] = os.open(self._paths[number], os.O_RDONLY)
-            except OSError as exc:
-                raise DataError(f"{self._paths[number]}: cannot open: {exc.strerror}") from None
-        return int(fds[number])
 
     def _load_targets(self) -> list[int]:
         return self._labels.tolist()
