@@ -223,9 +223,7 @@ def write(
                 f"{plan.src}: every one of the {total} image files was skipped; nothing to write "
                 f"(first: {skipped[0]['path']}: {skipped[0]['reason']})"
             )
-    files = writer.close()
-    (directory / CHECKPOINT).unlink(missing_ok=True)
-    return Written(files, count, skipped)
+    return Written(writer.close(), count, skipped)
 
 
 def _can_checkpoint(writer: Any) -> bool:
@@ -384,6 +382,8 @@ def convert(
         manifest = build_manifest(the_plan, tmp, written)
         write_manifest(tmp, manifest)
         publish(tmp, the_plan.dst)
+    # Removed only now: a run killed before the rename can still be resumed.
+    (the_plan.dst / CHECKPOINT).unlink(missing_ok=True)
     return manifest
 
 

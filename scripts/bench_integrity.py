@@ -7,10 +7,11 @@
   cache, in MB/s.
 - Resuming: an `imgpack convert` of the JPEG folder (a subprocess; sharded formats with
   --resume-shard-size shards, so that there are checkpoints to keep) killed with SIGKILL at
-  25/50/75% of its uninterrupted wall time; the share of the samples its checkpoint had kept,
-  and the resumed run's wall time against the uninterrupted one.
+  25/50/75% of its work (the time from its temp folder's creation, after start-up and the scan,
+  to its end when uninterrupted); the share of the samples its checkpoint had kept, and the
+  resumed run's wall time (start-up included) against the uninterrupted run's work time.
 
-    python scripts/bench_integrity.py [--formats pt,lmdb] [--raw-count 20000] [--jpeg-count 2000]
+    python scripts/bench_integrity.py [--formats pt,lmdb] [--raw-count 20000] [--jpeg-count 4000]
 """
 
 from __future__ import annotations
@@ -68,10 +69,21 @@ def convert_command(src: Path, out: Path, fmt: str, shard_size: str) -> list[str
     return command
 
 
-def uninterrupted(command: list[str], out: Path) -> float:
-    shutil.rmtree(out, ignore_errors=True)
+def _started(process: subprocess.Popen[bytes], out: Path) -> float:
+    """Wait until ``process`` has created its temp folder (start-up and scan done)."""
     start = time.perf_counter()
-    subprocess.run(command, check=True)
+    while not leftovers(out) and process.poll() is None:
+        time.sleep(0.002)
+    return time.perf_counter() - start
+
+
+def uninterrupted(command: list[str], out: Path) -> float:
+    """Seconds the conversion works, from its temp folder's creation to its end."""
+    shutil.rmtree(out, ignore_errors=True)
+    process = subprocess.Popen(command)
+    _started(process, out)
+    start = time.perf_counter()
+    process.wait()
     seconds = time.perf_counter() - start
     shutil.rmtree(out)
     return seconds
@@ -80,11 +92,16 @@ def uninterrupted(command: list[str], out: Path) -> float:
 def killed_then_resumed(
     command: list[str], out: Path, after: float, total: int
 ) -> tuple[float, float]:
-    """Kill a conversion ``after`` seconds in; return (share kept by its checkpoint, resume s)."""
+    """Kill a conversion ``after`` seconds into its work (after start-up and the scan); return
+    (the share of samples its checkpoint kept, the resumed run's seconds)."""
     process = subprocess.Popen(command, start_new_session=True)
+    _started(process, out)
     time.sleep(after)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    if out.exists():  # it finished before the kill: nothing to resume
+        shutil.rmtree(out)
+        return 1.0, 0.0
     kept = 0
     for left in leftovers(out):
         try:  # killed before its first checkpoint was written: nothing kept
@@ -104,8 +121,8 @@ def main() -> None:
     )
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--raw-count", type=int, default=20_000)
-    parser.add_argument("--jpeg-count", type=int, default=2_000)
-    parser.add_argument("--jpeg-reads", type=int, default=1_000)
+    parser.add_argument("--jpeg-count", type=int, default=4_000)
+    parser.add_argument("--jpeg-reads", type=int, default=2_000)
     parser.add_argument("--data", default="bench-data")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--resume-shard-size", default="8MB")
