@@ -184,7 +184,12 @@ def test_damaged_image_names_shard_and_sample(tmp_path: Path) -> None:
     blob = bytearray(shard.read_bytes())
     blob[offset : offset + 6] = b"NOTNPY"
     shard.write_bytes(bytes(blob))
-    ds = open_dataset(tmp_path / "out")
+    ds = open_dataset(tmp_path / "out")  # checks every record by default, raw ones too
     assert ds[3][0].shape == (3, 16, 16)
-    with pytest.raises(DataError, match=r"data-000000.tar: sample 4 \(0000000004\): not a uint8"):
+    with pytest.raises(
+        DataError, match=r"data-000000.tar: sample 4 \(source .*\): checksum mismatch"
+    ):
         ds.__getitems__([3, 4])
+    unchecked = open_dataset(tmp_path / "out", verify=False)
+    with pytest.raises(DataError, match=r"data-000000.tar: sample 4 \(0000000004\): not a uint8"):
+        unchecked.__getitems__([3, 4])

@@ -136,7 +136,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             )
         if manifest is None:
             check_files(self.root, self.manifest)
-        self.verify: bool = self.manifest.encoding != "raw" if verify is None else bool(verify)
+        self.verify: bool = self._verify_by_default() if verify is None else bool(verify)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
         self.transform = transform
@@ -146,6 +146,12 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         self._pid: int | None = None
         self._targets: list[int] | None = None
         self._samples: list[tuple[str, int]] | None = None
+
+    def _verify_by_default(self) -> bool:
+        """Whether records are checked when ``verify`` is not given: where it costs little.
+        Encoded reads are bound by the decode; raw reads that gather whole batches at memory
+        speed would lose most of their speed (``scripts/bench_integrity.py``)."""
+        return self.manifest.encoding != "raw"
 
     # -- per-process handles -------------------------------------------------------------
     @abstractmethod
