@@ -326,7 +326,12 @@ class TFRecordDataset(PreadDataset):
             offset, size = int(shard.offsets[record]), int(shard.sizes[record])
             where = f"{shard.path} at offset {offset}"
             data = os.pread(self._fd(int(shard_of[pos])), size, offset)
-            yield pos, framing.unframe(data, where, self.records.check_crc), where
+            try:
+                frame = framing.unframe(data, where, self.records.check_crc)
+            except DataError as exc:  # name the sample too, and its source where it can be had
+                index = int(indices[pos])
+                raise DataError(f"{exc} (sample {index}{self._source(index)})") from None
+            yield pos, frame, where
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         found: list[Record | None] = [None] * len(indices)
