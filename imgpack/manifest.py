@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,9 +170,28 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     os.replace(tmp, directory / MANIFEST_NAME)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def file_problem(root: Path, entry: FileEntry) -> str | None:
+    """What is wrong with the file ``entry`` names in the output at ``root`` (missing, not a
+    regular file, not of the recorded size), or ``None``. Cheap: one ``lstat``."""
+    try:
+        st = (root / entry.path).lstat()
+    except OSError as exc:
+        return f"missing ({exc.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size != entry.bytes:
+        return f"{st.st_size} bytes, the manifest says {entry.bytes}"
+    return None
+
+
+def sha256_file(
+    path: Path, chunk: int = 1 << 22, progress: Callable[[int], object] | None = None
+) -> str:
+    """The sha256 of ``path``; ``progress`` is called with the size of each block read."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             digest.update(block)
+            if progress is not None:
+                progress(len(block))
     return digest.hexdigest()

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import Scan, read_class_list, scan_folder
-from imgpack.formats.writer_base import KEEP_PREFIX, WriterConfig, WrittenFile
+from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file, write_manifest
 from imgpack.options import ConvertOptions
 from imgpack.system import usable_cpus
@@ -226,12 +226,9 @@ def write(
     return Written(writer.close(), count, skipped)
 
 
-def _can_checkpoint(writer: Any) -> bool:
-    try:
-        writer.checkpoint_state()
-    except NotImplementedError:
-        return False
-    return True
+def _can_checkpoint(writer: Writer) -> bool:
+    """Whether the writer's format can resume (it implements the checkpoint hooks)."""
+    return type(writer).checkpoint_state is not Writer.checkpoint_state
 
 
 def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:

@@ -14,9 +14,7 @@ Nothing raises for damage: every problem is a :class:`Problem` in the :class:`Re
 
 from __future__ import annotations
 
-import hashlib
 import os
-import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -28,12 +26,18 @@ from typing import Any
 from tqdm import tqdm
 
 from imgpack.errors import ImgpackError
-from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
+from imgpack.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    file_problem,
+    read_manifest,
+    sha256_file,
+)
 from imgpack.system import usable_cpus
 
 #: Samples checked per step (one batch read, one progress update).
 BATCH = 256
-_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -85,32 +89,15 @@ class Report:
         return data
 
 
-def _sha256(path: Path, bar: tqdm) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(_CHUNK):
-            digest.update(block)
-            bar.update(len(block))
-    return digest.hexdigest()
-
-
 def _check_file(root: Path, entry: FileEntry, bar: tqdm) -> list[Problem]:
-    """The manifest's word on one file against the file."""
-    name = entry.path
-    if not name or name.startswith(("/", ".")) or "/" in name or "\\" in name:
-        return [Problem(MANIFEST_NAME, f"names {name!r}, not a plain file name inside the output")]
-    path = root / name
-    try:
-        st = path.lstat()
-    except OSError as exc:
-        return [Problem(str(path), f"missing ({exc.strerror})")]
-    if not stat.S_ISREG(st.st_mode):
-        return [Problem(str(path), "not a regular file")]
-    if st.st_size != entry.bytes:
+    """The manifest's word on one file against the file (names were checked with the manifest)."""
+    path = root / entry.path
+    problem = file_problem(root, entry)
+    if problem is not None:
         bar.update(entry.bytes)
-        return [Problem(str(path), f"{st.st_size} bytes, the manifest says {entry.bytes}")]
+        return [Problem(str(path), problem)]
     try:
-        digest = _sha256(path, bar)
+        digest = sha256_file(path, progress=bar.update)
     except OSError as exc:
         return [Problem(str(path), f"unreadable: {exc.strerror}")]
     if entry.sha256 and digest != entry.sha256:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from torch.utils.data import Dataset, get_worker_info
 from imgpack.checksum import record_crc
 from imgpack.errors import DataError, ImgpackError, ManifestError
 from imgpack.images import decode_stored
-from imgpack.manifest import Manifest, read_manifest
+from imgpack.manifest import Manifest, file_problem, read_manifest
 
 Images = torch.Tensor | list[torch.Tensor]
 
@@ -337,25 +336,17 @@ class Record:
 
 
 def check_files(root: Path, manifest: Manifest) -> None:
-    """Check the files an output's manifest lists before any is opened or mapped: plain names
-    inside the output, regular files (never a FIFO or a device), of exactly the recorded size,
-    and per-file sample counts adding up to ``num_samples``."""
+    """Check the files an output's manifest lists before any is opened or mapped: regular files
+    (never a FIFO or a device) of exactly the recorded size, and per-file sample counts adding up
+    to ``num_samples``. (Reading the manifest already refused names that are not plain names
+    inside the output.)"""
     total = 0
     for entry in manifest.files:
-        name = entry.path
-        if not name or name.startswith(("/", ".")) or "/" in name or "\\" in name:
-            raise ManifestError(f"{root}: manifest names {name!r}, not a plain file name")
-        path = root / name
-        try:
-            st = path.lstat()
-        except OSError as exc:
-            raise DataError(f"{path}: missing ({exc.strerror}); the output is incomplete") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"{path}: not a regular file")
-        if st.st_size != entry.bytes:
+        problem = file_problem(root, entry)
+        if problem is not None:
             raise DataError(
-                f"{path}: {st.st_size} bytes, the manifest says {entry.bytes} (truncated or "
-                "replaced; imgpack verify tells more)"
+                f"{root / entry.path}: {problem} (the output is damaged or incomplete; "
+                "imgpack verify tells more)"
             )
         total += entry.num_samples
     if total != manifest.num_samples:
