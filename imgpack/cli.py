@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from functools import wraps
@@ -16,8 +18,8 @@ from typing import Any, TypeVar
 
 import click
 
-from imgpack import formats
-from imgpack.errors import ImgpackError, OptionError
+from imgpack import errors, formats
+from imgpack.errors import ImgpackError, OptionError, Terminated
 from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES
 from imgpack.options import ON_ERROR, ConvertOptions
 from imgpack.units import format_bytes
@@ -66,15 +68,67 @@ def friendly_errors(func: F) -> F:
             raise click.ClickException(str(exc)) from None
         except PermissionError as exc:
             raise click.ClickException(f"{exc.filename}: permission denied") from None
+        except Terminated as exc:
+            name = signal.Signals(exc.signum).name
+            click.echo(f"Error: stopped by {name}; cleaned up, nothing half-written", err=True)
+            raise SystemExit(128 + exc.signum) from None
+        except Exception as exc:
+            message = worker_error(exc)
+            if message is None:
+                raise
+            raise click.ClickException(message) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+#: The user-facing errors whose tracebacks a DataLoader worker sends are shown as one line.
+_USER_ERRORS = {
+    *(f"imgpack.errors.{name}" for name in dir(errors) if not name.startswith("_")),
+    "FileNotFoundError",
+    "PermissionError",
+    "IsADirectoryError",
+}
+
+
+def worker_error(exc: BaseException) -> str | None:
+    """The one-line message of a user-facing error raised in a DataLoader worker, or ``None``.
+
+    torch re-raises a worker's exception in the main process with the worker's whole traceback
+    in its message ("Caught DataError in DataLoader worker process 0. Original Traceback ...");
+    its last line is ``module.Class: message``.
+    """
+    text = str(exc)
+    if "in DataLoader worker process" not in text or "Original Traceback" not in text:
+        return None
+    last = text.rstrip().splitlines()[-1]
+    name, sep, message = last.partition(": ")
+    if not sep or name not in _USER_ERRORS:
+        return None
+    return message
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Once: a second SIGTERM must not interrupt the cleanup the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def _handle_sigterm(ctx: click.Context) -> None:
+    """Treat SIGTERM (what Slurm, Kubernetes and systemd send) as Ctrl-C is treated, for the
+    length of the command."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
 
 
 @click.group()
 @click.version_option(__version__, prog_name="imgpack")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
-def main(verbose: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """Pack image folders into LMDB, HDF5, TFRecord or .pt, and read them fast with PyTorch."""
+    _handle_sigterm(ctx)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="imgpack: %(levelname)s: %(message)s",

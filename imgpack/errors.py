@@ -38,3 +38,21 @@ class ManifestError(ImgpackError):
 
 class DataError(ImgpackError):
     """A stored record is damaged or inconsistent with its manifest."""
+
+
+class StorageError(ImgpackError, OSError):
+    """Writing the output failed for a reason of the machine, not of the input: the disk is
+    full, a quota is exceeded, the filesystem is read-only. Nothing was published."""
+
+
+class ConcurrentRunError(ImgpackError):
+    """Another imgpack run holds the output (or it changed under this one)."""
+
+
+class Terminated(BaseException):
+    """The process was asked to stop (SIGTERM). Like ``KeyboardInterrupt``, not an ``Exception``:
+    nothing that handles errors catches it, every cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

@@ -13,8 +13,13 @@ An executor for a cluster plugs in here with the same contract.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import signal
+import sys
+import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
@@ -69,9 +74,41 @@ def process_chunk(job: Job, items: Sequence[Sample]) -> list[Outcome]:
     return out
 
 
-def _ignore_sigint() -> None:
-    # The parent handles Ctrl-C and tears the pool down; workers should not print tracebacks.
+def _worker_init(parent: int) -> None:
+    """Set up a pool worker: it dies with its parent, and leaves signals to the parent.
+
+    Ctrl-C and SIGTERM (which Slurm sends to every process of a job step) are ignored here: the
+    parent handles them and shuts the pool down, so workers neither print tracebacks nor break
+    the pool under the parent. A parent that is SIGKILLed cannot shut anything down, so the
+    worker asks the kernel to kill it when its parent dies (Linux), and else watches for it.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not die_with_parent():
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before we could ask
+        os._exit(1)
+
+
+def die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); whether
+    that could be arranged."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _pool_context() -> multiprocessing.context.BaseContext:
@@ -122,7 +159,10 @@ class LocalExecutor:
                 category=DeprecationWarning,
             )
             pool = ProcessPoolExecutor(
-                workers, mp_context=_pool_context(), initializer=_ignore_sigint
+                workers,
+                mp_context=_pool_context(),
+                initializer=_worker_init,
+                initargs=(os.getpid(),),
             )
             first = pool.submit(process_chunk, job, [])  # starts the workers
         try:

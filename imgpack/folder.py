@@ -72,6 +72,12 @@ def find_classes(root: Path) -> list[str]:
     """The sorted names of the non-hidden top-level folders of ``root``."""
     with os.scandir(root) as entries:
         classes = sorted(e.name for e in entries if not _hidden(e.name) and e.is_dir())
+    bad = [printable(name) for name in classes if not is_utf8(name)]
+    if bad:
+        raise ScanError(
+            f"{printable(str(root))}: class folder name(s) {', '.join(map(repr, bad))} are not "
+            "valid UTF-8; class names are stored as UTF-8 text, so rename the folder(s)"
+        )
     if not classes:
         with os.scandir(root) as entries:
             files = [e.name for e in entries if not _hidden(e.name)]
@@ -115,39 +121,71 @@ def read_class_list(source: str | os.PathLike[str]) -> list[str]:
     return classes
 
 
+def printable(name: str) -> str:
+    """``name`` for messages and manifests: bytes that are not UTF-8 (kept by Python as lone
+    surrogates) shown as ``\\xNN`` escapes."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _walk_class(
     root: Path, class_name: str, unreadable: list[dict[str, str]]
 ) -> tuple[list[str], int]:
     """Relative POSIX paths of the image files under ``root/class_name``, in torchvision's order.
-    Folders that cannot be listed are added to ``unreadable``."""
+
+    The walk keeps its own stack (no recursion: a tree thousands of levels deep is fine), follows
+    symbolic links to folders but never around a loop, and adds to ``unreadable`` the folders
+    that cannot be listed and the image files whose names are not UTF-8 (every format stores
+    source paths as UTF-8; such a name is refused here, before any work, not after).
+    """
     found: list[tuple[str, str]] = []
     ignored = 0
-    top = root / class_name
     visited: set[tuple[int, int]] = set()
-
-    def failed(exc: OSError) -> None:
-        where = Path(exc.filename).relative_to(root).as_posix() if exc.filename else class_name
-        unreadable.append({"path": where + "/", "reason": f"cannot list folder: {exc.strerror}"})
-
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=failed):
-        st = os.stat(dirpath)
-        key = (st.st_dev, st.st_ino)
-        if key in visited:
-            log.warning(
-                "%s: skipped, it leads back to a folder already scanned (symlink loop)", dirpath
-            )
-            dirnames[:] = []
-            continue
-        visited.add(key)
-        dirnames[:] = [d for d in dirnames if not _hidden(d)]
-        rel_dir = Path(dirpath).relative_to(root).as_posix()
-        for name in filenames:
-            if _hidden(name):
+    stack = [class_name]
+    while stack:
+        rel_dir = stack.pop()
+        folder = root / rel_dir
+        try:
+            st = os.stat(folder)
+            key = (st.st_dev, st.st_ino)
+            if key in visited:
+                log.warning(
+                    "%s: skipped, it leads back to a folder already scanned (symlink loop)",
+                    printable(str(folder)),
+                )
                 continue
-            if name.lower().endswith(IMAGE_EXTENSIONS):
-                found.append((rel_dir, name))
-            else:
+            visited.add(key)
+            with os.scandir(folder) as listing:
+                entries = [(e.name, e.is_dir()) for e in listing if not _hidden(e.name)]
+        except OSError as exc:
+            unreadable.append(
+                {"path": printable(rel_dir) + "/", "reason": f"cannot list folder: {exc.strerror}"}
+            )
+            continue
+        subfolders = []
+        for name, is_dir in entries:
+            if is_dir:
+                subfolders.append(name)
+            elif not name.lower().endswith(IMAGE_EXTENSIONS):
                 ignored += 1
+            elif not is_utf8(rel_dir + "/" + name):
+                unreadable.append(
+                    {
+                        "path": printable(f"{rel_dir}/{name}"),
+                        "reason": "file name is not valid UTF-8; rename it to convert it",
+                    }
+                )
+            else:
+                found.append((rel_dir, name))
+        # Depth first, subfolders in sorted order (os.walk's order); order is restored below.
+        stack.extend(f"{rel_dir}/{d}" for d in sorted(subfolders, reverse=True))
     found.sort()
     return [f"{d}/{n}" for d, n in found], ignored
 

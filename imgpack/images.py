@@ -32,6 +32,9 @@ else a lossless PNG of the policy's pixels.
 from __future__ import annotations
 
 import io
+import os
+import re
+import stat
 import struct
 import warnings
 import zlib
@@ -274,6 +277,17 @@ def resize_pixels(pixels: np.ndarray, policy: ImagePolicy) -> np.ndarray:
     return out[:, :, None] if gray else out
 
 
+_OBJECT_REPR = re.compile(r"<[^<>]*? at 0x[0-9a-fA-F]+>")
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` as a message that is the same in every run: object reprs with memory addresses
+    (Pillow names its ``<_io.BytesIO object at 0x...>``) become "the data", so skip reasons and
+    therefore manifests are deterministic."""
+    text = _OBJECT_REPR.sub("the data", str(exc)).strip()
+    return text or type(exc).__name__
+
+
 def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str]:
     """Open ``data`` (headers only) and check its type and size; :func:`_load` decodes it."""
     if not data:
@@ -289,7 +303,7 @@ def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str
         with _strict():
             img = Image.open(io.BytesIO(data), formats=[kind])
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
-        raise ImageError(path, f"cannot decode {kind} data: {exc}") from None
+        raise ImageError(path, f"cannot decode {kind} data: {describe(exc)}") from None
     pixels = img.width * img.height
     if policy.max_pixels is not None and pixels > policy.max_pixels:
         raise ImageError(
@@ -313,7 +327,7 @@ def _load(img: Image.Image, kind: str, path: str, draft: bool = False) -> None:
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
             img.load()
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
-        raise ImageError(path, f"cannot decode {kind} data: {exc}") from None
+        raise ImageError(path, f"cannot decode {kind} data: {describe(exc)}") from None
 
 
 def _orientation(img: Image.Image) -> int:
@@ -345,7 +359,9 @@ def _policy_pixels(img: Image.Image, kind: str, path: str, policy: ImagePolicy) 
             img = ImageOps.exif_transpose(img) or img
         pixels = _to_rgb_array(img, policy.background)
     except Exception as exc:
-        raise ImageError(path, f"cannot convert {kind} image (mode {img.mode}): {exc}") from None
+        raise ImageError(
+            path, f"cannot convert {kind} image (mode {img.mode}): {describe(exc)}"
+        ) from None
     if policy.size is not None:
         pixels = resize_pixels(pixels, policy)
     if policy.channels == 1:
@@ -377,17 +393,44 @@ def encode_pixels(pixels: np.ndarray, kind: Kind, quality: int = 90) -> bytes:
     return out.getvalue()
 
 
+def read_regular_file(full: str, path: str) -> bytes:
+    """The bytes of the regular file ``full`` (``path`` names it in errors). Anything else (a
+    FIFO, a device, a socket) is refused without blocking: it is opened with ``O_NONBLOCK`` and
+    checked with ``fstat`` before a byte is read, so a FIFO never hangs the conversion."""
+    try:
+        fd = os.open(full, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ImageError(path, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ImageError(path, f"not a regular file ({_file_type(mode)}); only files are read")
+        with open(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ImageError(path, f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+    ):
+        if test(mode):
+            return name
+    return "not a file"
+
+
 def process_file(
     root: str, path: str, label: int, policy: ImagePolicy, encoding: Encoding
 ) -> Encoded:
     """Read, validate and encode one source file (runs in a conversion worker)."""
-    full = f"{root}/{path}"
-    try:
-        with open(full, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise ImageError(path, f"cannot read: {reason}") from None
+    data = read_regular_file(f"{root}/{path}", path)
     img, kind = _open(data, path, policy)
     if kind == "PNG":
         check_png(data, path)
@@ -430,7 +473,7 @@ def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
             mode = img.mode
             pixels = np.asarray(img)  # one copy out of Pillow; read-only
     except Exception as exc:
-        raise DataError(f"cannot decode stored image: {exc}") from None
+        raise DataError(f"cannot decode stored image: {describe(exc)}") from None
     if mode == "L":
         return pixels[:, :, None] if channels == 1 else np.repeat(pixels[:, :, None], 3, axis=2)
     if mode == "RGB" and channels == 3:

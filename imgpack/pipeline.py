@@ -19,6 +19,7 @@ run writes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -36,12 +37,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError
+from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, StorageError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
-from imgpack.folder import Scan, read_class_list, scan_folder
+from imgpack.folder import Scan, printable, read_class_list, scan_folder
 from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file, write_manifest
 from imgpack.options import ConvertOptions
+from imgpack.publishing import locked, publish, recover
 from imgpack.system import usable_cpus
 from imgpack.version import __version__
 
@@ -138,8 +140,8 @@ def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: Conv
         first = scan.unreadable[0]
         more = f" (and {len(scan.unreadable) - 1} more)" if len(scan.unreadable) > 1 else ""
         raise ScanError(
-            f"{src_path}/{first['path']}: {first['reason']}{more}; its images would be left "
-            "out (use --on-error skip to convert without them, recorded as skipped)"
+            f"{printable(str(src_path))}/{first['path']}: {first['reason']}{more}; it would be "
+            "left out (use --on-error skip to convert without it, recorded as skipped)"
         )
     return Plan(src_path, dst_path, options, scan)
 
@@ -262,17 +264,6 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
     )
 
 
-def publish(tmp: Path, dst: Path) -> None:
-    """Move the finished temp dir to ``dst``, replacing an old output only at the last moment."""
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-old", dir=dst.parent))
-        os.rename(dst, old / "out")
-        os.rename(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, dst)
-
-
 def leftovers(dst: Path) -> list[Path]:
     """Temp dirs of conversions to ``dst`` that were killed before they could clean up."""
     if not dst.parent.is_dir():
@@ -360,7 +351,44 @@ def convert(
         options = ConvertOptions.create(format, **kwargs)
     elif kwargs or format != "pt":
         raise OptionError("give either options= or format and keyword options, not both")
-    the_plan = plan(src, dst, options)
+    with locked(Path(dst)):
+        recover(Path(dst), holding_lock=True)
+        the_plan = plan(src, dst, options)
+        try:
+            return _convert(the_plan, executor)
+        except ImgpackError:
+            raise
+        except Exception as exc:
+            reason = storage_problem(exc)
+            if reason is None:
+                raise
+            raise StorageError(
+                f"{the_plan.dst}: cannot write the output: {reason}; nothing was published and "
+                f"{the_plan.dst} is as it was"
+            ) from None
+
+
+#: errno values that mean the machine cannot store the output, whatever the input.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def storage_problem(exc: BaseException) -> str | None:
+    """What in ``exc`` says the disk is full (or a quota, a read-only filesystem), or ``None``.
+    h5py, LMDB and torch report it in their own exception types, with the errno only in the
+    message."""
+    code = getattr(exc, "errno", None)
+    if code in _STORAGE_ERRNOS:
+        return os.strerror(code)
+    text = str(exc)
+    for code in _STORAGE_ERRNOS:
+        if os.strerror(code) in text or f"errno = {code}," in text:
+            return os.strerror(code)
+    return None
+
+
+def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
+    """Run a planned conversion (its DST locked)."""
+    options = the_plan.options
     existing, checkpoint = _resumable(the_plan) if options.resume else (None, None)
     if not options.resume:
         for left in leftovers(the_plan.dst):
@@ -378,7 +406,7 @@ def convert(
         written = write(the_plan, tmp, outcomes, checkpoint)
         manifest = build_manifest(the_plan, tmp, written)
         write_manifest(tmp, manifest)
-        publish(tmp, the_plan.dst)
+        publish(tmp, the_plan.dst, replace=options.overwrite)
     # Removed only now: a run killed before the rename can still be resumed.
     (the_plan.dst / CHECKPOINT).unlink(missing_ok=True)
     return manifest
@@ -415,4 +443,4 @@ def _umask() -> int:
     return mask
 
 
-__all__ = ["Plan", "Written", "build_manifest", "convert", "plan", "process", "publish", "write"]
+__all__ = ["Plan", "Written", "build_manifest", "convert", "plan", "process", "write"]
