@@ -184,6 +184,8 @@ class Encoded:
     payload: bytes
     height: int
     width: int
+    #: The channels of what ``payload`` holds: a kept grayscale JPEG/PNG is 1 even in an RGB
+    #: output (readers widen it to the output's channels).
     channels: int
     kind: Kind
 
@@ -444,7 +446,9 @@ def process_file(
         width, height = img.size
         if kind == "JPEG":
             _load(img, kind, path, draft=True)
-        return Encoded(path, label, data, height, width, policy.channels, Kind(kind))
+        # What the kept bytes are: a grayscale file stays 1 channel (readers widen it to RGB).
+        stored_channels = 1 if img.mode == "L" else 3
+        return Encoded(path, label, data, height, width, stored_channels, Kind(kind))
     if kind == "JPEG":
         _load(img, kind, path)
     pixels = _policy_pixels(img, kind, path, policy)

@@ -6,7 +6,7 @@ Schema version 1::
      "encoding": "raw", "image": {"height": 32, "width": 32, "channels": 3, ...},
      "files": [{"path": "shard-00000.pt", "bytes": 123, "num_samples": 500, "sha256": "..."}],
      "options": {...}, "source": {...}, "skipped": [{"path": "...", "reason": "..."}],
-     "created_by": "imgpack 0.1.0"}
+     "created_by": "imgpack 0.1.0", "output_id": "3f2a9c0d51e4b7a8"}
 
 It is written last, after every data file is complete, so its presence marks a finished output.
 """
@@ -26,6 +26,8 @@ from imgpack.errors import ManifestError
 
 MANIFEST_NAME = "imgpack.json"
 SCHEMA_VERSION = 1
+#: Hex digits of an output id.
+OUTPUT_ID_LENGTH = 16
 
 
 @dataclass
@@ -52,6 +54,9 @@ class Manifest:
     source: dict[str, Any] = field(default_factory=dict)
     skipped: list[dict[str, str]] = field(default_factory=list)
     created_by: str = ""
+    #: Written into every data file too: a reader checks it when it opens one, so it never
+    #: mixes the files of two outputs. ``""`` in outputs of imgpack before 0.3.
+    output_id: str = ""
     version: int = SCHEMA_VERSION
 
     @property
@@ -113,6 +118,7 @@ class Manifest:
                 source=dict(data.get("source", {})),
                 skipped=list(data.get("skipped", [])),
                 created_by=str(data.get("created_by", "")),
+                output_id=_output_id(data.get("output_id", "")),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -126,6 +132,17 @@ def _count(value: Any, name: str, low: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} is {value!r}, expected an integer of at least {low}")
     return value
+
+
+def _output_id(value: Any) -> str:
+    if value == "":
+        return value
+    if not isinstance(value, str) or len(value) != OUTPUT_ID_LENGTH or value.strip(_HEX):
+        raise ValueError(f"output_id {value!r} is not {OUTPUT_ID_LENGTH} hex digits")
+    return value
+
+
+_HEX = "0123456789abcdef"
 
 
 def _name(value: Any) -> str:

@@ -41,7 +41,14 @@ from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, Sto
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import Scan, printable, read_class_list, scan_folder
 from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile
-from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file, write_manifest
+from imgpack.manifest import (
+    MANIFEST_NAME,
+    OUTPUT_ID_LENGTH,
+    FileEntry,
+    Manifest,
+    sha256_file,
+    write_manifest,
+)
 from imgpack.options import ConvertOptions
 from imgpack.publishing import locked, publish, recover
 from imgpack.system import usable_cpus
@@ -76,11 +83,18 @@ class Plan:
             policy=opts.policy,
             shard_size=opts.shard_size or 0,
             settings=dict(opts.format_options),
+            output_id=self.output_id,
         )
 
     @cached_property
-    def fingerprint(self) -> str:
-        """What the output depends on: the source, its scan and the options (not the workers)."""
+    def output_id(self) -> str:
+        """The id written into the manifest and every data file, so that a reader never mixes
+        the files of two outputs (one replaced the other while it read).
+
+        It depends only on what the output's bytes depend on: the options, the label map and
+        every sample's path, label, size and modification time (not the source folder's
+        location), so identical runs write identical bytes and a source that changed gives a
+        new id."""
         opts = self.options
         digest = hashlib.sha256()
         head = {
@@ -88,12 +102,27 @@ class Plan:
             "format": opts.format,
             "options": opts.recorded(),
             "image": opts.policy.describe(),
-            "source": str(self.src.resolve()),
             "classes": self.scan.classes,
         }
         digest.update(json.dumps(head, sort_keys=True).encode())
+        root = str(self.src)
         for sample in self.scan.samples:
-            digest.update(f"{sample.label}\t{sample.path}\n".encode("utf-8", "surrogateescape"))
+            try:
+                st = os.stat(f"{root}/{sample.path}")
+                stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            except OSError:
+                stamp = "-"  # the file fails when it is read
+            line = f"{sample.label}\t{stamp}\t{sample.path}\n"
+            digest.update(line.encode("utf-8", "surrogateescape"))
+        return digest.hexdigest()[:OUTPUT_ID_LENGTH]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What the output depends on: the source, its scan and the options (not the workers);
+        a source file changed since an interrupted run started makes it differ."""
+        digest = hashlib.sha256()
+        head = {"output": self.output_id, "source": str(self.src.resolve())}
+        digest.update(json.dumps(head, sort_keys=True).encode())
         return digest.hexdigest()
 
 
@@ -261,6 +290,7 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
         },
         skipped=written.skipped,
         created_by=f"imgpack {__version__}",
+        output_id=plan.output_id,
     )
 
 

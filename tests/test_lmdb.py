@@ -14,6 +14,7 @@ from conftest import build_uniform_folder, refresh_manifest
 
 from imgpack import convert, open_dataset
 from imgpack.errors import DataError, ManifestError
+from imgpack.manifest import read_manifest, write_manifest
 from imgpack.readers import LMDBDataset
 
 
@@ -107,12 +108,16 @@ def test_version_1_records_still_read(encoding: str, uniform_folder: Path, tmp_p
     expected = [open_dataset(tmp_path / "new")[i] for i in range(60)]
     env = lmdb.open(str(tmp_path / "out"), map_size=1 << 24)
     with env.begin(write=True) as txn:
+        txn.delete(b"__imgpack__")  # 0.1 wrote no output id
         for key, value in list(txn.cursor()):
             (path_length,) = struct.unpack_from("<I", value, 24)
             old = bytearray(value[:24]) + value[32 + path_length :]
             old[4] = 1
             txn.put(key, bytes(old))
     env.close()
+    manifest = read_manifest(tmp_path / "out")
+    manifest.output_id = ""
+    write_manifest(tmp_path / "out", manifest)
     refresh_manifest(tmp_path / "out")
     ds = open_dataset(tmp_path / "out")
     batch = ds.__getitems__(list(range(60)))

@@ -190,7 +190,7 @@ def test_every_record_carries_every_key_and_the_index_matches(
     assert names == [f"data-{i:05d}-of-{total:05d}.tfrecord" for i in range(total)] and total > 1
     keys = {
         "image/encoded", "image/format", "image/class/label", "image/class/text", "image/height",
-        "image/width", "image/channels", "image/colorspace", "image/filename",
+        "image/width", "image/channels", "image/colorspace", "image/filename", "imgpack/output_id",
     }  # fmt: skip
     for entry in manifest.files:
         path = tmp_path / "out" / entry.path
@@ -203,6 +203,7 @@ def test_every_record_carries_every_key_and_the_index_matches(
         for record in records:
             assert set(record) == keys
             assert record["image/class/label"][0] >= 1  # label_offset
+            assert record["imgpack/output_id"] == [manifest.output_id.encode()]
             assert record["image/colorspace"] == [b"RGB"] and record["image/channels"] == [3]
     ds = open_dataset(tmp_path / "out")
     # The readers subtract the offset again: labels are the scan's.

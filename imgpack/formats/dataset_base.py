@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -181,6 +182,12 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             with contextlib.suppress(Exception):
                 self._close(handles)
 
+    def _check_output(self, found: Any, where: str) -> None:
+        """Refuse a data file that does not carry this reader's output id: the output was
+        replaced (``convert --overwrite``) after the reader read its manifest, and serving the
+        new files with what was read from the old ones would mix two outputs."""
+        check_output_id(self.manifest.output_id, found, where, self.root)
+
     # -- the dataset protocol ------------------------------------------------------------
     def __len__(self) -> int:
         return self.manifest.num_samples
@@ -316,12 +323,23 @@ class PreadDataset(ImageDataset):
         fds = self.handles
         if number not in fds:
             try:
-                fds[number] = os.open(self.shard_files[number], os.O_RDONLY)
+                fd = os.open(self.shard_files[number], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
             except OSError as exc:
                 raise DataError(
                     f"{self.shard_files[number]}: cannot open: {exc.strerror}"
                 ) from None
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise DataError(f"{self.shard_files[number]}: not a regular file")
+                self._check_shard(number, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            fds[number] = fd
         return int(fds[number])
+
+    def _check_shard(self, number: int, fd: int) -> None:
+        """Check a shard file just opened (its output id); formats that store one override it."""
 
 
 @dataclass(frozen=True)
@@ -352,6 +370,18 @@ def check_files(root: Path, manifest: Manifest) -> None:
     if total != manifest.num_samples:
         raise ManifestError(
             f"{root}: the files hold {total} samples, the manifest says {manifest.num_samples}"
+        )
+
+
+def check_output_id(expected: str, found: Any, where: str, root: Path) -> None:
+    """Raise :class:`DataError` when a data file's output id ``found`` is not the ``expected``
+    one of the manifest a reader opened (no check for outputs written without ids)."""
+    if isinstance(found, bytes):
+        found = found.decode("ascii", "replace")
+    if expected and found != expected:
+        raise DataError(
+            f"{where}: belongs to another output (id {found or 'none'}, this reader opened "
+            f"{expected}): {root} was replaced after it was opened; open it again"
         )
 
 

@@ -33,6 +33,8 @@ class WriterConfig:
     shard_size: int = 0
     #: The format's options, parsed by its spec (``-o KEY=VALUE``).
     settings: dict[str, Any] = field(default_factory=dict)
+    #: The output's id (:attr:`imgpack.manifest.Manifest.output_id`): every data file records it.
+    output_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,26 @@ from imgpack.formats.dataset_base import (
 CHUNK_CACHE_BYTES = 64 << 20
 
 
+def _refuse_outside_storage(f: Any, path: Any) -> None:
+    """Refuse datasets whose bytes live outside the file: HDF5 external storage (raw bytes of
+    any file the dataset names) and virtual datasets (mapped from other HDF5 files). A hostile
+    ``data.h5`` could otherwise hand out the bytes of an outside file as pixels."""
+    for name, item in f.items():
+        if not hasattr(item, "is_virtual"):
+            continue
+        if item.is_virtual:
+            raise DataError(
+                f"{path}: dataset {name!r} is a virtual dataset (its data lives in other files); "
+                "refused: an output's data must be inside it"
+            )
+        if item.external:
+            raise DataError(
+                f"{path}: dataset {name!r} uses external storage "
+                f"({str(item.external[0][0])!r}); refused: an output's data "
+                "must be inside it"
+            )
+
+
 class HDF5Dataset(ImageDataset):
     """Dataset over an ``hdf5`` output.
 
@@ -47,6 +67,8 @@ class HDF5Dataset(ImageDataset):
         # Read the layout once and let the file go: only paths cross into workers.
         try:
             with h5py.File(self.path, "r") as f:
+                self._check_output(f.attrs.get("output_id"), str(self.path))
+                _refuse_outside_storage(f, self.path)
                 dset = f[self._name]
                 self._shape = tuple(int(v) for v in dset.shape)
                 offset = dset.id.get_offset()
@@ -91,13 +113,31 @@ class HDF5Dataset(ImageDataset):
             whole = torch.from_file(
                 str(self.path), shared=False, size=self._offset + nbytes, dtype=torch.uint8
             )
+            # Checked after mapping: a file replaced before the mapping has another id.
+            self._check_open_output()
             return whole[self._offset :].view(self._shape)
         import h5py
 
         try:
-            return h5py.File(self.path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES, rdcc_nslots=100_003)
+            handle = h5py.File(self.path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES, rdcc_nslots=100_003)
         except OSError as exc:
             raise DataError(f"{self.path}: cannot open: {exc}") from None
+        try:
+            self._check_output(handle.attrs.get("output_id"), str(self.path))
+        except DataError:
+            handle.close()
+            raise
+        return handle
+
+    def _check_open_output(self) -> None:
+        import h5py
+
+        try:
+            with h5py.File(self.path, "r") as f:
+                found = f.attrs.get("output_id")
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot open: {exc}") from None
+        self._check_output(found, str(self.path))
 
     def _close(self, handles: Any) -> None:
         if not isinstance(handles, torch.Tensor):

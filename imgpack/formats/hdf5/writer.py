@@ -140,6 +140,8 @@ class HDF5Writer(Writer):
             height, width = policy.size or (0, 0)
             f.attrs["height"], f.attrs["width"] = height, width
             f.attrs["channels"] = policy.channels
+            if self.config.output_id:
+                f.attrs["output_id"] = self.config.output_id
             if self.config.encoding.name == "raw":
                 shape: tuple[int, ...] = (count, height, width, policy.channels)
                 target = f.create_dataset("images", shape, np.uint8, **self._dataset_options(shape))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,41 +25,53 @@ from imgpack.formats.dataset_base import (
 from imgpack.formats.lmdb import record
 from imgpack.images import Kind
 
-# py-lmdb allows one Environment per file per process, so readers of the same output share one:
-# path -> (the data file's identity when opened, environment). A replaced or rewritten data.mdb
-# (--overwrite, a repair) has a new identity: its path's environment is closed and opened afresh.
-_environments: dict[str, tuple[tuple[int, int, int], Any]] = {}
+# py-lmdb allows one Environment per file per process, so readers of the same output share one,
+# counted: (path, the data file's identity) -> [environment, readers using it]. The last reader
+# to let go closes it, so a dropped reader leaves nothing mapped and nothing open. A replaced
+# data.mdb (--overwrite) has a new identity, hence an environment of its own.
+_environments: dict[tuple[str, tuple[int, int, int]], list[Any]] = {}
 _environments_pid: int | None = None
 
 
-def _environment(root: Path) -> Any:
-    """This process's read-only environment for the output at ``root``."""
+def acquire_environment(root: Path) -> Any:
+    """This process's read-only environment for the output at ``root``; give it back with
+    :func:`release_environment`."""
     import lmdb
 
     global _environments_pid
     if _environments_pid != os.getpid():
         # Inherited through a fork: LMDB handles must not be used in the child. Unmapping the
         # child's copy leaves the parent's untouched.
-        for _, env in _environments.values():
+        for env, _ in _environments.values():
             with contextlib.suppress(Exception):
                 env.close()
         _environments.clear()
         _environments_pid = os.getpid()
     try:
         st = (root / "data.mdb").stat()
-        key, ident = str(root.resolve()), (st.st_ino, st.st_mtime_ns, st.st_size)
+        key = (str(root.resolve()), (st.st_dev, st.st_ino, st.st_mtime_ns))
         known = _environments.get(key)
-        if known is not None and known[0] == ident:
-            return known[1]
         if known is not None:
-            known[1].close()
+            known[1] += 1
+            return known[0]
         env = lmdb.open(
             str(root), readonly=True, lock=False, readahead=False, meminit=False, subdir=True
         )
-        _environments[key] = (ident, env)
+        _environments[key] = [env, 1]
     except (OSError, lmdb.Error) as exc:
         raise DataError(f"{root}: cannot open the LMDB environment: {exc}") from None
     return env
+
+
+def release_environment(env: Any) -> None:
+    """One reader less for ``env``; the last one closes it."""
+    for key, entry in list(_environments.items()):
+        if entry[0] is env:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _environments[key]
+                env.close()
+            return
 
 
 _KEY = record.KEY_FORMAT.__mod__  # record.key without the call overhead
@@ -89,11 +102,32 @@ class LMDBDataset(ImageDataset):
             self._dims = np.frombuffer(head[16:24], np.uint8)
 
     def _open(self) -> Any:
-        env = _environment(self.root)
-        entries = env.stat()["entries"]
+        env = acquire_environment(self.root)
+        try:
+            self._check_environment(env)
+        except BaseException:
+            release_environment(env)
+            raise
+        return env
+
+    def _close(self, handles: Any) -> None:
+        release_environment(handles)
+
+    def _check_environment(self, env: Any) -> None:
+        """The environment holds this output: its record count, and its id (the key
+        ``__imgpack__``, when the manifest has an id)."""
+        expected = self.manifest.output_id
+        entries = env.stat()["entries"] - (1 if expected else 0)
+        if expected:
+            with env.begin() as txn:
+                value = txn.get(record.META_KEY)
+            try:
+                found = json.loads(value)["output_id"] if value is not None else None
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"{self.root}: unreadable {record.META_KEY.decode()} key") from None
+            self._check_output(found, str(self.root / "data.mdb"))
         if entries != len(self):
             raise DataError(f"{self.root}: holds {entries} records, the manifest says {len(self)}")
-        return env
 
     def _header(self, key: Any, value: Any) -> record.RecordHeader:
         try:
@@ -197,7 +231,11 @@ class LMDBDataset(ImageDataset):
 
     def _headers(self) -> list[record.RecordHeader]:
         with self.handles.begin(buffers=True) as txn:
-            headers = [self._header(key, value) for key, value in txn.cursor()]
+            headers = [
+                self._header(key, value)
+                for key, value in txn.cursor()
+                if bytes(key[:1]) != record.META_KEY[:1]
+            ]
         if len(headers) != len(self):
             raise DataError(
                 f"{self.root}: holds {len(headers)} records, the manifest says {len(self)}"

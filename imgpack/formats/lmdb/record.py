@@ -43,6 +43,9 @@ HEADER_SIZE = HEADER.size  # 32
 COMMON = struct.Struct("<4sBBBBqII")
 V1_HEADER_SIZE = COMMON.size  # 24
 KEY_FORMAT = b"%010d"  # ten digits, zero-padded
+#: The one key that is not a sample: JSON ``{"num_samples": N, "output_id": ...}``. It sorts
+#: after every sample key ('_' > '9'), so a cursor meets the samples first.
+META_KEY = b"__imgpack__"
 CODES = {Kind.RAW: 0, Kind.JPEG: 1, Kind.PNG: 2}
 KINDS = {code: kind for kind, code in CODES.items()}
 

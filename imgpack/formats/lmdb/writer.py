@@ -1,6 +1,7 @@
 """The ``lmdb`` format: the output directory is an LMDB environment (``data.mdb``, ``lock.mdb``).
 
-One record per sample, keyed by its zero-padded index, in the layout of
+One record per sample, keyed by its zero-padded index (and, after them, the key ``__imgpack__``:
+``{"num_samples": N, "output_id": ...}``, the output's id), in the layout of
 :mod:`imgpack.formats.lmdb.record`. Records are written in append mode and committed in batches; the map
 starts at ``map_size`` (64 MiB by default) and doubles whenever a batch does not fit (the batch
 is replayed), so no size has to be guessed. ``data.mdb`` grows with what is written (no map-sized
@@ -9,6 +10,7 @@ tail); it is compacted at the end only if free pages make up more than 5% of it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -102,6 +104,11 @@ class LMDBWriter(Writer):
         return entries - int(state["records"])
 
     def _finish(self) -> list[WrittenFile]:
+        if self.config.output_id:  # sorts after every sample key: appended with the last batch
+            meta = {"num_samples": self._count, "output_id": self.config.output_id}
+            value = json.dumps(meta, sort_keys=True).encode("ascii")
+            self._pending.append((record.META_KEY, value))
+            self._pending_bytes += len(value)
         self._commit()
         if self._wasted_pages() > COMPACT_ABOVE:
             compact = self.directory / ".compact"

@@ -51,6 +51,8 @@ class PTDataset(ImageDataset):
         except Exception as exc:
             raise DataError(f"{path}: cannot load shard: {exc}") from None
         n = entry.num_samples
+        if isinstance(shard, dict):
+            self._check_output(shard.get("output_id"), str(path))
         keys = ("images", "labels") if self._raw else ("data", "offsets", "labels")
         if not isinstance(shard, dict) or any(k not in shard for k in keys):
             raise DataError(f"{path}: not a {self.manifest.encoding} shard (expected keys {keys})")

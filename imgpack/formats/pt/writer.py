@@ -8,7 +8,8 @@ Each shard ``shard-NNNNN.pt`` loads with ``torch.load(path, mmap=True, weights_o
 
 ``paths`` are the samples' source paths, relative to the source folder; ``crc32c`` (int64
 ``(n,)``) each sample's checksum (:mod:`imgpack.checksum`: CRC-32C of its stored bytes, then its
-label as int64 little-endian).
+label as int64 little-endian); ``output_id`` (str) the output's id, also in the manifest: a reader
+refuses a shard of another output.
 
 A shard is assembled in memory and saved when it reaches ``--shard-size`` (default 1 GiB), so
 conversion memory is bounded by one shard.
@@ -46,7 +47,13 @@ class PTWriter(ShardedWriter):
     def _end_shard(self) -> None:
         data = torch.from_numpy(np.frombuffer(self._data, dtype=np.uint8))
         labels = torch.tensor(self._labels, dtype=torch.int64)
-        common = {"labels": labels, "paths": self._paths, "crc32c": torch.tensor(self._crcs)}
+        common: dict[str, object] = {
+            "labels": labels,
+            "paths": self._paths,
+            "crc32c": torch.tensor(self._crcs),
+        }
+        if self.config.output_id:
+            common["output_id"] = self.config.output_id
         if self.config.encoding.name == "raw":
             height, width = self.config.policy.size or (0, 0)
             shape = (len(self._labels), height, width, self.config.policy.channels)

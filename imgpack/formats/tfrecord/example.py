@@ -22,6 +22,9 @@ from typing import Any, cast
 
 from imgpack.errors import DataError
 
+#: The feature holding the output id in every record imgpack writes.
+OUTPUT_ID_KEY = "imgpack/output_id"
+
 FeatureValue = list[bytes] | list[float] | list[int]
 _FLOAT = struct.Struct("<f")
 

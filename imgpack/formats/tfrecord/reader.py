@@ -25,6 +25,7 @@ from imgpack.formats.dataset_base import (
     Record,
     arrays_to_batch,
     check_files,
+    check_output_id,
 )
 from imgpack.formats.tfrecord import example, framing
 from imgpack.images import ImagePolicy, Kind, apply_policy, decode_stored
@@ -168,6 +169,7 @@ class Records:
     ) -> tuple[np.ndarray | None, int]:
         """``(HWC uint8 pixels, label)`` of one record's data."""
         features = _parse(data, where)
+        self.check_output(features, where)
         label = _label(features, where) - self.label_offset
         if not 0 <= label < len(self.manifest.classes):
             raise DataError(f"{where}: label {label} outside 0..{len(self.manifest.classes) - 1}")
@@ -189,6 +191,26 @@ class Records:
             return decode_stored(payload, self.channels), label
         except (DataError, ImageError, KeyError, ValueError) as exc:
             raise DataError(f"{where}: {exc}") from None
+
+    def check_output(self, features: dict[str, example.FeatureValue], where: str) -> None:
+        """Refuse a record of another output than the manifest this reader read (the output was
+        replaced meanwhile); foreign files and outputs without ids are not checked."""
+        if not self.foreign and self.manifest.output_id:
+            found = features.get(example.OUTPUT_ID_KEY) or [b""]
+            check_output_id(self.manifest.output_id, found[0], where, self.root)
+
+    def check_first(self, number: int, fd: int) -> None:
+        """Check the first record of shard ``number``, open as ``fd``, for the output id."""
+        if self.foreign or not self.manifest.output_id or not len(self.shards[number]):
+            return
+        where = f"{self.shards[number].path} at offset 0"
+        head = os.pread(fd, framing.HEADER_SIZE, 0)
+        length = framing.read_length(head, where, self.check_crc)
+        size = framing.HEADER_SIZE + length + framing.FOOTER_SIZE
+        if size > os.fstat(fd).st_size:
+            raise DataError(f"{where}: truncated record")
+        frame = framing.unframe(os.pread(fd, size, 0), where, self.check_crc)
+        self.check_output(_parse(frame, where), where)
 
     def iterate(
         self, wanted: dict[int, set[int]] | None = None, decode: bool = True
@@ -308,6 +330,9 @@ class TFRecordDataset(PreadDataset):
             )
         self._starts = np.cumsum([0, *(len(s) for s in records.shards)], dtype=np.int64)
         self.shard_files = [shard.path for shard in records.shards]
+
+    def _check_shard(self, number: int, fd: int) -> None:
+        self.records.check_first(number, fd)
 
     def _load_targets(self) -> list[int]:
         return list(self.records.labels)

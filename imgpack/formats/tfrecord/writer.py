@@ -5,7 +5,8 @@ at ``--shard-size``; each has ``<prefix>-NNNNN-of-MMMMM.idx`` beside it (``offse
 record). Every record carries every key: ``image/encoded``, ``image/format`` (``JPEG``, ``PNG``
 or ``RAW``), ``image/class/label`` (label + ``label_offset``), ``image/class/text``,
 ``image/height``, ``image/width``, ``image/channels``, ``image/colorspace`` (``RGB`` or
-``Grayscale``) and ``image/filename``.
+``Grayscale``, of the stored bytes) and ``image/filename``; and ``imgpack/output_id``, the
+output's id (a reader refuses a record of another output).
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from imgpack.formats.tfrecord import example, framing
+from imgpack.formats.tfrecord.example import OUTPUT_ID_KEY
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoded
 
 
-def example_features(sample: Encoded, class_name: str, label_offset: int) -> dict[str, Any]:
+def example_features(
+    sample: Encoded, class_name: str, label_offset: int, output_id: str = ""
+) -> dict[str, Any]:
     """The features of one sample's record."""
-    return {
+    features: dict[str, Any] = {
         "image/encoded": [sample.payload],
         "image/format": [sample.kind.value.encode()],
         "image/class/label": [sample.label + label_offset],
@@ -32,6 +36,9 @@ def example_features(sample: Encoded, class_name: str, label_offset: int) -> dic
         "image/colorspace": [b"RGB" if sample.channels == 3 else b"Grayscale"],
         "image/filename": [sample.path.encode("utf-8", "surrogateescape")],
     }
+    if output_id:
+        features[OUTPUT_ID_KEY] = [output_id.encode("ascii")]
+    return features
 
 
 class TFRecordWriter(ShardedWriter):
@@ -53,7 +60,9 @@ class TFRecordWriter(ShardedWriter):
         assert self._fh is not None
         name = self.config.classes[sample.label]
         record = framing.frame(
-            example.encode_example(example_features(sample, name, self.label_offset))
+            example.encode_example(
+                example_features(sample, name, self.label_offset, self.config.output_id)
+            )
         )
         self._fh.write(record)
         self._index.append((self._offset, len(record)))

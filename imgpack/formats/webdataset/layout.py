@@ -9,7 +9,8 @@ the key ``%010d % i``, as WebDataset groups them:
   content's (``jpg``, ``png``); ``png``/``jpeg`` encodings: ``.png``/``.jpg``; ``raw``: ``.npy``,
   a NumPy ``uint8`` array ``(H, W, C)``.
 - ``<key>.cls``: the label in decimal ASCII (``b"3"``), as timm and OpenCLIP read it.
-- ``<key>.json``: ``{"class": <class name>, "path": <source path relative to the source folder>}``.
+- ``<key>.json``: ``{"class": <class name>, "path": <source path relative to the source folder>,
+  "output_id": <the output's id>}`` (a reader refuses a shard of another output).
 
 Members are written with mode ``0444``, owner ``0:0`` and ``mtime`` 0, so the same input gives
 the same bytes. Beside each shard, ``data-000000.idx`` has one line per sample,

@@ -17,6 +17,7 @@ from imgpack.formats.dataset_base import (
     PreadDataset,
     Record,
     check_labels,
+    check_output_id,
     decode_batch,
     new_batch_tensor,
 )
@@ -86,6 +87,26 @@ class WebDatasetDataset(PreadDataset):
         if len(paths) != len(self):
             raise DataError(f"{self.root}: holds {len(paths)} .json members, expected {len(self)}")
         return paths
+
+    def _check_shard(self, number: int, fd: int) -> None:
+        """The first sample's ``.json`` must carry this output's id."""
+        expected = self.manifest.output_id
+        if not expected or not self.manifest.files[number].num_samples:
+            return
+        found = None
+        try:
+            with open(fd, "rb", closefd=False) as fh, tarfile.open(fileobj=fh, mode="r:") as tar:
+                for _ in range(3):  # image, .cls, .json
+                    member = tar.next()
+                    if member is None:
+                        break
+                    if member.name.endswith(".json") and member.size < 1 << 20:
+                        data = tar.extractfile(member)
+                        found = json.loads(data.read()).get("output_id") if data else None
+                        break
+        except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:
+            raise DataError(f"{self._paths[number]}: cannot read its first sample: {exc}") from None
+        check_output_id(expected, found, str(self._paths[number]), self.root)
 
     def _read(self, index: int) -> bytes:
         number = int(np.searchsorted(self._starts, index, side="right") - 1)

@@ -55,6 +55,8 @@ class WebDatasetWriter(ShardedWriter):
         offset = self._member(f"{key}.{ext}", payload)
         self._member(f"{key}.cls", str(sample.label).encode("ascii"))
         meta = {"class": self.config.classes[sample.label], "path": sample.path}
+        if self.config.output_id:
+            meta["output_id"] = self.config.output_id
         self._member(f"{key}.json", json.dumps(meta, sort_keys=True).encode("ascii"))
         crc = record_crc(payload, sample.label)
         self._index.append(f"{offset} {len(payload)} {sample.label} {crc}\n")
