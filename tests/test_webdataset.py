@@ -117,7 +117,8 @@ def test_tar_lists_the_members(edge_folder: FakeFolder, tmp_path: Path) -> None:
         assert (member.mode, member.mtime, member.uid, member.gid) == (0o444, 0, 0, 0)
         meta = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
     rel, label = edge_folder.images[3]
-    assert meta == {"class": edge_folder.classes[label], "path": rel}
+    output_id = json.loads((tmp_path / "out" / "imgpack.json").read_text())["output_id"]
+    assert meta == {"class": edge_folder.classes[label], "path": rel, "output_id": output_id}
 
 
 def test_raw_members_are_plain_npy(uniform_folder: Path, tmp_path: Path) -> None:
