@@ -312,7 +312,9 @@ def list_formats() -> None:
 def info(dst: Path, as_json: bool) -> None:
     """Summarise the imgpack output DST from its manifest."""
     from imgpack.manifest import read_manifest
+    from imgpack.publishing import recover
 
+    recover(dst)
     manifest = read_manifest(dst)
     if as_json:
         click.echo(json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))

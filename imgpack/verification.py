@@ -34,6 +34,7 @@ from imgpack.manifest import (
     read_manifest,
     sha256_file,
 )
+from imgpack.publishing import recover
 from imgpack.system import usable_cpus
 
 #: Samples checked per step (one batch read, one progress update).
@@ -155,6 +156,7 @@ def verify(
         progress: tqdm progress bars on stderr.
     """
     root = Path(path)
+    recover(root)  # a replacement killed midway: put the previous output back first
     started = time.perf_counter()
     report = Report(str(root), deep)
     try:

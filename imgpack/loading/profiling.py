@@ -48,6 +48,8 @@ class TimedDataset(Dataset[Any]):
         self.log_dir = Path(tempfile.mkdtemp(prefix="imgpack-timing-"))
         self._fd: int | None = None
         self._pid: int | None = None
+        #: Bytes of each timing file that :meth:`reset` marked as read.
+        self._marks: dict[str, int] = {}
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.log_dir), True)
 
     def __getattr__(self, name: str) -> Any:
@@ -56,7 +58,13 @@ class TimedDataset(Dataset[Any]):
         return getattr(self.dataset, name)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "log_dir": self.log_dir, "_fd": None, "_pid": None}
+        return {
+            "dataset": self.dataset,
+            "log_dir": self.log_dir,
+            "_fd": None,
+            "_pid": None,
+            "_marks": {},
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)  # a copy in a worker: the parent owns (and removes) log_dir
@@ -91,7 +99,7 @@ class TimedDataset(Dataset[Any]):
     def _timings(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for path in sorted(self.log_dir.glob("*.bin")):
-            raw = path.read_bytes()
+            raw = path.read_bytes()[self._marks.get(path.name, 0) :]
             usable = len(raw) - len(raw) % _RECORD.size
             rows = np.frombuffer(raw[:usable], dtype=np.dtype([("t", "<f8"), ("n", "<u4")]))
             worker = path.stem.rsplit("-", 1)[0]
@@ -107,12 +115,9 @@ class TimedDataset(Dataset[Any]):
         return {**_summary(everything), "per_worker": {k: _summary(v) for k, v in per.items()}}
 
     def reset(self) -> None:
-        """Forget the timings taken so far."""
-        for path in self.log_dir.glob("*.bin"):
-            path.unlink()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Forget the timings taken so far. The timing files stay (persistent DataLoader workers
+        keep appending to theirs): what they hold now is marked as read."""
+        self._marks = {path.name: path.stat().st_size for path in self.log_dir.glob("*.bin")}
 
     def close(self) -> None:
         """Remove the timing files (done automatically when the wrapper is garbage-collected)."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from typing import Any
 
 from imgpack import formats
 from imgpack.formats.dataset_base import Batch, ImageDataset, collate
 from imgpack.manifest import read_manifest
+from imgpack.publishing import recover
 
 #: Readers that are not a format's default reader.
 _OTHERS = {
@@ -31,7 +33,10 @@ def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
     """Open the imgpack output at ``path`` with the reader its manifest names.
 
     ``kwargs`` go to the reader (``transform``, ``target_transform`` and format options).
+    An output whose replacement (``convert --overwrite``) was killed midway is put back first
+    (:func:`imgpack.publishing.recover`).
     """
+    recover(Path(path))
     return formats.reader_for(read_manifest(path).format, str(path))(path, **kwargs)
 
 

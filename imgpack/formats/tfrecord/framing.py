@@ -90,17 +90,28 @@ def iter_frames(
     """``(offset, data)`` of every record of an open (possibly decompressing) stream positioned
     at byte ``start``."""
     offset = start
+    compressed = isinstance(fh, gzip.GzipFile)
     while True:
         header = fh.read(HEADER_SIZE)
         if not header:
             return
         length = read_length(header, f"{name} at offset {offset}", check_crc)
+        if compressed and length > MAX_COMPRESSED_RECORD:
+            # A few MB of GZIP can inflate to gigabytes: refuse before holding them.
+            raise DataError(
+                f"{name}: record at offset {offset} (uncompressed) claims {length} bytes, more "
+                f"than the {MAX_COMPRESSED_RECORD >> 20} MiB imgpack reads from a GZIP stream"
+            )
         rest = read_at_most(fh, length + FOOTER_SIZE)
         if len(rest) < length + FOOTER_SIZE:
             raise DataError(f"{name}: truncated record at offset {offset} (length {length})")
         yield offset, unframe(header + rest, f"{name} at offset {offset}", check_crc)
         offset += HEADER_SIZE + length + FOOTER_SIZE
 
+
+#: Largest record read from a GZIP-compressed file: its length field cannot be checked against
+#: the file's size, and decompression turns a small file into any amount of data.
+MAX_COMPRESSED_RECORD = 256 << 20
 
 #: Largest piece read at once: a damaged length field costs at most this much memory beyond
 #: what the file really holds.

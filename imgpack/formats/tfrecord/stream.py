@@ -59,19 +59,35 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         self.classes = list(self.records.manifest.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.transform, self.target_transform = transform, target_transform
-        self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        # In shared memory: persistent DataLoader workers keep their copy of the stream across
+        # epochs, and must still see set_epoch() of the training process.
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.rank, self.world_size = _distributed(rank, world_size)
         self.drop_remainder = drop_remainder
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch[0])
 
-    def __len__(self) -> int:
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (the shuffle's seed) before iterating the DataLoader for it; workers,
+        persistent ones too, see it when the epoch's iteration starts."""
+        self._epoch[0] = int(epoch)
+
+    def samples_per_rank(self) -> int:
         """Samples this rank reads per epoch (all its workers together)."""
         total = sum(len(s) for s in self.records.shards)
         return (
             total // self.world_size if self.drop_remainder else math.ceil(total / self.world_size)
         )
+
+    def __len__(self) -> int:
+        """What this rank's iteration yields per epoch, all its workers together: samples, or
+        with ``batch_size`` batches (workers are given whole batches, so the count does not
+        depend on ``num_workers``: only the rank's last batch can be short)."""
+        samples = self.samples_per_rank()
+        return samples if self.batch_size is None else math.ceil(samples / self.batch_size)
 
     def plan(self, worker: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
         """``(shard, record)`` pairs this rank's ``worker`` reads this epoch, in read order."""
@@ -79,11 +95,13 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         if self.shuffle_buffer > 0:
             random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
         everything = [(s, r) for s in order for r in range(len(self.records.shards[s]))]
-        per_rank = len(self)
+        per_rank = self.samples_per_rank()
         start = self.rank * per_rank
         mine = [everything[(start + k) % len(everything)] for k in range(per_rank)]
-        lo, hi = (len(mine) * worker) // num_workers, (len(mine) * (worker + 1)) // num_workers
-        return mine[lo:hi]
+        unit = self.batch_size or 1  # split at batch boundaries
+        units = math.ceil(len(mine) / unit)
+        lo, hi = (units * worker) // num_workers, (units * (worker + 1)) // num_workers
+        return mine[lo * unit : hi * unit]
 
     def _decoded(self) -> Iterator[tuple[np.ndarray, int]]:
         """This worker's ``(pixels, label)`` for the epoch, through the shuffle buffer."""
