@@ -42,6 +42,16 @@ FORBIDDEN = {
     "imgpack.executors": ("imgpack.pipeline", "imgpack.formats", "imgpack.cli"),
     "imgpack.options": ("imgpack.pipeline", "imgpack.cli"),
     "imgpack.pipeline": ("imgpack.cli", "imgpack.loading", "imgpack.readers"),
+    # Publishing and locking sit beside the manifest: both sides use them.
+    "imgpack.publishing": (
+        "imgpack.formats",
+        "imgpack.pipeline",
+        "imgpack.executors",
+        "imgpack.options",
+        "imgpack.readers",
+        "imgpack.loading",
+        "imgpack.cli",
+    ),
 }
 
 
