@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -76,6 +77,9 @@ def friendly_errors(func: F) -> F:
             message = worker_error(exc)
             if message is None:
                 raise
+            # torch re-raises from a frame that references the error: a cycle that keeps the
+            # DataLoader's workers alive until a garbage collection, which waits 5 s for each.
+            traceback.clear_frames(exc.__traceback__)
             raise click.ClickException(message) from None
 
     return wrapper  # type: ignore[return-value]
