@@ -63,26 +63,31 @@ def friendly_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except OptionError as exc:
-            raise click.UsageError(str(exc)) from None
-        except (ImgpackError, FileExistsError, FileNotFoundError, NotADirectoryError) as exc:
-            raise click.ClickException(str(exc)) from None
-        except PermissionError as exc:
-            raise click.ClickException(f"{exc.filename}: permission denied") from None
         except Terminated as exc:
             name = signal.Signals(exc.signum).name
             click.echo(f"Error: stopped by {name}; cleaned up, nothing half-written", err=True)
             raise SystemExit(128 + exc.signum) from None
         except Exception as exc:
-            message = worker_error(exc)
-            if message is None:
-                raise
-            # torch re-raises from a frame that references the error: a cycle that keeps the
-            # DataLoader's workers alive until a garbage collection, which waits 5 s for each.
-            traceback.clear_frames(exc.__traceback__)
-            raise click.ClickException(message) from None
+            raise _user_facing(exc) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _user_facing(exc: Exception) -> Exception:
+    """The click exception to show for ``exc`` (one line), or ``exc`` itself for a bug."""
+    message = worker_error(exc)
+    if message is not None:
+        # torch re-raises from a frame that references the error: a cycle that keeps the
+        # DataLoader's workers alive until a garbage collection, which waits 5 s for each.
+        traceback.clear_frames(exc.__traceback__)
+        return click.ClickException(message)
+    if isinstance(exc, OptionError):
+        return click.UsageError(str(exc))
+    if isinstance(exc, (ImgpackError, FileExistsError, FileNotFoundError, NotADirectoryError)):
+        return click.ClickException(str(exc))
+    if isinstance(exc, PermissionError):
+        return click.ClickException(f"{exc.filename}: permission denied")
+    return exc
 
 
 #: The user-facing errors whose tracebacks a DataLoader worker sends are shown as one line.

@@ -75,7 +75,7 @@ def find_classes(root: Path) -> list[str]:
     bad = [printable(name) for name in classes if not is_utf8(name)]
     if bad:
         raise ScanError(
-            f"{printable(str(root))}: class folder name(s) {', '.join(map(repr, bad))} are not "
+            f"{printable(str(root))}: class folder name(s) {', '.join(bad)} are not "
             "valid UTF-8; class names are stored as UTF-8 text, so rename the folder(s)"
         )
     if not classes:

@@ -389,7 +389,7 @@ def convert(
         except ImgpackError:
             raise
         except Exception as exc:
-            reason = storage_problem(exc)
+            reason = storage_problem(exc, the_plan.dst.parent)
             if reason is None:
                 raise
             raise StorageError(
@@ -402,10 +402,15 @@ def convert(
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 
-def storage_problem(exc: BaseException) -> str | None:
-    """What in ``exc`` says the disk is full (or a quota, a read-only filesystem), or ``None``.
-    h5py, LMDB and torch report it in their own exception types, with the errno only in the
-    message."""
+#: Free bytes below which a write error on a filesystem is taken for a full disk.
+NEARLY_FULL = 1 << 20
+
+
+def storage_problem(exc: BaseException, directory: Path) -> str | None:
+    """What says that ``exc``, raised while writing in ``directory``, comes from the disk being
+    full (or a quota, a read-only filesystem), or ``None``. h5py reports the errno only in its
+    message; torch (``unexpected pos``) and LMDB (``Input/output error``) lose it, so a failed
+    write on a filesystem with (nearly) no free space left counts as a full disk too."""
     code = getattr(exc, "errno", None)
     if code in _STORAGE_ERRNOS:
         return os.strerror(code)
@@ -413,6 +418,12 @@ def storage_problem(exc: BaseException) -> str | None:
     for code in _STORAGE_ERRNOS:
         if os.strerror(code) in text or f"errno = {code}," in text:
             return os.strerror(code)
+    try:
+        fs = os.statvfs(directory)
+    except (OSError, AttributeError):
+        return None
+    if fs.f_bavail * fs.f_frsize < NEARLY_FULL:
+        return os.strerror(errno.ENOSPC)
     return None
 
 
