@@ -100,6 +100,9 @@ def test_workers_die_with_a_killed_parent(src: Path, tmp_path: Path) -> None:
     workers = _wait_for_workers(process, tmp_path / "out")
     process.send_signal(signal.SIGKILL)  # the parent only: nothing can clean up
     process.wait(timeout=30)  # not communicate(): orphans would hold its pipes open
+    for pipe in (process.stdout, process.stderr):
+        assert pipe is not None
+        pipe.close()
     try:
         assert _gone(workers), "pool workers outlived their SIGKILLed parent"
     finally:
