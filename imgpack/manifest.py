@@ -127,10 +127,18 @@ class Manifest:
             ) from None
 
 
+#: The largest count or size a manifest may hold: anything above cannot be real, and would
+#: overflow the int64 arithmetic of the readers (numpy raises ``OverflowError`` there).
+MAX_COUNT = 1 << 62
+
+
 def _count(value: Any, name: str, low: int = 0) -> int:
-    """An integer field: a JSON integer (not a float, not a bool) of at least ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} is {value!r}, expected an integer of at least {low}")
+    """An integer field: a JSON integer (not a float, not a bool) from ``low`` to
+    :data:`MAX_COUNT`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_COUNT:
+        raise ValueError(
+            f"{name} is {value!r}, expected an integer of at least {low} and at most 2**62"
+        )
     return value
 
 

@@ -20,7 +20,8 @@ import torch
 from conftest import build_uniform_folder, refresh_manifest
 
 from imgpack import convert, open_dataset
-from imgpack.errors import DataError, ManifestError
+from imgpack.converters import FORMATS
+from imgpack.errors import DataError, ImgpackError, ManifestError
 from imgpack.formats.tfrecord import example, framing
 from imgpack.readers import TFRecordStream
 
@@ -295,3 +296,33 @@ def _png() -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (4, 4), (10, 20, 30)).save(out, format="PNG")
     return out.getvalue()
+
+
+EXTREME = {
+    "height": lambda m: m["image"].update(height=2**40),
+    "width": lambda m: m["image"].update(width=2**31),
+    "channels": lambda m: m["image"].update(channels=3 * 2**40),
+    "num_samples": lambda m: (
+        m.update(num_samples=2**61),
+        m["files"][-1].update(num_samples=2**61 - sum(f["num_samples"] for f in m["files"][:-1])),
+    ),
+    "too many": lambda m: m.update(num_samples=2**70),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_hostile_manifest_sizes_are_refused_not_allocated(fmt: str, tmp_path: Path) -> None:
+    """Counts and shapes no file could hold never size an allocation (MemoryError,
+    OverflowError, torch's allocator error): they are refused as a damaged manifest."""
+    out = tmp_path / "out"
+    src = build_uniform_folder(tmp_path / "src", count=12)
+    convert(src, out, fmt, encoding="raw", size=16, progress=False)
+    original = json.loads((out / "imgpack.json").read_text())
+    for name, edit in EXTREME.items():
+        manifest = json.loads(json.dumps(original))
+        edit(manifest)
+        (out / "imgpack.json").write_text(json.dumps(manifest))
+        with pytest.raises(ImgpackError):
+            ds = open_dataset(out)
+            ds.__getitems__([0, 1, 2])
+            pytest.fail(f"{name}: read")

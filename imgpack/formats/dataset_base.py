@@ -89,8 +89,17 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
 def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialised tensor for a batch; in a DataLoader worker, allocated in shared memory
     so that sending it to the main process costs no extra copy (as torch's default collate does)."""
-    if get_worker_info() is None:
-        return torch.empty(tuple(shape), dtype=dtype)
+    try:
+        if get_worker_info() is None:
+            return torch.empty(tuple(shape), dtype=dtype)
+        return _shared_tensor(shape, dtype)
+    except (RuntimeError, MemoryError) as exc:
+        raise DataError(
+            f"cannot allocate a batch of shape {tuple(shape)}: {str(exc).splitlines()[0]}"
+        ) from None
+
+
+def _shared_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     numel = int(np.prod(shape))
     try:  # what torch's default collate does in workers
         storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel, device="cpu")
@@ -359,6 +368,7 @@ def check_files(root: Path, manifest: Manifest) -> None:
     to ``num_samples``. (Reading the manifest already refused names that are not plain names
     inside the output.)"""
     total = 0
+    image_bytes = _raw_image_bytes(manifest)
     for entry in manifest.files:
         problem = file_problem(root, entry)
         if problem is not None:
@@ -366,11 +376,35 @@ def check_files(root: Path, manifest: Manifest) -> None:
                 f"{root / entry.path}: {problem} (the output is damaged or incomplete; "
                 "imgpack verify tells more)"
             )
+        # Every sample takes at least a byte of its file, a raw one its pixels: counts and shapes
+        # the files cannot hold are refused before any reader sizes an array by them.
+        if entry.num_samples > entry.bytes or entry.num_samples * image_bytes > entry.bytes:
+            raise ManifestError(
+                f"{root / entry.path}: {entry.bytes} bytes cannot hold {entry.num_samples} "
+                f"samples{' of ' + str(image_bytes) + ' bytes each' if image_bytes else ''} "
+                "(the manifest is damaged)"
+            )
         total += entry.num_samples
     if total != manifest.num_samples:
         raise ManifestError(
             f"{root}: the files hold {total} samples, the manifest says {manifest.num_samples}"
         )
+
+
+#: The largest raw image a reader accepts (1 GiB: an 18,000 x 18,000 RGB image).
+MAX_IMAGE_BYTES = 1 << 30
+
+
+def _raw_image_bytes(manifest: Manifest) -> int:
+    """Bytes of one raw image the files must hold for each sample (0: encoded, or compressed)."""
+    image = manifest.image
+    if manifest.encoding != "raw" or not image.get("height") or not image.get("width"):
+        return 0
+    size = int(image["height"]) * int(image["width"]) * int(image.get("channels", 3))
+    if size > MAX_IMAGE_BYTES:
+        raise ManifestError(f"a raw image of {size} bytes is more than imgpack reads (1 GiB)")
+    compressed = manifest.options.get("compression", "none") not in ("none", None)
+    return 0 if compressed else size
 
 
 def check_output_id(expected: str, found: Any, where: str, root: Path) -> None:
