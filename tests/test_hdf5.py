@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from imgpack import convert, open_dataset
 from imgpack.cli import main
-from imgpack.errors import DataError, OptionError
+from imgpack.errors import DataError, ManifestError, OptionError
 from imgpack.readers import HDF5Dataset, collate
 
 ORDER = [7, 3, 3, 59, 0, 8, 9, 10, 58, 7]  # unsorted, repeated, with consecutive runs
@@ -152,8 +152,9 @@ def test_truncated_file_is_reported(uniform_folder: Path, tmp_path: Path) -> Non
     path.write_bytes(path.read_bytes()[:4000])
     with pytest.raises(DataError, match=r"data\.h5: 4000 bytes, the manifest says"):
         open_dataset(tmp_path / "out")
-    refresh_manifest(tmp_path / "out")  # a short file its manifest agrees with: h5py refuses it
-    with pytest.raises(DataError, match=r"data\.h5: cannot read the HDF5 layout"):
+    refresh_manifest(tmp_path / "out")  # a short file its manifest agrees with: too short for
+    # the manifest's 60 raw images, so refused before h5py sees it
+    with pytest.raises(ManifestError, match=r"data\.h5: 4000 bytes cannot hold 60 samples"):
         open_dataset(tmp_path / "out")
 
 
