@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from imgpack.errors import ImgpackError
 from imgpack.version import __version__
 
-__all__ = ["ImgpackError", "__version__", "convert", "open_dataset", "verify"]
+__all__ = ["ImgpackError", "__version__", "convert", "merge", "open_dataset", "verify"]
 
 if TYPE_CHECKING:
     from imgpack.formats.dataset_base import ImageDataset
@@ -38,3 +38,10 @@ def verify(path: Any, deep: bool = False, **kwargs: Any) -> Report:
     from imgpack.verification import verify as _verify
 
     return _verify(path, deep=deep, **kwargs)
+
+
+def merge(parts: Any, dst: Any, **kwargs: Any) -> Manifest:
+    """Join the parts of a partitioned conversion; see :func:`imgpack.merging.merge`."""
+    from imgpack.merging import merge as _merge
+
+    return _merge(parts, dst, **kwargs)

@@ -233,6 +233,34 @@ def main(ctx: click.Context, verbose: bool) -> None:
     metavar="KEY=VALUE",
     help=_format_options_help(),
 )
+@click.option(
+    "--num-parts",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Split the conversion into this many parts (contiguous slices of the scan); "
+    "convert each with --part, join them with imgpack merge.",
+)
+@click.option(
+    "--part",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Which part to convert, 0 to --num-parts minus 1 (e.g. $SLURM_ARRAY_TASK_ID).",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where images are decoded and encoded: a local process pool, or Ray tasks on a cluster "
+    "(pip install 'imgpack[ray]'); the output is the same bytes.",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="The Ray cluster for --executor ray [default: RAY_ADDRESS, else a local Ray].",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @friendly_errors
 def convert(
@@ -256,6 +284,10 @@ def convert(
     compression: str | None,
     label_offset: str | None,
     format_options: tuple[str, ...],
+    num_parts: int,
+    part: int,
+    executor: str,
+    ray_address: str | None,
     quiet: bool,
 ) -> None:
     """Convert the image folder SRC (SRC/<class>/<image>) into DST."""
@@ -288,9 +320,13 @@ def convert(
         on_error=on_error,
         classes_from=classes_from,
         progress=not quiet,
+        num_parts=num_parts,
+        part=part,
         format_options=options,
     )
-    manifest = run_convert(src, dst, options=settings)
+    if ray_address is not None and executor != "ray":
+        raise click.UsageError("--ray-address is for --executor ray")
+    manifest = run_convert(src, dst, options=settings, executor=executor, ray_address=ray_address)
     seconds = time.perf_counter() - started
     click.echo(
         f"{dst}: {manifest.num_samples} samples, {len(manifest.skipped)} skipped, "
@@ -302,6 +338,27 @@ def convert(
     if len(manifest.skipped) > SHOW_SKIPPED:
         more = len(manifest.skipped) - SHOW_SKIPPED
         click.echo(f"  ... and {more} more skipped (all listed in {dst}/imgpack.json)", err=True)
+
+
+@main.command()
+@click.argument("parts", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace DST if it is an imgpack output.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@friendly_errors
+def merge(parts: tuple[Path, ...], dst: Path, overwrite: bool, quiet: bool) -> None:
+    """Join the parts of a conversion made with --num-parts/--part (PART...) into DST: the same
+    samples, labels and order as one conversion. Sharded formats are hard-linked (no copy)."""
+    from imgpack.merging import merge as run_merge
+
+    started = time.perf_counter()
+    manifest = run_merge(parts, dst, overwrite=overwrite, progress=not quiet)
+    seconds = time.perf_counter() - started
+    click.echo(
+        f"{dst}: {manifest.num_samples} samples from {len(parts)} parts, "
+        f"{format_bytes(manifest.total_bytes)} in {len(manifest.files)} file(s), {seconds:.1f} s",
+        err=True,
+    )
 
 
 @main.command(name="formats")

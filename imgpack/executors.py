@@ -7,8 +7,11 @@ output bytes do not depend on where the work ran.
 
 - :class:`LocalExecutor`: a process pool on this machine with a bounded window of chunks in
   flight (memory stays bounded whatever the dataset size).
+- :class:`RayExecutor`: the same chunks as Ray tasks on a Ray cluster (or a local Ray started for
+  the run), the same bounded window, Ray's retries for a lost worker.
 
-An executor for a cluster plugs in here with the same contract.
+Both run the same :func:`process_chunk`, and the writer downstream is the same, so the output is
+byte-identical whichever runs the work.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from imgpack.errors import ImageError, ImgpackError
+from imgpack.errors import ImageError, ImgpackError, OptionError
 from imgpack.folder import Sample
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_file
+from imgpack.system import usable_cpus
 
 #: Chunks in flight per worker: enough to keep every worker busy, few enough to bound memory.
 WINDOW_PER_WORKER = 4
@@ -179,3 +183,82 @@ class LocalExecutor:
             ) from None
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+#: Where a Ray task is retried after its worker died (a lost node, an OOM kill).
+RAY_TASK_RETRIES = 3
+
+
+class RayExecutor:
+    """Chunks of the scan as Ray tasks, results taken in scan order, at most
+    ``WINDOW_PER_WORKER`` chunks per cluster CPU in flight.
+
+    ``address``: a running cluster (``ray://...`` or ``host:port``); default ``RAY_ADDRESS``, else
+    a local Ray started for the run and stopped after it (``workers`` CPUs, default all). When
+    Ray is already initialised in this process, that cluster is used and left running. Every node
+    must see SRC at the same path (shared storage) and have imgpack installed.
+    """
+
+    def __init__(self, address: str | None = None, workers: int | None = None) -> None:
+        self.address = address
+        self.workers = workers
+
+    def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
+        ray = import_ray()
+        started = not ray.is_initialized()
+        if started:
+            address = self.address or os.environ.get("RAY_ADDRESS") or None
+            local = {"num_cpus": self.workers} if address is None else {}
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                **local,
+            )
+        window: deque[Any] = deque()
+        try:
+            cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            task = ray.remote(num_cpus=1, max_retries=RAY_TASK_RETRIES)(process_chunk)
+            job_ref = ray.put(job)
+            largest = max(1, min(MAX_CHUNK, len(samples) // (cpus * 8)))
+            for part in chunks(samples, largest):
+                window.append(task.remote(job_ref, list(part)))
+                if len(window) >= cpus * WINDOW_PER_WORKER:
+                    yield from ray.get(window.popleft())
+            while window:
+                yield from ray.get(window.popleft())
+        except ray.exceptions.RayError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ImgpackError(f"the Ray cluster failed the conversion: {first}") from None
+        finally:
+            for ref in window:
+                ray.cancel(ref, force=True)
+            if started:
+                ray.shutdown()
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or an :class:`OptionError` saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise OptionError(
+            "--executor ray needs Ray, which is not installed: pip install 'imgpack[ray]'"
+        ) from None
+    return ray
+
+
+EXECUTORS = ("local", "ray")
+
+
+def create(name: str, workers: int | None, ray_address: str | None = None) -> Executor:
+    """The executor called ``name`` (``local`` or ``ray``)."""
+    if name == "local":
+        if ray_address is not None:
+            raise OptionError("--ray-address is for --executor ray")
+        return LocalExecutor(workers or usable_cpus())
+    if name == "ray":
+        import_ray()
+        return RayExecutor(ray_address, workers)
+    raise OptionError(f"executor {name!r} is not one of {', '.join(EXECUTORS)}")

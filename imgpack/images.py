@@ -462,6 +462,21 @@ def process_file(
     return Encoded(path, label, payload, height, width, channels, stored)
 
 
+def stored_info(payload: bytes) -> tuple[Kind, int, int, int]:
+    """``(kind, height, width, channels)`` of a stored JPEG/PNG record, from its header only
+    (nothing is decoded); :class:`DataError` for anything else."""
+    kind = sniff(payload)
+    if kind not in _KEEPABLE:
+        raise DataError(f"stored record is not JPEG or PNG data (first bytes {payload[:8]!r})")
+    try:
+        with _strict(), Image.open(io.BytesIO(payload), formats=[kind]) as img:
+            width, height = img.size
+            mode = img.mode
+    except Exception as exc:
+        raise DataError(f"cannot read the stored image's header: {describe(exc)}") from None
+    return Kind(kind), height, width, 1 if mode == "L" else 3
+
+
 def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
     """Decode a stored JPEG/PNG record into HxWxC uint8 (the reader side of the policy).
 

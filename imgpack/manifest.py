@@ -57,6 +57,9 @@ class Manifest:
     #: Written into every data file too: a reader checks it when it opens one, so it never
     #: mixes the files of two outputs. ``""`` in outputs of imgpack before 0.3.
     output_id: str = ""
+    #: Set for a part of a partitioned conversion: ``{"index", "count", "start", "stop"}``
+    #: (the part's number, how many parts, its slice of the scan).
+    part: dict[str, int] | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -70,6 +73,8 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         del data["version"]
+        if data["part"] is None:
+            del data["part"]
         return {"imgpack": self.version, **data}
 
     @classmethod
@@ -119,6 +124,7 @@ class Manifest:
                 skipped=list(data.get("skipped", [])),
                 created_by=str(data.get("created_by", "")),
                 output_id=_output_id(data.get("output_id", "")),
+                part=_part(data.get("part")),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -140,6 +146,17 @@ def _count(value: Any, name: str, low: int = 0) -> int:
             f"{name} is {value!r}, expected an integer of at least {low} and at most 2**62"
         )
     return value
+
+
+def _part(value: Any) -> dict[str, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError("part is not an object")
+    part = {key: _count(value[key], f"part.{key}") for key in ("index", "count", "start", "stop")}
+    if not part["index"] < part["count"] or part["start"] > part["stop"]:
+        raise ValueError(f"part {part} is not a part of a conversion")
+    return part
 
 
 def _output_id(value: Any) -> str:

@@ -46,6 +46,10 @@ class ConvertOptions:
     on_error: str = "fail"
     classes_from: str | None = None
     progress: bool = True
+    #: Partitioned conversion: convert only part ``part`` of ``num_parts`` contiguous slices of
+    #: the scan (``imgpack merge`` joins the parts).
+    num_parts: int = 1
+    part: int = 0
     #: The format's own options (``-o KEY=VALUE``), parsed by its spec.
     format_options: dict[str, Any] = field(default_factory=dict)
 
@@ -61,6 +65,17 @@ class ConvertOptions:
             raise OptionError("encoding 'raw' needs a fixed image size: give --size N or HxW")
         if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):
             raise OptionError(f"invalid workers {self.workers!r}: expected 1 or more")
+        for name in ("num_parts", "part"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise OptionError(f"invalid {name} {value!r}: expected an integer")
+        if self.num_parts < 1:
+            raise OptionError(f"invalid num_parts {self.num_parts}: expected 1 or more")
+        if not 0 <= self.part < self.num_parts:
+            raise OptionError(
+                f"invalid part {self.part}: expected 0 to {self.num_parts - 1} "
+                f"(parts are numbered from 0 for --num-parts {self.num_parts})"
+            )
         if self.on_error not in ON_ERROR:
             raise OptionError(
                 f"invalid on_error {self.on_error!r}: expected one of {', '.join(ON_ERROR)}"

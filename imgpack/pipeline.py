@@ -37,9 +37,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from imgpack import executors
 from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, StorageError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
-from imgpack.folder import Scan, printable, read_class_list, scan_folder
+from imgpack.folder import Sample, Scan, printable, read_class_list, scan_folder
 from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile
 from imgpack.manifest import (
     MANIFEST_NAME,
@@ -74,6 +75,38 @@ class Plan:
     def job(self) -> Job:
         return Job(str(self.src), self.options.policy, self.options.encoding_spec)
 
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The slice of the scan this conversion converts: all of it, or part ``part`` of
+        ``num_parts`` contiguous, near-equal ranges."""
+        total, parts, part = len(self.scan.samples), self.options.num_parts, self.options.part
+        return total * part // parts, total * (part + 1) // parts
+
+    @property
+    def samples(self) -> list[Sample]:
+        """The samples this conversion converts, in scan order."""
+        start, stop = self.bounds
+        return self.scan.samples[start:stop]
+
+    @property
+    def unreadable(self) -> list[dict[str, str]]:
+        """The folders and names the scan could not take, recorded by the first part only (so
+        that merged parts list each once)."""
+        return list(self.scan.unreadable) if self.options.part == 0 else []
+
+    @property
+    def part(self) -> dict[str, int] | None:
+        """What the manifest records of a partitioned conversion."""
+        if self.options.num_parts == 1:
+            return None
+        start, stop = self.bounds
+        return {
+            "index": self.options.part,
+            "count": self.options.num_parts,
+            "start": start,
+            "stop": stop,
+        }
+
     def writer_config(self) -> WriterConfig:
         opts = self.options
         return WriterConfig(
@@ -84,6 +117,7 @@ class Plan:
             shard_size=opts.shard_size or 0,
             settings=dict(opts.format_options),
             output_id=self.output_id,
+            first_index=self.bounds[0],
         )
 
     @cached_property
@@ -94,7 +128,7 @@ class Plan:
         It depends only on what the output's bytes depend on: the options, the label map and
         every sample's path, label, size and modification time (not the source folder's
         location), so identical runs write identical bytes and a source that changed gives a
-        new id."""
+        new id. The parts of a partitioned conversion share the id of the whole."""
         opts = self.options
         digest = hashlib.sha256()
         head = {
@@ -121,7 +155,7 @@ class Plan:
         """What the output depends on: the source, its scan and the options (not the workers);
         a source file changed since an interrupted run started makes it differ."""
         digest = hashlib.sha256()
-        head = {"output": self.output_id, "source": str(self.src.resolve())}
+        head = {"output": self.output_id, "source": str(self.src.resolve()), "part": self.part}
         digest.update(json.dumps(head, sort_keys=True).encode())
         return digest.hexdigest()
 
@@ -182,7 +216,7 @@ def process(
     process pool unless told otherwise)."""
     if executor is None:
         executor = LocalExecutor(plan.options.workers or usable_cpus())
-    return executor.outcomes(plan.job, plan.scan.samples[start:])
+    return executor.outcomes(plan.job, plan.samples[start:])
 
 
 def write(
@@ -196,7 +230,7 @@ def write(
     outcomes start at its position and the writer continues from its state."""
     opts = plan.options
     writer = opts.spec.writer_class()(directory, plan.writer_config())
-    state = resume or Checkpoint(plan.fingerprint, skipped=list(plan.scan.unreadable))
+    state = resume or Checkpoint(plan.fingerprint, skipped=plan.unreadable)
     skipped, count, position = list(state.skipped), state.count, state.position
     # Samples after the checkpoint that the writer's files hold already: passed over.
     already = writer.resume(state.writer) if resume is not None else 0
@@ -206,7 +240,7 @@ def write(
         state.writer = writer.checkpoint_state()
         state.save(directory)
     saved = writer.durable
-    total = len(plan.scan.samples)
+    total = len(plan.samples)
     bar = tqdm(
         total=total,
         initial=position,
@@ -249,7 +283,7 @@ def write(
                     writer.checkpoint_state(),
                 ).save(directory)
                 saved = writer.durable
-        if count == 0:
+        if count == 0 and plan.part is None:
             raise ImgpackError(
                 f"{plan.src}: every one of the {total} image files was skipped; nothing to write "
                 f"(first: {skipped[0]['path']}: {skipped[0]['reason']})"
@@ -291,6 +325,7 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
         skipped=written.skipped,
         created_by=f"imgpack {__version__}",
         output_id=plan.output_id,
+        part=plan.part,
     )
 
 
@@ -351,7 +386,8 @@ def convert(
     format: str = "pt",
     *,
     options: ConvertOptions | None = None,
-    executor: Executor | None = None,
+    executor: Executor | str | None = None,
+    ray_address: str | None = None,
     **kwargs: Any,
 ) -> Manifest:
     """Convert the image folder ``src`` into a ``format`` output at ``dst``.
@@ -372,7 +408,11 @@ def convert(
             first bad file, DST untouched; ``skip`` records bad files in the manifest),
             ``classes_from`` (the label map of an imgpack output or a text file), ``progress``
             (a tqdm bar on stderr); any other keyword is an option of the format (its docs page).
-        executor: where the per-image work runs (default: a local process pool).
+        executor: where the per-image work runs: ``"local"`` (default: a process pool of
+            ``workers``), ``"ray"`` (Ray tasks; ``pip install 'imgpack[ray]'``), or an
+            :class:`~imgpack.executors.Executor`. The output is the same bytes with every one.
+        ray_address: the Ray cluster for ``executor="ray"`` (default ``RAY_ADDRESS``, else a
+            local Ray started for the run).
 
     Returns:
         The manifest written to ``dst/imgpack.json``.
@@ -381,6 +421,12 @@ def convert(
         options = ConvertOptions.create(format, **kwargs)
     elif kwargs or format != "pt":
         raise OptionError("give either options= or format and keyword options, not both")
+    if executor is None and ray_address is not None:
+        executor = "ray"
+    if isinstance(executor, str):
+        executor = executors.create(executor, options.workers, ray_address)
+    elif ray_address is not None:
+        raise OptionError("ray_address is for executor='ray'")
     with locked(Path(dst)):
         recover(Path(dst), holding_lock=True)
         the_plan = plan(src, dst, options)
@@ -442,7 +488,7 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
     start = checkpoint.position if checkpoint is not None else 0
     with temp_output(the_plan.dst, existing) as tmp:
         if checkpoint is None:  # at once: a run killed from here on can be recognised
-            Checkpoint(the_plan.fingerprint, skipped=list(the_plan.scan.unreadable)).save(tmp)
+            Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable).save(tmp)
         outcomes = process(the_plan, executor, start)
         written = write(the_plan, tmp, outcomes, checkpoint)
         manifest = build_manifest(the_plan, tmp, written)
@@ -463,6 +509,12 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise OptionError(f"{dst}: the output must not be inside the source folder {src}")
     if real_dst in real_src.parents:
         raise OptionError(f"{dst}: the output must not contain the source folder {src}")
+    check_destination(dst, overwrite)
+
+
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """``dst`` may be written: it does not exist, or ``overwrite`` and it is an imgpack output
+    (or an empty folder)."""
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise FileExistsError(f"{dst}: already exists (use --overwrite to replace it)")

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from imgpack.checksum import record_crc
 from imgpack.errors import DataError, ImgpackError, ManifestError
-from imgpack.images import decode_stored
+from imgpack.images import Encoded, Kind, decode_stored, stored_info
 from imgpack.manifest import Manifest, file_problem, read_manifest
 
 Images = torch.Tensor | list[torch.Tensor]
@@ -255,6 +255,27 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
                     "checksum mismatch (damaged record)"
                 )
             yield record
+
+    def encoded(self, start: int, stop: int, chunk: int = 256) -> Iterator[Encoded]:
+        """Samples ``start`` to ``stop`` as a writer takes them: the stored bytes as they are
+        (checksums checked), with their labels, source paths, kinds and sizes. What
+        ``imgpack merge`` streams from part to output for formats it cannot link."""
+        paths = self._load_paths()
+        image = self.manifest.image
+        for first in range(start, stop, chunk):
+            indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
+            for record in self._checked(self._records(indices)):
+                payload = bytes(record.payload)
+                if self.manifest.encoding == "raw":
+                    kind, height, width = Kind.RAW, int(image["height"]), int(image["width"])
+                    channels = self.channels
+                else:
+                    try:
+                        kind, height, width, channels = stored_info(payload)
+                    except DataError as exc:
+                        raise DataError(f"{record.where}: sample {record.index}: {exc}") from None
+                path = paths[record.index] if paths is not None else ""
+                yield Encoded(path, record.label, payload, height, width, channels, kind)
 
     def damaged(self, indices: Sequence[int] | np.ndarray) -> Iterator[tuple[int, str]]:
         """``(index, problem)`` for every damaged record among ``indices`` (structure, label

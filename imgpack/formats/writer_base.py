@@ -9,13 +9,18 @@ reach it as :attr:`WriterConfig.settings`.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from imgpack.images import Encoded, Encoding, ImagePolicy
+from imgpack.manifest import Manifest
 
 #: Files of the engine's own in a temp output dir (the checkpoint), which writers leave alone.
 KEEP_PREFIX = ".imgpack-"
@@ -35,6 +40,10 @@ class WriterConfig:
     settings: dict[str, Any] = field(default_factory=dict)
     #: The output's id (:attr:`imgpack.manifest.Manifest.output_id`): every data file records it.
     output_id: str = ""
+    #: The scan position of the first sample (non-zero for a part of a partitioned conversion):
+    #: formats that number samples in their files (webdataset keys) start there, so the parts'
+    #: numbers never collide and merged parts need no renumbering.
+    first_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,9 +178,44 @@ class ShardedWriter(Writer):
 
     def _companions(self) -> set[str]:
         """Files beside the completed shards that belong to them (index files)."""
-        return set()
+        return {c.name for s in self._shards for c in self.companions_of(self.directory / s.path)}
 
     def _finish(self) -> list[WrittenFile]:
         if self._open:
             self._roll()
         return self._shards
+
+    def companions_of(self, shard: Path) -> list[Path]:
+        """Files beside a finished shard that belong to it (its index file)."""
+        return []
+
+    def final_name(self, number: int, total: int) -> str:
+        """The name of shard ``number`` of ``total`` in a finished output."""
+        return self.shard_name(number)
+
+    def link_parts(self, parts: Sequence[tuple[Path, Manifest]]) -> list[WrittenFile]:
+        """The shards of a partitioned conversion's parts, in order, put into this writer's
+        directory under this output's names as hard links: no data is copied (a copy where the
+        filesystem cannot link, e.g. across filesystems). The parts stay as they were."""
+        shards = [(root, entry) for root, manifest in parts for entry in manifest.files]
+        written = []
+        for number, (root, entry) in enumerate(shards):
+            source = root / entry.path
+            target = self.directory / self.final_name(number, len(shards))
+            _link(source, target)
+            for companion, new in zip(
+                self.companions_of(source), self.companions_of(target), strict=True
+            ):
+                _link(companion, new)
+            written.append(WrittenFile(target.name, entry.num_samples))
+        self._files = written
+        return written
+
+
+def _link(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copyfile(source, target)

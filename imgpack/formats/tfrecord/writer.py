@@ -76,22 +76,20 @@ class TFRecordWriter(ShardedWriter):
         self._fh = None
         framing.write_index(path.with_suffix(".tfrecord"), self._index)  # .partial -> .idx below
 
-    def _companions(self) -> set[str]:
-        return {
-            framing.index_path((self.directory / s.path).with_suffix(".tfrecord")).name
-            for s in self._shards
-        }
+    def companions_of(self, shard: Path) -> list[Path]:
+        return [framing.index_path(shard.with_suffix(".tfrecord"))]
+
+    def final_name(self, number: int, total: int) -> str:
+        return f"{self.settings['prefix']}-{number:05d}-of-{total:05d}.tfrecord"
 
     def _finish(self) -> list[WrittenFile]:
         partial = super()._finish()
-        total = len(partial)
-        prefix = self.settings["prefix"]
         files = []
         for number, written in enumerate(partial):
             old = self.directory / written.path
-            new = self.directory / f"{prefix}-{number:05d}-of-{total:05d}.tfrecord"
+            new = self.directory / self.final_name(number, len(partial))
             os.rename(old, new)
-            os.rename(framing.index_path(old.with_suffix(".tfrecord")), framing.index_path(new))
+            os.rename(self.companions_of(old)[0], self.companions_of(new)[0])
             files.append(WrittenFile(new.name, written.num_samples))
         return files
 

@@ -2,7 +2,8 @@
 
 Shards are POSIX (ustar) tar files ``data-000000.tar``, ``data-000001.tar``, ... Sample ``i`` of
 the output (counted across shards, in scan order) is three consecutive members whose names share
-the key ``%010d % i``, as WebDataset groups them:
+the key ``%010d % i``, as WebDataset groups them (a part of a partitioned conversion counts from
+its first scan position, so merged parts keep unique, increasing keys):
 
 - ``<key>.<ext>``: the stored image. ``original``: the source file's bytes, with its extension
   (lower case) when it names the content (``jpg``/``jpeg`` for JPEG, ``png`` for PNG), else the

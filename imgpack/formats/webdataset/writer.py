@@ -21,7 +21,7 @@ class WebDatasetWriter(ShardedWriter):
         super().__init__(directory, config)
         self._tar: tarfile.TarFile | None = None
         self._index: list[str] = []
-        self._key = 0
+        self._key = config.first_index  # 0 unless a part of a partitioned conversion
 
     def shard_name(self, index: int) -> str:
         return layout.shard_name(index)
@@ -62,12 +62,12 @@ class WebDatasetWriter(ShardedWriter):
         self._index.append(f"{offset} {len(payload)} {sample.label} {crc}\n")
         return self._tar.offset - start
 
-    def _companions(self) -> set[str]:
-        return {layout.index_path(self.directory / s.path).name for s in self._shards}
+    def companions_of(self, shard: Path) -> list[Path]:
+        return [layout.index_path(shard)]
 
     def resume(self, state: dict[str, Any]) -> int:
         already = super().resume(state)
-        self._key = self.durable
+        self._key = self.config.first_index + self.durable
         return already
 
     def _end_shard(self) -> None:

@@ -1,0 +1,201 @@
+"""Joining the parts of a partitioned conversion into one output (``imgpack merge``).
+
+``imgpack convert SRC PART --num-parts K --part I`` converts the I-th of K contiguous slices of
+SRC's scan, with SRC's whole label map, into a complete output whose manifest records the part.
+:func:`merge` checks that the given outputs are exactly the K parts of one conversion, then
+builds one output equal in samples, labels, pixels, source paths and order to a single
+conversion of SRC:
+
+- sharded formats (``pt``, ``tfrecord``, ``webdataset``, any format whose writer is a
+  :class:`~imgpack.formats.writer_base.ShardedWriter`): the parts' shards are hard-linked in
+  order under the output's names — no data is copied (copied only across filesystems), and the
+  parts stay as they were;
+- single-file formats (``lmdb``, ``hdf5``): every part's records are streamed, checksums
+  checked, through the format's writer, a bounded chunk at a time.
+
+The parts share their conversion's output id, so shards need no rewrite. The merged output is
+published like a conversion: DST locked, built in a temp folder beside it, manifest last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from imgpack import formats
+from imgpack.errors import OptionError
+from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
+from imgpack.images import Encoding, ImagePolicy
+from imgpack.manifest import FileEntry, Manifest, read_manifest, sha256_file, write_manifest
+from imgpack.pipeline import check_destination, temp_output
+from imgpack.publishing import locked, publish, recover
+from imgpack.version import __version__
+
+#: Manifest fields every part of one conversion has in common.
+SHARED = ("format", "classes", "encoding", "image", "options", "output_id")
+
+
+def merge(
+    parts: Sequence[str | os.PathLike[str]],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    """Join the parts of one partitioned conversion into the output ``dst``; see the module doc.
+
+    Raises :class:`~imgpack.errors.OptionError` when ``parts`` are not exactly the parts of one
+    conversion (another conversion's part, a missing or repeated part, an output that is not a
+    part), naming the offending outputs.
+    """
+    roots = [Path(p) for p in parts]
+    if not roots:
+        raise OptionError("give the parts to merge")
+    ordered = check_parts(roots, [read_manifest(root) for root in roots])
+    target = Path(dst)
+    for root, _ in ordered:
+        if root.resolve() == target.resolve():
+            raise OptionError(f"{target}: is one of the parts; merge into a new folder")
+    with locked(target):
+        recover(target, holding_lock=True)
+        check_destination(target, overwrite)
+        with temp_output(target) as tmp:
+            files, linked = _join(ordered, tmp, progress)
+            manifest = _merged_manifest(ordered, tmp, files, linked)
+            write_manifest(tmp, manifest)
+            publish(tmp, target, replace=overwrite)
+    return manifest
+
+
+def check_parts(roots: list[Path], manifests: list[Manifest]) -> list[tuple[Path, Manifest]]:
+    """The parts in order, once each checked to be exactly the parts of one conversion."""
+    for root, manifest in zip(roots, manifests, strict=True):
+        if manifest.part is None:
+            raise OptionError(
+                f"{root}: not a part of a partitioned conversion (made without --num-parts)"
+            )
+    first_root, first = roots[0], manifests[0]
+    for root, manifest in zip(roots[1:], manifests[1:], strict=True):
+        for name in SHARED:
+            if getattr(manifest, name) != getattr(first, name):
+                raise OptionError(
+                    f"{root} and {first_root} are parts of different conversions (their {name} "
+                    "differ); merge the parts of one conversion"
+                )
+        if manifest.part["count"] != first.part["count"]:  # type: ignore[index]
+            raise OptionError(
+                f"{root} is part of {manifest.part['count']} and {first_root} of "  # type: ignore[index]
+                f"{first.part['count']}: parts of different conversions"  # type: ignore[index]
+            )
+    count = first.part["count"]  # type: ignore[index]
+    by_index: dict[int, Path] = {}
+    for root, manifest in zip(roots, manifests, strict=True):
+        index = manifest.part["index"]  # type: ignore[index]
+        if index in by_index:
+            raise OptionError(f"part {index} of {count} is given twice: {by_index[index]}, {root}")
+        by_index[index] = root
+    missing = sorted(set(range(count)) - set(by_index))
+    if missing:
+        raise OptionError(
+            f"part(s) {', '.join(map(str, missing))} of {count} missing (given: "
+            f"{', '.join(map(str, sorted(by_index)))}); merge all {count} parts"
+        )
+    ordered = sorted(zip(roots, manifests, strict=True), key=lambda rm: rm[1].part["index"])  # type: ignore[index]
+    stop = 0
+    for root, manifest in ordered:
+        part = manifest.part
+        assert part is not None
+        if part["start"] != stop:
+            raise OptionError(f"{root}: its slice of the scan does not follow the previous part's")
+        stop = part["stop"]
+    if stop != first.source.get("image_files", stop):
+        raise OptionError(f"the parts cover {stop} of {first.source['image_files']} source files")
+    return ordered
+
+
+def _join(
+    ordered: list[tuple[Path, Manifest]], directory: Path, progress: bool
+) -> tuple[list[WrittenFile], bool]:
+    """The merged data files in ``directory``, and whether they are the parts' files linked."""
+    first = ordered[0][1]
+    spec = formats.get(first.format)
+    writer = spec.writer_class()(directory, _writer_config(first))
+    with writer:
+        if isinstance(writer, ShardedWriter):
+            return writer.link_parts(ordered), True
+        total = sum(manifest.num_samples for _, manifest in ordered)
+        bar = tqdm(
+            total=total,
+            unit="img",
+            desc=f"merge {first.format}",
+            file=sys.stderr,
+            disable=not progress,
+        )
+        with bar:
+            for root, manifest in ordered:
+                reader = spec.reader_class()(root, verify=True)
+                for sample in reader.encoded(0, manifest.num_samples):
+                    writer.add(sample)
+                    bar.update(1)
+                del reader
+    return writer.close(), False
+
+
+def _writer_config(manifest: Manifest) -> WriterConfig:
+    """The config the parts' writers had, rebuilt from a part's manifest."""
+    spec = formats.get(manifest.format)
+    image, options = manifest.image, manifest.options
+    size = (image["height"], image["width"]) if image.get("height") else None
+    own = {option.name for option in spec.options}
+    encoding = Encoding(manifest.encoding, options.get("quality") or Encoding().quality)
+    return WriterConfig(
+        format=manifest.format,
+        classes=list(manifest.classes),
+        encoding=encoding,
+        policy=ImagePolicy(size=size, channels=int(image.get("channels", 3))),
+        shard_size=int(options.get("shard_size") or 0),
+        settings=spec.check_options({k: v for k, v in options.items() if k in own}),
+        output_id=manifest.output_id,
+    )
+
+
+def _merged_manifest(
+    ordered: list[tuple[Path, Manifest]], directory: Path, files: list[WrittenFile], linked: bool
+) -> Manifest:
+    first = ordered[0][1]
+    if linked:  # the same bytes as the parts' files: their sizes and sha256 hold
+        entries = [entry for _, manifest in ordered for entry in manifest.files]
+        checked = [
+            FileEntry(f.path, e.bytes, e.num_samples, e.sha256)
+            for f, e in zip(files, entries, strict=True)
+        ]
+    else:
+        checked = [
+            FileEntry(
+                f.path,
+                (directory / f.path).stat().st_size,
+                f.num_samples,
+                sha256_file(directory / f.path),
+            )
+            for f in files
+        ]
+    return Manifest(
+        format=first.format,
+        num_samples=sum(manifest.num_samples for _, manifest in ordered),
+        classes=list(first.classes),
+        encoding=first.encoding,
+        image=dict(first.image),
+        files=checked,
+        options=dict(first.options),
+        source=dict(first.source),
+        skipped=[skip for _, manifest in ordered for skip in manifest.skipped],
+        created_by=f"imgpack {__version__}",
+        output_id=first.output_id,
+    )
+
+
+__all__ = ["check_parts", "merge"]
