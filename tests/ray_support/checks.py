@@ -1,0 +1,115 @@
+"""The Ray checks, run by tests/test_ray.py in a network namespace of their own (loopback only):
+a local Ray and a 2-node ray.cluster_utils.Cluster convert every format to the same bytes as the
+local engine, a Ray worker killed mid-task is retried to the same bytes, and a bad file is named
+as locally. Prints one JSON object of results."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import build_uniform_folder
+
+from imgpack import convert
+from imgpack.converters import FORMATS
+from imgpack.errors import ImgpackError
+
+SHARDS = {"pt": "8KB", "tfrecord": "8KB", "webdataset": "8KB"}
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "lock.mdb"}
+
+
+def same_as_local(src: Path, work: Path, tag: str, formats: tuple[str, ...]) -> dict[str, bool]:
+    same = {}
+    for fmt in formats:
+        shard = {"shard_size": SHARDS[fmt]} if fmt in SHARDS else {}
+        local = convert(src, work / f"{tag}-{fmt}-local", fmt, workers=2, progress=False, **shard)
+        remote = convert(
+            src, work / f"{tag}-{fmt}-ray", fmt, executor="ray", progress=False, **shard
+        )
+        same[fmt] = (
+            files(work / f"{tag}-{fmt}-local") == files(work / f"{tag}-{fmt}-ray")
+            and local == remote
+        )
+    return same
+
+
+def error_of(action) -> str:  # type: ignore[no-untyped-def]
+    try:
+        action()
+    except ImgpackError as exc:
+        return str(exc)
+    return "no error"
+
+
+def kill_a_worker(deadline: float, killed: list[int]) -> None:
+    """SIGKILL the first Ray worker seen running a conversion task."""
+    while time.monotonic() < deadline and not killed:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"ray::process_chunk" in cmdline:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+                return
+        time.sleep(0.02)
+
+
+def main(work: Path) -> None:
+    results: dict[str, object] = {}
+    src = build_uniform_folder(work / "src", count=120, classes=3)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    results["local_ray"] = same_as_local(src, work, "one", FORMATS)
+
+    bad = work / "bad"
+    shutil.copytree(src, bad)
+    (bad / "class1" / "zz-broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(30))
+    results["bad_local"] = error_of(lambda: convert(bad, work / "bad-local", "pt", progress=False))
+    results["bad_ray"] = error_of(
+        lambda: convert(bad, work / "bad-ray", "pt", executor="ray", progress=False)
+    )
+
+    flag = Path(os.environ["IMGPACK_TEST_SLOW"])
+    reference = convert(src, work / "kill-local", "lmdb", workers=2, progress=False)
+    flag.touch()
+    killed: list[int] = []
+    killer = threading.Thread(target=kill_a_worker, args=(time.monotonic() + 60, killed))
+    killer.start()
+    survived = convert(src, work / "kill-ray", "lmdb", executor="ray", progress=False)
+    killer.join()
+    flag.unlink()
+    results["killed_worker"] = bool(killed)
+    results["killed_same"] = (
+        files(work / "kill-local") == files(work / "kill-ray") and survived == reference
+    )
+    ray.shutdown()
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    cluster.wait_for_nodes()
+    results["nodes"] = len([n for n in ray.nodes() if n["Alive"]])
+    results["cluster"] = same_as_local(src, work, "two", FORMATS)
+    ray.shutdown()
+    cluster.shutdown()
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
