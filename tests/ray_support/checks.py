@@ -84,6 +84,13 @@ def main(work: Path) -> None:
     results["bad_ray"] = error_of(
         lambda: convert(bad, work / "bad-ray", "pt", executor="ray", progress=False)
     )
+    skip_local = convert(bad, work / "skip-local", "webdataset", on_error="skip", progress=False)
+    skip_ray = convert(
+        bad, work / "skip-ray", "webdataset", on_error="skip", executor="ray", progress=False
+    )
+    results["skip_same"] = skip_local == skip_ray and files(work / "skip-local") == files(
+        work / "skip-ray"
+    )
 
     flag = Path(os.environ["IMGPACK_TEST_SLOW"])
     reference = convert(src, work / "kill-local", "lmdb", workers=2, progress=False)

@@ -1,0 +1,42 @@
+"""Choosing where the per-image work runs: the options are checked, and a missing Ray says what to
+install (the Ray runs themselves are in test_ray.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import build_uniform_folder
+
+from imgpack import convert
+from imgpack.cli import main
+from imgpack.errors import OptionError
+from imgpack.executors import LocalExecutor, create
+
+
+def test_executor_options(tmp_path: Path) -> None:
+    assert isinstance(create("local", 2), LocalExecutor)
+    with pytest.raises(OptionError, match="--ray-address is for --executor ray"):
+        create("local", None, "ray://somewhere:10001")
+    with pytest.raises(OptionError, match="executor 'spark' is not one of local, ray"):
+        create("spark", None)
+    result = CliRunner().invoke(
+        main, ["convert", "a", "b", "--format", "pt", "--ray-address", "x:1"]
+    )
+    assert result.exit_code == 2 and "--ray-address is for --executor ray" in result.output
+
+
+def test_without_ray_the_error_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
+    src = build_uniform_folder(tmp_path / "src", count=3)
+    with pytest.raises(OptionError, match=r"pip install 'imgpack\[ray\]'"):
+        convert(src, tmp_path / "out", "pt", executor="ray", progress=False)
+    result = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / "out"), "--format", "pt", "--executor", "ray"]
+    )
+    assert result.exit_code == 2 and "pip install 'imgpack[ray]'" in result.output
+    assert not (tmp_path / "out").exists()
