@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from imgpack import convert, open_dataset
 from imgpack.cli import main
-from imgpack.errors import DataError
+from imgpack.errors import DataError, ManifestError
 from imgpack.folder import scan_folder
 from imgpack.formats.tfrecord import example as tfexample
 from imgpack.formats.tfrecord import framing as tfrecord
@@ -153,6 +154,44 @@ def test_stream_reads_gzip_files() -> None:
         assert torch.equal(a, b) and la == lb
     with pytest.raises(DataError, match="no random access"):
         TFRecordDataset(DATA / "tensorflow-written-synthetic.gz.tfrecord")
+
+
+def test_zlib_files_are_recognised_and_streamed(tmp_path: Path) -> None:
+    """TensorFlow's other compression_type: a zlib stream (with its 2-byte header) of the
+    records. Streamed like GZIP; named in the error of the random-access readers."""
+    plain = (DATA / "tensorflow-written-synthetic.tfrecord").read_bytes()
+    packed = tmp_path / "synthetic.zlib.tfrecord"
+    packed.write_bytes(zlib.compress(plain, 6))
+    assert tfrecord.compression(packed) == "ZLIB"
+    assert tfrecord.compression(DATA / "tensorflow-written-synthetic.tfrecord") is None
+    assert tfrecord.compression(DATA / "tensorflow-written-synthetic.gz.tfrecord") == "GZIP"
+    expected = list(TFRecordStream(DATA / "tensorflow-written-synthetic.tfrecord"))
+    got = list(TFRecordStream(packed))
+    assert len(got) == 6
+    for (a, la), (b, lb) in zip(expected, got, strict=True):
+        assert torch.equal(a, b) and la == lb
+    with pytest.raises(DataError, match="ZLIB-compressed TFRecord files have no random access"):
+        TFRecordDataset(packed)
+    result = CliRunner().invoke(main, ["index", str(packed)])
+    assert result.exit_code == 1 and "ZLIB-compressed TFRecord file has no random access" in (
+        result.output
+    )
+    damaged = tmp_path / "damaged.tfrecord"
+    damaged.write_bytes(packed.read_bytes()[:40] + bytes(40) + packed.read_bytes()[80:])
+    with pytest.raises(DataError):
+        list(TFRecordStream(damaged))
+
+
+def test_open_dataset_on_a_folder_of_tfrecords_names_the_reader(tmp_path: Path) -> None:
+    shutil.copy(DATA / "tensorflow-written-synthetic.tfrecord", tmp_path / "a.tfrecord")
+    with pytest.raises(
+        ManifestError,
+        match=r"holds TFRecord files but no imgpack\.json.*"
+        r"TFRecordDataset",
+    ):
+        open_dataset(tmp_path)
+    result = CliRunner().invoke(main, ["tune", str(tmp_path)])
+    assert result.exit_code == 1 and "TFRecordDataset" in result.output
 
 
 def test_foreign_folder_glob_and_index_command(tmp_path: Path) -> None:

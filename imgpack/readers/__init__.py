@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from imgpack import formats
+from imgpack.errors import ManifestError
 from imgpack.formats.dataset_base import Batch, ImageDataset, collate
-from imgpack.manifest import read_manifest
+from imgpack.manifest import MANIFEST_NAME, read_manifest
 from imgpack.publishing import recover
 
 #: Readers that are not a format's default reader.
@@ -37,7 +38,26 @@ def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
     (:func:`imgpack.publishing.recover`).
     """
     recover(Path(path))
-    return formats.reader_for(read_manifest(path).format, str(path))(path, **kwargs)
+    try:
+        manifest = read_manifest(path)
+    except ManifestError:
+        folder = Path(path)
+        if not (folder / MANIFEST_NAME).exists() and _holds_tfrecords(folder):
+            raise ManifestError(
+                f"{folder}: holds TFRecord files but no imgpack.json (not an imgpack output): "
+                f"read them with imgpack.readers.TFRecordDataset({str(folder)!r}) or "
+                "TFRecordStream, or convert them with imgpack convert"
+            ) from None
+        raise
+    return formats.reader_for(manifest.format, str(path))(path, **kwargs)
+
+
+def _holds_tfrecords(folder: Path) -> bool:
+    if folder.is_file():
+        return folder.suffix in (".tfrecord", ".tfrecords")
+    return folder.is_dir() and any(
+        p.suffix in (".tfrecord", ".tfrecords") for p in folder.iterdir() if p.is_file()
+    )
 
 
 def _readers() -> dict[str, str]:

@@ -19,11 +19,13 @@ only when no compiled build exists for the platform).
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from imgpack.checksum import crc32c
 from imgpack.errors import DataError
@@ -79,9 +81,69 @@ def unframe(buf: bytes | memoryview, where: str, check_crc: bool = True) -> memo
     return view[HEADER_SIZE : HEADER_SIZE + length]
 
 
-def is_gzip(path: str | os.PathLike[str]) -> bool:
+def compression(path: str | os.PathLike[str]) -> str | None:
+    """``"GZIP"`` or ``"ZLIB"`` for a TFRecord file TensorFlow wrote with that
+    ``compression_type``, ``None`` for a plain one. A ZLIB stream starts with a two-byte header
+    (``0x78 ..``, a multiple of 31) that a plain file's first length byte can also be, so a file
+    counts as ZLIB only when its first 12 bytes are not a valid record header."""
     with open(path, "rb") as fh:
-        return fh.read(2) == b"\x1f\x8b"
+        head = fh.read(HEADER_SIZE)
+    if head[:2] == b"\x1f\x8b":
+        return "GZIP"
+    zlib_header = len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
+    if zlib_header and not _valid_header(head):
+        return "ZLIB"
+    return None
+
+
+def _valid_header(head: bytes) -> bool:
+    if len(head) < HEADER_SIZE:
+        return False
+    (length_crc,) = _CRC.unpack_from(head, 8)
+    return bool(length_crc == masked_crc32c(head[:8]))
+
+
+def is_compressed(path: str | os.PathLike[str]) -> bool:
+    return compression(path) is not None
+
+
+class ZlibReader(io.BufferedReader):
+    """A ZLIB-compressed TFRecord file, inflated in bounded pieces as it is read."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(_Inflater(path), buffer_size=1 << 16)
+
+
+class _Inflater(io.RawIOBase):
+    PIECE = 1 << 20  # the most inflated at once
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._fh = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._inflate = zlib.decompressobj()
+        self._pending = b""
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending and not self._done:
+            data = self._inflate.unconsumed_tail or self._fh.read(1 << 16)
+            if not data:
+                self._pending, self._done = self._inflate.flush(), True
+            else:
+                try:
+                    self._pending = self._inflate.decompress(data, self.PIECE)
+                except zlib.error as exc:
+                    raise DataError(f"{self._fh.name}: damaged ZLIB stream: {exc}") from None
+        count = min(len(buffer), len(self._pending))
+        buffer[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
+        return count
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
 
 
 def iter_frames(
@@ -90,7 +152,7 @@ def iter_frames(
     """``(offset, data)`` of every record of an open (possibly decompressing) stream positioned
     at byte ``start``."""
     offset = start
-    compressed = isinstance(fh, gzip.GzipFile)
+    compressed = isinstance(fh, (gzip.GzipFile, ZlibReader))
     while True:
         header = fh.read(HEADER_SIZE)
         if not header:
@@ -100,7 +162,8 @@ def iter_frames(
             # A few MB of GZIP can inflate to gigabytes: refuse before holding them.
             raise DataError(
                 f"{name}: record at offset {offset} (uncompressed) claims {length} bytes, more "
-                f"than the {MAX_COMPRESSED_RECORD >> 20} MiB imgpack reads from a GZIP stream"
+                f"than the {MAX_COMPRESSED_RECORD >> 20} MiB imgpack reads from a compressed "
+                "(GZIP/ZLIB) stream"
             )
         rest = read_at_most(fh, length + FOOTER_SIZE)
         if len(rest) < length + FOOTER_SIZE:
@@ -134,18 +197,23 @@ def read_at_most(fh: BinaryIO, size: int) -> bytes:
 
 
 def open_records(path: Path) -> BinaryIO:
-    """Open a TFRecord file for sequential reading, decompressing GZIP files."""
-    if is_gzip(path):
+    """Open a TFRecord file for sequential reading, decompressing GZIP and ZLIB files."""
+    kind = compression(path)
+    if kind == "GZIP":
         return gzip.open(path, "rb")  # type: ignore[return-value]
+    if kind == "ZLIB":
+        return ZlibReader(path)
     return open(path, "rb")
 
 
 def build_index(path: Path) -> list[tuple[int, int]]:
     """``(offset, size)`` of every record frame of an uncompressed file, by walking the lengths
     (each length's CRC is checked, the data is skipped)."""
-    if is_gzip(path):
+    kind = compression(path)
+    if kind is not None:
         raise DataError(
-            f"{path}: GZIP-compressed TFRecord files have no random access; read it with TFRecordStream"
+            f"{path}: a {kind}-compressed TFRecord file has no random access; read it with "
+            "TFRecordStream"
         )
     index = []
     size = path.stat().st_size

@@ -36,12 +36,17 @@ Source = str | os.PathLike[str] | list[str] | list[Path]
 
 @dataclass
 class Shard:
-    """One TFRecord file and the ``(offset, size)`` of its records (none for GZIP files)."""
+    """One TFRecord file and the ``(offset, size)`` of its records (none for compressed files:
+    ``compression`` is ``"GZIP"`` or ``"ZLIB"`` then)."""
 
     path: Path
     offsets: np.ndarray
     sizes: np.ndarray
-    gzip: bool = False
+    compression: str | None = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.compression is not None
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -67,7 +72,7 @@ class Records:
             self.foreign = False
             self.shards = [self._shard(self.root / f.path) for f in self.manifest.files]
             for entry, shard in zip(self.manifest.files, self.shards, strict=True):
-                if len(shard) != entry.num_samples and not shard.gzip:
+                if len(shard) != entry.num_samples and not shard.compressed:
                     raise DataError(
                         f"{shard.path}: its .idx lists {len(shard)} records, the manifest says "
                         f"{entry.num_samples}"
@@ -92,8 +97,9 @@ class Records:
     def _shard(path: Path) -> Shard:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such TFRecord file")
-        if framing.is_gzip(path):
-            return Shard(path, np.empty(0, np.int64), np.empty(0, np.int64), gzip=True)
+        kind = framing.compression(path)
+        if kind is not None:
+            return Shard(path, np.empty(0, np.int64), np.empty(0, np.int64), compression=kind)
         index = framing.read_index(path)
         if index is None:
             index = framing.build_index(path)
@@ -101,7 +107,7 @@ class Records:
         return Shard(path, array[:, 0].copy(), array[:, 1].copy())
 
     def _scan_foreign(self) -> tuple[Manifest, list[int], list[str] | None]:
-        """One pass over foreign files: count records (GZIP ones too), build the label map and
+        """One pass over foreign files: count records (compressed ones too), build the label map and
         collect the ``image/filename`` of every record (``None`` unless every record has one)."""
         labels: list[int] = []
         paths: list[str] | None = []
@@ -118,7 +124,7 @@ class Records:
                         names.setdefault(label, text[0].decode("utf-8", "replace"))
                     paths = _collect_path(paths, features)
                     count += 1
-            if shard.gzip:
+            if shard.compressed:
                 shard.offsets = np.full(count, -1, np.int64)
                 shard.sizes = np.full(count, -1, np.int64)
             elif count != len(shard):
@@ -224,10 +230,11 @@ class Records:
         )
         for number, records in plan.items():
             shard = self.shards[number]
-            first = min(records) if records and not shard.gzip else 0
+            first = min(records) if records and not shard.compressed else 0
             start = int(shard.offsets[first]) if first else 0
             with framing.open_records(shard.path) as fh:
-                fh.seek(start)  # skip the records this reader does not need
+                if start:
+                    fh.seek(start)  # skip the records this reader does not need
                 frames = framing.iter_frames(fh, str(shard.path), self.check_crc, start)
                 for record, (offset, data) in enumerate(frames, start=first):
                     if record in records:
@@ -323,10 +330,11 @@ class TFRecordDataset(PreadDataset):
             records.root, transform, target_transform, manifest=records.manifest, verify=verify
         )
         self.records = records
-        if any(s.gzip for s in records.shards):
+        compressed = [s for s in records.shards if s.compressed]
+        if compressed:
             raise DataError(
-                f"{next(s.path for s in records.shards if s.gzip)}: GZIP-compressed files have no "
-                "random access; read them with TFRecordStream"
+                f"{compressed[0].path}: {compressed[0].compression}-compressed TFRecord files have "
+                "no random access; read them with TFRecordStream"
             )
         self._starts = np.cumsum([0, *(len(s) for s in records.shards)], dtype=np.int64)
         self.shard_files = [shard.path for shard in records.shards]
