@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Any
 from imgpack.errors import ImgpackError
 from imgpack.version import __version__
 
-__all__ = ["ImgpackError", "__version__", "convert", "merge", "open_dataset", "verify"]
+__all__ = [
+    "ImgpackError",
+    "__version__",
+    "convert",
+    "convert_splits",
+    "merge",
+    "open_dataset",
+    "verify",
+]
 
 if TYPE_CHECKING:
     from imgpack.formats.dataset_base import ImageDataset
@@ -45,3 +53,11 @@ def merge(parts: Any, dst: Any, **kwargs: Any) -> Manifest:
     from imgpack.merging import merge as _merge
 
     return _merge(parts, dst, **kwargs)
+
+
+def convert_splits(root: Any, dst: Any, format: str = "pt", **options: Any) -> dict[str, Manifest]:
+    """Convert each split folder of ``root`` into ``dst/<split>`` with one label map; see
+    :func:`imgpack.pipeline.convert_splits`."""
+    from imgpack.pipeline import convert_splits as _convert_splits
+
+    return _convert_splits(root, dst, format, **options)

@@ -234,6 +234,20 @@ def main(ctx: click.Context, verbose: bool) -> None:
     help=_format_options_help(),
 )
 @click.option(
+    "--splits",
+    is_flag=False,
+    flag_value="auto",
+    default=None,
+    metavar="[NAMES]",
+    help="SRC holds split folders (train, val, test...): convert each into DST/<split> with one "
+    "shared label map; or name them: --splits train,val.",
+)
+@click.option(
+    "--no-splits",
+    is_flag=True,
+    help="Convert top-level folders named like splits (train, test) as classes.",
+)
+@click.option(
     "--num-parts",
     type=click.IntRange(min=1),
     default=1,
@@ -284,6 +298,8 @@ def convert(
     compression: str | None,
     label_offset: str | None,
     format_options: tuple[str, ...],
+    splits: str | None,
+    no_splits: bool,
     num_parts: int,
     part: int,
     executor: str,
@@ -302,6 +318,8 @@ def convert(
     for alias, given in (("compression", compression), ("label_offset", label_offset)):
         if given is not None:
             options[alias] = given
+    if splits is not None and no_splits:
+        raise click.UsageError("give --splits or --no-splits, not both")
     started = time.perf_counter()
     settings = ConvertOptions.create(
         fmt,
@@ -322,12 +340,27 @@ def convert(
         progress=not quiet,
         num_parts=num_parts,
         part=part,
+        allow_split_names=no_splits,
         format_options=options,
     )
     if ray_address is not None and executor != "ray":
         raise click.UsageError("--ray-address is for --executor ray")
+    if splits is not None:
+        from imgpack.pipeline import convert_splits
+
+        names = None if splits == "auto" else [n.strip() for n in splits.split(",") if n.strip()]
+        done = convert_splits(
+            src, dst, splits=names, options=settings, executor=executor, ray_address=ray_address
+        )
+        for name, manifest in done.items():
+            _summary(dst / name, manifest, time.perf_counter() - started)
+        return
     manifest = run_convert(src, dst, options=settings, executor=executor, ray_address=ray_address)
-    seconds = time.perf_counter() - started
+    _summary(dst, manifest, time.perf_counter() - started)
+
+
+def _summary(dst: Path, manifest: Any, seconds: float) -> None:
+    """The last lines of a conversion: counts, size, time, and the skipped files."""
     click.echo(
         f"{dst}: {manifest.num_samples} samples, {len(manifest.skipped)} skipped, "
         f"{format_bytes(manifest.total_bytes)} in {len(manifest.files)} file(s), {seconds:.1f} s",

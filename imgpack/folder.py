@@ -93,6 +93,19 @@ def find_classes(root: Path) -> list[str]:
     return classes
 
 
+#: Folder names (lower case) that name a split of a dataset rather than a class.
+SPLIT_NAMES = ("train", "training", "val", "valid", "validation", "dev", "test", "testing")
+
+
+def find_splits(root: Path) -> list[str]:
+    """The top-level folders of ``root`` named like splits (``train``, ``val``, ``test``, ...),
+    in the order train, validation, test."""
+    order = {name: rank for rank, name in enumerate(SPLIT_NAMES)}
+    with os.scandir(root) as entries:
+        names = [e.name for e in entries if not _hidden(e.name) and e.is_dir()]
+    return sorted((n for n in names if n.lower() in order), key=lambda n: order[n.lower()])
+
+
 def read_class_list(source: str | os.PathLike[str]) -> list[str]:
     """Read a label map: an imgpack output directory (its manifest) or a text file, one class per line."""
     path = Path(source)

@@ -45,6 +45,10 @@ class ConvertOptions:
     resume: bool = False
     on_error: str = "fail"
     classes_from: str | None = None
+    #: An explicit label map (the classes in label order), e.g. the union of a dataset's splits.
+    classes: tuple[str, ...] | None = None
+    #: Convert a SRC whose top-level folders are split names (train, val, test) as classes.
+    allow_split_names: bool = False
     progress: bool = True
     #: Partitioned conversion: convert only part ``part`` of ``num_parts`` contiguous slices of
     #: the scan (``imgpack merge`` joins the parts).
@@ -89,6 +93,12 @@ class ConvertOptions:
             set_(self, "shard_size", parse_byte_size(size or 0, "shard size"))
         if self.classes_from is not None:
             set_(self, "classes_from", os.fspath(self.classes_from))
+        if self.classes is not None:
+            if self.classes_from is not None:
+                raise OptionError("give classes or classes_from, not both")
+            set_(self, "classes", tuple(str(c) for c in self.classes))
+            if not self.classes or len(set(self.classes)) != len(self.classes):
+                raise OptionError("classes must be a non-empty list of distinct names")
         set_(self, "format_options", spec.check_options(self.format_options))
 
     @classmethod

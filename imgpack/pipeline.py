@@ -28,9 +28,9 @@ import shutil
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,16 @@ from tqdm import tqdm
 from imgpack import executors
 from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, StorageError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
-from imgpack.folder import Sample, Scan, printable, read_class_list, scan_folder
+from imgpack.folder import (
+    SPLIT_NAMES,
+    Sample,
+    Scan,
+    find_classes,
+    find_splits,
+    printable,
+    read_class_list,
+    scan_folder,
+)
 from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile
 from imgpack.manifest import (
     MANIFEST_NAME,
@@ -198,6 +207,10 @@ def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: Conv
     src_path, dst_path = Path(src), Path(dst)
     _check_paths(src_path, dst_path, options.overwrite)
     classes = read_class_list(options.classes_from) if options.classes_from is not None else None
+    if options.classes is not None:
+        classes = list(options.classes)
+    if not options.allow_split_names:
+        _refuse_split_folders(src_path)
     scan = scan_folder(src_path, classes)
     if scan.unreadable and options.on_error == "fail":
         first = scan.unreadable[0]
@@ -499,6 +512,70 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
     return manifest
 
 
+def _refuse_split_folders(src: Path) -> None:
+    """Refuse a SRC whose class folders would all be split names: converting ``train/`` and
+    ``test/`` as two classes is never what was meant."""
+    try:
+        folders = find_classes(src)
+    except (OSError, ScanError):
+        return  # the scan reports it
+    splits = find_splits(src)
+    if splits and len(splits) == len(folders):
+        raise ScanError(
+            f"{src}: its folders ({', '.join(splits)}) are dataset splits, not classes: use "
+            "--splits to convert each into DST/<split> with one shared label map, or --no-splits "
+            "to convert them as classes"
+        )
+
+
+def convert_splits(
+    root: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    format: str = "pt",
+    *,
+    splits: Sequence[str] | None = None,
+    options: ConvertOptions | None = None,
+    executor: Executor | str | None = None,
+    ray_address: str | None = None,
+    **kwargs: Any,
+) -> dict[str, Manifest]:
+    """Convert each split folder of ``root`` (``train``, ``val``, ``test``... or the ``splits``
+    named) into ``dst/<split>``, with ONE label map: the sorted union of the splits' classes (or
+    ``classes_from``), so a class missing from a split keeps its label there. Each split is an
+    output of its own, converted and published as :func:`convert` does. Returns the manifests
+    by split."""
+    root_path, dst_path = Path(root), Path(dst)
+    if not root_path.is_dir():
+        raise FileNotFoundError(f"{root_path}: no such folder")
+    names = list(splits) if splits else find_splits(root_path)
+    if not names:
+        raise ScanError(
+            f"{root_path}: no split folders (expected some of {', '.join(SPLIT_NAMES)}; name them "
+            "with --splits train,val)"
+        )
+    for name in names:
+        if not (root_path / name).is_dir() or name.startswith(".") or "/" in name:
+            raise FileNotFoundError(f"{root_path / name}: no such split folder")
+    if options is None:
+        options = ConvertOptions.create(format, **kwargs)
+    elif kwargs or format != "pt":
+        raise OptionError("give either options= or format and keyword options, not both")
+    if options.classes is None and options.classes_from is None:
+        union = sorted({c for name in names for c in find_classes(root_path / name)})
+        options = replace(options, classes=tuple(union))
+    dst_path.mkdir(parents=True, exist_ok=True)
+    return {
+        name: convert(
+            root_path / name,
+            dst_path / name,
+            options=options,
+            executor=executor,
+            ray_address=ray_address,
+        )
+        for name in names
+    }
+
+
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such folder")
@@ -536,4 +613,13 @@ def _umask() -> int:
     return mask
 
 
-__all__ = ["Plan", "Written", "build_manifest", "convert", "plan", "process", "write"]
+__all__ = [
+    "Plan",
+    "Written",
+    "build_manifest",
+    "convert",
+    "convert_splits",
+    "plan",
+    "process",
+    "write",
+]
