@@ -16,6 +16,7 @@ __all__ = [
     "__version__",
     "convert",
     "convert_splits",
+    "export",
     "merge",
     "open_dataset",
     "verify",
@@ -61,3 +62,10 @@ def convert_splits(root: Any, dst: Any, format: str = "pt", **options: Any) -> d
     from imgpack.pipeline import convert_splits as _convert_splits
 
     return _convert_splits(root, dst, format, **options)
+
+
+def export(output: Any, folder: Any, **kwargs: Any) -> Any:
+    """Write an imgpack output back as an image folder; see :func:`imgpack.exporting.export`."""
+    from imgpack.exporting import export as _export
+
+    return _export(output, folder, **kwargs)

@@ -394,6 +394,36 @@ def merge(parts: tuple[Path, ...], dst: Path, overwrite: bool, quiet: bool) -> N
     )
 
 
+@main.command()
+@click.argument("output", type=click.Path(path_type=Path))
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option(
+    "--on-error",
+    type=click.Choice(ON_ERROR),
+    default="fail",
+    show_default=True,
+    help="fail: stop at a damaged record, nothing written; skip: leave it out and list it.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace FOLDER if it is an earlier export.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@friendly_errors
+def export(output: Path, folder: Path, on_error: str, overwrite: bool, quiet: bool) -> None:
+    """Write the imgpack output OUTPUT back as an image folder FOLDER/<class>/<image>: the stored
+    JPEG/PNG bytes as they are (an original output gives back the source files), else lossless
+    PNGs of the stored pixels."""
+    from imgpack.exporting import export as run_export
+
+    started = time.perf_counter()
+    done = run_export(output, folder, on_error=on_error, overwrite=overwrite, progress=not quiet)
+    click.echo(
+        f"{folder}: {done.files} files ({done.kept} stored bytes kept, {done.encoded} as PNG), "
+        f"{len(done.skipped)} skipped, {time.perf_counter() - started:.1f} s",
+        err=True,
+    )
+    for skip in done.skipped[:SHOW_SKIPPED]:
+        click.echo(f"  skipped sample {skip['sample']}: {skip['reason']}", err=True)
+
+
 @main.command(name="formats")
 def list_formats() -> None:
     """List the formats this imgpack writes and reads (plugins included), with their options."""

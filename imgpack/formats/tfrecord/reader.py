@@ -28,7 +28,7 @@ from imgpack.formats.dataset_base import (
     check_output_id,
 )
 from imgpack.formats.tfrecord import example, framing
-from imgpack.images import ImagePolicy, Kind, apply_policy, decode_stored
+from imgpack.images import Encoded, ImagePolicy, Kind, apply_policy, decode_stored, stored_info
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
@@ -341,6 +341,40 @@ class TFRecordDataset(PreadDataset):
 
     def _check_shard(self, number: int, fd: int) -> None:
         self.records.check_first(number, fd)
+
+    def encoded(self, start: int, stop: int, chunk: int = 256) -> Iterator[Encoded]:
+        """As :meth:`ImageDataset.encoded`: each record's ``image/encoded`` bytes as stored,
+        with its label, ``image/filename``, format and size (the frame CRCs checked)."""
+        for first in range(start, stop, chunk):
+            indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
+            found: list[Encoded | None] = [None] * len(indices)
+            for pos, frame, where in self._frames(indices):
+                features = _parse(frame, where)
+                self.records.check_output(features, where)
+                label = _label(features, where) - self.records.label_offset
+                encoded = features.get("image/encoded")
+                if not encoded or not isinstance(encoded[0], bytes):
+                    raise DataError(f"{where}: no image/encoded bytes")
+                payload = encoded[0]
+                names = features.get("image/filename") or [b""]
+                path = (
+                    names[0].decode("utf-8", "surrogateescape")
+                    if isinstance(names[0], bytes)
+                    else ""
+                )
+                if (features.get("image/format") or [b""])[0] == Kind.RAW.value.encode():
+                    dims = [
+                        int(features[k][0])
+                        for k in ("image/height", "image/width", "image/channels")
+                    ]
+                    found[pos] = Encoded(path, label, payload, dims[0], dims[1], dims[2], Kind.RAW)
+                    continue
+                try:
+                    kind, height, width, channels = stored_info(payload)
+                except DataError as exc:
+                    raise DataError(f"{where}: {exc}") from None
+                found[pos] = Encoded(path, label, payload, height, width, channels, kind)
+            yield from (sample for sample in found if sample is not None)
 
     def _load_targets(self) -> list[int]:
         return list(self.records.labels)

@@ -1,0 +1,167 @@
+"""Writing an output back out as an image folder (``imgpack export OUT FOLDER``).
+
+Every sample becomes ``FOLDER/<class>/<its source path below the class folder>``: the stored
+bytes themselves where the output kept a JPEG or PNG (so an ``original`` output of JPEG and PNG
+sources exports byte-identical files), else a lossless PNG of the stored pixels (raw outputs),
+named with ``.png`` added when the source name says another type (``x.gif`` -> ``x.gif.png``).
+Every class gets its folder, empty ones too, so converting the folder again gives the same
+label map. The folder is written like an output: FOLDER locked, built in a temp folder beside it
+and renamed into place complete, with a hidden ``.imgpack-export.json`` (ignored by the scan)
+that lets ``--overwrite`` replace an earlier export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+from tqdm import tqdm
+
+from imgpack.errors import DataError, ImgpackError, OptionError
+from imgpack.formats.dataset_base import ImageDataset
+from imgpack.images import Kind, encode_pixels
+from imgpack.manifest import MANIFEST_NAME
+from imgpack.options import ON_ERROR
+from imgpack.pipeline import temp_output
+from imgpack.publishing import locked, publish, recover
+from imgpack.readers import open_dataset
+
+#: The marker an export leaves in its folder (hidden: the scan ignores it).
+EXPORT_MARKER = ".imgpack-export.json"
+_EXTENSIONS = {Kind.JPEG: (".jpg", ".jpeg"), Kind.PNG: (".png",)}
+
+
+@dataclass
+class Exported:
+    """What :func:`export` wrote."""
+
+    folder: Path
+    files: int = 0
+    kept: int = 0  # stored bytes written as they are
+    encoded: int = 0  # written as a lossless PNG of the stored pixels
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+def export(
+    output: str | os.PathLike[str],
+    folder: str | os.PathLike[str],
+    *,
+    on_error: str = "fail",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Exported:
+    """Write the imgpack output ``output`` as an image folder at ``folder``; see the module doc.
+
+    ``on_error``: ``fail`` stops at the first damaged record (nothing is written); ``skip``
+    leaves it out and lists it in the result (and in the marker file).
+    """
+    if on_error not in ON_ERROR:
+        raise OptionError(f"invalid on_error {on_error!r}: expected one of {', '.join(ON_ERROR)}")
+    source, target = Path(output), Path(folder)
+    ds = open_dataset(source, verify=True)
+    if target.resolve() == source.resolve() or source.resolve() in target.resolve().parents:
+        raise OptionError(f"{target}: must not be the output or inside it")
+    with locked(target):
+        recover(target, holding_lock=True)
+        _check_target(target, overwrite)
+        with temp_output(target) as tmp:
+            result = _write(ds, tmp, on_error, progress)
+            marker = {
+                "from": str(source.resolve()),
+                "output_id": ds.manifest.output_id,
+                "files": result.files,
+                "skipped": result.skipped,
+            }
+            (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+            publish(tmp, target, replace=overwrite)
+    result.folder = target
+    return result
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if not (target.exists() or target.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{target}: already exists (use --overwrite to replace an export)")
+    if (
+        target.is_symlink()
+        or not target.is_dir()
+        or ((target / MANIFEST_NAME).exists())
+        or not ((target / EXPORT_MARKER).is_file() or not any(target.iterdir()))
+    ):
+        raise FileExistsError(
+            f"{target}: exists and is not an imgpack export; refusing to replace it even with "
+            "--overwrite (remove it yourself if that is what you want)"
+        )
+
+
+def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Exported:
+    manifest = ds.manifest
+    result = Exported(tmp)
+    for name in manifest.classes:
+        (tmp / _plain(name, "class")).mkdir(parents=True, exist_ok=True)
+    paths = ds._load_paths()
+    taken: set[str] = set()
+    with tqdm(
+        total=len(ds), unit="img", desc="export", file=sys.stderr, disable=not progress
+    ) as bar:
+        for index in range(len(ds)):
+            bar.update(1)
+            source = paths[index] if paths else None
+            try:
+                sample = next(ds.encoded(index, index + 1))
+                name, data, kept = _file(sample, manifest.classes[sample.label], source, index)
+                if name in taken:
+                    raise DataError(f"sample {index}: a second sample named {name}")
+            except ImgpackError as exc:
+                if on_error == "fail":
+                    raise
+                result.skipped.append({"sample": str(index), "reason": str(exc)})
+                continue
+            taken.add(name)
+            path = tmp / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            result.files += 1
+            result.kept += kept
+            result.encoded += not kept
+    return result
+
+
+def _file(
+    sample: object, class_name: str, source: str | None, index: int
+) -> tuple[str, bytes, bool]:
+    """``(relative name, bytes, kept)`` of one sample in the exported folder."""
+    from imgpack.images import Encoded
+
+    assert isinstance(sample, Encoded)
+    parts = PurePosixPath(source).parts if source else ()
+    if parts and parts[0] == class_name:
+        parts = parts[1:]
+    rest = "/".join(_plain(p, "path") for p in parts) if parts else f"{index:08d}"
+    name = f"{_plain(class_name, 'class')}/{rest}"
+    if sample.kind is Kind.RAW:
+        pixels = np.frombuffer(sample.payload, np.uint8).reshape(
+            sample.height, sample.width, sample.channels
+        )
+        data, kept = encode_pixels(pixels, Kind.PNG), False
+        kind = Kind.PNG
+    else:
+        data, kept, kind = sample.payload, True, sample.kind
+    if not name.lower().endswith(_EXTENSIONS[kind]):
+        name += _EXTENSIONS[kind][0]
+    return name, data, kept
+
+
+def _plain(part: str, what: str) -> str:
+    """A stored name used as a path component: never leads outside the folder."""
+    if not part or part in (".", "..") or "/" in part or "\\" in part or "\0" in part:
+        raise DataError(f"stored {what} name {part!r} cannot be a file name")
+    return part
+
+
+__all__ = ["EXPORT_MARKER", "Exported", "export"]
