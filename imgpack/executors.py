@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -59,6 +59,10 @@ class Job:
     root: str
     policy: ImagePolicy
     encoding: Encoding
+    #: How one sample is read and encoded when SRC is not an image folder (an imgpack output,
+    #: TFRecord files): a module-level function ``fetch(job, sample) -> Encoded`` (it pickles by
+    #: name, so workers and Ray tasks import it). ``None``: the sample is a file under ``root``.
+    fetch: Callable[[Job, Sample], Encoded] | None = None
 
 
 class Executor(Protocol):
@@ -72,7 +76,12 @@ def process_chunk(job: Job, items: Sequence[Sample]) -> list[Outcome]:
     out: list[Outcome] = []
     for sample in items:
         try:
-            out.append(process_file(job.root, sample.path, sample.label, job.policy, job.encoding))
+            if job.fetch is not None:
+                out.append(job.fetch(job, sample))
+            else:
+                out.append(
+                    process_file(job.root, sample.path, sample.label, job.policy, job.encoding)
+                )
         except ImageError as exc:
             out.append(Failure(exc.path, exc.reason))
     return out

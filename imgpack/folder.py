@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from imgpack.errors import ManifestError, ScanError
 
@@ -46,6 +47,8 @@ class Sample:
 
     path: str
     label: int
+    #: The sample's index in its source when SRC is an imgpack output or TFRecord files.
+    index: int = -1
 
 
 @dataclass
@@ -58,6 +61,9 @@ class Scan:
     ignored_files: int = 0
     #: Folders under a class that could not be listed: ``{"path": ..., "reason": ...}``.
     unreadable: list[dict[str, str]] = field(default_factory=list)
+    #: When SRC is not an image folder: what the manifest records of it (its format, output id,
+    #: its own source), which also goes into the output id.
+    origin: dict[str, Any] | None = None
 
     @property
     def class_to_idx(self) -> dict[str, int]:

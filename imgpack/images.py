@@ -432,7 +432,13 @@ def process_file(
     root: str, path: str, label: int, policy: ImagePolicy, encoding: Encoding
 ) -> Encoded:
     """Read, validate and encode one source file (runs in a conversion worker)."""
-    data = read_regular_file(f"{root}/{path}", path)
+    return process_bytes(read_regular_file(f"{root}/{path}", path), path, label, policy, encoding)
+
+
+def process_bytes(
+    data: bytes, path: str, label: int, policy: ImagePolicy, encoding: Encoding
+) -> Encoded:
+    """Validate and encode the bytes of one image file (``path`` names it in errors)."""
     img, kind = _open(data, path, policy)
     if kind == "PNG":
         check_png(data, path)
@@ -451,7 +457,19 @@ def process_file(
         return Encoded(path, label, data, height, width, stored_channels, Kind(kind))
     if kind == "JPEG":
         _load(img, kind, path)
-    pixels = _policy_pixels(img, kind, path, policy)
+    return _encode(_policy_pixels(img, kind, path, policy), path, label, encoding)
+
+
+def process_pixels(
+    pixels: np.ndarray, path: str, label: int, policy: ImagePolicy, encoding: Encoding
+) -> Encoded:
+    """Bring stored HWC uint8 pixels (1 or 3 channels) under ``policy`` and encode them: what a
+    conversion from a raw output does."""
+    img = Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels)
+    return _encode(_policy_pixels(img, "raw", path, policy), path, label, encoding)
+
+
+def _encode(pixels: np.ndarray, path: str, label: int, encoding: Encoding) -> Encoded:
     height, width, channels = pixels.shape
     if encoding.name == "raw":
         payload, stored = pixels.tobytes(), Kind.RAW

@@ -37,7 +37,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import executors
+from imgpack import executors, sources
 from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, StorageError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import (
@@ -79,10 +79,19 @@ class Plan:
     dst: Path
     options: ConvertOptions
     scan: Scan
+    #: What SRC is: ``""`` an image folder, ``"output"`` an imgpack output, ``"tfrecord"``
+    #: TFRecord files (see :mod:`imgpack.sources`).
+    reader: str = ""
 
     @property
     def job(self) -> Job:
-        return Job(str(self.src), self.options.policy, self.options.encoding_spec)
+        job = Job(str(self.src), self.options.policy, self.options.encoding_spec)
+        if self.reader == "output":
+            mode = "carry" if sources.carries_over(self.scan, job) else "encode"
+            return replace(job, root=f"{mode}:{self.src}", fetch=sources.fetch_stored)
+        if self.reader == "tfrecord":
+            return replace(job, fetch=sources.fetch_tfrecord)
+        return job
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -146,6 +155,7 @@ class Plan:
             "options": opts.recorded(),
             "image": opts.policy.describe(),
             "classes": self.scan.classes,
+            "origin": self.scan.origin,
         }
         digest.update(json.dumps(head, sort_keys=True).encode())
         root = str(self.src)
@@ -205,10 +215,14 @@ class Written:
 def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: ConvertOptions) -> Plan:
     """Check the paths and scan the source (options are already valid)."""
     src_path, dst_path = Path(src), Path(dst)
-    _check_paths(src_path, dst_path, options.overwrite)
+    reader = _source_kind(src_path)
+    _check_paths(src_path, dst_path, options.overwrite, folder=not reader)
     classes = read_class_list(options.classes_from) if options.classes_from is not None else None
     if options.classes is not None:
         classes = list(options.classes)
+    if reader:
+        scan, reader = sources.scan_source(src_path, classes)
+        return Plan(src_path, dst_path, options, scan, reader)
     if not options.allow_split_names:
         _refuse_split_folders(src_path)
     scan = scan_folder(src_path, classes)
@@ -334,12 +348,23 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
             "ignored_files": scan.ignored_files,
             "empty_classes": scan.empty_classes,
             "classes_from": opts.classes_from,
+            **_chain(scan),
         },
         skipped=written.skipped,
         created_by=f"imgpack {__version__}",
         output_id=plan.output_id,
         part=plan.part,
     )
+
+
+def _chain(scan: Scan) -> dict[str, Any]:
+    """What the manifest records of a source that is not an image folder: its format, its
+    output id and its own ``source`` (so a manifest holds the whole chain of conversions)."""
+    origin = scan.origin
+    if origin is None:
+        return {}
+    keys = ("format", "encoding", "output_id", "foreign", "from")
+    return {"converted_from": {k: origin[k] for k in keys if k in origin}}
 
 
 def leftovers(dst: Path) -> list[Path]:
@@ -512,6 +537,15 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
     return manifest
 
 
+def _source_kind(src: Path) -> str:
+    """``"output"``, ``"tfrecord"`` or ``""`` (an image folder): what SRC is."""
+    if sources.is_output(src):
+        return "output"
+    if src.is_dir() and any(p.is_dir() for p in src.iterdir() if not p.name.startswith(".")):
+        return ""  # class folders: an image folder, whatever else lies beside them
+    return "tfrecord" if sources.tfrecord_files(src) else ""
+
+
 def _refuse_split_folders(src: Path) -> None:
     """Refuse a SRC whose class folders would all be split names: converting ``train/`` and
     ``test/`` as two classes is never what was meant."""
@@ -576,10 +610,10 @@ def convert_splits(
     }
 
 
-def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
-    if not src.exists():
+def _check_paths(src: Path, dst: Path, overwrite: bool, folder: bool = True) -> None:
+    if not src.exists() and folder:
         raise FileNotFoundError(f"{src}: no such folder")
-    if not src.is_dir():
+    if folder and not src.is_dir():
         raise OptionError(f"{src}: not a folder (SRC must be an image folder SRC/<class>/<image>)")
     real_src, real_dst = src.resolve(), dst.resolve()
     if real_dst == real_src or real_src in real_dst.parents:

@@ -1,0 +1,118 @@
+"""Outputs as sources: `imgpack convert OUT_A OUT_B --format F` keeps labels, order, pixels and
+source paths, carries stored bytes over unchanged when the encoding stays (an `original` output
+keeps the original files' bytes through any number of hops), re-encodes through the image policy
+when options change, records the chain, and takes TFRecord files other tools wrote."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import h5py
+import pytest
+from click.testing import CliRunner
+from conftest import build_edge_folder, refresh_manifest
+
+from imgpack import convert, open_dataset
+from imgpack.cli import main
+from imgpack.converters import FORMATS
+from imgpack.errors import ImageError
+from imgpack.readers import TFRecordDataset
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _rows(path: Path) -> tuple[list[tuple[str, int]], list[str] | None, list[str]]:
+    ds = open_dataset(path)
+    rows = [
+        (hashlib.sha256(ds[i][0].contiguous().numpy().tobytes()).hexdigest(), ds[i][1])
+        for i in range(len(ds))
+    ]
+    return rows, ds._load_paths(), ds.classes
+
+
+def _stored(path: Path) -> list[bytes]:
+    ds = open_dataset(path)
+    return [sample.payload for sample in ds.encoded(0, len(ds))]
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("hops")
+    src = build_edge_folder(base / "src").root
+    return {fmt: _convert(src, base / fmt, fmt) for fmt in FORMATS}
+
+
+def _convert(src: Path, dst: Path, fmt: str, **options: object) -> Path:
+    convert(src, dst, fmt, progress=False, **options)  # type: ignore[arg-type]
+    return dst
+
+
+@pytest.mark.parametrize("target", FORMATS)
+@pytest.mark.parametrize("source", FORMATS)
+def test_every_format_to_every_format(
+    source: str, target: str, originals: dict[str, Path], tmp_path: Path
+) -> None:
+    out = _convert(originals[source], tmp_path / "out", target)
+    assert _rows(out) == _rows(originals[source])  # pixels, labels, order, paths, classes
+    assert _stored(out) == _stored(originals[source])  # the very bytes, not decoded again
+    manifest = open_dataset(out).manifest
+    assert manifest.source["converted_from"]["format"] == source
+    assert manifest.source["converted_from"]["from"]["path"].endswith("src")
+
+
+def test_original_bytes_survive_any_number_of_hops(
+    originals: dict[str, Path], tmp_path: Path
+) -> None:
+    hop = originals["lmdb"]
+    for number, fmt in enumerate(("pt", "tfrecord", "webdataset", "hdf5", "lmdb")):
+        hop = _convert(hop, tmp_path / f"hop{number}", fmt)
+    assert _stored(hop) == _stored(originals["pt"])
+    chain = open_dataset(hop).manifest.source["converted_from"]
+    depth = 0
+    while "converted_from" in chain.get("from", {}):
+        chain, depth = chain["from"]["converted_from"], depth + 1
+    assert depth == 4  # five hops, each recorded
+
+
+def test_changed_options_reencode_like_the_folder_would(
+    originals: dict[str, Path], tmp_path: Path
+) -> None:
+    src = Path(open_dataset(originals["pt"]).manifest.source["path"])
+    direct = _convert(src, tmp_path / "direct", "hdf5", encoding="raw", size=12)
+    via = _convert(originals["webdataset"], tmp_path / "via", "hdf5", encoding="raw", size=12)
+    assert _rows(via)[0] == _rows(direct)[0]
+    back = _convert(via, tmp_path / "back", "pt", encoding="png")  # raw records to PNG
+    assert _rows(back)[0] == _rows(direct)[0]
+
+
+def test_foreign_tfrecords_are_a_source(tmp_path: Path) -> None:
+    files = tmp_path / "tf"
+    files.mkdir()
+    for name in ("tensorflow-written-synthetic.tfrecord", "tensorflow-written-real.tfrecord"):
+        shutil.copy(DATA / name, files / name)
+    result = CliRunner().invoke(
+        main, ["convert", str(files), str(tmp_path / "out"), "--format", "lmdb", "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    foreign = TFRecordDataset(str(files))
+    ds = open_dataset(tmp_path / "out")
+    assert ds.classes == foreign.classes and ds.targets == foreign.targets
+    for i in range(len(ds)):  # the images went through the policy, as TFRecordDataset does
+        assert (ds[i][0] == foreign[i][0]).all()
+    assert ds.manifest.source["converted_from"] == {"format": "tfrecord", "foreign": True}
+
+
+def test_a_damaged_source_record_is_named_or_skipped(
+    originals: dict[str, Path], tmp_path: Path
+) -> None:
+    damaged = tmp_path / "damaged"
+    shutil.copytree(originals["hdf5"], damaged)
+    with h5py.File(damaged / "data.h5", "r+") as f:
+        f["data"][5] ^= 0xFF
+    refresh_manifest(damaged)
+    with pytest.raises(ImageError, match="damaged record in the source output"):
+        _convert(damaged, tmp_path / "out", "pt")
+    manifest = convert(damaged, tmp_path / "out", "pt", on_error="skip", progress=False)
+    assert len(manifest.skipped) == 1 and "checksum mismatch" in manifest.skipped[0]["reason"]
