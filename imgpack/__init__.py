@@ -19,6 +19,7 @@ __all__ = [
     "export",
     "merge",
     "open_dataset",
+    "to_hf",
     "verify",
 ]
 
@@ -69,3 +70,10 @@ def export(output: Any, folder: Any, **kwargs: Any) -> Any:
     from imgpack.exporting import export as _export
 
     return _export(output, folder, **kwargs)
+
+
+def to_hf(output: Any, **kwargs: Any) -> Any:
+    """An imgpack output as a Hugging Face ``datasets.Dataset``; see :func:`imgpack.hf.to_hf`."""
+    from imgpack.hf import to_hf as _to_hf
+
+    return _to_hf(output, **kwargs)

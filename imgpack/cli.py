@@ -248,6 +248,16 @@ def main(ctx: click.Context, verbose: bool) -> None:
     help="Convert top-level folders named like splits (train, test) as classes.",
 )
 @click.option(
+    "--image-column",
+    default=None,
+    help="Hugging Face dataset SRC: the image column [default: by type].",
+)
+@click.option(
+    "--label-column",
+    default=None,
+    help="Hugging Face dataset SRC: the label column [default: by type].",
+)
+@click.option(
     "--num-parts",
     type=click.IntRange(min=1),
     default=1,
@@ -300,6 +310,8 @@ def convert(
     format_options: tuple[str, ...],
     splits: str | None,
     no_splits: bool,
+    image_column: str | None,
+    label_column: str | None,
     num_parts: int,
     part: int,
     executor: str,
@@ -341,6 +353,8 @@ def convert(
         num_parts=num_parts,
         part=part,
         allow_split_names=no_splits,
+        image_column=image_column,
+        label_column=label_column,
         format_options=options,
     )
     if ray_address is not None and executor != "ray":

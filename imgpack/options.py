@@ -49,6 +49,9 @@ class ConvertOptions:
     classes: tuple[str, ...] | None = None
     #: Convert a SRC whose top-level folders are split names (train, val, test) as classes.
     allow_split_names: bool = False
+    #: The image and label columns of a Hugging Face dataset SRC (default: found by type).
+    image_column: str | None = None
+    label_column: str | None = None
     progress: bool = True
     #: Partitioned conversion: convert only part ``part`` of ``num_parts`` contiguous slices of
     #: the scan (``imgpack merge`` joins the parts).

@@ -37,7 +37,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import executors, sources
+from imgpack import executors, hf, sources
 from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, StorageError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import (
@@ -91,6 +91,9 @@ class Plan:
             return replace(job, root=f"{mode}:{self.src}", fetch=sources.fetch_stored)
         if self.reader == "tfrecord":
             return replace(job, fetch=sources.fetch_tfrecord)
+        if self.reader == "hf":
+            column = (self.scan.origin or {})["image_column"]
+            return replace(job, root=f"{column}:{self.src}", fetch=hf.fetch)
         return job
 
     @property
@@ -220,6 +223,9 @@ def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: Conv
     classes = read_class_list(options.classes_from) if options.classes_from is not None else None
     if options.classes is not None:
         classes = list(options.classes)
+    if reader == "hf":
+        scan = hf.scan_dataset(src_path, classes, options.image_column, options.label_column)
+        return Plan(src_path, dst_path, options, scan, reader)
     if reader:
         scan, reader = sources.scan_source(src_path, classes)
         return Plan(src_path, dst_path, options, scan, reader)
@@ -363,7 +369,7 @@ def _chain(scan: Scan) -> dict[str, Any]:
     origin = scan.origin
     if origin is None:
         return {}
-    keys = ("format", "encoding", "output_id", "foreign", "from")
+    keys = ("format", "encoding", "output_id", "foreign", "from", "image_column", "label_column")
     return {"converted_from": {k: origin[k] for k in keys if k in origin}}
 
 
@@ -459,6 +465,8 @@ def convert(
         options = ConvertOptions.create(format, **kwargs)
     elif kwargs or format != "pt":
         raise OptionError("give either options= or format and keyword options, not both")
+    if hf.is_dataset_object(src):
+        return _convert_dataset_object(src, Path(dst), options, executor, ray_address)
     if executor is None and ray_address is not None:
         executor = "ray"
     if isinstance(executor, str):
@@ -511,6 +519,24 @@ def storage_problem(exc: BaseException, directory: Path) -> str | None:
     return None
 
 
+def _convert_dataset_object(
+    dataset: Any,
+    dst: Path,
+    options: ConvertOptions,
+    executor: Executor | str | None,
+    ray_address: str | None,
+) -> Manifest:
+    """A ``datasets.Dataset`` object: saved (its rows as they are, selections applied) to a
+    temp folder beside DST, converted from there, the folder removed."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-hf", dir=dst.parent))
+    try:
+        dataset.save_to_disk(str(folder))
+        return convert(folder, dst, options=options, executor=executor, ray_address=ray_address)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
     """Run a planned conversion (its DST locked)."""
     options = the_plan.options
@@ -538,9 +564,16 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
 
 
 def _source_kind(src: Path) -> str:
-    """``"output"``, ``"tfrecord"`` or ``""`` (an image folder): what SRC is."""
+    """``"output"``, ``"hf"``, ``"tfrecord"`` or ``""`` (an image folder): what SRC is."""
     if sources.is_output(src):
         return "output"
+    if hf.is_dataset_folder(src):
+        return "hf"
+    if hf.is_dataset_dict_folder(src):
+        raise ScanError(
+            f"{src}: a Hugging Face DatasetDict (splits {', '.join(hf.dict_splits(src))}): use "
+            "--splits to convert each split into DST/<split> with one label map"
+        )
     if src.is_dir() and any(p.is_dir() for p in src.iterdir() if not p.name.startswith(".")):
         return ""  # class folders: an image folder, whatever else lies beside them
     return "tfrecord" if sources.tfrecord_files(src) else ""
@@ -581,7 +614,11 @@ def convert_splits(
     root_path, dst_path = Path(root), Path(dst)
     if not root_path.is_dir():
         raise FileNotFoundError(f"{root_path}: no such folder")
-    names = list(splits) if splits else find_splits(root_path)
+    dataset_dict = hf.is_dataset_dict_folder(root_path)
+    if splits:
+        names = list(splits)
+    else:
+        names = hf.dict_splits(root_path) if dataset_dict else find_splits(root_path)
     if not names:
         raise ScanError(
             f"{root_path}: no split folders (expected some of {', '.join(SPLIT_NAMES)}; name them "
@@ -594,7 +631,13 @@ def convert_splits(
         options = ConvertOptions.create(format, **kwargs)
     elif kwargs or format != "pt":
         raise OptionError("give either options= or format and keyword options, not both")
-    if options.classes is None and options.classes_from is None:
+    if options.classes is None and options.classes_from is None and dataset_dict:
+        # The splits share the ClassLabel feature: its names, in their order, are the label map.
+        scan = hf.scan_dataset(
+            root_path / names[0], None, options.image_column, options.label_column
+        )
+        options = replace(options, classes=tuple(scan.classes))
+    elif options.classes is None and options.classes_from is None:
         union = sorted({c for name in names for c in find_classes(root_path / name)})
         options = replace(options, classes=tuple(union))
     dst_path.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+# Nothing a test does may reach the network: Hugging Face datasets stay offline.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 BACKGROUND = (255, 255, 255)
 
 
