@@ -30,8 +30,8 @@ from imgpack import formats
 from imgpack.errors import OptionError
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoding, ImagePolicy
-from imgpack.manifest import FileEntry, Manifest, read_manifest, sha256_file, write_manifest
-from imgpack.pipeline import check_destination, temp_output
+from imgpack.manifest import FileEntry, Manifest, read_manifest, write_manifest
+from imgpack.pipeline import check_destination, file_entries, temp_output
 from imgpack.publishing import locked, publish, recover
 from imgpack.version import __version__
 
@@ -174,15 +174,7 @@ def _merged_manifest(
             for f, e in zip(files, entries, strict=True)
         ]
     else:
-        checked = [
-            FileEntry(
-                f.path,
-                (directory / f.path).stat().st_size,
-                f.num_samples,
-                sha256_file(directory / f.path),
-            )
-            for f in files
-        ]
+        checked = file_entries(directory, files)
     return Manifest(
         format=first.format,
         num_samples=sum(manifest.num_samples for _, manifest in ordered),

@@ -338,15 +338,7 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
         classes=scan.classes,
         encoding=opts.encoding,
         image=opts.policy.describe(),
-        files=[
-            FileEntry(
-                f.path,
-                (directory / f.path).stat().st_size,
-                f.num_samples,
-                sha256_file(directory / f.path),
-            )
-            for f in written.files
-        ],
+        files=file_entries(directory, written.files),
         options=opts.recorded(),
         source={
             "path": str(plan.src.resolve()),
@@ -361,6 +353,19 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
         output_id=plan.output_id,
         part=plan.part,
     )
+
+
+def file_entries(directory: Path, files: list[WrittenFile]) -> list[FileEntry]:
+    """The manifest entries of finished data files in ``directory``: size and sha256 as they are."""
+    return [
+        FileEntry(
+            f.path,
+            (directory / f.path).stat().st_size,
+            f.num_samples,
+            sha256_file(directory / f.path),
+        )
+        for f in files
+    ]
 
 
 def _chain(scan: Scan) -> dict[str, Any]:
