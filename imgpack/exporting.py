@@ -104,7 +104,7 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
     result = Exported(tmp)
     for name in manifest.classes:
         (tmp / _plain(name, "class")).mkdir(parents=True, exist_ok=True)
-    paths = ds._load_paths()
+    paths = ds.stored_paths()
     taken: set[str] = set()
     with tqdm(
         total=len(ds), unit="img", desc="export", file=sys.stderr, disable=not progress

@@ -185,7 +185,7 @@ def _rows(root: str, output_id: str) -> Any:
     from imgpack.readers import open_dataset
 
     reader = open_dataset(root, verify=True)
-    paths = reader._load_paths()
+    paths = reader.stored_paths()
     for index, sample in enumerate(reader.encoded(0, len(reader))):
         if sample.kind is Kind.RAW:
             pixels = np.frombuffer(sample.payload, np.uint8).reshape(

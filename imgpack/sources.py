@@ -89,7 +89,7 @@ def scan_source(src: Path, classes: list[str] | None) -> tuple[Scan, str]:
         origin = {"format": "tfrecord", "foreign": True, "files": len(manifest.files)}
     source_classes = list(manifest.classes)
     labels = list(ds.targets)
-    stored = ds._load_paths()
+    stored = ds.stored_paths()
     names = (
         list(stored)
         if stored is not None

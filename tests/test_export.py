@@ -118,3 +118,23 @@ def test_a_damaged_record_fails_or_is_skipped(src: Path, tmp_path: Path) -> None
     assert not (tmp_path / "back").exists()
     done = export(tmp_path / "out", tmp_path / "back", on_error="skip", progress=False)
     assert done.files == 3 and done.skipped[0]["sample"] == "0"
+
+
+def test_export_reads_the_stored_paths_once(
+    src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sample needs its source path: read once per export, not once per sample (an LMDB
+    output's paths are in every record's header: reading them all per sample is quadratic)."""
+    from imgpack.readers import LMDBDataset
+
+    convert(src, tmp_path / "out", "lmdb", progress=False)
+    calls = []
+    real = LMDBDataset._load_paths
+
+    def counted(self: LMDBDataset) -> list[str] | None:
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(LMDBDataset, "_load_paths", counted)
+    export(tmp_path / "out", tmp_path / "back", progress=False)
+    assert len(calls) == 1

@@ -155,6 +155,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         self._pid: int | None = None
         self._targets: list[int] | None = None
         self._samples: list[tuple[str, int]] | None = None
+        self._stored_paths: list[str] | None = None
 
     def _verify_by_default(self) -> bool:
         """Whether records are checked when ``verify`` is not given: where it costs little.
@@ -218,7 +219,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         folder the manifest records. Raises :class:`~imgpack.errors.ManifestError` for an output
         that stores no source paths (``lmdb`` outputs of imgpack 0.1)."""
         if self._samples is None:
-            paths = self._load_paths()
+            paths = self.stored_paths()
             if paths is None:
                 raise ManifestError(
                     f"{self.root}: this output stores no source paths (written by "
@@ -229,6 +230,12 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             joined = [os.path.join(base, p) for p in paths] if base else list(paths)
             self._samples = list(zip(joined, self.targets, strict=True))
         return self._samples
+
+    def stored_paths(self) -> list[str] | None:
+        """The stored source path of every sample (relative, POSIX), read once and kept."""
+        if self._stored_paths is None:
+            self._stored_paths = self._load_paths()
+        return self._stored_paths
 
     @abstractmethod
     def _load_paths(self) -> list[str] | None:
@@ -260,7 +267,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         """Samples ``start`` to ``stop`` as a writer takes them: the stored bytes as they are
         (checksums checked), with their labels, source paths, kinds and sizes. What
         ``imgpack merge`` streams from part to output for formats it cannot link."""
-        paths = self._load_paths()
+        paths = self.stored_paths()
         image = self.manifest.image
         for first in range(start, stop, chunk):
             indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
