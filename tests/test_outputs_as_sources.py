@@ -116,3 +116,23 @@ def test_a_damaged_source_record_is_named_or_skipped(
         _convert(damaged, tmp_path / "out", "pt")
     manifest = convert(damaged, tmp_path / "out", "pt", on_error="skip", progress=False)
     assert len(manifest.skipped) == 1 and "checksum mismatch" in manifest.skipped[0]["reason"]
+
+
+@pytest.fixture(scope="module")
+def raw_outputs(
+    originals: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("raw")
+    src = Path(open_dataset(originals["pt"]).manifest.source["path"])
+    return {fmt: _convert(src, base / fmt, fmt, encoding="raw", size=12) for fmt in FORMATS}
+
+
+@pytest.mark.parametrize("source", FORMATS)
+def test_raw_outputs_as_sources(source: str, raw_outputs: dict[str, Path], tmp_path: Path) -> None:
+    """Raw records are pixels whatever wraps them (a WebDataset .npy member): carried over to
+    another format's raw records, or encoded to PNG, they are the same pixels."""
+    carried = _convert(raw_outputs[source], tmp_path / "carried", "lmdb", encoding="raw", size=12)
+    assert _rows(carried) == _rows(raw_outputs[source])
+    assert _stored(carried) == _stored(raw_outputs["pt"])  # bare HWC bytes, no wrapping
+    png = _convert(raw_outputs[source], tmp_path / "png", "webdataset", encoding="png")
+    assert _rows(png)[0] == _rows(raw_outputs[source])[0]

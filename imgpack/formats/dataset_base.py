@@ -272,7 +272,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         for first in range(start, stop, chunk):
             indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
             for record in self._checked(self._records(indices)):
-                payload = bytes(record.payload)
+                payload = self._stored_bytes(record)
                 if self.manifest.encoding == "raw":
                     kind, height, width = Kind.RAW, int(image["height"]), int(image["width"])
                     channels = self.channels
@@ -283,6 +283,11 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
                         raise DataError(f"{record.where}: sample {record.index}: {exc}") from None
                 path = paths[record.index] if paths is not None else ""
                 yield Encoded(path, record.label, payload, height, width, channels, kind)
+
+    def _stored_bytes(self, record: Record) -> bytes:
+        """A record's image bytes as a writer takes them: the JPEG/PNG file, or the raw HWC
+        pixels (formats that wrap pixels, like WebDataset's ``.npy`` members, unwrap them)."""
+        return bytes(record.payload)
 
     def to_hf(self, cache_dir: str | None = None) -> Any:
         """This output as a Hugging Face ``datasets.Dataset`` (see :func:`imgpack.hf.to_hf`)."""

@@ -151,6 +151,16 @@ class WebDatasetDataset(PreadDataset):
             rows[k] = np.frombuffer(data, np.uint8, offset=head)
         return out.permute(0, 3, 1, 2), labels
 
+    def _stored_bytes(self, record: Record) -> bytes:
+        data = bytes(record.payload)
+        if not self._raw:
+            return data
+        if len(data) != len(self._npy) + int(np.prod(self._shape)) or not data.startswith(
+            self._npy
+        ):
+            raise DataError(f"{self._where(record.index)}: not a uint8 {self._shape} .npy array")
+        return data[len(self._npy) :]
+
     def _where(self, index: int) -> str:
         number = int(np.searchsorted(self._starts, index, side="right") - 1)
         return f"{self._paths[number]}: sample {index} ({layout.KEY_FORMAT % index})"
