@@ -495,6 +495,27 @@ def stored_info(payload: bytes) -> tuple[Kind, int, int, int]:
     return Kind(kind), height, width, 1 if mode == "L" else 3
 
 
+try:
+    import simplejpeg as _simplejpeg
+except ImportError:  # Pillow decodes everything then
+    _simplejpeg = None
+
+
+def _fast_jpeg(payload: bytes | memoryview, channels: int) -> np.ndarray | None:
+    """A JPEG record's pixels through simplejpeg, or ``None`` for Pillow to decide."""
+    assert _simplejpeg is not None
+    try:
+        colorspace = _simplejpeg.decode_jpeg_header(payload)[2]
+        if colorspace == "Gray":
+            gray = _simplejpeg.decode_jpeg(payload, colorspace="gray", strict=True)
+            return gray if channels == 1 else np.repeat(gray, 3, axis=2)
+        if channels == 3 and colorspace in ("YCbCr", "RGB"):
+            return _simplejpeg.decode_jpeg(payload, colorspace="rgb", strict=True)
+    except (ValueError, TypeError):
+        pass  # damaged, or a warning: Pillow gives the answer
+    return None
+
+
 def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
     """Decode a stored JPEG/PNG record into HxWxC uint8 (the reader side of the policy).
 
@@ -502,8 +523,17 @@ def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
     JPEG and PNG decoders are used, strictly (a truncated record raises), and with no pixel limit:
     the conversion applied its own.
 
+    JPEG records are decoded with libjpeg-turbo through ``simplejpeg`` (accurate DCT, fancy
+    upsampling: the same pixels as Pillow's decode, faster), strictly; anything it declines —
+    CMYK, a warning, damage — goes to Pillow, which decides (so a record decodes to the same
+    pixels, or fails the same way, with or without simplejpeg).
+
     Raises :class:`~imgpack.errors.DataError` when the bytes do not decode to 8-bit L or RGB.
     """
+    if _simplejpeg is not None and bytes(payload[:3]) == b"\xff\xd8\xff":
+        pixels = _fast_jpeg(payload, channels)
+        if pixels is not None:
+            return pixels
     try:
         with _strict(), Image.open(io.BytesIO(payload), formats=list(_KEEPABLE)) as img:
             img.load()

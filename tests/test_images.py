@@ -198,3 +198,61 @@ def test_policy_validation() -> None:
         Encoding("gif")
     with pytest.raises(OptionError, match="background"):
         parse_color("not-a-colour")
+
+
+def _pillow(data: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        return np.asarray(img)
+
+
+def test_stored_jpegs_decode_to_pillows_pixels(edge_folder: FakeFolder) -> None:
+    """decode_stored takes JPEGs through simplejpeg: exactly Pillow's pixels for every JPEG of
+    the test folder (baseline, progressive, grayscale, EXIF-tagged) and TensorFlow's reference
+    photographs; CMYK goes to Pillow (which refuses it as stored data, as before)."""
+    import imgpack.images as images
+    from imgpack.formats.tfrecord import example, framing
+
+    assert images._simplejpeg is not None  # a dependency: the fast path is what is tested
+    payloads = [
+        p.read_bytes() for p in sorted(edge_folder.root.rglob("*")) if p.is_file()
+        and p.read_bytes()[:3] == b"\xff\xd8\xff"
+    ]  # fmt: skip
+    data_dir = Path(__file__).resolve().parent / "data"
+    with framing.open_records(data_dir / "tensorflow-written-real.tfrecord") as fh:
+        for _, record in framing.iter_frames(fh, "real"):
+            encoded = example.decode_example(record)["image/encoded"][0]
+            if isinstance(encoded, bytes) and encoded[:3] == b"\xff\xd8\xff":
+                payloads.append(encoded)
+    checked = 0
+    for payload in payloads:
+        expected = _pillow(payload)
+        if expected.ndim == 3 and expected.shape[2] == 4:  # CMYK: not a storable record
+            with pytest.raises(DataError):
+                decode_stored(payload, 3)
+            continue
+        gray = expected.ndim == 2
+        got = decode_stored(payload, 3)
+        want = np.repeat(expected[:, :, None], 3, axis=2) if gray else expected
+        assert np.array_equal(got, want)
+        if gray:
+            assert np.array_equal(decode_stored(payload, 1)[:, :, 0], expected)
+        checked += 1
+    assert checked >= 6
+
+
+def test_a_jpeg_simplejpeg_declines_is_decided_by_pillow() -> None:
+    import simplejpeg
+
+    rng = np.random.default_rng(2)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(out, format="JPEG")
+    data = out.getvalue()
+    # Entropy data cut short, then EOI: libjpeg warns ("premature end of data segment"),
+    # simplejpeg's strict mode refuses, Pillow decodes; the record reads as Pillow decodes it.
+    warned = data[: len(data) * 2 // 3] + b"\xff\xd9"
+    with pytest.raises(ValueError, match="premature end of data segment"):
+        simplejpeg.decode_jpeg(warned, strict=True)
+    assert np.array_equal(decode_stored(warned, 3), _pillow(warned))
+    with pytest.raises(DataError, match="cannot decode stored image"):
+        decode_stored(data[: len(data) // 2], 3)  # truncated: refused by both
