@@ -92,7 +92,11 @@ def _user_facing(exc: Exception) -> Exception:
 
 #: The user-facing errors whose tracebacks a DataLoader worker sends are shown as one line.
 _USER_ERRORS = {
-    *(f"imgpack.errors.{name}" for name in dir(errors) if not name.startswith("_")),
+    *(
+        f"imgpack.errors.{cls.__name__}"
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, ImgpackError)
+    ),
     "FileNotFoundError",
     "PermissionError",
     "IsADirectoryError",

@@ -23,10 +23,9 @@ from tqdm import tqdm
 
 from imgpack.errors import DataError, ImgpackError, OptionError
 from imgpack.formats.dataset_base import ImageDataset
-from imgpack.images import Kind, encode_pixels
-from imgpack.manifest import MANIFEST_NAME
+from imgpack.images import Encoded, Kind, encode_pixels
 from imgpack.options import ON_ERROR
-from imgpack.pipeline import temp_output
+from imgpack.pipeline import check_destination, temp_output
 from imgpack.publishing import locked, publish, recover
 from imgpack.readers import open_dataset
 
@@ -67,7 +66,7 @@ def export(
         raise OptionError(f"{target}: must not be the output or inside it")
     with locked(target):
         recover(target, holding_lock=True)
-        _check_target(target, overwrite)
+        check_destination(target, overwrite, EXPORT_MARKER, "an imgpack export")
         with temp_output(target) as tmp:
             result = _write(ds, tmp, on_error, progress)
             marker = {
@@ -80,23 +79,6 @@ def export(
             publish(tmp, target, replace=overwrite)
     result.folder = target
     return result
-
-
-def _check_target(target: Path, overwrite: bool) -> None:
-    if not (target.exists() or target.is_symlink()):
-        return
-    if not overwrite:
-        raise FileExistsError(f"{target}: already exists (use --overwrite to replace an export)")
-    if (
-        target.is_symlink()
-        or not target.is_dir()
-        or ((target / MANIFEST_NAME).exists())
-        or not ((target / EXPORT_MARKER).is_file() or not any(target.iterdir()))
-    ):
-        raise FileExistsError(
-            f"{target}: exists and is not an imgpack export; refusing to replace it even with "
-            "--overwrite (remove it yourself if that is what you want)"
-        )
 
 
 def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Exported:
@@ -136,7 +118,6 @@ def _file(
     sample: object, class_name: str, source: str | None, index: int
 ) -> tuple[str, bytes, bool]:
     """``(relative name, bytes, kept)`` of one sample in the exported folder."""
-    from imgpack.images import Encoded
 
     assert isinstance(sample, Encoded)
     parts = PurePosixPath(source).parts if source else ()

@@ -27,8 +27,7 @@ from imgpack.errors import ImageError, OptionError, ScanError
 from imgpack.executors import Job
 from imgpack.folder import Sample, Scan
 from imgpack.images import Encoded, Kind, encode_pixels, process_bytes
-
-_datasets: dict[tuple[str, int], Any] = {}
+from imgpack.sources import per_process
 
 
 def import_datasets() -> Any:
@@ -111,9 +110,12 @@ def scan_dataset(
     label = column(ds.features, label_column, "ClassLabel")
     labels = [int(v) for v in ds[label]]
     names = class_names(ds.features, label, labels)
+    # The file names only, straight from the arrow column: the image bytes stay on disk.
+    import pyarrow.compute as pc  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
     files = [
-        os.path.basename(item["path"]) if item and item.get("path") else None
-        for item in ds.select_columns([image]).with_format(None)[image]
+        os.path.basename(path) if path else None
+        for path in pc.struct_field(ds.data.column(image), "path").to_pylist()
     ]
     unique = len({f for f in files if f}) == len(files)
     paths = [
@@ -145,10 +147,8 @@ def fetch(job: Job, sample: Sample) -> Encoded:
     """One row's image through the image policy (in a conversion worker); ``job.root`` is
     ``<image column>:<dataset folder>``."""
     column, _, root = job.root.partition(":")
-    key = (root, os.getpid())
-    if key not in _datasets:
-        _datasets[key] = load(Path(root), column)[0]
-    item = _datasets[key][sample.index][column]
+    dataset = per_process(("hf", job.root), lambda: load(Path(root), column)[0])
+    item = dataset[sample.index][column]
     data = item.get("bytes") if item else None
     if not data:
         where = item.get("path") if item else None

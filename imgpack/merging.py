@@ -73,48 +73,51 @@ def merge(
 
 def check_parts(roots: list[Path], manifests: list[Manifest]) -> list[tuple[Path, Manifest]]:
     """The parts in order, once each checked to be exactly the parts of one conversion."""
+    slices: list[dict[str, int]] = []
     for root, manifest in zip(roots, manifests, strict=True):
         if manifest.part is None:
             raise OptionError(
                 f"{root}: not a part of a partitioned conversion (made without --num-parts)"
             )
+        slices.append(manifest.part)
     first_root, first = roots[0], manifests[0]
-    for root, manifest in zip(roots[1:], manifests[1:], strict=True):
+    count = slices[0]["count"]
+    for root, manifest, part in zip(roots[1:], manifests[1:], slices[1:], strict=True):
         for name in SHARED:
             if getattr(manifest, name) != getattr(first, name):
                 raise OptionError(
                     f"{root} and {first_root} are parts of different conversions (their {name} "
                     "differ); merge the parts of one conversion"
                 )
-        if manifest.part["count"] != first.part["count"]:  # type: ignore[index]
+        if part["count"] != count:
             raise OptionError(
-                f"{root} is part of {manifest.part['count']} and {first_root} of "  # type: ignore[index]
-                f"{first.part['count']}: parts of different conversions"  # type: ignore[index]
+                f"{root} is part of {part['count']} and {first_root} of {count}: parts of "
+                "different conversions"
             )
-    count = first.part["count"]  # type: ignore[index]
     by_index: dict[int, Path] = {}
-    for root, manifest in zip(roots, manifests, strict=True):
-        index = manifest.part["index"]  # type: ignore[index]
-        if index in by_index:
-            raise OptionError(f"part {index} of {count} is given twice: {by_index[index]}, {root}")
-        by_index[index] = root
+    for root, part in zip(roots, slices, strict=True):
+        if part["index"] in by_index:
+            raise OptionError(
+                f"part {part['index']} of {count} is given twice: {by_index[part['index']]}, {root}"
+            )
+        by_index[part["index"]] = root
     missing = sorted(set(range(count)) - set(by_index))
     if missing:
         raise OptionError(
             f"part(s) {', '.join(map(str, missing))} of {count} missing (given: "
             f"{', '.join(map(str, sorted(by_index)))}); merge all {count} parts"
         )
-    ordered = sorted(zip(roots, manifests, strict=True), key=lambda rm: rm[1].part["index"])  # type: ignore[index]
+    order = sorted(range(len(roots)), key=lambda k: slices[k]["index"])
     stop = 0
-    for root, manifest in ordered:
-        part = manifest.part
-        assert part is not None
-        if part["start"] != stop:
-            raise OptionError(f"{root}: its slice of the scan does not follow the previous part's")
-        stop = part["stop"]
+    for k in order:
+        if slices[k]["start"] != stop:
+            raise OptionError(
+                f"{roots[k]}: its slice of the scan does not follow the previous part's"
+            )
+        stop = slices[k]["stop"]
     if stop != first.source.get("image_files", stop):
         raise OptionError(f"the parts cover {stop} of {first.source['image_files']} source files")
-    return ordered
+    return [(roots[k], manifests[k]) for k in order]
 
 
 def _join(

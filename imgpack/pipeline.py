@@ -163,9 +163,10 @@ class Plan:
         digest.update(json.dumps(head, sort_keys=True).encode())
         root = str(self.src)
         for sample in self.scan.samples:
+            # A folder's files are stat'ed; other sources' contents are in the origin already.
             try:
-                st = os.stat(f"{root}/{sample.path}")
-                stamp = f"{st.st_size}:{st.st_mtime_ns}"
+                st = os.stat(f"{root}/{sample.path}") if not self.reader else None
+                stamp = f"{st.st_size}:{st.st_mtime_ns}" if st else "-"
             except OSError:
                 stamp = "-"  # the file fails when it is read
             line = f"{sample.label}\t{stamp}\t{sample.path}\n"
@@ -671,20 +672,22 @@ def _check_paths(src: Path, dst: Path, overwrite: bool, folder: bool = True) -> 
     check_destination(dst, overwrite)
 
 
-def check_destination(dst: Path, overwrite: bool) -> None:
-    """``dst`` may be written: it does not exist, or ``overwrite`` and it is an imgpack output
-    (or an empty folder)."""
+def check_destination(
+    dst: Path, overwrite: bool, marker: str = MANIFEST_NAME, what: str = "an imgpack output"
+) -> None:
+    """``dst`` may be written: it does not exist, or ``overwrite`` and it is ``what`` (a folder
+    holding the file ``marker``) or an empty folder."""
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise FileExistsError(f"{dst}: already exists (use --overwrite to replace it)")
         replaceable = (
             dst.is_dir()
             and not dst.is_symlink()
-            and ((dst / MANIFEST_NAME).is_file() or not any(dst.iterdir()))
+            and ((dst / marker).is_file() or not any(dst.iterdir()))
         )
         if not replaceable:
             raise FileExistsError(
-                f"{dst}: exists and is not an imgpack output; refusing to replace it even with "
+                f"{dst}: exists and is not {what}; refusing to replace it even with "
                 "--overwrite (remove it yourself if that is what you want)"
             )
 

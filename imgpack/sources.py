@@ -20,8 +20,9 @@ The new manifest's ``source`` records where the samples came from, and the sourc
 
 from __future__ import annotations
 
-import glob
 import os
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,8 @@ from imgpack.errors import DataError, ImageError, ScanError
 from imgpack.executors import Job
 from imgpack.folder import Sample, Scan
 from imgpack.formats.dataset_base import ImageDataset
-from imgpack.images import Encoded, ImagePolicy, Kind, process_bytes, process_pixels
+from imgpack.images import Encoded, Kind, process_bytes, process_pixels
 from imgpack.manifest import MANIFEST_NAME
-
-#: Reader per (source, pid), opened on first use in each worker.
-_readers: dict[tuple[str, int], ImageDataset] = {}
 
 
 def is_output(src: Path) -> bool:
@@ -43,20 +41,17 @@ def is_output(src: Path) -> bool:
 
 
 def tfrecord_files(src: str | os.PathLike[str]) -> list[Path] | None:
-    """The TFRecord files ``src`` names (a file, a folder holding them, a glob), or ``None``
-    when it names none."""
-    text = os.fspath(src)
-    if any(ch in text for ch in "*?["):
-        found = [Path(p) for p in sorted(glob.glob(text))]
-    elif Path(text).is_dir():
-        found = sorted(
-            p
-            for p in Path(text).iterdir()
-            if p.is_file() and p.suffix in (".tfrecord", ".tfrecords")
-        )
-    else:
-        found = [Path(text)] if Path(text).suffix in (".tfrecord", ".tfrecords") else []
-    return [p for p in found if p.is_file()] or None
+    """The TFRecord files ``src`` names (a folder holding ``*.tfrecord`` files, a glob, or a
+    ``.tfrecord`` file), or ``None`` when it names none."""
+    from imgpack.formats.tfrecord.reader import tfrecord_files as files_of
+
+    path = Path(src)
+    if path.is_file() and path.suffix not in (".tfrecord", ".tfrecords"):
+        return None  # a single file is taken for a TFRecord only by its name
+    try:
+        return files_of(src)
+    except FileNotFoundError:
+        return None
 
 
 def scan_source(src: Path, classes: list[str] | None) -> tuple[Scan, str]:
@@ -83,7 +78,7 @@ def scan_source(src: Path, classes: list[str] | None) -> tuple[Scan, str]:
     else:
         from imgpack.formats.tfrecord.reader import TFRecordDataset
 
-        ds = TFRecordDataset([str(p) for p in tfrecord_files(src) or []])
+        ds = TFRecordDataset(str(src))  # as fetch_tfrecord opens it: the same files, in order
         manifest = ds.manifest
         reader = "tfrecord"
         origin = {"format": "tfrecord", "foreign": True, "files": len(manifest.files)}
@@ -136,73 +131,51 @@ def fetch_stored(job: Job, sample: Sample) -> Encoded:
     """One sample of an imgpack output, carried over or re-encoded (see the module doc); runs in
     a conversion worker. ``job.root`` is ``"carry:"`` or ``"encode:"`` and the output's path."""
     mode, _, root = job.root.partition(":")
-    ds = _reader(root, "output")
+    ds = per_process(("output", root), lambda: _open_output(root))
     try:
         stored = next(ds.encoded(sample.index, sample.index + 1))
     except DataError as exc:
         raise ImageError(sample.path, f"damaged record in the source output: {exc}") from None
-    stored = Encoded(
-        sample.path,
-        sample.label,
-        stored.payload,
-        stored.height,
-        stored.width,
-        stored.channels,
-        stored.kind,
-    )
+    stored = replace(stored, path=sample.path, label=sample.label)
     if mode == "carry":
         return stored
-    return _reencode(stored, job.policy, job)
-
-
-def fetch_tfrecord(job: Job, sample: Sample) -> Encoded:
-    """One record of TFRecord files, through the image policy; runs in a conversion worker."""
-    ds = _reader(job.root, "tfrecord")
-    try:
-        [(_, frame, where)] = list(ds._frames(np.array([sample.index], np.int64)))
-        features = _features(frame, where)
-    except DataError as exc:
-        raise ImageError(sample.path, f"damaged record: {exc}") from None
-    encoded = features.get("image/encoded")
-    if not encoded or not isinstance(encoded[0], bytes):
-        raise ImageError(sample.path, "record has no image/encoded bytes")
-    fmt = (features.get("image/format") or [b""])[0]
-    if fmt == Kind.RAW.value.encode():
-        dims = [int(features[k][0]) for k in ("image/height", "image/width", "image/channels")]
-        pixels = np.frombuffer(encoded[0], np.uint8).reshape(dims)
-        return process_pixels(pixels, sample.path, sample.label, job.policy, job.encoding)
-    return process_bytes(encoded[0], sample.path, sample.label, job.policy, job.encoding)
-
-
-def _features(frame: Any, where: str) -> dict[str, Any]:
-    from imgpack.formats.tfrecord import example
-
-    try:
-        return dict(example.decode_example(frame))
-    except DataError as exc:
-        raise DataError(f"{where}: {exc}") from None
-
-
-def _reencode(stored: Encoded, policy: ImagePolicy, job: Job) -> Encoded:
     if stored.kind is Kind.RAW:
         pixels = np.frombuffer(stored.payload, np.uint8).reshape(
             stored.height, stored.width, stored.channels
         )
-        return process_pixels(pixels, stored.path, stored.label, policy, job.encoding)
-    return process_bytes(stored.payload, stored.path, stored.label, policy, job.encoding)
+        return process_pixels(pixels, stored.path, stored.label, job.policy, job.encoding)
+    return process_bytes(stored.payload, stored.path, stored.label, job.policy, job.encoding)
 
 
-def _reader(root: str, kind: str) -> Any:
-    key = (root, os.getpid())
-    reader = _readers.get(key)
-    if reader is None:
-        if kind == "output":
-            from imgpack.readers import open_dataset
+def fetch_tfrecord(job: Job, sample: Sample) -> Encoded:
+    """One record of TFRecord files, through the image policy; runs in a conversion worker."""
+    from imgpack.formats.tfrecord.reader import TFRecordDataset, stored_image
 
-            reader = open_dataset(root, verify=True)
-        else:
-            from imgpack.formats.tfrecord.reader import TFRecordDataset
+    ds = per_process(("tfrecord", job.root), lambda: TFRecordDataset(job.root))
+    try:
+        features, where = ds.record(sample.index)
+        payload, shape = stored_image(features, where)
+    except DataError as exc:
+        raise ImageError(sample.path, f"damaged record: {exc}") from None
+    if shape is not None:
+        pixels = np.frombuffer(payload, np.uint8).reshape(shape)
+        return process_pixels(pixels, sample.path, sample.label, job.policy, job.encoding)
+    return process_bytes(payload, sample.path, sample.label, job.policy, job.encoding)
 
-            reader = TFRecordDataset([str(p) for p in tfrecord_files(root) or []])
-        _readers[key] = reader
-    return reader
+
+#: Readers (and datasets) a worker opened, by source: opened once per source, not per sample.
+#: A forked worker inherits the parent's entries; readers reopen their handles after a fork.
+_opened: dict[tuple[str, str], Any] = {}
+
+
+def per_process(key: tuple[str, str], open_it: Callable[[], Any]) -> Any:
+    """The object opened for ``key`` in this process, opened by ``open_it`` the first time."""
+    if key not in _opened:
+        _opened[key] = open_it()
+    return _opened[key]
+
+
+def _open_output(root: str) -> ImageDataset:
+    from imgpack.readers import open_dataset
+
+    return open_dataset(root, verify=True)

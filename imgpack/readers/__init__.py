@@ -53,11 +53,14 @@ def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
 
 
 def _holds_tfrecords(folder: Path) -> bool:
+    from imgpack.formats.tfrecord.reader import tfrecord_files
+
     if folder.is_file():
         return folder.suffix in (".tfrecord", ".tfrecords")
-    return folder.is_dir() and any(
-        p.suffix in (".tfrecord", ".tfrecords") for p in folder.iterdir() if p.is_file()
-    )
+    try:
+        return bool(tfrecord_files(folder))
+    except FileNotFoundError:
+        return False
 
 
 def _readers() -> dict[str, str]:

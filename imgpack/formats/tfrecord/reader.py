@@ -174,29 +174,32 @@ class Records:
         self, data: memoryview, where: str, decode: bool = True
     ) -> tuple[np.ndarray | None, int]:
         """``(HWC uint8 pixels, label)`` of one record's data."""
-        features = _parse(data, where)
-        self.check_output(features, where)
-        label = _label(features, where) - self.label_offset
-        if not 0 <= label < len(self.manifest.classes):
-            raise DataError(f"{where}: label {label} outside 0..{len(self.manifest.classes) - 1}")
+        features = self.features(data, where)
+        label = self.label(features, where)
         if not decode:
             return None, label
-        encoded = features.get("image/encoded")
-        if not encoded or not isinstance(encoded[0], bytes):
-            raise DataError(f"{where}: no image/encoded bytes")
-        payload = encoded[0]
-        fmt = features.get("image/format") or [b""]
+        payload, shape = stored_image(features, where)
         try:
-            if fmt[0] == Kind.RAW.value.encode():
-                shape = tuple(
-                    int(features[k][0]) for k in ("image/height", "image/width", "image/channels")
-                )
+            if shape is not None:
                 return np.frombuffer(payload, np.uint8).reshape(shape), label
             if self.foreign:
                 return apply_policy(payload, where, self.policy)[0], label
             return decode_stored(payload, self.channels), label
         except (DataError, ImageError, KeyError, ValueError) as exc:
             raise DataError(f"{where}: {exc}") from None
+
+    def features(self, data: memoryview, where: str) -> dict[str, example.FeatureValue]:
+        """A record's parsed features, its output id checked."""
+        features = _parse(data, where)
+        self.check_output(features, where)
+        return features
+
+    def label(self, features: dict[str, example.FeatureValue], where: str) -> int:
+        """A record's label (``label_offset`` taken off), checked against the label map."""
+        label = _label(features, where) - self.label_offset
+        if not 0 <= label < len(self.manifest.classes):
+            raise DataError(f"{where}: label {label} outside 0..{len(self.manifest.classes) - 1}")
+        return label
 
     def check_output(self, features: dict[str, example.FeatureValue], where: str) -> None:
         """Refuse a record of another output than the manifest this reader read (the output was
@@ -242,6 +245,35 @@ class Records:
                             data, f"{shard.path} at offset {offset}", decode
                         )
                         yield number, record, pixels, label
+
+
+def stored_image(
+    features: dict[str, example.FeatureValue], where: str
+) -> tuple[bytes, tuple[int, int, int] | None]:
+    """A record's ``image/encoded`` bytes, and their ``(height, width, channels)`` when they
+    are raw pixels (``image/format`` ``RAW``)."""
+    encoded = features.get("image/encoded")
+    if not encoded or not isinstance(encoded[0], bytes):
+        raise DataError(f"{where}: no image/encoded bytes")
+    if (features.get("image/format") or [b""])[0] != Kind.RAW.value.encode():
+        return encoded[0], None
+    try:
+        height, width, channels = (
+            int(features[k][0]) for k in ("image/height", "image/width", "image/channels")
+        )
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise DataError(
+            f"{where}: a RAW record needs image/height, image/width and image/channels"
+        ) from None
+    if len(encoded[0]) != height * width * channels:
+        raise DataError(f"{where}: RAW image/encoded is not {height}x{width}x{channels} bytes")
+    return encoded[0], (height, width, channels)
+
+
+def tfrecord_files(source: Source) -> list[Path]:
+    """The TFRecord files ``source`` names: files, folders (their ``*.tfrecord`` files) and
+    globs, in order; ``FileNotFoundError`` when one names nothing."""
+    return _record_files(_resolve(source))
 
 
 def _resolve(source: Source) -> list[Path]:
@@ -342,6 +374,11 @@ class TFRecordDataset(PreadDataset):
     def _check_shard(self, number: int, fd: int) -> None:
         self.records.check_first(number, fd)
 
+    def record(self, index: int) -> tuple[dict[str, example.FeatureValue], str]:
+        """Record ``index``'s parsed features (frame CRCs and output id checked) and where it is."""
+        [(_, frame, where)] = list(self._frames(self._indices([index])))
+        return self.records.features(frame, where), where
+
     def encoded(self, start: int, stop: int, chunk: int = 256) -> Iterator[Encoded]:
         """As :meth:`ImageDataset.encoded`: each record's ``image/encoded`` bytes as stored,
         with its label, ``image/filename``, format and size (the frame CRCs checked)."""
@@ -349,25 +386,17 @@ class TFRecordDataset(PreadDataset):
             indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
             found: list[Encoded | None] = [None] * len(indices)
             for pos, frame, where in self._frames(indices):
-                features = _parse(frame, where)
-                self.records.check_output(features, where)
-                label = _label(features, where) - self.records.label_offset
-                encoded = features.get("image/encoded")
-                if not encoded or not isinstance(encoded[0], bytes):
-                    raise DataError(f"{where}: no image/encoded bytes")
-                payload = encoded[0]
+                features = self.records.features(frame, where)
+                label = self.records.label(features, where)
+                payload, shape = stored_image(features, where)
                 names = features.get("image/filename") or [b""]
                 path = (
                     names[0].decode("utf-8", "surrogateescape")
                     if isinstance(names[0], bytes)
                     else ""
                 )
-                if (features.get("image/format") or [b""])[0] == Kind.RAW.value.encode():
-                    dims = [
-                        int(features[k][0])
-                        for k in ("image/height", "image/width", "image/channels")
-                    ]
-                    found[pos] = Encoded(path, label, payload, dims[0], dims[1], dims[2], Kind.RAW)
+                if shape is not None:
+                    found[pos] = Encoded(path, label, payload, *shape, Kind.RAW)
                     continue
                 try:
                     kind, height, width, channels = stored_info(payload)
