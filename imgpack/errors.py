@@ -56,3 +56,7 @@ class Terminated(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+class PerformanceWarning(UserWarning):
+    """A setting that reads an output slower than another would (the message says which)."""

@@ -36,7 +36,7 @@ import os
 import re
 import stat
 import struct
-import warnings
+import threading
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -190,20 +190,48 @@ class Encoded:
     kind: Kind
 
 
+_strict_lock = threading.Lock()
+_strict_users = 0
+_strict_saved: tuple[int | None, bool] = (None, False)
+
+
 @contextmanager
-def _strict() -> Iterator[None]:
+def strict_pillow() -> Iterator[None]:
     """Pillow as imgpack needs it, whatever the caller set: a truncated image raises (a training
     script's ``ImageFile.LOAD_TRUNCATED_IMAGES = True`` must not turn validation off), and
-    imgpack's own pixel limit decides instead of Pillow's global one."""
-    saved = Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES
-    Image.MAX_IMAGE_PIXELS = None
-    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    imgpack's own pixel limit decides instead of Pillow's global one (with no limit set, Pillow
+    warns of no decompression bomb either).
+
+    Those are Pillow's globals: decode threads enter this together, so the first to enter saves
+    them and the last to leave puts them back (saving and restoring in each thread would leave
+    the limit off when two overlap)."""
+    global _strict_users, _strict_saved
+    with _strict_lock:
+        if _strict_users == 0:
+            _strict_saved = Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES
+            Image.MAX_IMAGE_PIXELS = None
+            ImageFile.LOAD_TRUNCATED_IMAGES = False
+        _strict_users += 1
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            yield
+        yield
     finally:
-        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = saved
+        with _strict_lock:
+            _strict_users -= 1
+            if _strict_users == 0:
+                Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = _strict_saved
+
+
+def _strict_after_fork() -> None:
+    """In a child forked while a decode thread was inside :func:`strict_pillow`: that thread
+    does not exist here, so put Pillow's globals back and start over with a new lock."""
+    global _strict_lock, _strict_users
+    if _strict_users:
+        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = _strict_saved
+    _strict_lock, _strict_users = threading.Lock(), 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_strict_after_fork)
 
 
 _PNG_CHUNK = struct.Struct(">I4s")
@@ -302,7 +330,7 @@ def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str
             "expected JPEG, PNG, GIF, BMP, TIFF, WEBP or PPM data",
         )
     try:
-        with _strict():
+        with strict_pillow():
             img = Image.open(io.BytesIO(data), formats=[kind])
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...)
         raise ImageError(path, f"cannot decode {kind} data: {describe(exc)}") from None
@@ -324,7 +352,7 @@ def _load(img: Image.Image, kind: str, path: str, draft: bool = False) -> None:
     half the time. For checking a file whose bytes are kept, not for its pixels.
     """
     try:
-        with _strict():
+        with strict_pillow():
             if draft and kind == "JPEG":
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
             img.load()
@@ -487,64 +515,9 @@ def stored_info(payload: bytes) -> tuple[Kind, int, int, int]:
     if kind not in _KEEPABLE:
         raise DataError(f"stored record is not JPEG or PNG data (first bytes {payload[:8]!r})")
     try:
-        with _strict(), Image.open(io.BytesIO(payload), formats=[kind]) as img:
+        with strict_pillow(), Image.open(io.BytesIO(payload), formats=[kind]) as img:
             width, height = img.size
             mode = img.mode
     except Exception as exc:
         raise DataError(f"cannot read the stored image's header: {describe(exc)}") from None
     return Kind(kind), height, width, 1 if mode == "L" else 3
-
-
-try:
-    import simplejpeg as _simplejpeg
-except ImportError:  # Pillow decodes everything then
-    _simplejpeg = None
-
-
-def _fast_jpeg(payload: bytes | memoryview, channels: int) -> np.ndarray | None:
-    """A JPEG record's pixels through simplejpeg, or ``None`` for Pillow to decide."""
-    assert _simplejpeg is not None
-    try:
-        colorspace = _simplejpeg.decode_jpeg_header(payload)[2]
-        if colorspace == "Gray":
-            gray = _simplejpeg.decode_jpeg(payload, colorspace="gray", strict=True)
-            return gray if channels == 1 else np.repeat(gray, 3, axis=2)
-        if channels == 3 and colorspace in ("YCbCr", "RGB"):
-            return _simplejpeg.decode_jpeg(payload, colorspace="rgb", strict=True)
-    except (ValueError, TypeError):
-        pass  # damaged, or a warning: Pillow gives the answer
-    return None
-
-
-def decode_stored(payload: bytes | memoryview, channels: int) -> np.ndarray:
-    """Decode a stored JPEG/PNG record into HxWxC uint8 (the reader side of the policy).
-
-    The array may be read-only: copy it (or into a batch) before handing it to torch. Only the
-    JPEG and PNG decoders are used, strictly (a truncated record raises), and with no pixel limit:
-    the conversion applied its own.
-
-    JPEG records are decoded with libjpeg-turbo through ``simplejpeg`` (accurate DCT, fancy
-    upsampling: the same pixels as Pillow's decode, faster), strictly; anything it declines —
-    CMYK, a warning, damage — goes to Pillow, which decides (so a record decodes to the same
-    pixels, or fails the same way, with or without simplejpeg).
-
-    Raises :class:`~imgpack.errors.DataError` when the bytes do not decode to 8-bit L or RGB.
-    """
-    if _simplejpeg is not None and bytes(payload[:3]) == b"\xff\xd8\xff":
-        pixels = _fast_jpeg(payload, channels)
-        if pixels is not None:
-            return pixels
-    try:
-        with _strict(), Image.open(io.BytesIO(payload), formats=list(_KEEPABLE)) as img:
-            img.load()
-            mode = img.mode
-            pixels = np.asarray(img)  # one copy out of Pillow; read-only
-    except Exception as exc:
-        raise DataError(f"cannot decode stored image: {describe(exc)}") from None
-    if mode == "L":
-        return pixels[:, :, None] if channels == 1 else np.repeat(pixels[:, :, None], 3, axis=2)
-    if mode == "RGB" and channels == 3:
-        return pixels
-    raise DataError(
-        f"stored image decodes to mode {mode}, expected {'L' if channels == 1 else 'RGB or L'}"
-    )

@@ -8,13 +8,13 @@ import pytest
 from conftest import FakeFolder, png_bytes, reference_pixels
 from PIL import Image
 
+from imgpack.decoding import decode_stored
 from imgpack.errors import DataError, ImageError, OptionError
 from imgpack.images import (
     Encoding,
     ImagePolicy,
     Kind,
     apply_policy,
-    decode_stored,
     parse_color,
     process_file,
     sniff,
@@ -210,10 +210,10 @@ def test_stored_jpegs_decode_to_pillows_pixels(edge_folder: FakeFolder) -> None:
     """decode_stored takes JPEGs through simplejpeg: exactly Pillow's pixels for every JPEG of
     the test folder (baseline, progressive, grayscale, EXIF-tagged) and TensorFlow's reference
     photographs; CMYK goes to Pillow (which refuses it as stored data, as before)."""
-    import imgpack.images as images
+    import imgpack.decoding as decoding
     from imgpack.formats.tfrecord import example, framing
 
-    assert images._simplejpeg is not None  # a dependency: the fast path is what is tested
+    assert decoding._simplejpeg is not None  # a dependency: the fast path is what is tested
     payloads = [
         p.read_bytes() for p in sorted(edge_folder.root.rglob("*")) if p.is_file()
         and p.read_bytes()[:3] == b"\xff\xd8\xff"

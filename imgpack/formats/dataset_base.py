@@ -14,24 +14,42 @@ pairs that torch's default collate accepts, which also carries the gathered tens
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import mmap
 import os
 import stat
+import time
+import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from imgpack.checksum import record_crc
-from imgpack.errors import DataError, ImgpackError, ManifestError
-from imgpack.images import Encoded, Kind, decode_stored, stored_info
+from imgpack.decoding import Decoder
+from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
+from imgpack.decoding import new_batch_tensor as new_batch_tensor
+from imgpack.errors import DataError, ImgpackError, ManifestError, PerformanceWarning
+from imgpack.handover import Handover, in_worker
+from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.manifest import Manifest, file_problem, read_manifest
+from imgpack.units import parse_image_size
 
 Images = torch.Tensor | list[torch.Tensor]
+
+
+class _Keep:
+    """The default of :meth:`ImageDataset.with_options`: keep the current setting."""
+
+
+_KEEP = _Keep()
+_D = TypeVar("_D", bound="ImageDataset")
 
 
 class Batch(Sequence[tuple[torch.Tensor, Any]]):
@@ -60,6 +78,24 @@ class Batch(Sequence[tuple[torch.Tensor, Any]]):
         label = self.labels[index]
         return self.images[index], int(label) if isinstance(label, torch.Tensor) else label
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # From a DataLoader worker every tensor travels as a shared-memory file whose descriptor
+        # the main process fetches in a round trip of its own: the labels (a few hundred bytes)
+        # travel inline as a NumPy array instead, one round trip per batch fewer.
+        labels = self.labels.numpy() if isinstance(self.labels, torch.Tensor) else self.labels
+        return _rebuild_batch, (self.images, labels)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        # What torch's default collate walks (twice): one C++ call for all the image views and
+        # one for all the labels, instead of a Python __getitem__ per sample.
+        images = self.images.unbind(0) if isinstance(self.images, torch.Tensor) else self.images
+        labels = self.labels.tolist() if isinstance(self.labels, torch.Tensor) else self.labels
+        return zip(images, labels, strict=True)
+
+
+def _rebuild_batch(images: Images | list[Any], labels: np.ndarray | list[Any]) -> Batch:
+    return Batch(images, torch.from_numpy(labels) if isinstance(labels, np.ndarray) else labels)
+
 
 def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
     """``collate_fn`` for imgpack readers: ``(images, labels)`` from a batch.
@@ -83,29 +119,7 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
         images = torch.stack(images, out=out)
     if isinstance(labels, list) and all(isinstance(label, int) for label in labels):
         labels = torch.tensor(labels, dtype=torch.int64)
-    return images, labels
-
-
-def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """An uninitialised tensor for a batch; in a DataLoader worker, allocated in shared memory
-    so that sending it to the main process costs no extra copy (as torch's default collate does)."""
-    try:
-        if get_worker_info() is None:
-            return torch.empty(tuple(shape), dtype=dtype)
-        return _shared_tensor(shape, dtype)
-    except (RuntimeError, MemoryError) as exc:
-        raise DataError(
-            f"cannot allocate a batch of shape {tuple(shape)}: {str(exc).splitlines()[0]}"
-        ) from None
-
-
-def _shared_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    numel = int(np.prod(shape))
-    try:  # what torch's default collate does in workers
-        storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel, device="cpu")
-        return torch.empty(0, dtype=dtype).new(storage).resize_(*shape)
-    except AttributeError:  # a torch without these internals: one extra copy, still correct
-        return torch.empty(tuple(shape), dtype=dtype).share_memory_()
+    return Handover((images, labels)) if in_worker() else (images, labels)
 
 
 class ImageDataset(Dataset[tuple[Any, Any]]):
@@ -121,6 +135,12 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     image decode; not raw pixels). A mismatch raises :class:`~imgpack.errors.DataError` naming
     the file, the sample and its source path.
 
+    ``size``: ``N`` or ``(H, W)`` resizes every image on read (``resize``: ``crop``, the
+    default, or ``stretch``, bilinear, as the conversion's ``--size``); a JPEG is decoded at the
+    largest DCT scale that still covers the size first (:mod:`imgpack.decoding`).
+    ``decode_threads``: threads that decode a batch of encoded images (default: this process's
+    share of the usable CPUs, so DataLoader workers and threads do not oversubscribe them).
+
     Opening checks the manifest against the files (each a regular file of the recorded size,
     sample counts adding up), so a truncated or swapped file is refused before it is mapped.
     """
@@ -134,6 +154,9 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         target_transform: Callable[[int], Any] | None = None,
         manifest: Manifest | None = None,
         verify: bool | None = None,
+        size: int | tuple[int, int] | str | None = None,
+        resize: str = "crop",
+        decode_threads: int | None = None,
     ) -> None:
         self.root = Path(root)
         # A reader of files imgpack did not write passes a manifest it built itself.
@@ -151,6 +174,11 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         self.transform = transform
         self.target_transform = target_transform
         self.channels: int = int(self.manifest.image.get("channels", 3))
+        self.size_policy = (
+            ImagePolicy(size=parse_image_size(size), resize=resize) if size is not None else None
+        )
+        self.decoder = Decoder(self.channels, self.size_policy, decode_threads)
+        self._fetches = 0  # batches gathered in this process (the steering note's clock)
         self._handles: Any = None
         self._pid: int | None = None
         self._targets: list[int] | None = None
@@ -184,6 +212,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         state = self.__dict__.copy()
         state["_handles"] = None
         state["_pid"] = None
+        state["_fetches"] = 0
         return state
 
     def __del__(self) -> None:
@@ -324,8 +353,74 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             raise IndexError(f"index {bad} is out of range for {self.root} ({n} samples)")
         return np.where(idx < 0, idx + n, idx)
 
+    def _decode(
+        self, payloads: Sequence[bytes | memoryview], where: Callable[[int], str]
+    ) -> Images:
+        """A batch of stored JPEG/PNG payloads decoded by this reader's decoder (its threads
+        and ``size``); ``where(k)`` names the k-th one in errors."""
+        return self.decoder.batch(payloads, where)
+
+    def memory_mapped(self) -> bool:
+        """Whether a batch of this output is gathered from memory-mapped raw pixels: one memory
+        copy, cheaper than handing the batch from a DataLoader worker to the training process."""
+        return False
+
+    def with_options(
+        self: _D,
+        *,
+        size: int | tuple[int, int] | str | _Keep | None = _KEEP,
+        resize: str = "crop",
+        decode_threads: int | _Keep | None = _KEEP,
+    ) -> _D:
+        """A copy of this reader (same files, nothing reopened until used) with other ``size``
+        (and ``resize``) or ``decode_threads``; what is not given stays."""
+        other = copy.copy(self)
+        other.__dict__.update(self.__getstate__())  # no handles of this process shared
+        if not isinstance(size, _Keep):
+            other.size_policy = (
+                ImagePolicy(size=parse_image_size(size), resize=resize)
+                if size is not None
+                else None
+            )
+        threads = self.decoder.threads if isinstance(decode_threads, _Keep) else decode_threads
+        other.decoder = Decoder(
+            self.decoder.channels, other.size_policy, threads, self.decoder.foreign
+        )
+        return other
+
+    def _steer(self, seconds: float, count: int) -> None:
+        """In DataLoader worker 0 of a memory-mapped raw reader, at its second batch (the first
+        opens the files): say that the training process gathers batches faster itself, with
+        the gather just measured."""
+        info = get_worker_info()
+        if info is None or info.id != 0 or not self.memory_mapped():
+            return
+        warnings.warn(
+            f"{type(self).__name__}({str(self.root)!r}): raw memory-mapped pixels: gathering "
+            f"{count} samples took {seconds * 1e3:.2f} ms in worker 0, less than handing the "
+            "batch from a worker to the training process costs; num_workers=0 (or "
+            "imgpack.loading.DeviceLoader) reads this output faster ('imgpack tune' measures "
+            "both)",
+            PerformanceWarning,
+            stacklevel=2,
+        )
+
+    def _fetch(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        """:meth:`_gather`, resized to ``size`` where the reader has one and the stored images
+        are another size (raw outputs; encoded ones are resized as they are decoded)."""
+        start = time.perf_counter()
+        images, labels = self._gather(indices)
+        self._fetches += 1
+        if self._fetches == 2:
+            self._steer(time.perf_counter() - start, len(indices))
+        size = self.decoder.size
+        if size is None or (isinstance(images, torch.Tensor) and tuple(images.shape[2:]) == size):
+            return images, labels
+        pixels = [img.permute(1, 2, 0).numpy() for img in images]
+        return self.decoder.batch(pixels, lambda k: f"{self.root}: sample {indices[k]}"), labels
+
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        images, labels = self._gather(self._indices([int(index)]))
+        images, labels = self._fetch(self._indices([int(index)]))
         image: Any = images[0]
         label: Any = int(labels[0])
         if self.transform is not None:
@@ -336,7 +431,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""
-        images, labels = self._gather(self._indices(indices))
+        images, labels = self._fetch(self._indices(indices))
         if self.transform is None and self.target_transform is None:
             return Batch(images, labels)
         imgs: list[Any] = list(images)
@@ -360,15 +455,30 @@ class PreadDataset(ImageDataset):
 
     shard_files: list[Path]
 
-    def _open(self) -> dict[int, int]:
-        return {}  # shard number -> file descriptor, opened on first use
+    def _open(self) -> ShardFiles:
+        return ShardFiles()
 
     def _close(self, handles: Any) -> None:
-        for fd in handles.values():
-            os.close(fd)
+        closers = [m.close for m in handles.maps.values()]
+        closers += [functools.partial(os.close, fd) for fd in handles.fds.values()]
+        for close in closers:  # each one, whatever another raised
+            with contextlib.suppress(Exception):
+                close()
+
+    def _mapped(self, number: int) -> mmap.mmap | bytes:
+        """Shard ``number`` memory-mapped (read-only): records are sliced from it as bytes,
+        with no system call per record."""
+        files = self.handles
+        mapped = files.maps.get(number)
+        if mapped is None:
+            fd = self._fd(number)
+            if os.fstat(fd).st_size == 0:
+                return b""
+            mapped = files.maps[number] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        return mapped
 
     def _fd(self, number: int) -> int:
-        fds = self.handles
+        fds = self.handles.fds
         if number not in fds:
             try:
                 fd = os.open(self.shard_files[number], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -388,6 +498,15 @@ class PreadDataset(ImageDataset):
 
     def _check_shard(self, number: int, fd: int) -> None:
         """Check a shard file just opened (its output id); formats that store one override it."""
+
+
+@dataclass
+class ShardFiles:
+    """A :class:`PreadDataset`'s handles in one process: file descriptors and memory maps of
+    its shards, by shard number, opened on first use."""
+
+    fds: dict[int, int] = field(default_factory=dict)
+    maps: dict[int, mmap.mmap] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -479,28 +598,13 @@ def check_offsets(offsets: np.ndarray, count: int, data_bytes: int) -> str | Non
 
 
 def decode_batch(
-    payloads: Sequence[bytes | memoryview], channels: int, where: Callable[[int], str]
+    payloads: Sequence[bytes | memoryview],
+    channels: int,
+    where: Callable[[int], str],
+    threads: int | None = None,
 ) -> Images:
-    """Decode stored JPEG/PNG payloads into a batch (see :func:`arrays_to_batch`).
+    """Decode stored JPEG/PNG payloads into a batch (see :class:`imgpack.decoding.Decoder`).
 
     ``where(k)`` names the k-th payload (file and sample or key) in the error a damaged one raises.
     """
-    arrays = []
-    for k, payload in enumerate(payloads):
-        try:
-            arrays.append(decode_stored(payload, channels))
-        except DataError as exc:
-            raise DataError(f"{where(k)}: {exc}") from None
-    return arrays_to_batch(arrays)
-
-
-def arrays_to_batch(arrays: list[np.ndarray]) -> Images:
-    """HWC uint8 arrays to a ``(B, C, H, W)`` batch view, copied once into the batch tensor; a
-    list of ``(C, H, W)`` tensors when sizes differ."""
-    if arrays and all(a.shape == arrays[0].shape for a in arrays):
-        out = new_batch_tensor((len(arrays), *arrays[0].shape))
-        rows = out.numpy()
-        for k, array in enumerate(arrays):
-            rows[k] = array
-        return out.permute(0, 3, 1, 2)
-    return [torch.from_numpy(a if a.flags.writeable else a.copy()).permute(2, 0, 1) for a in arrays]
+    return Decoder(channels, threads=threads).batch(payloads, where)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from imgpack.errors import ImgpackError, OptionError
-from imgpack.formats.dataset_base import collate
+from imgpack.formats.dataset_base import ImageDataset, collate
 from imgpack.images import ImagePolicy, resize_pixels
 from imgpack.units import parse_image_size
 
@@ -62,8 +62,9 @@ class DeviceLoader:
         crop_padding: random crop of the original size from the image zero-padded by this many
             pixels on each side (0: off).
         hflip: probability of flipping each image horizontally (0: off).
-        size: ``N`` or ``(H, W)``: resize while loading (the image policy's centre-crop resize);
-            needed when the dataset's images do not all have one size.
+        size: ``N`` or ``(H, W)``: resize while loading (the image policy's centre-crop resize;
+            imgpack's readers decode a JPEG at the largest DCT scale that still covers the size
+            first); needed when the dataset's images do not all have one size.
         indices: load only these samples (a subset).
         ddp: split the dataset across DDP ranks (``rank``/``world_size`` default to
             ``torch.distributed``): rank ``r`` loads samples ``r, r + world_size, ...`` — disjoint
@@ -118,6 +119,9 @@ class DeviceLoader:
         self.dtype, self.seed, self.epoch = dtype, seed, 0
         self.crop_padding, self.hflip = crop_padding, hflip
         self.policy = ImagePolicy(size=parse_image_size(size)) if size is not None else None
+        if self.policy is not None and isinstance(dataset, ImageDataset):
+            # imgpack's readers resize as they decode (a JPEG at a reduced DCT scale)
+            dataset = dataset.with_options(size=self.policy.size)
         self.rank, self.world_size = _rank_and_world(ddp, rank, world_size)
         n = len(dataset)  # type: ignore[arg-type]
         chosen = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)

@@ -15,7 +15,6 @@ from imgpack.formats.dataset_base import (
     Record,
     check_labels,
     check_offsets,
-    decode_batch,
     new_batch_tensor,
 )
 
@@ -102,6 +101,9 @@ class HDF5Dataset(ImageDataset):
             problem = f"crc32c has shape {self._crcs.shape}, expected ({n},)"
         if problem:
             raise DataError(f"{self.path}: damaged file: {problem}")
+
+    def memory_mapped(self) -> bool:
+        return self._raw and self.mmap
 
     def _open(self) -> Any:
         if self.mmap:
@@ -218,9 +220,7 @@ class HDF5Dataset(ImageDataset):
             payloads = [r.payload for r in self._checked(self._records(indices))]
         else:
             payloads = self._payloads(indices)
-        images = decode_batch(
-            payloads, self.channels, lambda k: f"{self.path}: sample {indices[k]}"
-        )
+        images = self._decode(payloads, lambda k: f"{self.path}: sample {indices[k]}")
         return images, labels
 
     def _read_spans(self, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:

@@ -19,7 +19,6 @@ from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
     Record,
-    decode_batch,
     new_batch_tensor,
 )
 from imgpack.formats.lmdb import record
@@ -100,6 +99,9 @@ class LMDBDataset(ImageDataset):
             head = record.pack(Kind.RAW, self.channels, 0, self._shape[0], self._shape[1], "", b"")
             self._prefix = np.frombuffer(head[:8], np.uint8)
             self._dims = np.frombuffer(head[16:24], np.uint8)
+
+    def memory_mapped(self) -> bool:
+        return self._raw
 
     def _open(self) -> Any:
         env = acquire_environment(self.root)
@@ -226,7 +228,7 @@ class LMDBDataset(ImageDataset):
         if self.verify:
             records = self._checked(records)
         batch = list(records)
-        images = decode_batch([r.payload for r in batch], self.channels, lambda k: batch[k].where)
+        images = self._decode([r.payload for r in batch], lambda k: batch[k].where)
         return images, torch.tensor([r.label for r in batch], dtype=torch.int64)
 
     def _headers(self) -> list[record.RecordHeader]:

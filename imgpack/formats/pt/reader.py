@@ -15,7 +15,6 @@ from imgpack.formats.dataset_base import (
     Record,
     check_labels,
     check_offsets,
-    decode_batch,
     new_batch_tensor,
 )
 
@@ -32,6 +31,9 @@ class PTDataset(ImageDataset):
         counts = [f.num_samples for f in self.manifest.files]
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
         self._raw = self.manifest.encoding == "raw"
+
+    def memory_mapped(self) -> bool:
+        return self._raw
 
     def _open(self) -> list[dict[str, Any] | None]:
         return [None] * len(self.manifest.files)
@@ -115,9 +117,8 @@ class PTDataset(ImageDataset):
         if self.verify:
             records = self._checked(records)
         batch = list(records)
-        images = decode_batch(
+        images = self._decode(
             [r.payload for r in batch],
-            self.channels,
             lambda k: f"{batch[k].where}: sample {batch[k].index}",
         )
         return images, torch.tensor([r.label for r in batch], dtype=torch.int64)

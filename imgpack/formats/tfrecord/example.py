@@ -59,15 +59,39 @@ def _feature(values: Sequence[bytes] | Sequence[float] | Sequence[int]) -> bytes
     raise TypeError(f"a feature holds bytes, ints or floats, not {values!r}")
 
 
+def encode_entry(key: str, values: Sequence[bytes] | Sequence[float] | Sequence[int]) -> bytes:
+    """One ``Features.feature`` map entry: ``key`` and its value list."""
+    return _field(1, _field(1, key.encode("utf-8")) + _field(2, _feature(values)))
+
+
+def bytes_entry_head(key: str, size: int) -> bytes:
+    """The bytes of ``encode_entry(key, [value])`` before ``value``, for a value of ``size``
+    bytes (without building the value)."""
+    key_field = _field(1, key.encode("utf-8"))
+    value_field = _varint(1 << 3 | 2) + _varint(size)  # BytesList.value
+    list_size = len(value_field) + size
+    feature = _varint(1 << 3 | 2) + _varint(list_size)  # Feature.bytes_list
+    feature_size = len(feature) + list_size
+    inner = key_field + _varint(2 << 3 | 2) + _varint(feature_size)
+    return _varint(1 << 3 | 2) + _varint(len(inner) + feature_size) + inner + feature + value_field
+
+
 def encode_example(
     features: Mapping[str, Sequence[bytes] | Sequence[float] | Sequence[int]],
 ) -> bytes:
-    """Serialize a ``tf.train.Example`` from ``{key: [values]}`` (bytes, int or float lists)."""
-    entries = b"".join(
-        _field(1, _field(1, key.encode("utf-8")) + _field(2, _feature(values)))
-        for key, values in sorted(features.items())
-    )
-    return _field(1, entries)
+    """Serialize a ``tf.train.Example`` from ``{key: [values]}`` (bytes, int or float lists),
+    its entries in key order."""
+    return _field(1, b"".join(encode_entry(k, v) for k, v in sorted(features.items())))
+
+
+def encode_varint(value: int) -> bytes:
+    """``value`` as a protobuf varint (a negative one as ten bytes of two's complement)."""
+    return _varint(value)
+
+
+def read_varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``pos`` of ``data`` (before ``end``) and the position after it."""
+    return _read_varint(data, pos, end)
 
 
 # -- decoding ----------------------------------------------------------------------------------
@@ -81,7 +105,7 @@ _BYTES_LIST, _FLOAT_LIST, _INT64_LIST = 0x0A, 0x12, 0x1A  # Feature oneof
 _LIST_PACKED, _FLOAT_ONE, _INT_ONE = 0x0A, 0x0D, 0x08  # value = 1 as packed / fixed32 / varint
 
 
-def _read_varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+def _read_varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while pos < end:
         byte = data[pos]

@@ -10,25 +10,29 @@ from __future__ import annotations
 
 import glob
 import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 
-from imgpack.errors import DataError, ImageError, ManifestError
+from imgpack.decoding import Decoder
+from imgpack.errors import DataError, ManifestError
 from imgpack.formats.dataset_base import (
     Images,
     PreadDataset,
     Record,
-    arrays_to_batch,
     check_files,
     check_output_id,
+    new_batch_tensor,
 )
 from imgpack.formats.tfrecord import example, framing
-from imgpack.images import Encoded, ImagePolicy, Kind, apply_policy, decode_stored, stored_info
+from imgpack.formats.tfrecord.writer import example_features
+from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
@@ -153,7 +157,7 @@ class Records:
     @property
     def labels(self) -> list[int]:
         if self._labels is None:
-            self._labels = [label for _, _, _, label in self.iterate(decode=False)]
+            self._labels = [label for _, _, _, label, _ in self.iterate()]
         return self._labels
 
     @property
@@ -170,23 +174,20 @@ class Records:
             self._paths = paths
         return self._paths
 
-    def sample(
-        self, data: memoryview, where: str, decode: bool = True
-    ) -> tuple[np.ndarray | None, int]:
-        """``(HWC uint8 pixels, label)`` of one record's data."""
+    def stored(self, data: memoryview, where: str) -> tuple[bytes | np.ndarray, int]:
+        """``(image, label)`` of one record's data: the ``image/encoded`` bytes, or for a RAW
+        record its HWC uint8 pixels (the output id and the label checked)."""
         features = self.features(data, where)
         label = self.label(features, where)
-        if not decode:
-            return None, label
         payload, shape = stored_image(features, where)
-        try:
-            if shape is not None:
-                return np.frombuffer(payload, np.uint8).reshape(shape), label
-            if self.foreign:
-                return apply_policy(payload, where, self.policy)[0], label
-            return decode_stored(payload, self.channels), label
-        except (DataError, ImageError, KeyError, ValueError) as exc:
-            raise DataError(f"{where}: {exc}") from None
+        if shape is not None:
+            return np.frombuffer(payload, np.uint8).reshape(shape), label
+        return payload, label
+
+    def decoder(self, policy: ImagePolicy | None = None, threads: int | None = None) -> Decoder:
+        """The decoder of this reader's records: foreign images go through the whole image
+        policy (EXIF, alpha, modes), imgpack's own are decoded as stored."""
+        return Decoder(self.channels, policy, threads, self.policy if self.foreign else None)
 
     def features(self, data: memoryview, where: str) -> dict[str, example.FeatureValue]:
         """A record's parsed features, its output id checked."""
@@ -222,10 +223,11 @@ class Records:
         self.check_output(_parse(frame, where), where)
 
     def iterate(
-        self, wanted: dict[int, set[int]] | None = None, decode: bool = True
-    ) -> Iterator[tuple[int, int, np.ndarray | None, int]]:
-        """Read shards sequentially: ``(shard, record, pixels, label)`` of the records in
-        ``wanted`` (shard -> record numbers, shards in that order), or of every record."""
+        self, wanted: dict[int, set[int]] | None = None
+    ) -> Iterator[tuple[int, int, bytes | np.ndarray, int, str]]:
+        """Read shards sequentially: ``(shard, record, image, label, where)`` of the records in
+        ``wanted`` (shard -> record numbers, shards in that order), or of every record; the
+        image as :meth:`stored` gives it."""
         plan = (
             wanted
             if wanted is not None
@@ -241,10 +243,9 @@ class Records:
                 frames = framing.iter_frames(fh, str(shard.path), self.check_crc, start)
                 for record, (offset, data) in enumerate(frames, start=first):
                     if record in records:
-                        pixels, label = self.sample(
-                            data, f"{shard.path} at offset {offset}", decode
-                        )
-                        yield number, record, pixels, label
+                        where = f"{shard.path} at offset {offset}"
+                        image, label = self.stored(data, where)
+                        yield number, record, image, label, where
 
 
 def stored_image(
@@ -268,6 +269,138 @@ def stored_image(
     if len(encoded[0]) != height * width * channels:
         raise DataError(f"{where}: RAW image/encoded is not {height}x{width}x{channels} bytes")
     return encoded[0], (height, width, channels)
+
+
+class RawLayout:
+    """The exact bytes of a raw record of one imgpack output, but its pixels and file name.
+
+    imgpack writes its records with their keys in order and every value but ``image/encoded``
+    and ``image/filename`` fixed by the output (the label and class text by the class). So a
+    record is one of the output's :attr:`heads` (Example header aside, everything up to the
+    pixels: channels, label, class text, colorspace, the pixels' field header), then the
+    pixels, a file name entry, then the output's :attr:`tail` (format, height, width, output
+    id). :meth:`find` checks a record against that with a few byte comparisons instead of
+    parsing it; a record that does not match (TensorFlow rewrote it, another tool wrote it)
+    goes through the generic Example parser, so both read the same records the same way.
+    """
+
+    _FILENAME = b"\x0a\x0eimage/filename\x12"  # an entry's key field, then its value's tag
+
+    def __init__(self, manifest: Manifest, label_offset: int) -> None:
+        image = manifest.image
+        self.shape = (int(image["height"]), int(image["width"]), int(image.get("channels", 3)))
+        self.size = int(np.prod(self.shape))
+        self.label_offset = label_offset
+        self.heads: list[bytes] = []
+        label_positions = set()
+        tail = b""
+        for label, name in enumerate(manifest.classes):
+            sample = Encoded("", label, b"", *self.shape, Kind.RAW)
+            features = example_features(sample, name, label_offset, manifest.output_id)
+            keys = sorted(features)
+            if keys.index("image/encoded") + 1 != keys.index("image/filename"):
+                raise ValueError("unexpected key order")  # never: the writer's keys
+            before = keys[: keys.index("image/encoded")]
+            entries = {k: example.encode_entry(k, features[k]) for k in before}
+            head = b"".join(entries.values())
+            self.heads.append(head + example.bytes_entry_head("image/encoded", self.size))
+            label_entry = entries["image/class/label"]  # ends with the label's varint
+            value = example.encode_varint(label + label_offset)
+            label_positions.add(head.index(label_entry) + len(label_entry) - len(value))
+            after = keys[keys.index("image/filename") + 1 :]
+            tail = b"".join(example.encode_entry(k, features[k]) for k in after)
+        if len(label_positions) > 1:
+            raise ValueError("labels at different positions")
+        self.label_at = label_positions.pop() if label_positions else 0
+        self._heads_array: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.tail = tail
+        self._tail = np.frombuffer(tail, np.uint8)
+        self._name = np.frombuffer(self._FILENAME, np.uint8)
+
+    def match(
+        self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Check framed records (at ``offsets``, of ``sizes`` bytes, in the file ``data``) against
+        this layout, all at once: ``(matches, labels, pixel starts)``. The frame's length field
+        is checked here, its CRCs are not (the caller checks them). A record that does not
+        match goes through the generic parser."""
+        ok = (sizes >= 18) & (offsets >= 0) & (offsets + sizes <= len(data))
+        offsets = np.where(ok, offsets, 0)
+        sizes = np.where(ok, sizes, 18)
+        end = offsets + sizes - 4  # where the data CRC starts
+
+        def at(index: np.ndarray) -> np.ndarray:
+            return data.take(index, mode="clip")
+
+        def varint(index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Varints of one to three bytes at ``index``: values, next positions, valid."""
+            b = at(index[:, None] + _THREE).astype(np.int64)
+            one, two = b[:, 0] < 0x80, (b[:, 0] >= 0x80) & (b[:, 1] < 0x80)
+            three = (b[:, 0] >= 0x80) & (b[:, 1] >= 0x80) & (b[:, 2] < 0x80)
+            low = b[:, 0] & 0x7F
+            value = np.where(
+                one,
+                b[:, 0],
+                np.where(two, low | b[:, 1] << 7, low | (b[:, 1] & 0x7F) << 7 | b[:, 2] << 14),
+            )
+            return value, index + np.where(one, 1, np.where(two, 2, 3)), one | two | three
+
+        length = at(offsets[:, None] + _EIGHT).view("<u8")[:, 0]
+        ok &= (length == sizes - 16) & (at(offsets + 12) == 0x0A)  # Example.features
+        size, pos, valid = varint(offsets + 13)
+        ok &= valid & (pos + size == end)
+        value, _, valid = varint(pos + self.label_at)
+        labels = value - self.label_offset
+        ok &= valid & (labels >= 0) & (labels < len(self.heads))
+        labels = np.where(ok, labels, 0)
+        head_bytes, head_sizes, head_masks = self._head_table
+        same = (
+            at(pos[:, None] + np.arange(head_bytes.shape[1])) == head_bytes[labels]
+        ) | head_masks[labels]
+        ok &= same.all(axis=1)
+        starts = pos + head_sizes[labels]
+        stops = starts + self.size
+        tails = end - len(self.tail)
+        ok &= (stops < tails) & (at(tails[:, None] + np.arange(len(self.tail))) == self._tail).all(
+            axis=1
+        )
+        ok &= at(stops) == 0x0A  # between them, exactly one image/filename entry
+        size, inner, valid = varint(stops + 1)
+        ok &= valid & (inner + size == tails)
+        ok &= (at(inner[:, None] + np.arange(len(self._FILENAME))) == self._name).all(axis=1)
+        return ok, labels, starts
+
+    @property
+    def _head_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The heads as one padded ``(classes, longest)`` uint8 array, their lengths, and which
+        columns lie past each head's end."""
+        if self._heads_array is None:
+            longest = max((len(h) for h in self.heads), default=0)
+            table = np.zeros((max(1, len(self.heads)), longest), np.uint8)
+            for k, head in enumerate(self.heads):
+                table[k, : len(head)] = np.frombuffer(head, np.uint8)
+            lengths = np.array([len(h) for h in self.heads] or [0], np.int64)
+            beyond = np.arange(longest)[None, :] >= lengths[:, None]
+            self._heads_array = table, lengths, beyond
+        return self._heads_array
+
+
+_THREE, _EIGHT = np.arange(3), np.arange(8)
+
+
+_CRC = struct.Struct("<I")
+_MASK_DELTA = framing.MASK_DELTA
+_crc_value = google_crc32c.value  # CRC-32C of bytes (C)
+
+
+def _data_crc_matches(data: Any, offset: int, size: int) -> bool:
+    """Whether the data CRC of the framed record at ``offset`` of ``data`` (``size`` bytes, its
+    length field already found equal to what the index says) matches. The length's own CRC is
+    left to the generic path and ``imgpack verify``: the length it guards was just checked."""
+    end = offset + size - 4
+    crc = _crc_value(data[offset + 12 : end])
+    expected = (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+    return bool(_CRC.unpack_from(data, end)[0] == expected)
 
 
 def tfrecord_files(source: Source) -> list[Path]:
@@ -356,12 +489,23 @@ class TFRecordDataset(PreadDataset):
         check_crc: bool = True,
         label_offset: int | None = None,
         verify: bool | None = None,
+        size: int | tuple[int, int] | str | None = None,
+        resize: str = "crop",
+        decode_threads: int | None = None,
     ) -> None:
         records = Records(source, check_crc if verify is None else verify, label_offset)
         super().__init__(
-            records.root, transform, target_transform, manifest=records.manifest, verify=verify
+            records.root,
+            transform,
+            target_transform,
+            manifest=records.manifest,
+            verify=verify,
+            size=size,
+            resize=resize,
+            decode_threads=decode_threads,
         )
         self.records = records
+        self.decoder = records.decoder(self.size_policy, decode_threads)
         compressed = [s for s in records.shards if s.compressed]
         if compressed:
             raise DataError(
@@ -369,10 +513,54 @@ class TFRecordDataset(PreadDataset):
                 "no random access; read them with TFRecordStream"
             )
         self._starts = np.cumsum([0, *(len(s) for s in records.shards)], dtype=np.int64)
+        self._offsets = np.concatenate([s.offsets for s in records.shards] or [np.empty(0)])
+        self._sizes = np.concatenate([s.sizes for s in records.shards] or [np.empty(0)])
         self.shard_files = [shard.path for shard in records.shards]
+        raw = self.manifest.encoding == "raw" and bool(self.manifest.image.get("height"))
+        self._layout = (
+            RawLayout(self.manifest, records.label_offset) if raw and not records.foreign else None
+        )
 
     def _check_shard(self, number: int, fd: int) -> None:
         self.records.check_first(number, fd)
+
+    def _gather_raw(self, indices: np.ndarray, layout: RawLayout) -> tuple[Images, torch.Tensor]:
+        """A batch of raw records sliced from the memory-mapped shards, each matched against
+        the output's layout (a few byte comparisons, the frame's CRCs) and its pixels copied
+        straight into the batch; a record that does not match goes through the generic path,
+        which reads it as any record is read (and names what is wrong with it)."""
+        out = new_batch_tensor((len(indices), *layout.shape))
+        flat = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
+        size = layout.size
+        labels = np.zeros(len(indices), np.int64)
+        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        check = self.records.check_crc
+        for number in np.unique(shard_of).tolist():
+            mine = np.flatnonzero(shard_of == number)
+            mapped = self._mapped(number)
+            offsets, sizes = self._offsets[indices[mine]], self._sizes[indices[mine]]
+            ok, found, starts = layout.match(np.frombuffer(mapped, np.uint8), offsets, sizes)
+            labels[mine] = found
+            view = memoryview(mapped)
+            rows = zip(
+                mine.tolist(),
+                ok.tolist(),
+                offsets.tolist(),
+                sizes.tolist(),
+                starts.tolist(),
+                strict=True,
+            )
+            for pos, matched, offset, length, start in rows:
+                if matched and (not check or _data_crc_matches(mapped, offset, length)):
+                    flat[pos * size : (pos + 1) * size] = view[start : start + size]
+                    continue
+                [(_, data, where)] = list(self._frames(indices[pos : pos + 1]))
+                image, labels[pos] = self.records.stored(data, where)
+                if not isinstance(image, np.ndarray) or image.shape != layout.shape:
+                    raise DataError(f"{where}: not a raw {layout.shape} image as the manifest says")
+                flat[pos * size : (pos + 1) * size] = image.tobytes()
+            view.release()
+        return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
 
     def record(self, index: int) -> tuple[dict[str, example.FeatureValue], str]:
         """Record ``index``'s parsed features (frame CRCs and output id checked) and where it is."""
@@ -432,14 +620,20 @@ class TFRecordDataset(PreadDataset):
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         found: list[Record | None] = [None] * len(indices)
         for pos, frame, where in self._frames(indices):
-            _, label = self.records.sample(frame, where, decode=False)
+            _, label = self.records.stored(frame, where)
             # The frame's own CRC-32C (checked in _frames) is the record's checksum.
             found[pos] = Record(int(indices[pos]), frame, label, None, where)
         yield from (r for r in found if r is not None)
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
-        arrays: list[Any] = [None] * len(indices)
+        if self._layout is not None:
+            return self._gather_raw(indices, self._layout)
+        items: list[Any] = [None] * len(indices)
         labels = [0] * len(indices)
+        wheres = [""] * len(indices)
         for pos, frame, where in self._frames(indices):
-            arrays[pos], labels[pos] = self.records.sample(frame, where)
-        return arrays_to_batch(arrays), torch.tensor(labels, dtype=torch.int64)
+            items[pos], labels[pos] = self.records.stored(frame, where)
+            wheres[pos] = where
+        return self.decoder.batch(items, wheres.__getitem__), torch.tensor(
+            labels, dtype=torch.int64
+        )

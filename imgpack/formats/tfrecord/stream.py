@@ -13,8 +13,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from imgpack.formats.dataset_base import arrays_to_batch, collate
+from imgpack.formats.dataset_base import collate
 from imgpack.formats.tfrecord.reader import Records, Source
+from imgpack.images import ImagePolicy
+from imgpack.units import parse_image_size
+
+Item = tuple[bytes | np.ndarray, int, str]  # a stored image, its label, where it is
 
 
 class TFRecordStream(IterableDataset[tuple[Any, Any]]):
@@ -35,6 +39,8 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
 
     Record CRCs are checked unless ``check_crc=False``; ``verify=True`` checks them whatever
     ``check_crc`` says and ``verify=False`` skips them (the switch of the map-style readers).
+    ``size``, ``resize`` and ``decode_threads`` as for the map-style readers
+    (:class:`~imgpack.formats.dataset_base.ImageDataset`).
     """
 
     def __init__(
@@ -51,11 +57,16 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         drop_remainder: bool = False,
         batch_size: int | None = None,
         verify: bool | None = None,
+        size: int | tuple[int, int] | str | None = None,
+        resize: str = "crop",
+        decode_threads: int | None = None,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"invalid batch_size {batch_size!r}: expected 1 or more, or None")
         self.batch_size = batch_size
         self.records = Records(source, check_crc if verify is None else verify, label_offset)
+        policy = ImagePolicy(size=parse_image_size(size), resize=resize) if size else None
+        self.decoder = self.records.decoder(policy, decode_threads)
         self.classes = list(self.records.manifest.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.transform, self.target_transform = transform, target_transform
@@ -103,8 +114,9 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         lo, hi = (units * worker) // num_workers, (units * (worker + 1)) // num_workers
         return mine[lo * unit : hi * unit]
 
-    def _decoded(self) -> Iterator[tuple[np.ndarray, int]]:
-        """This worker's ``(pixels, label)`` for the epoch, through the shuffle buffer."""
+    def _stored(self) -> Iterator[Item]:
+        """This worker's ``(image, label, where)`` for the epoch, through the shuffle buffer
+        (images as stored: the buffer holds encoded bytes, decoded when they leave it)."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         wanted: dict[int, set[int]] = {}
@@ -113,28 +125,28 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
             wanted.setdefault(shard, set()).add(record)
             repeats[shard, record] = repeats.get((shard, record), 0) + 1  # wrap-around repeats
         rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}-{worker}")
-        buffer: list[tuple[np.ndarray, int]] = []
-        for shard, record, pixels, label in self.records.iterate(wanted):
-            assert pixels is not None
+        buffer: list[Item] = []
+        for shard, record, image, label, where in self.records.iterate(wanted):
+            item = (image, label, where)
             for _ in range(repeats[shard, record]):
                 if self.shuffle_buffer <= 0:
-                    yield pixels, label
+                    yield item
                 elif len(buffer) < self.shuffle_buffer:
-                    buffer.append((pixels, label))
+                    buffer.append(item)
                 else:
                     k = rng.randrange(len(buffer))
                     yield buffer[k]
-                    buffer[k] = (pixels, label)
+                    buffer[k] = item
         rng.shuffle(buffer)
         yield from buffer
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         if self.batch_size is None:
-            for pixels, label in self._decoded():
-                yield self._sample(pixels, label)
+            for image, label, where in self._stored():
+                yield self._sample(self.decoder.one(image, where), label)
             return
-        pending: list[tuple[np.ndarray, int]] = []
-        for item in self._decoded():
+        pending: list[Item] = []
+        for item in self._stored():
             pending.append(item)
             if len(pending) == self.batch_size:
                 yield self._batch(pending)
@@ -142,16 +154,20 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         if pending:
             yield self._batch(pending)
 
-    def _batch(self, items: list[tuple[np.ndarray, int]]) -> tuple[Any, Any]:
-        """A whole batch, decoded images copied once into one tensor (no transforms set)."""
+    def _batch(self, items: list[Item]) -> tuple[Any, Any]:
+        """A whole batch, each image decoded straight into one tensor (no transforms set)."""
+        images = self.decoder.batch([image for image, _, _ in items], lambda k: items[k][2])
         if self.transform is None and self.target_transform is None:
-            labels = torch.tensor([label for _, label in items], dtype=torch.int64)
-            return arrays_to_batch([pixels for pixels, _ in items]), labels
-        return collate([self._sample(pixels, label) for pixels, label in items])
+            return images, torch.tensor([label for _, label, _ in items], dtype=torch.int64)
+        return collate(
+            [self._sample(image, label) for image, (_, label, _) in zip(images, items, strict=True)]
+        )
 
-    def _sample(self, pixels: np.ndarray, label: int) -> tuple[Any, Any]:
-        writable = pixels if pixels.flags.writeable else pixels.copy()
-        image: Any = torch.from_numpy(writable).permute(2, 0, 1)
+    def _sample(self, pixels: np.ndarray | torch.Tensor, label: int) -> tuple[Any, Any]:
+        image: Any = pixels
+        if isinstance(pixels, np.ndarray):
+            writable = pixels if pixels.flags.writeable else pixels.copy()
+            image = torch.from_numpy(writable).permute(2, 0, 1)
         target: Any = label
         if self.transform is not None:
             image = self.transform(image)

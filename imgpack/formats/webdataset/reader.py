@@ -18,7 +18,6 @@ from imgpack.formats.dataset_base import (
     Record,
     check_labels,
     check_output_id,
-    decode_batch,
     new_batch_tensor,
 )
 from imgpack.formats.webdataset import layout
@@ -135,9 +134,7 @@ class WebDatasetDataset(PreadDataset):
             records = self._checked(records)
         if not self._raw:
             batch = list(records)
-            images = decode_batch(
-                [r.payload for r in batch], self.channels, lambda k: self._where(batch[k].index)
-            )
+            images = self._decode([r.payload for r in batch], lambda k: self._where(batch[k].index))
             return images, labels
         out = new_batch_tensor((len(indices), *self._shape))
         rows = out.numpy().reshape(len(indices), -1)
