@@ -62,7 +62,7 @@ def draft_scale(height: int, width: int, size: tuple[int, int] | None) -> int:
     if size is None or size[0] <= 0 or size[1] <= 0:
         return 1
     scale = min(width // size[1], height // size[0])
-    return next(s for s in _DRAFT_SCALES if scale >= s)
+    return next((s for s in _DRAFT_SCALES if scale >= s), 1)
 
 
 def _widen(pixels: np.ndarray, channels: int) -> np.ndarray:

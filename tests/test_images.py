@@ -16,6 +16,7 @@ from imgpack.images import (
     Kind,
     apply_policy,
     parse_color,
+    process_bytes,
     process_file,
     sniff,
 )
@@ -256,3 +257,35 @@ def test_a_jpeg_simplejpeg_declines_is_decided_by_pillow() -> None:
     assert np.array_equal(decode_stored(warned, 3), _pillow(warned))
     with pytest.raises(DataError, match="cannot decode stored image"):
         decode_stored(data[: len(data) // 2], 3)  # truncated: refused by both
+
+
+def test_kept_jpegs_are_validated_by_simplejpeg_with_pillows_verdicts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Validation of a kept JPEG goes through a 1/8-scale simplejpeg decode first; whatever it
+    refuses, Pillow decides. Same verdict (kept, or the same error) as Pillow alone on damaged
+    variants: cut short, bytes flipped in the entropy data, an early end marker."""
+    import imgpack.images as images
+    from conftest import jpeg_bytes, smooth_rgb
+
+    rng = np.random.default_rng(5)
+    base = jpeg_bytes(Image.fromarray(smooth_rgb(rng, 120, 160)))
+    gray = jpeg_bytes(Image.fromarray(smooth_rgb(rng, 64, 48)).convert("L"))
+    variants = [base, gray, base[: len(base) // 2], base[:-200] + b"\xff\xd9", gray[:-2]]
+    for k in range(12):
+        flipped = bytearray(base)
+        flipped[len(base) // 3 + 97 * k] ^= 1 << (k % 8)
+        variants.append(bytes(flipped))
+
+    def verdict(data: bytes) -> str:
+        try:
+            enc = process_bytes(data, "x.jpg", 0, POLICY, Encoding())
+        except ImageError as exc:
+            return f"error: {exc}"
+        return f"kept {enc.kind} {enc.height}x{enc.width}x{enc.channels}"
+
+    assert images._simplejpeg is not None
+    fast = [verdict(v) for v in variants]
+    monkeypatch.setattr(images, "_simplejpeg", None)
+    assert fast == [verdict(v) for v in variants]
+    assert fast[0].startswith("kept") and fast[2].startswith("error")

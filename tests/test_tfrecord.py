@@ -395,3 +395,88 @@ def test_stream_can_yield_whole_batches(sharded: Path) -> None:
     with_transform = TFRecordStream(sharded, batch_size=8, transform=lambda x: x.float())
     images, labels = next(iter(with_transform))
     assert images.dtype == torch.float32 and images.shape == (8, 3, 16, 16) and labels.shape == (8,)
+
+
+@pytest.fixture
+def raw_records(tmp_path: Path) -> Path:
+    from conftest import build_uniform_folder
+
+    src = build_uniform_folder(tmp_path / "src", count=90, classes=5, size=6)
+    out = tmp_path / "raw"
+    convert(src, out, "tfrecord", encoding="raw", size=6, shard_size=6 * 6 * 3 * 25, progress=False,
+            format_options={"label_offset": 1})  # fmt: skip
+    return out
+
+
+def _generic(ds: TFRecordDataset, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    layout, ds._layout = ds._layout, None
+    try:
+        images, labels = ds._gather(indices)
+    finally:
+        ds._layout = layout
+    assert isinstance(images, torch.Tensor)
+    return images, labels
+
+
+def test_raw_records_are_read_by_layout_as_the_example_parser_reads_them(
+    raw_records: Path,
+) -> None:
+    ds = open_dataset(raw_records)
+    assert isinstance(ds, TFRecordDataset) and ds._layout is not None
+    assert len(ds.manifest.files) > 2 and ds.records.label_offset == 1
+    indices = np.random.default_rng(0).permutation(len(ds))
+    images, labels = ds._gather(indices)
+    expected = _generic(ds, indices)
+    assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+    assert sorted(labels.tolist()) == sorted(ds.targets)
+
+
+def test_raw_records_laid_out_otherwise_go_through_the_parser(raw_records: Path) -> None:
+    """A shard rewritten by another tool (an extra feature, so another layout; valid CRCs and
+    index) reads the same through the generic path; a damaged record is named."""
+    from conftest import refresh_manifest
+
+    before = open_dataset(raw_records)
+    indices = np.arange(len(before))
+    expected = collate(before.__getitems__(indices.tolist()))
+    shard = raw_records / before.manifest.files[1].path
+    frames, index, offset = [], [], 0
+    for features in _records_of(shard):
+        features["aaa/extra"] = [b"written elsewhere"]
+        framed = tfrecord.frame(tfexample.encode_example(features))
+        frames.append(framed)
+        index.append((offset, len(framed)))
+        offset += len(framed)
+    shard.write_bytes(b"".join(frames))
+    tfrecord.write_index(shard, index)
+    refresh_manifest(raw_records)
+    after = open_dataset(raw_records)
+    got = collate(after.__getitems__(indices.tolist()))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    data = bytearray(shard.read_bytes())
+    data[index[3][0] + 40] ^= 0xFF  # inside the fourth record's data: its CRC no longer matches
+    shard.write_bytes(bytes(data))
+    refresh_manifest(raw_records)
+    damaged = open_dataset(raw_records)
+    first = int(damaged._starts[1])
+    with pytest.raises(DataError, match=rf"{shard.name} at offset {index[3][0]}: data CRC"):
+        damaged.__getitems__([0, first + 3])
+
+
+def test_a_damaged_raw_record_is_named_on_the_layout_path_too(raw_records: Path) -> None:
+    from conftest import refresh_manifest
+
+    ds = open_dataset(raw_records)
+    shard = ds.records.shards[0]
+    offset = int(shard.offsets[2])
+    data = bytearray(shard.path.read_bytes())
+    assert ds._layout is not None
+    found = ds._layout.match(np.frombuffer(bytes(data), np.uint8), shard.offsets, shard.sizes)
+    assert found[0].all()
+    data[int(found[2][2]) + 5] ^= 0x01  # a pixel of the third record
+    shard.path.write_bytes(bytes(data))
+    refresh_manifest(raw_records)
+    with pytest.raises(DataError, match=rf"{shard.path.name} at offset {offset}: data CRC"):
+        open_dataset(raw_records).__getitems__([5, 2])
+    unchecked = open_dataset(raw_records, check_crc=False)  # as asked: read, not checked
+    assert unchecked.__getitems__([2]).images.shape == (1, 3, 6, 6)

@@ -1,0 +1,271 @@
+"""The reader side of the image policy, fast: simplejpeg straight into the batch, decode threads,
+decoding to a size, the pooled hand-over from DataLoader workers, and the default-collate path."""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_uniform_folder, jpeg_bytes, png_bytes, smooth_rgb
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import imgpack.decoding as decoding
+from imgpack import convert, open_dataset
+from imgpack.decoding import Decoder, decode_stored, default_threads, draft_scale
+from imgpack.errors import DataError, OptionError, PerformanceWarning
+from imgpack.images import ImagePolicy, resize_pixels
+from imgpack.readers import collate
+
+FORMATS = ("pt", "lmdb", "hdf5", "tfrecord", "webdataset")
+
+
+def _photo(seed: int, height: int, width: int, gray: bool = False, png: bool = False) -> bytes:
+    pixels = smooth_rgb(np.random.default_rng(seed), height, width)
+    noise = np.random.default_rng(seed + 1).integers(0, 24, pixels.shape, dtype=np.uint8)
+    img = Image.fromarray(pixels + noise)
+    if gray:
+        img = img.convert("L")
+    return png_bytes(img) if png else jpeg_bytes(img)
+
+
+def _pillow(data: bytes, draft: tuple[int, int] | None = None) -> np.ndarray:
+    """An independent decode: Pillow, with ``Image.draft`` for a size (W, H)."""
+    with Image.open(io.BytesIO(data)) as img:
+        if draft is not None and img.format == "JPEG":
+            img.draft(img.mode, draft)
+        img.load()
+        pixels = np.asarray(img)
+    return pixels[:, :, None] if pixels.ndim == 2 else pixels
+
+
+def test_decoding_into_the_batch_gives_the_same_pixels() -> None:
+    for data, channels in [
+        (_photo(1, 40, 60), 3),
+        (_photo(2, 40, 60, gray=True), 3),  # a gray record widened into an RGB batch
+        (_photo(3, 40, 60, gray=True), 1),
+        (_photo(4, 40, 60, png=True), 3),
+    ]:
+        expected = _pillow(data)
+        if channels == 3 and expected.shape[2] == 1:
+            expected = np.repeat(expected, 3, axis=2)
+        out = np.zeros((40, 60, channels), np.uint8)
+        assert decode_stored(data, channels, out=out) is out
+        assert np.array_equal(out, expected)
+        assert np.array_equal(decode_stored(data, channels), expected)
+
+
+@pytest.mark.parametrize("shape", [(375, 500), (101, 77), (64, 64), (33, 500)])
+def test_draft_scale_is_pillows(shape: tuple[int, int]) -> None:
+    data = _photo(5, *shape)
+    for size in [(224, 224), (32, 32), (50, 20), (1, 1), (400, 600)]:
+        with Image.open(io.BytesIO(data)) as img:
+            img.draft(img.mode, (size[1], size[0]))
+            drafted = img.size[::-1]
+        scale = draft_scale(*shape, size)
+        assert (-(-shape[0] // scale), -(-shape[1] // scale)) == drafted
+
+
+@pytest.mark.parametrize("resize", ["crop", "stretch"])
+@pytest.mark.parametrize("gray", [False, True])
+def test_a_size_decodes_jpegs_at_a_reduced_dct_scale_like_pillows_draft(
+    resize: str, gray: bool
+) -> None:
+    """decode_stored(size) = Pillow's draft at the size, then the policy's resize: the pixels a
+    user can reproduce with Pillow alone."""
+    for shape in [(375, 500), (250, 133), (64, 48)]:
+        data = _photo(6, *shape, gray=gray)
+        for size in [(32, 32), (60, 40), (100, 150)]:
+            policy = ImagePolicy(size=size, resize=resize)
+            expected = resize_pixels(_pillow(data, draft=(size[1], size[0])), policy)
+            got = decode_stored(data, 1 if gray else 3, policy)
+            assert got.shape == (*size, 1 if gray else 3)
+            assert np.array_equal(got, expected), (shape, size)
+    png = _photo(7, 90, 70, png=True)
+    policy = ImagePolicy(size=(30, 30))
+    assert np.array_equal(decode_stored(png, 3, policy), resize_pixels(_pillow(png), policy))
+
+
+def test_threads_decode_the_same_batch_and_name_a_damaged_record() -> None:
+    payloads = [_photo(k, 48, 64, gray=k % 5 == 0, png=k % 7 == 0) for k in range(40)]
+    one = Decoder(3, threads=1).batch(payloads, lambda k: f"record {k}")
+    four = Decoder(3, threads=4).batch(payloads, lambda k: f"record {k}")
+    assert isinstance(one, torch.Tensor) and torch.equal(one, four)
+    for k in (0, 17, 39):
+        expected = _pillow(payloads[k])
+        assert np.array_equal(
+            one[k].permute(1, 2, 0).numpy(), np.broadcast_to(expected, (48, 64, 3))
+        )
+    damaged = list(payloads)
+    damaged[23] = payloads[23][: len(payloads[23]) // 2]
+    for threads in (1, 4):
+        with pytest.raises(DataError, match=r"^record 23: cannot decode stored image"):
+            Decoder(3, threads=threads).batch(damaged, lambda k: f"record {k}")
+    mixed = Decoder(3, threads=3).batch(
+        [_photo(1, 20, 30), _photo(2, 30, 20)], lambda k: f"record {k}"
+    )
+    assert [tuple(t.shape) for t in mixed] == [(3, 20, 30), (3, 30, 20)]
+
+
+def test_decode_threads_leave_pillows_limits_as_they_were() -> None:
+    """Pillow's decompression-bomb limit and LOAD_TRUNCATED_IMAGES are globals that imgpack
+    sets for its decodes: threads entering and leaving together must put them back."""
+    saved = Image.MAX_IMAGE_PIXELS
+    payloads = [_photo(k, 40, 40, png=True) for k in range(64)]
+
+    def work() -> None:
+        for _ in range(5):
+            Decoder(3, threads=4).batch(payloads, str)
+
+    runners = [threading.Thread(target=work) for _ in range(3)]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join()
+    assert Image.MAX_IMAGE_PIXELS == saved is not None
+
+
+def test_decode_threads_must_be_positive(tmp_path: Path) -> None:
+    src = build_uniform_folder(tmp_path / "src", count=6)
+    convert(src, tmp_path / "out", "pt", progress=False)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(OptionError, match="decode_threads"):
+            open_dataset(tmp_path / "out", decode_threads=bad)
+
+
+class _Threads(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return default_threads()
+
+
+def test_workers_take_their_share_of_the_cpus() -> None:
+    cpus = decoding.usable_cpus()
+    assert default_threads() == cpus
+    seen = {int(n) for batch in DataLoader(_Threads(), num_workers=2) for n in batch}
+    assert seen == {max(1, cpus // 2)}
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("photos")
+    for k in range(24):
+        folder = root / f"class{k % 3}"
+        folder.mkdir(exist_ok=True)
+        shape = (90, 120) if k % 4 else (77, 101)
+        (folder / f"p{k:02d}.jpg").write_bytes(_photo(k, *shape, gray=k % 6 == 0))
+    return root
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_readers_resize_on_read(photos: Path, tmp_path: Path, fmt: str) -> None:
+    """``size=`` on every reader: encoded records decoded at a reduced scale then resized as
+    Pillow's draft + the policy's resize give; raw records resized from their pixels."""
+    convert(photos, tmp_path / "jpeg", fmt, progress=False)
+    convert(photos, tmp_path / "raw", fmt, encoding="raw", size=(60, 80), progress=False)
+    size = (40, 30)
+    policy = ImagePolicy(size=size)
+    sized = open_dataset(tmp_path / "jpeg", size=size)
+    plain = open_dataset(tmp_path / "jpeg")
+    images, labels = collate(sized.__getitems__(list(range(len(sized)))))
+    assert tuple(images.shape) == (len(sized), 3, *size)
+    assert labels.tolist() == plain.targets
+    for k, (path, _) in enumerate(plain.samples):
+        data = Path(path).read_bytes()
+        expected = resize_pixels(_pillow(data, draft=(size[1], size[0])), policy)
+        expected = np.broadcast_to(expected, (*size, 3))
+        assert np.array_equal(images[k].permute(1, 2, 0).numpy(), expected), path
+    raw = open_dataset(tmp_path / "raw")
+    raw_sized = raw.with_options(size=size)
+    assert raw.decoder.size is None  # with_options copies
+    got, _ = collate(raw_sized.__getitems__([0, 5, 9]))
+    for row, index in zip(got, [0, 5, 9], strict=True):
+        expected = resize_pixels(raw[index][0].permute(1, 2, 0).numpy(), policy)
+        assert np.array_equal(row.permute(1, 2, 0).numpy(), expected)
+    loader = DataLoader(sized, batch_size=5, num_workers=2, collate_fn=collate)
+    assert sum(len(batch) for batch, _ in loader) == len(sized)
+
+
+@pytest.fixture(scope="module")
+def raw_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("raw")
+    src = build_uniform_folder(base / "src", count=200, classes=4, size=8)
+    out = {}
+    for fmt in FORMATS:
+        out[fmt] = base / fmt
+        convert(src, out[fmt], fmt, encoding="raw", size=8, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torchs_default_collate_reads_the_same_batches(
+    raw_outputs: dict[str, Path], fmt: str
+) -> None:
+    ds = open_dataset(raw_outputs[fmt])
+    for workers in (0, 2):
+        fast = DataLoader(ds, batch_size=32, num_workers=workers, collate_fn=collate)
+        plain = DataLoader(ds, batch_size=32, num_workers=workers)  # torch's default collate
+        for (a, la), (b, lb) in zip(fast, plain, strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+            assert lb.dtype == torch.int64
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batches_from_workers_stay_whole_while_later_ones_arrive(
+    raw_outputs: dict[str, Path], fmt: str
+) -> None:
+    """Workers lend pooled shared buffers and reuse them: every batch kept for three epochs
+    still holds exactly what a direct read gives."""
+    ds = open_dataset(raw_outputs[fmt])
+    expected = collate(ds.__getitems__(list(range(len(ds)))))
+    loader = DataLoader(
+        ds, batch_size=16, num_workers=2, collate_fn=collate, persistent_workers=True
+    )
+    kept = [batch for _ in range(3) for batch in loader]
+    assert len(kept) == 3 * 13
+    for step, (images, labels) in enumerate(kept):
+        first = (step % 13) * 16
+        assert torch.equal(images, expected[0][first : first + 16])
+        assert torch.equal(labels, expected[1][first : first + 16])
+
+
+def test_a_pooled_batch_unpickled_late_raises() -> None:
+    """The generation check: pickled bytes of a batch kept until its buffer was lent again
+    raise instead of showing another batch's pixels."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import imgpack.handover as handover
+
+    images = handover.batch_buffer((4, 3, 8, 8))
+    images.fill_(7)
+    batch = handover.Handover((images, torch.arange(4)))
+    sent, kept = ForkingPickler.dumps(batch), ForkingPickler.dumps(batch)
+    received, labels = ForkingPickler.loads(sent)
+    assert (received == 7).all() and labels.tolist() == [0, 1, 2, 3]
+    assert received.untyped_storage().data_ptr() != images.untyped_storage().data_ptr()
+    again = handover.batch_buffer((4, 3, 8, 8))  # the buffer was freed: lent again
+    assert again.untyped_storage().data_ptr() == images.untyped_storage().data_ptr()
+    with pytest.raises(DataError, match="reused before the batch was received"):
+        ForkingPickler.loads(kept)
+
+
+def test_raw_memory_mapped_readers_steer_workers_to_zero(raw_outputs: dict[str, Path]) -> None:
+    for fmt in ("pt", "lmdb", "hdf5"):
+        ds = open_dataset(raw_outputs[fmt])
+        loader = DataLoader(ds, batch_size=16, num_workers=1, collate_fn=collate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PerformanceWarning)
+            with pytest.raises(PerformanceWarning, match=r"num_workers=0 .*imgpack tune"):
+                list(loader)
+    for fmt in ("tfrecord", "webdataset"):  # read with pread: no note
+        loader = DataLoader(open_dataset(raw_outputs[fmt]), batch_size=16, num_workers=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PerformanceWarning)
+            assert sum(len(b) for b, _ in loader) == 200
