@@ -265,8 +265,9 @@ def test_kept_jpegs_are_validated_by_simplejpeg_with_pillows_verdicts(
     """Validation of a kept JPEG goes through a 1/8-scale simplejpeg decode first; whatever it
     refuses, Pillow decides. Same verdict (kept, or the same error) as Pillow alone on damaged
     variants: cut short, bytes flipped in the entropy data, an early end marker."""
-    import imgpack.images as images
     from conftest import jpeg_bytes, smooth_rgb
+
+    import imgpack.images as images
 
     rng = np.random.default_rng(5)
     base = jpeg_bytes(Image.fromarray(smooth_rgb(rng, 120, 160)))
