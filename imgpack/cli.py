@@ -585,29 +585,47 @@ def tune(
     click.echo("starting point (from the CPUs, the GPU and the format):")
     for key, value in advice.kwargs().items():
         click.echo(f"  {key:<18} {value!s:<6} {advice.reasons[key]}")
+    if advice.decode_threads is not None:
+        click.echo(
+            f"  {'decode_threads':<18} {advice.decode_threads!s:<6} "
+            f"{advice.reasons['decode_threads']}"
+        )
     candidates = candidate_settings(dataset)
     if workers is not None:
+        by_workers = {c.num_workers: c for c in candidates}
         candidates = [
-            LoaderSettings(n, advice.pin_memory, n > 0, 4 if n else None)
+            by_workers.get(n) or LoaderSettings(n, advice.pin_memory, n > 0, 4 if n else None)
             for n in _parse_workers(workers)
         ]
     result = autotune_loader(dataset, batch_size, candidates, batches)
     click.echo(f"\nmeasured ({batches} batches of {batch_size} each, after one warm-up batch):")
-    click.echo(f"  {'num_workers':>11}  {'pin_memory':>10}  {'samples/s':>11}")
+    click.echo(
+        f"  {'num_workers':>11}  {'decode_threads':>14}  {'pin_memory':>10}  {'samples/s':>11}"
+    )
     for settings, rate in result.table:
         mark = "  <- fastest" if settings is result.best else ""
+        threads = "-" if settings.decode_threads is None else settings.decode_threads
         click.echo(
-            f"  {settings.num_workers:>11}  {settings.pin_memory!s:>10}  {rate:>11,.0f}{mark}"
+            f"  {settings.num_workers:>11}  {threads!s:>14}  {settings.pin_memory!s:>10}  "
+            f"{rate:>11,.0f}{mark}"
         )
     best = result.best.kwargs()
+    reader = result.best.reader_kwargs()
+    opened = "".join(f", {k}={v}" for k, v in reader.items())
+    click.echo(f"\n{result.best.reasons.get('num_workers', '')}")
     click.echo(
-        f"\nrecommended: DataLoader(ds, batch_size={batch_size}, "
+        f"recommended: ds = imgpack.open_dataset({str(dst)!r}{opened})\n"
+        f"             DataLoader(ds, batch_size={batch_size}, "
         + ", ".join(f"{k}={v}" for k, v in best.items())
         + ", collate_fn=imgpack.readers.collate)"
     )
     if json_path is not None:
-        rows = [{**s.kwargs(), "samples_per_s": round(r, 1)} for s, r in result.table]
-        json_path.write_text(json.dumps({"best": best, "table": rows}, indent=1) + "\n")
+        rows = [
+            {**s.kwargs(), **s.reader_kwargs(), "samples_per_s": round(r, 1)}
+            for s, r in result.table
+        ]
+        report = {"best": {**best, **reader}, "reason": result.best.reasons.get("num_workers")}
+        json_path.write_text(json.dumps({**report, "table": rows}, indent=1) + "\n")
 
 
 @main.command()

@@ -34,7 +34,31 @@ def test_recommendation_follows_the_format(
     enc = recommend_loader_settings(open_dataset(outputs["png"]), gpu=True)
     assert enc.num_workers == 7 and "sched_getaffinity" in enc.reasons["num_workers"]
     assert enc.pin_memory and enc.persistent_workers and enc.prefetch_factor == 4
-    assert set(enc.reasons) == set(enc.kwargs())
+    assert enc.decode_threads == 1 and "7 for 8 CPUs" in enc.reasons["decode_threads"]
+    assert set(enc.reasons) == {*enc.kwargs(), "decode_threads"}
+    assert enc.reader_kwargs() == {"decode_threads": 1} and raw.reader_kwargs() == {}
+
+
+def test_candidates_share_the_cpus_between_workers_and_threads(
+    outputs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("imgpack.loading.tuning.usable_cpus", lambda: 4)
+    from imgpack.loading.tuning import candidate_settings
+
+    enc = candidate_settings(open_dataset(outputs["png"]), gpu=False)
+    assert [(c.num_workers, c.decode_threads) for c in enc] == [
+        (0, 4), (1, 4), (2, 2), (4, 1), (8, 1)
+    ]  # fmt: skip
+    raw = candidate_settings(open_dataset(outputs["raw"]), gpu=False)
+    assert {c.decode_threads for c in raw} == {None}
+
+
+def test_tune_gives_the_measured_reason(outputs: dict[str, Path]) -> None:
+    ds = open_dataset(outputs["raw"])
+    candidates = [LoaderSettings(0, False, False, None), LoaderSettings(1, False, True, 2)]
+    result = autotune_loader(ds, batch_size=8, candidates=candidates, batches=3)
+    reason = result.best.reasons["num_workers"]
+    assert reason.startswith("measured: ") and "samples/s" in reason
 
 
 def test_autotune_returns_a_candidate_it_measured(outputs: dict[str, Path]) -> None:
@@ -115,8 +139,11 @@ def test_tune_and_profile_commands(outputs: dict[str, Path], tmp_path: Path) -> 
     )
     assert result.exit_code == 0, result.output
     assert "starting point" in result.output and "<- fastest" in result.output
-    assert "recommended: DataLoader(ds, batch_size=8" in result.output
-    assert {row["num_workers"] for row in json.loads(report.read_text())["table"]} == {0, 1}
+    assert "DataLoader(ds, batch_size=8" in result.output
+    assert "imgpack.open_dataset(" in result.output and "decode_threads" in result.output
+    table = json.loads(report.read_text())["table"]
+    assert {row["num_workers"] for row in table} == {0, 1}
+    assert all(row["decode_threads"] >= 1 for row in table)
     result = CliRunner().invoke(
         main,
         [

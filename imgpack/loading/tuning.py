@@ -2,8 +2,9 @@
 
 The usual advice ("num_workers = 2-4x the cores, start at 4 and watch the GPU") ignores what
 the format costs to read. Raw pixels (``--encoding raw``) are gathered by a memory copy, so
-worker processes only add a hand-over per batch; encoded images need a Pillow decode per
-sample, which parallelizes over processes up to the CPUs this process may use.
+worker processes only add a hand-over per batch; encoded images need a decode per sample, which
+imgpack's readers spread over threads in each process (``decode_threads``) and DataLoader over
+worker processes: workers x threads should be the CPUs this process may use.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from imgpack.formats.dataset_base import collate
+from imgpack.formats.dataset_base import ImageDataset, collate
 from imgpack.system import usable_cpus
 
 
@@ -29,12 +30,18 @@ class LoaderSettings:
     persistent_workers: bool
     prefetch_factor: int | None
     reasons: dict[str, str] = field(default_factory=dict)
+    #: The reader's ``decode_threads`` (not a DataLoader argument); ``None``: the reader's default.
+    decode_threads: int | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """The settings as ``DataLoader(**settings.kwargs())`` takes them."""
         out = asdict(self)
-        del out["reasons"]
+        del out["reasons"], out["decode_threads"]
         return out
+
+    def reader_kwargs(self) -> dict[str, Any]:
+        """The reader settings, as ``open_dataset(path, **settings.reader_kwargs())`` takes them."""
+        return {} if self.decode_threads is None else {"decode_threads": self.decode_threads}
 
 
 def _decodes(dataset: Dataset[Any]) -> bool:
@@ -49,17 +56,24 @@ def recommend_loader_settings(dataset: Dataset[Any], gpu: bool | None = None) ->
     cpus = usable_cpus()
     gpu = torch.cuda.is_available() if gpu is None else gpu
     reasons: dict[str, str] = {}
+    threads: int | None = None
     if not _decodes(dataset):
         workers = 0
         reasons["num_workers"] = (
             "raw pixels: a batch is one memory gather in the main process; worker processes "
-            "would only add a hand-over per batch"
+            "would only add a hand-over per batch (or load it all with DeviceLoader)"
         )
+        reasons["decode_threads"] = "nothing to decode"
     else:
         workers = max(1, cpus - 1) if cpus > 1 else 0
+        threads = max(1, cpus // workers) if workers else cpus
         reasons["num_workers"] = (
             f"encoded images are decoded per sample: one worker per usable CPU ({cpus} by "
             "sched_getaffinity), keeping one for the training loop"
+        )
+        reasons["decode_threads"] = (
+            f"each {'worker' if workers else 'batch'} decodes on {threads} thread(s): workers x "
+            f"threads = {max(1, workers) * threads} for {cpus} CPUs, none oversubscribed"
         )
     reasons["pin_memory"] = (
         "a GPU is present: page-locked batches copy to it asynchronously"
@@ -78,7 +92,7 @@ def recommend_loader_settings(dataset: Dataset[Any], gpu: bool | None = None) ->
         if workers
         else "only applies with workers"
     )
-    return LoaderSettings(workers, bool(gpu), persistent, prefetch, reasons)
+    return LoaderSettings(workers, bool(gpu), persistent, prefetch, reasons, threads)
 
 
 @dataclass
@@ -95,6 +109,8 @@ def _rate(
     batches: int,
     collate_fn: Callable[[Any], Any],
 ) -> float:
+    if settings.decode_threads is not None and isinstance(dataset, ImageDataset):
+        dataset = dataset.with_options(decode_threads=settings.decode_threads)
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -121,21 +137,22 @@ def _rate(
 
 def candidate_settings(dataset: Dataset[Any], gpu: bool | None = None) -> list[LoaderSettings]:
     """The settings :func:`autotune_loader` tries by default: 0, 1, 2, 4, ... workers up to twice
-    the usable CPUs, each with the recommended pinning."""
+    the usable CPUs, each with the recommended pinning and, for encoded images, its share of
+    the CPUs as decode threads."""
     base = recommend_loader_settings(dataset, gpu)
-    counts = sorted({0, 1, *(2**k for k in range(1, 8) if 2**k <= 2 * usable_cpus())})
-    out = []
-    for n in counts:
-        out.append(
-            LoaderSettings(
-                n,
-                base.pin_memory,
-                n > 0,
-                4 if n else None,
-                {"num_workers": f"candidate: {n} workers"},
-            )
+    cpus = usable_cpus()
+    counts = sorted({0, 1, *(2**k for k in range(1, 8) if 2**k <= 2 * cpus)})
+    return [
+        LoaderSettings(
+            n,
+            base.pin_memory,
+            n > 0,
+            4 if n else None,
+            {"num_workers": f"candidate: {n} workers"},
+            max(1, cpus // max(1, n)) if _decodes(dataset) else None,
         )
-    return out
+        for n in counts
+    ]
 
 
 def autotune_loader(
@@ -154,7 +171,31 @@ def autotune_loader(
     if not table:
         raise ValueError("autotune_loader needs at least one candidate")
     best, rate = max(table, key=lambda row: row[1])
+    reason = _measured_reason(best, rate, table)
+    if reason:
+        best.reasons["num_workers"] = reason
     return TuneResult(best, rate, table)
+
+
+def _measured_reason(
+    best: LoaderSettings, rate: float, table: list[tuple[LoaderSettings, float]]
+) -> str:
+    """Why the fastest candidate won, in measured figures (against the best with workers, or
+    without: whichever kind lost)."""
+    others = [(s, r) for s, r in table if (s.num_workers > 0) != (best.num_workers > 0)]
+    if not others:
+        return ""
+    other, other_rate = max(others, key=lambda row: row[1])
+    if best.num_workers == 0:
+        return (
+            f"measured: {rate:,.0f} samples/s in the main process against {other_rate:,.0f} with "
+            f"{other.num_workers} workers: handing each batch over from a worker costs more "
+            "than reading it"
+        )
+    return (
+        f"measured: {rate:,.0f} samples/s with {best.num_workers} workers against "
+        f"{other_rate:,.0f} in the main process: the decode parallelizes over processes"
+    )
 
 
 __all__ = [
