@@ -535,13 +535,32 @@ def _parse_workers(value: str) -> list[int]:
     help="Samples to read per measurement.",
 )
 @json_option("results")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also draw the table as a chart into this image file (.png, .svg; needs imgpack[plot]).",
+)
 @friendly_errors
 def bench(
-    paths: tuple[Path, ...], workers: str, batch_size: int, samples: int, json_path: Path | None
+    paths: tuple[Path, ...],
+    workers: str,
+    batch_size: int,
+    samples: int,
+    json_path: Path | None,
+    plot_path: Path | None,
 ) -> None:
     """Read throughput of image folders and imgpack outputs, side by side through a DataLoader."""
     from imgpack.loading.bench import run_bench
 
+    if plot_path is not None:  # before measuring: a missing matplotlib fails at once
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise OptionError(
+                "--plot needs matplotlib: pip install 'imgpack[plot]' (or pip install matplotlib)"
+            ) from None
     results = run_bench(paths, _parse_workers(workers), batch_size, samples)
     width = max(len(r.name) for r in results)
     click.echo(f"{'loader':<{width}}  {'workers':>7}  {'samples/s':>11}  path")
@@ -549,6 +568,10 @@ def bench(
         click.echo(f"{r.name:<{width}}  {r.workers:>7}  {r.rate:>11,.0f}  {r.path}")
     if json_path is not None:
         json_path.write_text(json.dumps([r.to_json() for r in results], indent=1) + "\n")
+    if plot_path is not None:
+        from imgpack.loading.bench import plot_results
+
+        click.echo(f"chart: {plot_results(results, plot_path)}")
 
 
 @main.command()

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set everything up and run the main job on a built-in sample: generate a seeded sample image
 # folder, convert it to every format (raw pixels at a fixed size, and original bytes), print
-# `imgpack info` for each and a read-throughput table from `imgpack bench`.
+# `imgpack info` for each and a read-throughput table from `imgpack bench`, drawn as a chart
+# into sample/bench.png.
 # Outputs go to ./sample/ (or the folder given as the first argument).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+EXTRAS=plot source scripts/setup_env.sh
 
 OUT="${1:-sample}"
 rm -rf "$OUT"
@@ -24,4 +25,4 @@ for out in "${outputs[@]}"; do
     imgpack info "$out"
 done
 echo
-imgpack bench "$OUT/images" "${outputs[@]}" --workers 0,2 --samples 5000
+imgpack bench "$OUT/images" "${outputs[@]}" --workers 0,2 --samples 5000 --plot "$OUT/bench.png"

@@ -3,7 +3,7 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k roundtrip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=test,ray,dali,hf source scripts/setup_env.sh
+EXTRAS=test,ray,dali,hf,plot source scripts/setup_env.sh
 
 echo "== ruff check" >&2
 ruff check imgpack tests scripts

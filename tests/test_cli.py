@@ -58,6 +58,23 @@ def test_convert_info_bench(uniform_folder: Path, tmp_path: Path) -> None:
     assert all(r["samples"] >= 64 and r["samples_per_s"] > 0 for r in rows)
 
 
+def test_bench_draws_its_table(
+    uniform_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chart = tmp_path / "bench.png"
+    args = ["bench", str(uniform_folder), "--workers", "0,1", "--samples", "32"]
+    code, out = run(*args, "--plot", str(chart))
+    assert code == 0, out
+    assert f"chart: {chart}" in out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(chart) as img:
+        assert img.width > 400 and img.height > 100
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as without the [plot] extra
+    code, out = run(*args, "--plot", str(tmp_path / "again.png"))
+    assert code != 0 and "pip install 'imgpack[plot]'" in out and "Traceback" not in out
+    assert not (tmp_path / "again.png").exists()
+
+
 def test_many_skipped_files_are_summarised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("imgpack.cli.SHOW_SKIPPED", 2)
     src = tmp_path / "src" / "a"

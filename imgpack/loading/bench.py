@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from imgpack.errors import OptionError
 from imgpack.folder import scan_folder
 from imgpack.formats.dataset_base import collate
 from imgpack.manifest import MANIFEST_NAME
@@ -128,3 +129,48 @@ def run_bench(
             count, seconds = measure(dataset, w, batch_size, max_samples)
             results.append(BenchResult(name, str(path), w, batch_size, count, seconds))
     return results
+
+
+def plot_results(results: Sequence[BenchResult], path: str | os.PathLike[str]) -> Path:
+    """Draw ``results`` as a bar chart (samples/s per loader, one bar per worker count) and save
+    it as an image (its type from the extension: ``.png``, ``.svg``...). Needs matplotlib, the
+    ``[plot]`` extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise OptionError(
+            "--plot needs matplotlib: pip install 'imgpack[plot]' (or pip install matplotlib)"
+        ) from None
+    loaders = list(dict.fromkeys((r.name, r.path) for r in results))
+    workers = sorted({r.workers for r in results})
+    rates = {(r.name, r.path, r.workers): r.rate for r in results}
+    width = 0.8 / max(1, len(workers))
+    figure, axes = plt.subplots(figsize=(8, 1.2 + 0.55 * len(loaders) * len(workers)))
+    for k, count in enumerate(workers):
+        rows = [i + k * width for i in range(len(loaders))]
+        values = [rates.get((name, where, count), 0.0) for name, where in loaders]
+        bars = axes.barh(rows, values, height=width, label=f"num_workers={count}")
+        axes.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=3, fontsize=8)
+    axes.set_yticks(
+        [i + width * (len(workers) - 1) / 2 for i in range(len(loaders))],
+        [f"{name}\n{Path(where).name}" for name, where in loaders],
+        fontsize=8,
+    )
+    axes.invert_yaxis()
+    positive = [rate for rate in rates.values() if rate > 0]
+    logarithmic = bool(positive) and max(positive) > 30 * min(positive)
+    if logarithmic:  # raw reads and decoded ones differ by orders of magnitude
+        axes.set_xscale("log")
+    scale = " (log scale)" if logarithmic else ""
+    axes.set_xlabel(f"samples/s{scale}: DataLoader, shuffled batches")
+    axes.set_title(f"imgpack bench (batch_size={results[0].batch_size})" if results else "")
+    axes.legend(fontsize=8, loc="lower right")
+    axes.margins(x=0.18)
+    figure.tight_layout()
+    out = Path(path)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
