@@ -56,6 +56,31 @@ def json_option(what: str) -> Callable[[F], F]:
     )
 
 
+def storage_options(func: F) -> F:
+    """``--storage-option KEY=VALUE`` (repeatable) and ``--cache-dir`` for commands that take
+    URLs (``s3://``, ``gs://``...)."""
+    func = click.option(
+        "--cache-dir",
+        default=None,
+        help="Where outputs read from a URL are cached [default: IMGPACK_CACHE_DIR, else "
+        "~/.cache/imgpack].",
+    )(func)
+    return click.option(
+        "--storage-option",
+        "storage_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Passed to the fsspec filesystem of a URL (repeatable; JSON values decoded), e.g. "
+        "endpoint_url=http://127.0.0.1:9000 or anon=true.",
+    )(func)
+
+
+def _storage(items: tuple[str, ...]) -> dict[str, Any] | None:
+    from imgpack.storage import parse_storage_options
+
+    return parse_storage_options(items) or None
+
+
 def friendly_errors(func: F) -> F:
     """Turn user-facing errors into click exceptions (one line, non-zero exit)."""
 
@@ -149,8 +174,8 @@ def main(ctx: click.Context, verbose: bool) -> None:
 
 
 @main.command()
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src")
+@click.argument("dst")
 @click.option(
     "--format",
     "fmt",
@@ -290,10 +315,11 @@ def main(ctx: click.Context, verbose: bool) -> None:
     help="The Ray cluster for --executor ray [default: RAY_ADDRESS, else a local Ray].",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@storage_options
 @friendly_errors
 def convert(
-    src: Path,
-    dst: Path,
+    src: str,
+    dst: str,
     fmt: str,
     encoding: str,
     size: str | None,
@@ -321,8 +347,11 @@ def convert(
     executor: str,
     ray_address: str | None,
     quiet: bool,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
 ) -> None:
-    """Convert the image folder SRC (SRC/<class>/<image>) into DST."""
+    """Convert the image folder SRC (SRC/<class>/<image>) into DST. Either may be a URL
+    (s3://bucket/prefix, gs://..., memory://...; see docs/storage.md)."""
     from imgpack.pipeline import convert as run_convert
 
     options: dict[str, Any] = {}
@@ -367,17 +396,29 @@ def convert(
         from imgpack.pipeline import convert_splits
 
         names = None if splits == "auto" else [n.strip() for n in splits.split(",") if n.strip()]
+        from imgpack.storage import is_url
+
+        if is_url(src) or is_url(dst):
+            raise click.UsageError("--splits reads and writes local folders")
         done = convert_splits(
             src, dst, splits=names, options=settings, executor=executor, ray_address=ray_address
         )
         for name, manifest in done.items():
-            _summary(dst / name, manifest, time.perf_counter() - started)
+            _summary(f"{dst}/{name}", manifest, time.perf_counter() - started)
         return
-    manifest = run_convert(src, dst, options=settings, executor=executor, ray_address=ray_address)
+    manifest = run_convert(
+        src,
+        dst,
+        options=settings,
+        executor=executor,
+        ray_address=ray_address,
+        storage_options=_storage(storage_option),
+        cache_dir=cache_dir,
+    )
     _summary(dst, manifest, time.perf_counter() - started)
 
 
-def _summary(dst: Path, manifest: Any, seconds: float) -> None:
+def _summary(dst: str, manifest: Any, seconds: float) -> None:
     """The last lines of a conversion: counts, size, time, and the skipped files."""
     click.echo(
         f"{dst}: {manifest.num_samples} samples, {len(manifest.skipped)} skipped, "
@@ -392,18 +433,33 @@ def _summary(dst: Path, manifest: Any, seconds: float) -> None:
 
 
 @main.command()
-@click.argument("parts", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("parts", nargs=-1, required=True)
+@click.argument("dst")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it is an imgpack output.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@storage_options
 @friendly_errors
-def merge(parts: tuple[Path, ...], dst: Path, overwrite: bool, quiet: bool) -> None:
+def merge(
+    parts: tuple[str, ...],
+    dst: str,
+    overwrite: bool,
+    quiet: bool,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
+) -> None:
     """Join the parts of a conversion made with --num-parts/--part (PART...) into DST: the same
     samples, labels and order as one conversion. Sharded formats are hard-linked (no copy)."""
     from imgpack.merging import merge as run_merge
 
     started = time.perf_counter()
-    manifest = run_merge(parts, dst, overwrite=overwrite, progress=not quiet)
+    manifest = run_merge(
+        parts,
+        dst,
+        overwrite=overwrite,
+        progress=not quiet,
+        storage_options=_storage(storage_option),
+        cache_dir=cache_dir,
+    )
     seconds = time.perf_counter() - started
     click.echo(
         f"{dst}: {manifest.num_samples} samples from {len(parts)} parts, "
@@ -413,8 +469,8 @@ def merge(parts: tuple[Path, ...], dst: Path, overwrite: bool, quiet: bool) -> N
 
 
 @main.command()
-@click.argument("output", type=click.Path(path_type=Path))
-@click.argument("folder", type=click.Path(path_type=Path))
+@click.argument("output")
+@click.argument("folder")
 @click.option(
     "--on-error",
     type=click.Choice(ON_ERROR),
@@ -424,15 +480,32 @@ def merge(parts: tuple[Path, ...], dst: Path, overwrite: bool, quiet: bool) -> N
 )
 @click.option("--overwrite", is_flag=True, help="Replace FOLDER if it is an earlier export.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@storage_options
 @friendly_errors
-def export(output: Path, folder: Path, on_error: str, overwrite: bool, quiet: bool) -> None:
+def export(
+    output: str,
+    folder: str,
+    on_error: str,
+    overwrite: bool,
+    quiet: bool,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
+) -> None:
     """Write the imgpack output OUTPUT back as an image folder FOLDER/<class>/<image>: the stored
     JPEG/PNG bytes as they are (an original output gives back the source files), else lossless
     PNGs of the stored pixels."""
     from imgpack.exporting import export as run_export
 
     started = time.perf_counter()
-    done = run_export(output, folder, on_error=on_error, overwrite=overwrite, progress=not quiet)
+    done = run_export(
+        output,
+        folder,
+        on_error=on_error,
+        overwrite=overwrite,
+        progress=not quiet,
+        storage_options=_storage(storage_option),
+        cache_dir=cache_dir,
+    )
     click.echo(
         f"{folder}: {done.files} files ({done.kept} stored bytes kept, {done.encoded} as PNG), "
         f"{len(done.skipped)} skipped, {time.perf_counter() - started:.1f} s",
@@ -453,16 +526,18 @@ def list_formats() -> None:
 
 
 @main.command()
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("dst")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@storage_options
 @friendly_errors
-def info(dst: Path, as_json: bool) -> None:
-    """Summarise the imgpack output DST from its manifest."""
-    from imgpack.manifest import read_manifest
+def info(dst: str, as_json: bool, storage_option: tuple[str, ...], cache_dir: str | None) -> None:
+    """Summarise the imgpack output DST (a folder or a URL) from its manifest."""
     from imgpack.publishing import recover
+    from imgpack.storage import is_url, local_path, manifest_of
 
-    recover(dst)
-    manifest = read_manifest(dst)
+    if not is_url(dst):
+        recover(local_path(dst))
+    manifest = manifest_of(dst, _storage(storage_option))
     if as_json:
         click.echo(json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))
         return
@@ -484,22 +559,35 @@ def info(dst: Path, as_json: bool) -> None:
 
 
 @main.command(name="verify")
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("dst")
 @click.option("--deep", is_flag=True, help="Also decode every record; check shape and label.")
 @click.option(
     "--workers", type=click.IntRange(min=1), default=None, help="Threads [default: usable CPUs]."
 )
 @json_option("report")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@storage_options
 @friendly_errors
 def verify_command(
-    dst: Path, deep: bool, workers: int | None, json_path: Path | None, quiet: bool
+    dst: str,
+    deep: bool,
+    workers: int | None,
+    json_path: Path | None,
+    quiet: bool,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
 ) -> None:
     """Check DST for damage: files against the manifest (size, sha256), every record's checksum,
     and with --deep every decode. One line per problem, a summary last; exit 1 when damaged."""
     from imgpack.verification import verify
 
-    report = verify(dst, deep=deep, workers=workers, progress=not quiet)
+    report = verify(
+        dst,
+        deep=deep,
+        workers=workers,
+        progress=not quiet,
+        storage_options=_storage(storage_option),
+    )
     for problem in report.problems:
         click.echo(problem.line())
     click.echo(report.summary())

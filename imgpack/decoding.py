@@ -32,7 +32,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 
 from imgpack.errors import DataError, ImageError, OptionError
-from imgpack.handover import batch_buffer
+from imgpack.handover import POOL_MAX_BYTES, shared_tensor
 from imgpack.images import ImagePolicy, apply_policy, describe, resize_pixels, strict_pillow
 from imgpack.system import usable_cpus
 
@@ -259,6 +259,8 @@ class Decoder:
         self.policy = policy if policy is not None and policy.size is not None else None
         self.threads = threads
         self.foreign = foreign
+        #: Batches go to shared memory in a DataLoader worker (a stream returning whole batches).
+        self.shared = False
 
     @property
     def size(self) -> tuple[int, int] | None:
@@ -298,7 +300,7 @@ class Decoder:
         threads = self.threads or default_threads()
         shapes = [self._shape(item) for item in items]
         if count and shapes[0] is not None and all(s == shapes[0] for s in shapes):
-            out = new_batch_tensor((count, *shapes[0]))
+            out = new_batch_tensor((count, *shapes[0]), shared=self.shared)
             rows = out.numpy()
             run_threaded(count, lambda k: self.one(items[k], where(k), rows[k]), threads)
             return out.permute(0, 3, 1, 2)
@@ -311,13 +313,19 @@ class Decoder:
         return arrays_to_batch(arrays)
 
 
-def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """An uninitialised tensor for a batch; in a DataLoader worker, shared memory the training
-    process receives without a copy of torch's own (:func:`imgpack.handover.batch_buffer`)."""
+def new_batch_tensor(
+    shape: Sequence[int], dtype: torch.dtype = torch.uint8, shared: bool = False
+) -> torch.Tensor:
+    """An uninitialised tensor for a batch. In a DataLoader worker, a batch too large for the
+    hand-over pool (:mod:`imgpack.handover`), or any batch with ``shared`` (one returned as it
+    is), is allocated in shared memory: torch would copy it there to send it. Smaller batches
+    are gathered in ordinary memory and copied into the pool when handed over."""
     try:
-        if get_worker_info() is None:
-            return torch.empty(tuple(shape), dtype=dtype)
-        return batch_buffer(shape, dtype)
+        if get_worker_info() is not None and (
+            shared or int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES
+        ):
+            return shared_tensor(shape, dtype)
+        return torch.empty(tuple(shape), dtype=dtype)
     except (RuntimeError, MemoryError) as exc:
         raise DataError(
             f"cannot allocate a batch of shape {tuple(shape)}: {str(exc).splitlines()[0]}"

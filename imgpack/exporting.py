@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -28,6 +29,7 @@ from imgpack.options import ON_ERROR
 from imgpack.pipeline import check_destination, temp_output
 from imgpack.publishing import locked, publish, recover
 from imgpack.readers import open_dataset
+from imgpack.storage import is_url, local_path, open_location, output_folder
 
 #: The marker an export leaves in its folder (hidden: the scan ignores it).
 EXPORT_MARKER = ".imgpack-export.json"
@@ -52,15 +54,25 @@ def export(
     on_error: str = "fail",
     overwrite: bool = False,
     progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Exported:
     """Write the imgpack output ``output`` as an image folder at ``folder``; see the module doc.
 
     ``on_error``: ``fail`` stops at the first damaged record (nothing is written); ``skip``
-    leaves it out and lists it in the result (and in the marker file).
+    leaves it out and lists it in the result (and in the marker file). Either may be a URL
+    (``s3://...``): the output is read through the local cache, a folder in a bucket written in
+    a scratch folder and uploaded, its marker last (:mod:`imgpack.storage`).
     """
     if on_error not in ON_ERROR:
         raise OptionError(f"invalid on_error {on_error!r}: expected one of {', '.join(ON_ERROR)}")
-    source, target = Path(output), Path(folder)
+    if is_url(folder):
+        with output_folder(folder, storage_options, overwrite, EXPORT_MARKER) as local:
+            done = export(output, local, on_error=on_error, progress=progress,
+                          storage_options=storage_options, cache_dir=cache_dir)  # fmt: skip
+        done.folder = folder  # type: ignore[assignment]
+        return done
+    source, target = open_location(output, storage_options, cache_dir), local_path(folder)
     ds = open_dataset(source, verify=True)
     if target.resolve() == source.resolve() or source.resolve() in target.resolve().parents:
         raise OptionError(f"{target}: must not be the output or inside it")

@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -33,6 +34,7 @@ from imgpack.images import Encoding, ImagePolicy
 from imgpack.manifest import FileEntry, Manifest, read_manifest, write_manifest
 from imgpack.pipeline import check_destination, file_entries, temp_output
 from imgpack.publishing import locked, publish, recover
+from imgpack.storage import is_url, local_path, open_location, output_folder
 from imgpack.version import __version__
 
 #: Manifest fields every part of one conversion has in common.
@@ -45,18 +47,28 @@ def merge(
     *,
     overwrite: bool = False,
     progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Manifest:
     """Join the parts of one partitioned conversion into the output ``dst``; see the module doc.
+
+    Parts and ``dst`` may be URLs (``s3://...``): parts are read through the local cache, a
+    ``dst`` in a bucket is built in a scratch folder and uploaded, its manifest last
+    (:mod:`imgpack.storage`).
 
     Raises :class:`~imgpack.errors.OptionError` when ``parts`` are not exactly the parts of one
     conversion (another conversion's part, a missing or repeated part, an output that is not a
     part), naming the offending outputs.
     """
-    roots = [Path(p) for p in parts]
+    if is_url(dst):
+        with output_folder(dst, storage_options, overwrite) as local:
+            return merge(parts, local, progress=progress, storage_options=storage_options,
+                         cache_dir=cache_dir)  # fmt: skip
+    roots = [open_location(p, storage_options, cache_dir) for p in parts]
     if not roots:
         raise OptionError("give the parts to merge")
     ordered = check_parts(roots, [read_manifest(root) for root in roots])
-    target = Path(dst)
+    target = local_path(dst)
     for root, _ in ordered:
         if root.resolve() == target.resolve():
             raise OptionError(f"{target}: is one of the parts; merge into a new folder")

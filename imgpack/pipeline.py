@@ -29,7 +29,7 @@ import sys
 import tempfile
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -37,7 +37,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import executors, hf, sources
+from imgpack import executors, hf, sources, storage
 from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, StorageError
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import (
@@ -438,6 +438,8 @@ def convert(
     options: ConvertOptions | None = None,
     executor: Executor | str | None = None,
     ray_address: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     **kwargs: Any,
 ) -> Manifest:
     """Convert the image folder ``src`` into a ``format`` output at ``dst``.
@@ -463,6 +465,9 @@ def convert(
             :class:`~imgpack.executors.Executor`. The output is the same bytes with every one.
         ray_address: the Ray cluster for ``executor="ray"`` (default ``RAY_ADDRESS``, else a
             local Ray started for the run).
+        storage_options: for ``src`` or ``dst`` given as URLs (``s3://...``): passed to the
+            fsspec filesystem (:mod:`imgpack.storage`).
+        cache_dir: where an output read from a URL is cached (default: the user's cache folder).
 
     Returns:
         The manifest written to ``dst/imgpack.json``.
@@ -471,6 +476,10 @@ def convert(
         options = ConvertOptions.create(format, **kwargs)
     elif kwargs or format != "pt":
         raise OptionError("give either options= or format and keyword options, not both")
+    if storage.is_url(src) or storage.is_url(dst):
+        return _convert_remote(src, dst, options, executor, ray_address, storage_options, cache_dir)
+    src = src if hf.is_dataset_object(src) else storage.local_path(src)
+    dst = storage.local_path(dst)
     if hf.is_dataset_object(src):
         return _convert_dataset_object(src, Path(dst), options, executor, ray_address)
     if executor is None and ray_address is not None:
@@ -494,6 +503,41 @@ def convert(
                 f"{the_plan.dst}: cannot write the output: {reason}; nothing was published and "
                 f"{the_plan.dst} is as it was"
             ) from None
+
+
+def _convert_remote(
+    src: Any,
+    dst: str | os.PathLike[str],
+    options: ConvertOptions,
+    executor: Executor | str | None,
+    ray_address: str | None,
+    storage_options: dict[str, Any] | None,
+    cache_dir: str | os.PathLike[str] | None,
+) -> Manifest:
+    """A source or destination in object storage: the source fetched (an output through the
+    cache, anything else to a scratch folder), the output built in a scratch folder and
+    uploaded with its manifest last (:mod:`imgpack.storage`)."""
+    if storage.is_url(dst) and options.resume:
+        raise OptionError(
+            f"{dst}: --resume needs a local DST (a bucket output is built in a scratch folder)"
+        )
+    with ExitStack() as stack:
+        local_src: Any = src
+        if not hf.is_dataset_object(src):
+            local_src = stack.enter_context(
+                storage.source_location(src, storage_options, cache_dir)
+            )
+        local_dst = stack.enter_context(
+            storage.output_folder(dst, storage_options, overwrite=options.overwrite)
+        )
+        local_options = replace(options, overwrite=False) if storage.is_url(dst) else options
+        manifest = convert(
+            local_src, local_dst, options=local_options, executor=executor, ray_address=ray_address
+        )
+        if storage.is_url(src):  # the source as the user named it, not the scratch copy
+            manifest.source["path"] = str(src).rstrip("/")
+            write_manifest(Path(local_dst), manifest)
+        return manifest
 
 
 #: errno values that mean the machine cannot store the output, whatever the input.

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from imgpack.manifest import (
     sha256_file,
 )
 from imgpack.publishing import recover
+from imgpack.storage import is_url, local_path, source_folder
 from imgpack.system import usable_cpus
 
 #: Samples checked per step (one batch read, one progress update).
@@ -147,15 +148,30 @@ def verify(
     deep: bool = False,
     workers: int | None = None,
     progress: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> Report:
     """Check the imgpack output at ``path``; see the module docstring for what is checked.
+    A URL's files are downloaded as they are to a scratch folder and checked there.
 
     Args:
         deep: also decode every record and check its shape and label.
         workers: threads that hash files and check records (default: the usable CPUs).
         progress: tqdm progress bars on stderr.
     """
-    root = Path(path)
+    if is_url(path):  # the files as the bucket holds them, in a scratch folder
+        with source_folder(path, storage_options) as local:
+            report = verify(local, deep, workers, progress)
+        report.path = str(path).rstrip("/")
+        report.problems = [  # named as the bucket names them
+            replace(
+                p,
+                file=p.file.replace(str(local), report.path, 1),
+                message=p.message.replace(str(local), report.path),
+            )
+            for p in report.problems
+        ]
+        return report
+    root = local_path(path)
     recover(root)  # a replacement killed midway: put the previous output back first
     started = time.perf_counter()
     report = Report(str(root), deep)

@@ -1,4 +1,4 @@
 """imgpack's version, in a module of its own so that any module can name it without importing the
 package's ``__init__``."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

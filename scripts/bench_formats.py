@@ -166,7 +166,9 @@ def main() -> None:
                 count, seconds = measure(mapped, w, bs, len(mapped), collate)
                 best[f"map w{w}"] = max(best.get(f"map w{w}", 0.0), count / seconds)
                 for name, (stream, size) in streams.items():
-                    count, seconds = measure(stream, w, size, len(stream), collate)
+                    # one epoch of samples (len() of a batched stream counts batches)
+                    samples = stream.samples_per_rank()
+                    count, seconds = measure(stream, w, size, samples, collate)
                     best[f"{name} w{w}"] = max(best.get(f"{name} w{w}", 0.0), count / seconds)
         rows = []
         for w in (0, args.workers):

@@ -2,8 +2,12 @@
 
 Reports, measured side by side in one run: the ImageFolder-style baseline (Pillow decode per file,
 DataLoader num_workers=2), PTDataset through DataLoader(batch_size=256, shuffle=True) with
-imgpack.readers.collate and with torch's default collate, and the memory-bound limit (a bare
-in-RAM index_select gather of the same batches); plus conversion time and peak memory (RSS).
+imgpack.readers.collate (num_workers 0 and 2) and with torch's default collate, a hand-written
+in-RAM per-sample dataset (``X[i], int(Y[i])``) with torch's default collate, DataLoader's own
+hand-over floor at num_workers=2 (a dataset returning the same preallocated batch, without and
+with labels), and the memory-bound limit (a bare in-RAM index_select gather of the same
+batches); plus conversion time and peak memory (RSS). The readers are measured in turn, round
+after round (--repeats), best of the rounds.
 
     python scripts/bench_pt.py [--count 50000] [--data bench-data] [--json results.json]
 """
@@ -14,6 +18,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from benchlib import (
@@ -25,11 +30,47 @@ from benchlib import (
     run_with_peak_rss,
     save_json,
 )
+from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from imgpack import open_dataset
 from imgpack.loading.bench import FolderDataset, measure
 from imgpack.readers import collate
+
+
+class HandWritten(Dataset[tuple[torch.Tensor, int]]):
+    """What a user writes for data already in RAM: one sample per ``__getitem__``."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
+
+
+class Preallocated(Dataset[Any]):
+    """DataLoader's own hand-over floor: every batch is the same preallocated tensor (with a
+    preallocated label tensor when ``labels``), so a worker does no work but hand it over."""
+
+    def __init__(self, batch: int, shape: tuple[int, ...], labels: bool) -> None:
+        height, width, channels = shape
+        self.images = torch.zeros((batch, channels, height, width), dtype=torch.uint8)
+        self.labels = torch.zeros(batch, dtype=torch.int64) if labels else None
+        self.count = 50_000
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, Any]:
+        n = len(indices)
+        return self.images[:n], (self.labels[:n] if self.labels is not None else range(n))
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
 
 
 def main() -> None:
@@ -57,11 +98,32 @@ def main() -> None:
     baseline = best_of(
         1, lambda: measure(FolderDataset(src), 2, bs, args.baseline_samples, default_collate)
     )
-    pt_fast0 = best_of(args.repeats, lambda: measure(ds, 0, bs, n, collate))
-    pt_fast2 = best_of(args.repeats, lambda: measure(ds, 2, bs, n, collate))
-    pt_default0 = best_of(args.repeats, lambda: measure(ds, 0, bs, n, None))
     images = torch.cat([ds._shard(i)["images"].clone() for i in range(len(ds.manifest.files))])
-    limit = best_of(args.repeats, lambda: index_select_limit(images, bs, n))
+    labels = torch.cat([ds._shard(i)["labels"].clone() for i in range(len(ds.manifest.files))])
+    hand = HandWritten(images.permute(0, 3, 1, 2), labels)
+    floor = Preallocated(bs, tuple(images.shape[1:]), False)
+    floor_labels = Preallocated(bs, tuple(images.shape[1:]), True)
+    rates: dict[str, list[float]] = {}
+    runs = {  # measured in turn, round after round; best of the rounds
+        "pt_collate_w0": lambda: measure(ds, 0, bs, n, collate),
+        "pt_default_w0": lambda: measure(ds, 0, bs, n, None),
+        "hand_default_w0": lambda: measure(hand, 0, bs, n, None),
+        "pt_collate_w2": lambda: measure(ds, 2, bs, n, collate),
+        "floor_w2": lambda: measure(floor, 2, bs, n, _as_is),
+        "floor_labels_w2": lambda: measure(floor_labels, 2, bs, n, _as_is),
+        "limit": lambda: index_select_limit(images, bs, n),
+    }
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            count, seconds = run()
+            rates.setdefault(name, []).append(count / seconds)
+    best = {name: max(values) for name, values in rates.items()}
+    pt_fast0, pt_fast2, pt_default0 = (
+        best["pt_collate_w0"],
+        best["pt_collate_w2"],
+        best["pt_default_w0"],
+    )
+    limit = best["limit"]
     best_pt = max(pt_fast0, pt_fast2)
 
     print(f"machine: {machine()}")
@@ -82,6 +144,12 @@ def main() -> None:
             ("PTDataset + collate, num_workers=0", f"{pt_fast0:>12,.0f}"),
             ("PTDataset + collate, num_workers=2", f"{pt_fast2:>12,.0f}"),
             ("PTDataset + default collate, num_workers=0", f"{pt_default0:>12,.0f}"),
+            (
+                "hand-written X[i], int(Y[i]) + default collate, w=0",
+                f"{best['hand_default_w0']:>12,.0f}",
+            ),
+            ("floor: preallocated batch, num_workers=2", f"{best['floor_w2']:>12,.0f}"),
+            ("floor: preallocated batch + labels, w=2", f"{best['floor_labels_w2']:>12,.0f}"),
             ("limit: in-RAM index_select", f"{limit:>12,.0f}"),
         ],
     )
@@ -91,6 +159,15 @@ def main() -> None:
             ("of the index_select limit", f"{best_pt / limit:.1%}  (target >= 25%)"),
             ("vs the baseline", f"{best_pt / baseline:,.0f}x  (target >= 50x)"),
             ("fast collate vs default collate", f"{pt_fast0 / pt_default0:.1f}x"),
+            (
+                "default collate vs hand-written dataset",
+                f"{pt_default0 / best['hand_default_w0']:.2f}x  (target >= 1.0x)",
+            ),
+            (
+                "workers=2 vs the hand-over floor",
+                f"{pt_fast2 / best['floor_w2']:.0%} (images only), "
+                f"{pt_fast2 / best['floor_labels_w2']:.0%} (images + labels)  (target >= 80%)",
+            ),
         ],
     )
     save_json(
@@ -106,6 +183,7 @@ def main() -> None:
             "pt_collate_w2": pt_fast2,
             "pt_default_collate_w0": pt_default0,
             "limit": limit,
+            "rounds": rates,
         },
     )
 

@@ -236,6 +236,20 @@ def test_batches_from_workers_stay_whole_while_later_ones_arrive(
         assert torch.equal(labels, expected[1][first : first + 16])
 
 
+def test_new_workers_each_epoch_hand_over_correctly(raw_outputs: dict[str, Path]) -> None:
+    """Workers that are not persistent start new pools every epoch: the training process
+    holds the buffers of live workers only, and every batch is right."""
+    import imgpack.handover as handover
+
+    ds = open_dataset(raw_outputs["pt"])
+    expected = collate(ds.__getitems__(list(range(len(ds)))))
+    loader = DataLoader(ds, batch_size=16, num_workers=2, collate_fn=collate)
+    for _ in range(3):
+        images, labels = (torch.cat(parts) for parts in zip(*loader, strict=True))
+        assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+    assert len(handover._held_pids) <= 4  # this epoch's two pools, perhaps the last one's
+
+
 def test_a_pooled_batch_unpickled_late_raises() -> None:
     """The generation check: pickled bytes of a batch kept until its buffer was lent again
     raise instead of showing another batch's pixels."""
@@ -243,17 +257,18 @@ def test_a_pooled_batch_unpickled_late_raises() -> None:
 
     import imgpack.handover as handover
 
-    images = handover.batch_buffer((4, 3, 8, 8))
-    images.fill_(7)
+    images = torch.full((4, 3, 8, 8), 7, dtype=torch.uint8)
     batch = handover.Handover((images, torch.arange(4)))
-    sent, kept = ForkingPickler.dumps(batch), ForkingPickler.dumps(batch)
-    received, labels = ForkingPickler.loads(sent)
-    assert (received == 7).all() and labels.tolist() == [0, 1, 2, 3]
-    assert received.untyped_storage().data_ptr() != images.untyped_storage().data_ptr()
-    again = handover.batch_buffer((4, 3, 8, 8))  # the buffer was freed: lent again
-    assert again.untyped_storage().data_ptr() == images.untyped_storage().data_ptr()
+    first = ForkingPickler.loads(ForkingPickler.dumps(batch))  # the buffer travels, is held
+    assert torch.equal(first[0], images) and first[1].tolist() == [0, 1, 2, 3]
+    kept = ForkingPickler.dumps(batch)  # the same buffer again, by name
+    again = ForkingPickler.loads(kept)
+    assert torch.equal(again[0], images)
+    images.fill_(9)
+    ForkingPickler.dumps(batch)  # the buffer lent once more, now holding 9s
     with pytest.raises(DataError, match="reused before the batch was received"):
         ForkingPickler.loads(kept)
+    assert (again[0] == 7).all()  # what was received is the receiver's own copy
 
 
 def test_raw_memory_mapped_readers_steer_workers_to_zero(raw_outputs: dict[str, Path]) -> None:

@@ -39,6 +39,7 @@ from imgpack.errors import DataError, ImgpackError, ManifestError, PerformanceWa
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.manifest import Manifest, file_problem, read_manifest
+from imgpack.storage import fetch_output, is_url, local_path
 from imgpack.units import parse_image_size
 
 Images = torch.Tensor | list[torch.Tensor]
@@ -140,6 +141,9 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     largest DCT scale that still covers the size first (:mod:`imgpack.decoding`).
     ``decode_threads``: threads that decode a batch of encoded images (default: this process's
     share of the usable CPUs, so DataLoader workers and threads do not oversubscribe them).
+    ``root`` may be a URL (``s3://...``): the output is fetched into the local cache
+    (``cache_dir``; ``storage_options`` for the filesystem) and read from there
+    (:mod:`imgpack.storage`).
 
     Opening checks the manifest against the files (each a regular file of the recorded size,
     sample counts adding up), so a truncated or swapped file is refused before it is mapped.
@@ -157,8 +161,12 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         size: int | tuple[int, int] | str | None = None,
         resize: str = "crop",
         decode_threads: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.root = Path(root)
+        if is_url(root):  # an output in a bucket: read from its checked local copy
+            root = fetch_output(str(root), storage_options, cache_dir)
+        self.root = local_path(root)
         # A reader of files imgpack did not write passes a manifest it built itself.
         self.manifest: Manifest = manifest if manifest is not None else read_manifest(self.root)
         if self.manifest.format != self.format:
@@ -347,11 +355,13 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
 
     def _indices(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
+        if not idx.size:
+            return idx
+        n, lowest = len(self), int(idx.min())
+        if lowest < -n or int(idx.max()) >= n:
             bad = int(idx[(idx < -n) | (idx >= n)][0])
             raise IndexError(f"index {bad} is out of range for {self.root} ({n} samples)")
-        return np.where(idx < 0, idx + n, idx)
+        return np.where(idx < 0, idx + n, idx) if lowest < 0 else idx
 
     def _decode(
         self, payloads: Sequence[bytes | memoryview], where: Callable[[int], str]

@@ -17,6 +17,7 @@ from imgpack.errors import ManifestError
 from imgpack.formats.dataset_base import Batch, ImageDataset, collate
 from imgpack.manifest import MANIFEST_NAME, read_manifest
 from imgpack.publishing import recover
+from imgpack.storage import fetch_output, is_url, local_path
 
 #: Readers that are not a format's default reader.
 _OTHERS = {
@@ -30,13 +31,25 @@ def reader_class(fmt: str) -> type[ImageDataset]:
     return formats.reader_for(fmt, "imgpack.readers.reader_class")
 
 
-def open_dataset(path: str | os.PathLike[str], **kwargs: Any) -> ImageDataset:
+def open_dataset(
+    path: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> ImageDataset:
     """Open the imgpack output at ``path`` with the reader its manifest names.
 
-    ``kwargs`` go to the reader (``transform``, ``target_transform`` and format options).
-    An output whose replacement (``convert --overwrite``) was killed midway is put back first
+    ``path`` may be a URL (``s3://bucket/out``, ``gs://``, ``memory://``...): the output is
+    fetched into the local cache (``cache_dir``, default the user's cache folder) and read from
+    there; ``storage_options`` go to the fsspec filesystem (:mod:`imgpack.storage`).
+    ``kwargs`` go to the reader (``transform``, ``target_transform``, ``size``,
+    ``decode_threads`` and format options). An output whose replacement
+    (``convert --overwrite``) was killed midway is put back first
     (:func:`imgpack.publishing.recover`).
     """
+    if is_url(path):
+        path = fetch_output(str(path), storage_options, cache_dir)
+    path = local_path(path)
     recover(Path(path))
     try:
         manifest = read_manifest(path)

@@ -87,7 +87,11 @@ def compression(path: str | os.PathLike[str]) -> str | None:
     (``0x78 ..``, a multiple of 31) that a plain file's first length byte can also be, so a file
     counts as ZLIB only when its first 12 bytes are not a valid record header."""
     with open(path, "rb") as fh:
-        head = fh.read(HEADER_SIZE)
+        return compression_of(fh.read(HEADER_SIZE))
+
+
+def compression_of(head: bytes) -> str | None:
+    """:func:`compression` from a file's first 12 bytes."""
     if head[:2] == b"\x1f\x8b":
         return "GZIP"
     zlib_header = len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
@@ -108,17 +112,21 @@ def is_compressed(path: str | os.PathLike[str]) -> bool:
 
 
 class ZlibReader(io.BufferedReader):
-    """A ZLIB-compressed TFRecord file, inflated in bounded pieces as it is read."""
+    """A ZLIB-compressed TFRecord file (a path, or a binary file object it then owns),
+    inflated in bounded pieces as it is read."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str] | BinaryIO) -> None:
         super().__init__(_Inflater(path), buffer_size=1 << 16)
 
 
 class _Inflater(io.RawIOBase):
     PIECE = 1 << 20  # the most inflated at once
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._fh = open(path, "rb")  # noqa: SIM115 - closed in close()
+    def __init__(self, path: str | os.PathLike[str] | BinaryIO) -> None:
+        if isinstance(path, (str, os.PathLike)):
+            self._fh: Any = open(path, "rb")  # noqa: SIM115 - closed in close()
+        else:
+            self._fh = path
         self._inflate = zlib.decompressobj()
         self._pending = b""
         self._done = False
@@ -206,6 +214,33 @@ def open_records(path: Path) -> BinaryIO:
     return open(path, "rb")
 
 
+def open_stream(fh: BinaryIO, kind: str | None) -> BinaryIO:
+    """A binary file object (a file in a bucket, say) of compression ``kind`` as a stream of
+    frames; the stream owns ``fh``."""
+    if kind == "GZIP":
+        return gzip.GzipFile(fileobj=fh, mode="rb")  # type: ignore[return-value]
+    if kind == "ZLIB":
+        return ZlibReader(fh)
+    return fh
+
+
+def parse_index(text: str, where: str) -> list[tuple[int, int]]:
+    """The ``(offset, size)`` lines of an ``.idx`` file's text (``where`` names it)."""
+    index = []
+    for number, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            offset, size = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            raise DataError(
+                f"{where}: line {number}: expected 'offset size', got {line!r}"
+            ) from None
+        index.append((offset, size))
+    return index
+
+
 def build_index(path: Path) -> list[tuple[int, int]]:
     """``(offset, size)`` of every record frame of an uncompressed file, by walking the lengths
     (each length's CRC is checked, the data is skipped)."""
@@ -254,26 +289,16 @@ def read_index(path: Path) -> list[tuple[int, int]] | None:
         text = target.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{target}: unreadable index: {exc}") from None
-    index = []
-    for number, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
-        if not parts:
-            continue
-        try:
-            offset, size = int(parts[0]), int(parts[1])
-        except (IndexError, ValueError):
-            raise DataError(
-                f"{target}: line {number}: expected 'offset size', got {line!r}"
-            ) from None
-        index.append((offset, size))
+    index = parse_index(text, str(target))
     check_index(path, index)
     return index
 
 
-def check_index(path: Path, index: list[tuple[int, int]]) -> None:
+def check_index(path: Path, index: list[tuple[int, int]], file_size: int | None = None) -> None:
     """Check ``.idx`` entries against the framing: contiguous frames from byte 0, each at least
-    a frame's overhead long, the last ending where the file does. A stale or edited index is
-    refused (:class:`DataError`) rather than trusted."""
+    a frame's overhead long, the last ending where the file (of ``file_size`` bytes, by default
+    its size on disk) does. A stale or edited index is refused (:class:`DataError`) rather than
+    trusted."""
     expected = 0
     for number, (offset, size) in enumerate(index, 1):
         if offset != expected or size < HEADER_SIZE + FOOTER_SIZE:
@@ -282,7 +307,7 @@ def check_index(path: Path, index: list[tuple[int, int]]) -> None:
                 f"match the framing (expected one at {expected}); rebuild it with imgpack index"
             )
         expected = offset + size
-    size = path.stat().st_size
+    size = path.stat().st_size if file_size is None else file_size
     if expected != size:
         raise DataError(
             f"{index_path(path)}: its records end at byte {expected}, {path.name} has {size} "

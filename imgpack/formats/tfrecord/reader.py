@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import google_crc32c
 import numpy as np
@@ -34,6 +34,7 @@ from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
+from imgpack.storage import fetch_output, filesystem, is_url, read_remote_manifest
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
 
@@ -61,9 +62,17 @@ class Records:
     how one record becomes ``(pixels, label)``. Shared by both readers; holds no open file."""
 
     def __init__(
-        self, source: Source, check_crc: bool = True, label_offset: int | None = None
+        self,
+        source: Source,
+        check_crc: bool = True,
+        label_offset: int | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.check_crc = check_crc
+        self._fs: Any = None  # the filesystem of an output streamed from a bucket
+        if isinstance(source, str) and is_url(source):
+            self._remote(source.rstrip("/"), label_offset, storage_options)
+            return
         paths = _resolve(source)
         if len(paths) == 1 and paths[0].is_dir() and (paths[0] / MANIFEST_NAME).is_file():
             self.root = paths[0]
@@ -96,6 +105,56 @@ class Records:
             self.manifest, self._labels, self._paths = self._scan_foreign()
         self.channels = int(self.manifest.image.get("channels", 3))
         self.policy = ImagePolicy()
+
+    def _remote(
+        self, url: str, label_offset: int | None, storage_options: dict[str, Any] | None
+    ) -> None:
+        """An imgpack output in a bucket, for streaming: the manifest and the small ``.idx``
+        files are read, the shards opened as streams when iterated (nothing cached)."""
+        self.manifest = read_remote_manifest(url, storage_options)[0]
+        if self.manifest.format != "tfrecord":
+            raise ManifestError(f"{url}: holds format {self.manifest.format!r}, not 'tfrecord'")
+        self._fs, base = filesystem(url, storage_options)
+        self.root = url  # type: ignore[assignment]  # messages name the URL
+        self.foreign = False
+        self.shards = []
+        try:
+            for entry in self.manifest.files:
+                remote = f"{base}/{entry.path}"
+                kind = framing.compression_of(self._fs.cat_file(remote, start=0, end=12))
+                if kind is not None:
+                    count = entry.num_samples
+                    offsets = sizes = np.full(count, -1, np.int64)
+                else:
+                    name = framing.index_path(Path(entry.path)).name
+                    where = f"{url}/{name}"
+                    index = framing.parse_index(self._fs.cat_file(f"{base}/{name}").decode(), where)
+                    framing.check_index(Path(entry.path), index, entry.bytes)
+                    array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
+                    offsets, sizes = array[:, 0].copy(), array[:, 1].copy()
+                    if len(index) != entry.num_samples:
+                        raise DataError(
+                            f"{where}: lists {len(index)} records, the manifest says "
+                            f"{entry.num_samples}"
+                        )
+                self.shards.append(Shard(remote, offsets, sizes, kind))  # type: ignore[arg-type]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{url}: cannot read the output: {exc}") from None
+        self.label_offset = int(
+            self.manifest.options.get("label_offset", 0) if label_offset is None else label_offset
+        )
+        self._labels = None
+        self._paths = None
+        self.channels = int(self.manifest.image.get("channels", 3))
+        self.policy = ImagePolicy()
+
+    def open(self, shard: Shard) -> BinaryIO:
+        """``shard`` as a sequential stream of frames (decompressed; from the bucket when the
+        output is streamed from one)."""
+        if self._fs is None:
+            return framing.open_records(shard.path)
+        raw = self._fs.open(shard.path, "rb", block_size=8 << 20)
+        return framing.open_stream(raw, shard.compression)
 
     @staticmethod
     def _shard(path: Path) -> Shard:
@@ -166,7 +225,7 @@ class Records:
         if self._paths is None and not self.foreign:
             paths: list[str] | None = []
             for shard in self.shards:
-                with framing.open_records(shard.path) as fh:
+                with self.open(shard) as fh:
                     for offset, data in framing.iter_frames(fh, str(shard.path), self.check_crc):
                         paths = _collect_path(
                             paths, _parse(data, f"{shard.path} at offset {offset}")
@@ -237,7 +296,7 @@ class Records:
             shard = self.shards[number]
             first = min(records) if records and not shard.compressed else 0
             start = int(shard.offsets[first]) if first else 0
-            with framing.open_records(shard.path) as fh:
+            with self.open(shard) as fh:
                 if start:
                     fh.seek(start)  # skip the records this reader does not need
                 frames = framing.iter_frames(fh, str(shard.path), self.check_crc, start)
@@ -492,7 +551,11 @@ class TFRecordDataset(PreadDataset):
         size: int | tuple[int, int] | str | None = None,
         resize: str = "crop",
         decode_threads: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if isinstance(source, str) and is_url(source):  # read from its checked local copy
+            source = fetch_output(source, storage_options, cache_dir)
         records = Records(source, check_crc if verify is None else verify, label_offset)
         super().__init__(
             records.root,

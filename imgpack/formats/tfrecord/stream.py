@@ -41,6 +41,10 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
     ``check_crc`` says and ``verify=False`` skips them (the switch of the map-style readers).
     ``size``, ``resize`` and ``decode_threads`` as for the map-style readers
     (:class:`~imgpack.formats.dataset_base.ImageDataset`).
+
+    ``source`` may be the URL of an imgpack ``tfrecord`` output in a bucket (``s3://...``;
+    ``storage_options`` for the filesystem): its shards are streamed from there as they are read,
+    nothing cached (:mod:`imgpack.storage`).
     """
 
     def __init__(
@@ -60,13 +64,17 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         size: int | tuple[int, int] | str | None = None,
         resize: str = "crop",
         decode_threads: int | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"invalid batch_size {batch_size!r}: expected 1 or more, or None")
         self.batch_size = batch_size
-        self.records = Records(source, check_crc if verify is None else verify, label_offset)
+        self.records = Records(
+            source, check_crc if verify is None else verify, label_offset, storage_options
+        )
         policy = ImagePolicy(size=parse_image_size(size), resize=resize) if size else None
         self.decoder = self.records.decoder(policy, decode_threads)
+        self.decoder.shared = batch_size is not None  # whole batches leave workers as they are
         self.classes = list(self.records.manifest.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.transform, self.target_transform = transform, target_transform

@@ -1,0 +1,505 @@
+"""Outputs and sources in object storage (S3, GCS, Azure, any fsspec filesystem).
+
+Wherever imgpack takes a path it also takes an fsspec URL (``s3://bucket/prefix``, ``gs://``,
+``az://``, ``memory://``; ``file://`` is a local path). Credentials and endpoints come from each
+filesystem's usual settings (for S3 the standard AWS variables and config files, including
+``AWS_ENDPOINT_URL`` for MinIO and other S3-compatible stores); ``storage_options`` passes
+anything else to the filesystem.
+
+- **Reading an output** goes through a local cache (:class:`OutputCache`): its files are
+  fetched once, checked against the manifest's size and sha256, and then read as local files,
+  memory-mapped as any output is, so every fast path stays.
+- **Writing an output** builds it in a local scratch folder with the usual engine, then uploads
+  its files concurrently, the manifest last: an object store has no rename, so ``imgpack.json``
+  is the commit point. A reader opens only an output whose manifest exists, and the manifest
+  names exactly the files that belong; a conversion killed midway leaves none.
+- **Reading a source folder** (an ImageFolder, TFRecord files) downloads it into a scratch
+  folder first, so listing, ordering and the image policy are exactly those of a local folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from imgpack.errors import ImgpackError, ManifestError, OptionError, StorageError
+from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, sha256_file
+from imgpack.units import parse_byte_size
+
+log = logging.getLogger(__name__)
+
+Location = str | os.PathLike[str]
+#: Files transferred at once.
+TRANSFERS = 8
+#: Files an output holds at run time that are not part of it (LMDB's lock file).
+RUNTIME_FILES = frozenset({"lock.mdb"})
+#: The cache's size limit when neither ``max_bytes`` nor ``IMGPACK_CACHE_SIZE`` sets one.
+DEFAULT_CACHE_BYTES = 100 << 30
+
+
+def is_url(location: Any) -> bool:
+    """Whether ``location`` names something an fsspec filesystem other than the local one holds
+    (``file://`` URLs are local paths)."""
+    if not isinstance(location, str) or "://" not in location:
+        return False
+    return not location.startswith("file://")
+
+
+def local_path(location: Location) -> Path:
+    """``location`` as a local path (a ``file://`` URL stripped of its scheme)."""
+    text = os.fspath(location)
+    return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``(fsspec filesystem, path in it)`` for ``url``; a clear error when the scheme's package
+    is missing (``pip install 'imgpack[s3]'``, ``'imgpack[gcs]'``)."""
+    try:
+        import fsspec  # type: ignore[import-untyped]
+    except ImportError:  # pragma: no cover - fsspec comes with torch
+        raise OptionError(f"{url}: URLs need fsspec (pip install fsspec)") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        scheme = url.split("://", 1)[0]
+        extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
+        hint = f"pip install 'imgpack[{extra}]'" if extra else str(exc)
+        raise OptionError(f"{url}: reading {scheme}:// needs another package: {hint}") from None
+    except ValueError as exc:
+        raise OptionError(f"{url}: {exc}") from None
+    return fs, str(path).rstrip("/")
+
+
+def parse_storage_options(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings (``--storage-option``) as a dict; JSON values are decoded
+    (``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``), others stay strings."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise OptionError(f"invalid storage option {item!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _remote_error(url: str, exc: BaseException) -> ImgpackError:
+    if isinstance(exc, FileNotFoundError):
+        return ManifestError(f"{url}: not found")
+    if isinstance(exc, PermissionError):
+        return StorageError(f"{url}: access denied ({exc})")
+    return StorageError(
+        f"{url}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    )
+
+
+def read_remote_manifest(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Manifest, bytes]:
+    """The manifest of the output at ``url`` (validated) and its bytes."""
+    fs, root = filesystem(url, storage_options)
+    try:
+        data = fs.cat_file(f"{root}/{MANIFEST_NAME}")
+    except FileNotFoundError:
+        raise ManifestError(
+            f"{url}: not an imgpack output (no {MANIFEST_NAME}: nothing there, or a conversion "
+            "still uploading or killed midway, which leaves none)"
+        ) from None
+    except OSError as exc:
+        raise _remote_error(url, exc) from None
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{url}/{MANIFEST_NAME}: unreadable manifest: {exc}") from None
+    return Manifest.from_json(parsed, where=f"{url}/{MANIFEST_NAME}"), data
+
+
+# -- the cache -----------------------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    """``IMGPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/imgpack``, else ``~/.cache/imgpack``."""
+    if os.environ.get("IMGPACK_CACHE_DIR"):
+        return Path(os.environ["IMGPACK_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "imgpack"
+
+
+@dataclass
+class CacheStats:
+    """What the cache of this process did (for tests and logs)."""
+
+    downloads: int = 0
+    downloaded_bytes: int = 0
+    refetched: int = 0
+
+
+stats = CacheStats()
+_pinned: dict[str, int] = {}  # cached outputs this process reads: a shared lock held on each
+_pinned_lock = threading.Lock()
+
+
+class OutputCache:
+    """Local copies of outputs read from object storage, shared by every process of the machine.
+
+    Layout: ``CACHE/outputs/<hash of the URL>-<output id>/`` holds the output's files and its
+    manifest, exactly as a local output; ``.imgpack-cache.json`` beside them records each file's
+    size and modification time once its sha256 matched the manifest. Fetching takes an
+    exclusive ``flock`` on the entry's lock file, so DataLoader workers and DDP ranks opening
+    the same output together download each file once (the others wait, then find it there).
+    A file is downloaded to a temporary name and renamed into place only once checked. A cached
+    file whose size or modification time changed since it was checked is hashed again, and
+    fetched again if damaged. Entries are evicted least recently used first when the cache
+    grows past ``max_bytes`` — never one another process is reading (each reader holds a shared
+    lock on its entry).
+    """
+
+    def __init__(self, directory: Location | None = None, max_bytes: int | str | None = None):
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        if max_bytes is None:
+            max_bytes = os.environ.get("IMGPACK_CACHE_SIZE") or DEFAULT_CACHE_BYTES
+        self.max_bytes = parse_byte_size(max_bytes, "cache size")
+
+    def entry(self, url: str, manifest: Manifest, data: bytes) -> Path:
+        name = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+        version = manifest.output_id or hashlib.sha256(data).hexdigest()[:16]
+        return self.directory / "outputs" / f"{name}-{version}"
+
+    def fetch(self, url: str, storage_options: dict[str, Any] | None = None) -> Path:
+        """The local copy of the output at ``url``: fetched (what is missing or damaged),
+        checked, and pinned for this process's lifetime."""
+        manifest, data = read_remote_manifest(url, storage_options)
+        local = self.entry(url, manifest, data)
+        local.mkdir(parents=True, exist_ok=True)
+        with _locked(local, fcntl.LOCK_EX):
+            checked = _load_json(local / ".imgpack-cache.json")
+            fs, root = filesystem(url, storage_options)
+            entries = manifest.files + _companions(fs, root, url, manifest)
+            wanted = [e for e in entries if not _still_good(local, e.path, e.bytes, checked)]
+            if wanted:
+                with ThreadPoolExecutor(TRANSFERS) as pool:
+                    done = pool.map(
+                        lambda e: _fetch_file(fs, f"{root}/{e.path}", local, e, url), wanted
+                    )
+                    for path, size, mtime in done:
+                        checked[path] = [size, mtime]
+                _write_json(local / ".imgpack-cache.json", checked)
+            manifest_path = local / MANIFEST_NAME
+            if not manifest_path.exists() or manifest_path.read_bytes() != data:
+                _write_bytes(manifest_path, data)  # last: the entry is complete
+            (local / ".imgpack-used").touch()
+        _pin(local)
+        self.evict(keep=local)
+        return local
+
+    def evict(self, keep: Path | None = None) -> None:
+        """Remove least recently used entries until the cache fits ``max_bytes``."""
+        outputs = self.directory / "outputs"
+        if not outputs.is_dir():
+            return
+        entries = []
+        for entry in outputs.iterdir():
+            if entry.is_dir():
+                used = entry / ".imgpack-used"
+                stamp = used.stat().st_mtime if used.exists() else 0.0
+                entries.append((stamp, entry, _folder_bytes(entry)))
+        total = sum(size for _, _, size in entries)
+        for _, entry, size in sorted(entries, key=lambda row: row[0]):
+            if total <= self.max_bytes:
+                break
+            if keep is not None and entry == keep:
+                continue
+            with (
+                contextlib.suppress(BlockingIOError),
+                _locked(entry, fcntl.LOCK_EX | fcntl.LOCK_NB, ".pin"),
+                _locked(entry, fcntl.LOCK_EX | fcntl.LOCK_NB),
+            ):
+                shutil.rmtree(entry, ignore_errors=True)
+                total -= size
+                log.info("cache: evicted %s (%d bytes)", entry, size)
+
+
+def _companions(fs: Any, root: str, url: str, manifest: Manifest) -> list[FileEntry]:
+    """The files beside an output's data files that its manifest does not list but readers use
+    (the ``.idx`` index of a ``tfrecord`` or ``webdataset`` shard): sizes from the listing, no
+    sha256 (the readers check each index against the framing it describes)."""
+    listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
+    stems = {Path(e.path).stem for e in manifest.files}
+    try:
+        found = fs.find(root, detail=True)
+    except OSError as exc:
+        raise _remote_error(url, exc) from None
+    extra = []
+    for path, info in sorted(found.items()):
+        name = path[len(root) :].lstrip("/")
+        if "/" in name or name in listed or Path(name).stem not in stems:
+            continue
+        extra.append(FileEntry(name, int(info.get("size") or 0), 0, ""))
+    return extra
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def _locked(entry: Path, how: int, suffix: str = ".lock") -> Iterator[None]:
+    """``flock`` on the entry's lock file: ``.lock`` serialises fetching, ``.pin`` is held
+    shared by every process reading the entry (and taken exclusively to evict it)."""
+    fd = os.open(str(entry) + suffix, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, how)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _pin(entry: Path) -> None:
+    """Hold a shared lock on ``entry`` for the life of this process (and its forked workers,
+    which share the lock): eviction by another process skips it."""
+    with _pinned_lock:
+        if str(entry) in _pinned:
+            return
+        fd = os.open(str(entry) + ".pin", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _pinned[str(entry)] = fd
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    _write_bytes(path, json.dumps(data).encode())
+
+
+def _still_good(local: Path, name: str, size: int, checked: dict[str, Any]) -> bool:
+    """Whether the cached file ``name`` is what was checked (same size and mtime); one that
+    changed since is hashed again by the caller's fetch."""
+    try:
+        st = (local / name).stat()
+    except OSError:
+        return False
+    return st.st_size == size and checked.get(name) == [st.st_size, st.st_mtime_ns]
+
+
+def _fetch_file(fs: Any, remote: str, local: Path, entry: Any, url: str) -> tuple[str, int, int]:
+    """Make ``local/entry.path`` the checked file: a present copy that hashes right is kept
+    (a changed stamp only), anything else is downloaded to a temporary name, checked, renamed."""
+    target = local / entry.path
+    if target.exists() and target.stat().st_size == entry.bytes:
+        if not entry.sha256 or sha256_file(target) == entry.sha256:
+            st = target.stat()
+            return entry.path, st.st_size, st.st_mtime_ns
+        stats.refetched += 1
+        log.warning("cache: %s is damaged; fetching it again", target)
+    tmp = local / f".{entry.path}.{os.getpid()}.{threading.get_ident()}.part"
+    try:
+        fs.get_file(remote, str(tmp))
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _remote_error(f"{url}/{entry.path}", exc) from None
+    size = tmp.stat().st_size
+    if size != entry.bytes or (entry.sha256 and sha256_file(tmp) != entry.sha256):
+        tmp.unlink(missing_ok=True)
+        raise StorageError(
+            f"{url}/{entry.path}: the stored file is not what the manifest says ({size} bytes"
+            f"{', another sha256' if size == entry.bytes else ''}): the output in the bucket is "
+            "damaged or being replaced"
+        )
+    os.replace(tmp, target)
+    stats.downloads += 1
+    stats.downloaded_bytes += size
+    st = target.stat()
+    return entry.path, st.st_size, st.st_mtime_ns
+
+
+def fetch_output(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: Location | None = None,
+) -> Path:
+    """The local, checked copy of the output at ``url`` (see :class:`OutputCache`)."""
+    return OutputCache(cache_dir).fetch(url, storage_options)
+
+
+# -- sources and destinations ------------------------------------------------------------------
+@contextlib.contextmanager
+def source_folder(
+    location: Location, storage_options: dict[str, Any] | None = None
+) -> Iterator[Path]:
+    """A local folder holding what ``location`` holds: itself when local; a scratch copy of a
+    URL's files (removed afterwards) when not."""
+    if not is_url(location):
+        yield local_path(location)
+        return
+    url = str(location).rstrip("/")
+    fs, root = filesystem(url, storage_options)
+    scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
+    try:
+        try:
+            files = [f for f in fs.find(root) if not f.endswith("/")]
+            if not files:
+                raise ManifestError(f"{url}: nothing there")
+            with ThreadPoolExecutor(TRANSFERS) as pool:
+                list(pool.map(lambda f: _download(fs, f, root, scratch), files))
+        except OSError as exc:
+            raise _remote_error(url, exc) from None
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _download(fs: Any, remote: str, root: str, scratch: Path) -> None:
+    relative = remote[len(root) :].lstrip("/")
+    target = scratch / relative
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fs.get_file(remote, str(target))
+    stats.downloads += 1
+
+
+@contextlib.contextmanager
+def output_folder(
+    location: Location,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    marker: str = MANIFEST_NAME,
+) -> Iterator[Path]:
+    """Where a command writes ``location``: itself when local; for a URL a scratch path, whose
+    files are uploaded when the block ends without an error (the manifest last, so the output
+    appears whole or not at all). ``overwrite``: an output already at the URL is withdrawn (its
+    manifest removed first: readers see no output rather than a mixed one) and replaced.
+    ``marker``: the file that says what the destination holds and is written last
+    (``imgpack.json``, or an export's marker)."""
+    if not is_url(location):
+        yield local_path(location)
+        return
+    url = str(location).rstrip("/")
+    fs, root = filesystem(url, storage_options)
+    _check_remote_destination(fs, root, url, overwrite, marker)
+    scratch = Path(tempfile.mkdtemp(prefix="imgpack-dst-"))
+    try:
+        yield scratch / "out"
+        upload(scratch / "out", url, storage_options, marker)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_remote_destination(fs: Any, root: str, url: str, overwrite: bool, marker: str) -> None:
+    try:
+        present = [f for f in fs.find(root) if not f.endswith("/")]
+    except FileNotFoundError:
+        present = []
+    except OSError as exc:
+        raise _remote_error(url, exc) from None
+    if not present:
+        return
+    names = {p[len(root) :].lstrip("/") for p in present}
+    if not overwrite:
+        raise OptionError(f"{url}: already exists; pass --overwrite (overwrite=True) to replace it")
+    if marker not in names:
+        raise OptionError(
+            f"{url}: holds files but no {marker}; refusing to overwrite what imgpack did not "
+            "write (a run killed midway leaves such files: remove them)"
+        )
+
+
+def upload(
+    local: Path,
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    marker: str = MANIFEST_NAME,
+) -> None:
+    """Upload the files of the local folder ``local`` under ``url``, several at once: a
+    ``marker`` (``imgpack.json``) already there is removed first, the new one is written after
+    every other file (the commit), and files of the replaced output that the new one does not
+    have are removed after."""
+    fs, root = filesystem(url, storage_options)
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name not in RUNTIME_FILES)
+    names = {p.relative_to(local).as_posix() for p in files}
+    try:
+        before = {f[len(root) :].lstrip("/") for f in fs.find(root) if not f.endswith("/")}
+    except FileNotFoundError:
+        before = set()
+    try:
+        if marker in before:
+            fs.rm_file(f"{root}/{marker}")  # withdrawn: no reader opens it from now on
+        data = [p for p in files if p.relative_to(local).as_posix() != marker]
+        with ThreadPoolExecutor(TRANSFERS) as pool:
+            list(
+                pool.map(
+                    lambda p: fs.put_file(str(p), f"{root}/{p.relative_to(local).as_posix()}"),
+                    data,
+                )
+            )
+        if (local / marker).exists():
+            fs.put_file(str(local / marker), f"{root}/{marker}")  # the commit
+        for stale in sorted(before - names):
+            fs.rm_file(f"{root}/{stale}")
+    except OSError as exc:
+        raise _remote_error(url, exc) from None
+
+
+def manifest_of(location: Location, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """The manifest of the output at ``location`` (a URL's read without fetching its files)."""
+    if is_url(location):
+        return read_remote_manifest(str(location), storage_options)[0]
+    return read_manifest(local_path(location))
+
+
+def open_location(
+    location: Location,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: Location | None = None,
+) -> Path:
+    """The local path to read the output at ``location`` from: a URL's output is fetched through
+    the cache (:func:`fetch_output`)."""
+    if is_url(location):
+        return fetch_output(str(location), storage_options, cache_dir)
+    return local_path(location)
+
+
+@contextlib.contextmanager
+def source_location(
+    location: Location,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: Location | None = None,
+) -> Iterator[Path]:
+    """A local path holding the conversion source ``location``: an output in a bucket through
+    the cache, any other URL (an image folder, TFRecord files) downloaded to a scratch folder."""
+    if not is_url(location):
+        yield local_path(location)
+        return
+    url = str(location).rstrip("/")
+    fs, root = filesystem(url, storage_options)
+    try:
+        is_output = fs.exists(f"{root}/{MANIFEST_NAME}")
+    except OSError as exc:
+        raise _remote_error(url, exc) from None
+    if is_output:
+        yield fetch_output(url, storage_options, cache_dir)
+        return
+    with source_folder(url, storage_options) as folder:
+        yield folder

@@ -1,0 +1,335 @@
+"""Outputs and sources in object storage: a real S3 API (moto's server, started here on
+127.0.0.1) and fsspec's in-memory filesystem for the quick cases."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import build_uniform_folder
+from torch.utils.data import DataLoader
+
+import imgpack.storage as storage
+from imgpack import convert, export, merge, open_dataset, verify
+from imgpack.cli import main
+from imgpack.errors import ManifestError, OptionError
+from imgpack.readers import TFRecordStream, collate
+
+FORMATS = ("pt", "lmdb", "hdf5", "tfrecord", "webdataset")
+
+
+def _read_all(ds: object) -> tuple[torch.Tensor, torch.Tensor]:
+    images, labels = collate(ds.__getitems__(list(range(len(ds)))))  # type: ignore[attr-defined]
+    return images, labels
+
+
+def _same_output(a: object, b: object) -> None:
+    got, expected = _read_all(a), _read_all(b)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert a.classes == b.classes  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    return build_uniform_folder(tmp_path / "src", count=40, classes=4, size=12)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def mem() -> Iterator[str]:
+    """A fresh prefix in fsspec's in-memory filesystem."""
+    url = f"memory://imgpack-test-{uuid.uuid4().hex}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+# -- a real S3 API ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1 and the AWS variables pointing at it (credentials are
+    dummies); yields a bucket URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto's server did not start") from None
+                time.sleep(0.2)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("imgpack-test")
+        yield "s3://imgpack-test"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        fsspec.filesystem("s3").clear_instance_cache()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_convert_to_s3_and_read_back_as_a_local_conversion(
+    s3: str, src: Path, tmp_path: Path, cache: Path, fmt: str
+) -> None:
+    url = f"{s3}/{fmt}"
+    shards = {"shard_size": 4000} if fmt in ("pt", "tfrecord", "webdataset") else {}
+    manifest = convert(src, url, fmt, progress=False, **shards)
+    local = tmp_path / "local"
+    convert(src, local, fmt, progress=False, **shards)
+    fs = fsspec.filesystem("s3")
+    names = {p.rsplit("/", 1)[1] for p in fs.find(url.removeprefix("s3://"))}
+    listed = {"imgpack.json", *(f.path for f in manifest.files)}
+    assert listed <= names and {Path(n).suffix for n in names - listed} <= {".idx"}
+    remote = open_dataset(url, cache_dir=cache)
+    _same_output(remote, open_dataset(local))
+    assert remote.root.is_relative_to(cache)  # memory-mapped from the local copy
+    loader = DataLoader(remote, batch_size=8, num_workers=2, collate_fn=collate)
+    assert sum(len(labels) for _, labels in loader) == 40
+
+
+def test_the_cache_downloads_once_and_fetches_a_damaged_shard_again(
+    s3: str, src: Path, cache: Path
+) -> None:
+    url = f"{s3}/cached"
+    convert(src, url, "tfrecord", progress=False, shard_size=3000)
+    before = storage.stats.downloads
+    first = open_dataset(url, cache_dir=cache)
+    files = 2 * len(first.manifest.files)  # each shard and its .idx
+    assert storage.stats.downloads - before == files
+    second = open_dataset(url, cache_dir=cache)  # another process would find the same
+    assert storage.stats.downloads - before == files  # nothing new downloaded
+    _same_output(second, first)
+    expected = _read_all(first)
+    shard = first.root / first.manifest.files[1].path
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    refetched = storage.stats.refetched
+    third = open_dataset(url, cache_dir=cache)
+    assert storage.stats.refetched == refetched + 1
+    assert storage.stats.downloads - before == files + 1  # that shard only
+    got = _read_all(third)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_bucket_source_converts_as_the_local_folder(s3: str, src: Path, tmp_path: Path) -> None:
+    fs = fsspec.filesystem("s3")
+    fs.put(str(src), "imgpack-test/images", recursive=True)
+    from_bucket = convert(f"{s3}/images", tmp_path / "a", "pt", progress=False)
+    from_disk = convert(src, tmp_path / "b", "pt", progress=False)
+    assert from_bucket.source["path"] == f"{s3}/images"
+    assert from_bucket.num_samples == from_disk.num_samples == 40
+    assert from_bucket.classes == from_disk.classes
+    a, b = open_dataset(tmp_path / "a"), open_dataset(tmp_path / "b")
+    assert a.stored_paths() == b.stored_paths()
+    _same_output(a, b)
+
+
+def test_a_conversion_killed_midway_leaves_no_manifest(s3: str, src: Path, tmp_path: Path) -> None:
+    """The manifest is the commit point: a conversion SIGKILLed while uploading leaves data
+    files but no imgpack.json, so no reader opens a half-written output."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, s3fs
+        from imgpack import convert
+        put = s3fs.S3FileSystem.put_file
+        done = []
+        def dying(self, *args, **kwargs):
+            put(self, *args, **kwargs)
+            done.append(args)
+            if len(done) >= 2:  # two files are in the bucket: killed mid-upload
+                os.kill(os.getpid(), signal.SIGKILL)
+        s3fs.S3FileSystem.put_file = dying
+        convert({str(src)!r}, "{s3}/killed", "webdataset", progress=False, shard_size=2000,
+                workers=1)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr.decode()
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    left = [p.rsplit("/", 1)[1] for p in fs.find("imgpack-test/killed")]
+    assert left and "imgpack.json" not in left
+    with pytest.raises(ManifestError, match=r"no imgpack\.json"):
+        open_dataset(f"{s3}/killed", cache_dir=tmp_path / "cache")
+    with pytest.raises(OptionError, match=r"holds files but no imgpack\.json"):
+        convert(src, f"{s3}/killed", "pt", progress=False, overwrite=True)
+
+
+def test_cli_with_a_bucket(s3: str, src: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    url = f"{s3}/cli"
+    result = runner.invoke(main, ["convert", str(src), url, "--format", "lmdb", "-q"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["info", url])
+    assert result.exit_code == 0 and "samples:   40" in result.output
+    result = runner.invoke(main, ["verify", url, "-q"])
+    assert result.exit_code == 0 and f"{url}: intact" in result.output, result.output
+    result = runner.invoke(main, ["convert", str(src), url, "--format", "lmdb", "-q"])
+    assert result.exit_code != 0 and "already exists" in result.output
+    assert "Traceback" not in result.output
+    bad = runner.invoke(main, ["info", url, "--storage-option", "nonsense"])
+    assert bad.exit_code != 0 and "KEY=VALUE" in bad.output
+
+
+# -- fsspec's memory filesystem: quick cases -----------------------------------------------------
+def test_overwrite_withdraws_then_replaces(mem: str, src: Path, cache: Path) -> None:
+    url = f"{mem}/out"
+    convert(src, url, "tfrecord", progress=False, shard_size=3000)
+    fs = fsspec.filesystem("memory")
+    first = sorted(fs.find(url))
+    with pytest.raises(OptionError, match="already exists"):
+        convert(src, url, "tfrecord", progress=False)
+    convert(src, url, "tfrecord", progress=False, overwrite=True)  # one shard now
+    second = sorted(fs.find(url))
+    assert len(second) < len(first)  # the replaced output's extra shards are gone
+    ds = open_dataset(url, cache_dir=cache)
+    assert len(ds.manifest.files) == 1 and len(ds) == 40
+
+
+def test_a_failed_upload_publishes_nothing(
+    mem: str, src: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = fsspec.filesystem("memory")
+    real = type(fs).put_file
+    calls: list[object] = []
+
+    def failing(self: object, lpath: str, rpath: str, **kwargs: object) -> None:
+        if calls:
+            raise OSError("connection reset")
+        calls.append(rpath)
+        real(self, lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(type(fs), "put_file", failing)
+    with pytest.raises(Exception, match="connection reset"):
+        convert(src, f"{mem}/out", "tfrecord", progress=False, shard_size=3000)
+    assert not fs.exists(f"{mem}/out/imgpack.json")
+
+
+def test_ranks_on_one_machine_download_each_shard_once(s3: str, src: Path, cache: Path) -> None:
+    """Two processes (DDP ranks) opening the same bucket output at once share the cache: the
+    shards are downloaded once between them."""
+    url = f"{s3}/ranks"
+    manifest = convert(src, url, "tfrecord", progress=False, shard_size=2000)
+    script = textwrap.dedent(
+        f"""
+        import imgpack.storage as storage
+        from imgpack import open_dataset
+        ds = open_dataset({url!r}, cache_dir={str(cache)!r})
+        assert len(ds) == 40
+        print(storage.stats.downloads)
+        """
+    )
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    counts = [int(rank.communicate(timeout=120)[0].split()[-1]) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks)
+    assert sum(counts) == 2 * len(manifest.files)  # each shard and its .idx, once
+
+
+def test_least_recently_used_outputs_are_evicted(mem: str, src: Path, cache: Path) -> None:
+    urls = [f"{mem}/o{k}" for k in range(3)]
+    for url in urls:
+        convert(src, url, "pt", progress=False)
+    small = storage.OutputCache(cache)
+    old, recent = small.fetch(urls[0]), small.fetch(urls[1])
+    size = storage._folder_bytes(old)
+    os.utime(old / ".imgpack-used", (1, 1))  # used long ago
+    pinned = dict(storage._pinned)
+    small.max_bytes = int(size * 2.5)
+    small.evict()
+    assert old.exists() and recent.exists()  # both are being read by this process
+    for fd in pinned.values():  # as when the processes reading them exit
+        os.close(fd)
+    storage._pinned.clear()
+    newest = small.fetch(urls[2])
+    assert not old.exists() and recent.exists() and newest.exists()
+    assert storage._folder_bytes(cache / "outputs") <= small.max_bytes
+    assert len(open_dataset(urls[0], cache_dir=cache)) == 40  # fetched again when needed
+
+
+def test_stream_from_a_bucket_without_caching(mem: str, src: Path, cache: Path) -> None:
+    url = f"{mem}/stream"
+    convert(src, url, "tfrecord", progress=False, shard_size=3000)
+    before = storage.stats.downloads
+    stream = TFRecordStream(url, batch_size=8)
+    seen = torch.cat([labels for _, labels in stream])
+    assert storage.stats.downloads == before  # streamed, not cached
+    local = open_dataset(url, cache_dir=cache)
+    assert sorted(seen.tolist()) == sorted(local.targets)
+    images = torch.cat([imgs for imgs, _ in TFRecordStream(url, batch_size=8)])
+    expected = _read_all(local)[0]
+    assert torch.equal(images, expected)  # no shuffle: file order
+
+
+def test_merge_export_verify_with_urls(mem: str, src: Path, tmp_path: Path, cache: Path) -> None:
+    for part in range(2):
+        convert(src, f"{mem}/p{part}", "webdataset", progress=False, num_parts=2, part=part)
+    merged = merge([f"{mem}/p0", f"{mem}/p1"], f"{mem}/merged", storage_options=None,
+                   cache_dir=cache, progress=False)  # fmt: skip
+    assert merged.num_samples == 40
+    report = verify(f"{mem}/merged")
+    assert report.ok and report.path == f"{mem}/merged"
+    done = export(f"{mem}/merged", f"{mem}/images", cache_dir=cache, progress=False)
+    assert done.files == 40
+    fs = fsspec.filesystem("memory")
+    pngs = [p for p in fs.find(f"{mem}/images") if p.endswith(".png")]
+    assert len(pngs) == 40
+    again = convert(f"{mem}/images", tmp_path / "again", "pt", progress=False)
+    assert again.num_samples == 40
+    fs.pipe(f"{mem}/merged/{merged.files[0].path}", b"broken")
+    damaged = verify(f"{mem}/merged")
+    assert not damaged.ok and f"{mem}/merged/{merged.files[0].path}" in damaged.problems[0].line()
+
+
+def test_urls_are_refused_clearly(tmp_path: Path) -> None:
+    with pytest.raises(OptionError, match=r"nosuchscheme://bucket/out: Protocol not known"):
+        open_dataset("nosuchscheme://bucket/out", cache_dir=tmp_path)
+    assert storage.is_url("s3://b/x") and not storage.is_url("file:///tmp/x")
+    assert storage.local_path("file:///tmp/x") == Path("/tmp/x")
+    assert storage.parse_storage_options(["anon=true", "endpoint_url=http://h:1"]) == {
+        "anon": True,
+        "endpoint_url": "http://h:1",
+    }
+    np.testing.assert_equal(storage.default_cache_dir().name, "imgpack")
