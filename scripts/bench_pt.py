@@ -115,8 +115,8 @@ def main() -> None:
     }
     for _ in range(args.repeats):
         for name, run in runs.items():
-            count, seconds = run()
-            rates.setdefault(name, []).append(count / seconds)
+            samples, took = run()
+            rates.setdefault(name, []).append(samples / took)
     best = {name: max(values) for name, values in rates.items()}
     pt_fast0, pt_fast2, pt_default0 = (
         best["pt_collate_w0"],
