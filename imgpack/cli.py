@@ -58,13 +58,18 @@ def json_option(what: str) -> Callable[[F], F]:
 
 def storage_options(func: F) -> F:
     """``--storage-option KEY=VALUE`` (repeatable) and ``--cache-dir`` for commands that take
-    URLs (``s3://``, ``gs://``...)."""
+    URLs (``s3://``, ``gs://``...) and read outputs from them."""
     func = click.option(
         "--cache-dir",
         default=None,
         help="Where outputs read from a URL are cached [default: IMGPACK_CACHE_DIR, else "
         "~/.cache/imgpack].",
     )(func)
+    return storage_option_only(func)
+
+
+def storage_option_only(func: F) -> F:
+    """``--storage-option KEY=VALUE`` alone (commands that read no output through the cache)."""
     return click.option(
         "--storage-option",
         "storage_option",
@@ -528,9 +533,9 @@ def list_formats() -> None:
 @main.command()
 @click.argument("dst")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
-@storage_options
+@storage_option_only
 @friendly_errors
-def info(dst: str, as_json: bool, storage_option: tuple[str, ...], cache_dir: str | None) -> None:
+def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
     """Summarise the imgpack output DST (a folder or a URL) from its manifest."""
     from imgpack.publishing import recover
     from imgpack.storage import is_url, local_path, manifest_of
@@ -566,7 +571,7 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...], cache_dir: st
 )
 @json_option("report")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@storage_options
+@storage_option_only
 @friendly_errors
 def verify_command(
     dst: str,
@@ -575,7 +580,6 @@ def verify_command(
     json_path: Path | None,
     quiet: bool,
     storage_option: tuple[str, ...],
-    cache_dir: str | None,
 ) -> None:
     """Check DST for damage: files against the manifest (size, sha256), every record's checksum,
     and with --deep every decode. One line per problem, a summary last; exit 1 when damaged."""

@@ -580,9 +580,12 @@ class TFRecordDataset(PreadDataset):
         self._sizes = np.concatenate([s.sizes for s in records.shards] or [np.empty(0)])
         self.shard_files = [shard.path for shard in records.shards]
         raw = self.manifest.encoding == "raw" and bool(self.manifest.image.get("height"))
-        self._layout = (
-            RawLayout(self.manifest, records.label_offset) if raw and not records.foreign else None
-        )
+        self._layout: RawLayout | None = None
+        if raw and not records.foreign:
+            try:
+                self._layout = RawLayout(self.manifest, records.label_offset)
+            except ValueError:  # no fixed layout to match: every record through the parser
+                self._layout = None
 
     def _check_shard(self, number: int, fd: int) -> None:
         self.records.check_first(number, fd)
