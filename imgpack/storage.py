@@ -63,15 +63,19 @@ def local_path(location: Location) -> Path:
     return Path(text[len("file://") :] if text.startswith("file://") else text)
 
 
-def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+def filesystem(
+    url: str, storage_options: dict[str, Any] | None = None, fresh: bool = False
+) -> tuple[Any, str]:
     """``(fsspec filesystem, path in it)`` for ``url``; a clear error when the scheme's package
-    is missing (``pip install 'imgpack[s3]'``, ``'imgpack[gcs]'``)."""
+    is missing (``pip install 'imgpack[s3]'``, ``'imgpack[gcs]'``). ``fresh``: a new instance,
+    not fsspec's cached one (in a forked process, whose inherited instance is not usable)."""
     try:
         import fsspec  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - fsspec comes with torch
         raise OptionError(f"{url}: URLs need fsspec (pip install fsspec)") from None
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        options = {**(storage_options or {}), **({"skip_instance_cache": True} if fresh else {})}
+        fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         scheme = url.split("://", 1)[0]
         extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)

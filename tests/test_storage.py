@@ -333,3 +333,14 @@ def test_urls_are_refused_clearly(tmp_path: Path) -> None:
         "endpoint_url": "http://h:1",
     }
     np.testing.assert_equal(storage.default_cache_dir().name, "imgpack")
+
+
+def test_stream_from_s3_in_dataloader_workers(s3: str, src: Path, cache: Path) -> None:
+    """Workers forked from a process that already talked to the bucket stream their parts."""
+    url = f"{s3}/stream"
+    convert(src, url, "tfrecord", progress=False, shard_size=3000)
+    stream = TFRecordStream(url, batch_size=8)
+    assert len(list(stream)) == 5  # the training process reads it once itself
+    loader = DataLoader(stream, batch_size=None, num_workers=2)
+    seen = torch.cat([labels for _, labels in loader])
+    assert sorted(seen.tolist()) == sorted(open_dataset(url, cache_dir=cache).targets)

@@ -69,7 +69,12 @@ class Records:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.check_crc = check_crc
-        self._fs: Any = None  # the filesystem of an output streamed from a bucket
+        # An output streamed from a bucket: its URL, and the filesystem this process opened
+        # for it (fsspec's async filesystems are not fork-safe: each process opens its own).
+        self._url: str | None = None
+        self._storage_options = storage_options
+        self._fs: Any = None
+        self._fs_pid: int | None = None
         if isinstance(source, str) and is_url(source):
             self._remote(source.rstrip("/"), label_offset, storage_options)
             return
@@ -114,21 +119,22 @@ class Records:
         self.manifest = read_remote_manifest(url, storage_options)[0]
         if self.manifest.format != "tfrecord":
             raise ManifestError(f"{url}: holds format {self.manifest.format!r}, not 'tfrecord'")
-        self._fs, base = filesystem(url, storage_options)
+        self._url = url
+        fs, base = self.remote()
         self.root = url  # type: ignore[assignment]  # messages name the URL
         self.foreign = False
         self.shards = []
         try:
             for entry in self.manifest.files:
                 remote = f"{base}/{entry.path}"
-                kind = framing.compression_of(self._fs.cat_file(remote, start=0, end=12))
+                kind = framing.compression_of(fs.cat_file(remote, start=0, end=12))
                 if kind is not None:
                     count = entry.num_samples
                     offsets = sizes = np.full(count, -1, np.int64)
                 else:
                     name = framing.index_path(Path(entry.path)).name
                     where = f"{url}/{name}"
-                    index = framing.parse_index(self._fs.cat_file(f"{base}/{name}").decode(), where)
+                    index = framing.parse_index(fs.cat_file(f"{base}/{name}").decode(), where)
                     framing.check_index(Path(entry.path), index, entry.bytes)
                     array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
                     offsets, sizes = array[:, 0].copy(), array[:, 1].copy()
@@ -148,12 +154,27 @@ class Records:
         self.channels = int(self.manifest.image.get("channels", 3))
         self.policy = ImagePolicy()
 
+    def remote(self) -> tuple[Any, str]:
+        """The filesystem of the bucket the output is streamed from, opened in this process,
+        and the output's path in it."""
+        assert self._url is not None
+        if self._fs is None or self._fs_pid != os.getpid():
+            fresh = self._fs_pid is not None  # a forked copy must not reuse the parent's loop
+            self._fs, self._base = filesystem(self._url, self._storage_options, fresh=fresh)
+            self._fs_pid = os.getpid()
+        return self._fs, self._base
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fs"] = state["_fs_pid"] = None  # opened again where it is used
+        return state
+
     def open(self, shard: Shard) -> BinaryIO:
         """``shard`` as a sequential stream of frames (decompressed; from the bucket when the
         output is streamed from one)."""
-        if self._fs is None:
+        if self._url is None:
             return framing.open_records(shard.path)
-        raw = self._fs.open(shard.path, "rb", block_size=8 << 20)
+        raw = self.remote()[0].open(shard.path, "rb", block_size=8 << 20)
         return framing.open_stream(raw, shard.compression)
 
     @staticmethod
