@@ -274,6 +274,7 @@ def test_a_pooled_batch_unpickled_late_raises() -> None:
 def test_raw_memory_mapped_readers_steer_workers_to_zero(raw_outputs: dict[str, Path]) -> None:
     for fmt in ("pt", "lmdb", "hdf5"):
         ds = open_dataset(raw_outputs[fmt])
+        assert len(list(DataLoader(ds, batch_size=16, collate_fn=collate))) == 13  # no note
         loader = DataLoader(ds, batch_size=16, num_workers=1, collate_fn=collate)
         with warnings.catch_warnings():
             warnings.simplefilter("error", PerformanceWarning)

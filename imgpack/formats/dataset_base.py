@@ -186,7 +186,9 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             ImagePolicy(size=parse_image_size(size), resize=resize) if size is not None else None
         )
         self.decoder = Decoder(self.channels, self.size_policy, decode_threads)
-        self._fetches = 0  # batches gathered in this process (the steering note's clock)
+        # Batches gathered in this process, for the steering note (counted again in a forked
+        # worker: a fork inherits the count of the process that made it).
+        self._fetches = (os.getpid(), 0)
         self._handles: Any = None
         self._pid: int | None = None
         self._targets: list[int] | None = None
@@ -220,7 +222,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         state = self.__dict__.copy()
         state["_handles"] = None
         state["_pid"] = None
-        state["_fetches"] = 0
+        state["_fetches"] = (0, 0)
         return state
 
     def __del__(self) -> None:
@@ -420,8 +422,10 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         are another size (raw outputs; encoded ones are resized as they are decoded)."""
         start = time.perf_counter()
         images, labels = self._gather(indices)
-        self._fetches += 1
-        if self._fetches == 2:
+        pid, count = self._fetches
+        count = count + 1 if pid == os.getpid() else 1
+        self._fetches = (os.getpid(), count)
+        if count == 2:
             self._steer(time.perf_counter() - start, len(indices))
         size = self.decoder.size
         if size is None or (isinstance(images, torch.Tensor) and tuple(images.shape[2:]) == size):
