@@ -186,8 +186,9 @@ class OutputCache:
         checked, and pinned for this process's lifetime."""
         manifest, data = read_remote_manifest(url, storage_options)
         local = self.entry(url, manifest, data)
-        local.mkdir(parents=True, exist_ok=True)
+        local.parent.mkdir(parents=True, exist_ok=True)
         with _locked(local, fcntl.LOCK_EX):
+            local.mkdir(exist_ok=True)  # under the lock: an eviction may have just removed it
             checked = _load_json(local / ".imgpack-cache.json")
             fs, root = filesystem(url, storage_options)
             entries = manifest.files + _companions(fs, root, url, manifest)
@@ -204,7 +205,7 @@ class OutputCache:
             if not manifest_path.exists() or manifest_path.read_bytes() != data:
                 _write_bytes(manifest_path, data)  # last: the entry is complete
             (local / ".imgpack-used").touch()
-        _pin(local)
+            _pin(local)  # before the lock goes: no eviction can slip in between
         self.evict(keep=local)
         return local
 
