@@ -614,7 +614,7 @@ def _parse_workers(value: str) -> list[int]:
 
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.argument("paths", nargs=-1, required=True)
 @click.option(
     "--workers", default="0,2", show_default=True, help="Comma-separated num_workers values."
 )
@@ -636,23 +636,23 @@ def _parse_workers(value: str) -> list[int]:
 )
 @friendly_errors
 def bench(
-    paths: tuple[Path, ...],
+    paths: tuple[str, ...],
     workers: str,
     batch_size: int,
     samples: int,
     json_path: Path | None,
     plot_path: Path | None,
 ) -> None:
-    """Read throughput of image folders and imgpack outputs, side by side through a DataLoader."""
-    from imgpack.loading.bench import run_bench
+    """Read throughput of image folders and imgpack outputs (folders or URLs), side by side
+    through a DataLoader."""
+    from imgpack.loading.bench import pyplot, run_bench
+    from imgpack.storage import is_url
 
-    if plot_path is not None:  # before measuring: a missing matplotlib fails at once
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise OptionError(
-                "--plot needs matplotlib: pip install 'imgpack[plot]' (or pip install matplotlib)"
-            ) from None
+    for path in paths:
+        if not is_url(path) and not Path(path).exists():
+            raise click.BadParameter(f"{path!r} does not exist", param_hint="PATHS")
+    if plot_path is not None:
+        pyplot()  # before measuring: a missing matplotlib fails at once
     results = run_bench(paths, _parse_workers(workers), batch_size, samples)
     width = max(len(r.name) for r in results)
     click.echo(f"{'loader':<{width}}  {'workers':>7}  {'samples/s':>11}  path")
@@ -667,7 +667,7 @@ def bench(
 
 
 @main.command()
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("dst")
 @batch_size_option
 @click.option(
     "--batches",
@@ -684,7 +684,7 @@ def bench(
 @json_option("table")
 @friendly_errors
 def tune(
-    dst: Path, batch_size: int, batches: int, workers: str | None, json_path: Path | None
+    dst: str, batch_size: int, batches: int, workers: str | None, json_path: Path | None
 ) -> None:
     """Recommend DataLoader settings for DST, then measure candidates and name the fastest."""
     from imgpack.loading.tuning import (
@@ -744,7 +744,7 @@ def tune(
 
 
 @main.command()
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("dst")
 @click.option(
     "--workers",
     type=click.IntRange(min=0),
@@ -764,7 +764,7 @@ def tune(
 @json_option("report")
 @friendly_errors
 def profile(
-    dst: Path, workers: int, batch_size: int, batches: int, step_ms: float, json_path: Path | None
+    dst: str, workers: int, batch_size: int, batches: int, step_ms: float, json_path: Path | None
 ) -> None:
     """Profile a short pass over DST: per-sample fetch times (workers included) and how long
     the training loop waits for each batch."""

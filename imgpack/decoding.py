@@ -32,7 +32,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 
 from imgpack.errors import DataError, ImageError, OptionError
-from imgpack.handover import POOL_MAX_BYTES, shared_tensor
+from imgpack.handover import POOL_MAX_BYTES, in_worker, shared_tensor
 from imgpack.images import ImagePolicy, apply_policy, describe, resize_pixels, strict_pillow
 from imgpack.system import usable_cpus
 
@@ -321,9 +321,7 @@ def new_batch_tensor(
     is), is allocated in shared memory: torch would copy it there to send it. Smaller batches
     are gathered in ordinary memory and copied into the pool when handed over."""
     try:
-        if get_worker_info() is not None and (
-            shared or int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES
-        ):
+        if in_worker() and (shared or int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES):
             return shared_tensor(shape, dtype)
         return torch.empty(tuple(shape), dtype=dtype)
     except (RuntimeError, MemoryError) as exc:

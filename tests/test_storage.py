@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -323,7 +322,7 @@ def test_merge_export_verify_with_urls(mem: str, src: Path, tmp_path: Path, cach
     assert not damaged.ok and f"{mem}/merged/{merged.files[0].path}" in damaged.problems[0].line()
 
 
-def test_urls_are_refused_clearly(tmp_path: Path) -> None:
+def test_urls_are_refused_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(OptionError, match=r"nosuchscheme://bucket/out: Protocol not known"):
         open_dataset("nosuchscheme://bucket/out", cache_dir=tmp_path)
     assert storage.is_url("s3://b/x") and not storage.is_url("file:///tmp/x")
@@ -332,7 +331,11 @@ def test_urls_are_refused_clearly(tmp_path: Path) -> None:
         "anon": True,
         "endpoint_url": "http://h:1",
     }
-    np.testing.assert_equal(storage.default_cache_dir().name, "imgpack")
+    monkeypatch.delenv("IMGPACK_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert storage.default_cache_dir() == tmp_path / "xdg" / "imgpack"
+    monkeypatch.setenv("IMGPACK_CACHE_DIR", str(tmp_path / "mine"))
+    assert storage.default_cache_dir() == tmp_path / "mine"
 
 
 def test_stream_from_s3_in_dataloader_workers(s3: str, src: Path, cache: Path) -> None:
@@ -344,3 +347,16 @@ def test_stream_from_s3_in_dataloader_workers(s3: str, src: Path, cache: Path) -
     loader = DataLoader(stream, batch_size=None, num_workers=2)
     seen = torch.cat([labels for _, labels in loader])
     assert sorted(seen.tolist()) == sorted(open_dataset(url, cache_dir=cache).targets)
+
+
+def test_bench_tune_profile_read_urls(mem: str, src: Path) -> None:
+    url = f"{mem}/out"
+    convert(src, url, "pt", encoding="raw", size=12, progress=False)
+    runner = CliRunner()
+    args = ["--workers", "0", "--batch-size", "8"]
+    for command in (["bench", url, "--samples", "16"], ["tune", url, "--batches", "2"],
+                    ["profile", url, "--batches", "2"]):  # fmt: skip
+        result = runner.invoke(main, [*command, *args])
+        assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["bench", str(src / "missing"), *args])
+    assert result.exit_code == 2 and "does not exist" in result.output

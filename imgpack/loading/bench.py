@@ -24,6 +24,7 @@ from imgpack.folder import scan_folder
 from imgpack.formats.dataset_base import collate
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset
+from imgpack.storage import is_url
 
 
 class FolderDataset(Dataset[tuple[torch.Tensor, int]]):
@@ -65,8 +66,7 @@ class BenchResult:
 
 def open_for_bench(path: str | os.PathLike[str]) -> tuple[str, Dataset[Any]]:
     """An imgpack output opens with its reader; any other folder as the ImageFolder baseline."""
-    path = Path(path)
-    if (path / MANIFEST_NAME).is_file():
+    if is_url(path) or (Path(path) / MANIFEST_NAME).is_file():
         ds = open_dataset(path)
         return f"{ds.manifest.format}/{ds.manifest.encoding}", ds
     return "folder (Pillow)", FolderDataset(path)
@@ -131,10 +131,9 @@ def run_bench(
     return results
 
 
-def plot_results(results: Sequence[BenchResult], path: str | os.PathLike[str]) -> Path:
-    """Draw ``results`` as a bar chart (samples/s per loader, one bar per worker count) and save
-    it as an image (its type from the extension: ``.png``, ``.svg``...). Needs matplotlib, the
-    ``[plot]`` extra."""
+def pyplot() -> Any:
+    """matplotlib's ``pyplot`` drawing to files only, or :class:`OptionError` saying how to get
+    it (the ``[plot]`` extra)."""
     try:
         import matplotlib
 
@@ -144,6 +143,14 @@ def plot_results(results: Sequence[BenchResult], path: str | os.PathLike[str]) -
         raise OptionError(
             "--plot needs matplotlib: pip install 'imgpack[plot]' (or pip install matplotlib)"
         ) from None
+    return plt
+
+
+def plot_results(results: Sequence[BenchResult], path: str | os.PathLike[str]) -> Path:
+    """Draw ``results`` as a bar chart (samples/s per loader, one bar per worker count) and save
+    it as an image (its type from the extension: ``.png``, ``.svg``...). Needs matplotlib, the
+    ``[plot]`` extra."""
+    plt = pyplot()
     loaders = list(dict.fromkeys((r.name, r.path) for r in results))
     workers = sorted({r.workers for r in results})
     rates = {(r.name, r.path, r.workers): r.rate for r in results}
