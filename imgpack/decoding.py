@@ -32,7 +32,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 
 from imgpack.errors import DataError, ImageError, OptionError
-from imgpack.handover import POOL_MAX_BYTES, in_worker, shared_tensor
+from imgpack.handover import POOL_MAX_BYTES, in_worker, lease, shared_tensor
 from imgpack.images import ImagePolicy, apply_policy, describe, resize_pixels, strict_pillow
 from imgpack.system import usable_cpus
 
@@ -316,11 +316,17 @@ class Decoder:
 def new_batch_tensor(
     shape: Sequence[int], dtype: torch.dtype = torch.uint8, shared: bool = False
 ) -> torch.Tensor:
-    """An uninitialised tensor for a batch. In a DataLoader worker, a batch too large for the
-    hand-over pool (:mod:`imgpack.handover`), or any batch with ``shared`` (one returned as it
-    is), is allocated in shared memory: torch would copy it there to send it. Smaller batches
-    are gathered in ordinary memory and copied into the pool when handed over."""
+    """An uninitialised tensor for a batch, lent from a pool (:func:`imgpack.handover.lease`)
+    where one has room: in a DataLoader worker it reaches the training process without a copy,
+    and a large batch in the training process reuses memory instead of fresh pages. Otherwise,
+    in a worker, a large batch, or any batch with ``shared`` (returned as it is, not through
+    ``collate``), is allocated in a shared-memory segment of its own (torch would copy it there
+    to send it)."""
     try:
+        if not shared:
+            leased = lease(shape, dtype)
+            if leased is not None:
+                return leased
         if in_worker() and (shared or int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES):
             return shared_tensor(shape, dtype)
         return torch.empty(tuple(shape), dtype=dtype)

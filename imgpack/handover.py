@@ -1,34 +1,43 @@
-"""Handing batches from DataLoader workers to the training process without a new shared-memory
-segment per batch.
+"""Handing batches from DataLoader workers to the training process through a pool of shared
+buffers that are reused, instead of a new shared-memory segment per batch.
 
 A tensor a worker returns travels as a shared-memory segment: torch creates one per tensor (the
-kernel zeroes and maps every page of it), passes its descriptor over a socket round trip, and
-frees it when the training process drops the batch. For small batches (32x32 images) that costs
-more than reading the batch: a raw reader in two workers reached less than half of what
-DataLoader delivers when a dataset hands over the same preallocated tensor every time.
+kernel zeroes and maps every page of it, in the worker and again in the training process),
+passes its descriptor over a socket round trip, and frees it when the training process drops
+the batch. For small batches (32x32 images) that costs more than reading the batch; for large
+ones (a batch of decoded photos, 100+ MB) mapping fresh pages costs about as much as decoding
+the JPEGs into them.
 
-Here :func:`collate <imgpack.formats.dataset_base.collate>` returns a batch from a worker as a
-:class:`Handover` (a plain ``(images, labels)`` tuple everywhere but in pickling). Pickled, it
-copies the images into one of a small pool of shared buffers the worker keeps, and the training
-process, as it unpickles the batch, copies them out into memory of its own and marks the buffer
-free again. Nothing else ever sees a pool buffer: it is written only there and read only here,
-so no buffer is written while anything can still read it. A buffer travels to the training
-process once (its descriptor, in a socket round trip); the training process keeps it while its
-worker lives, and later batches in it carry only its name. Each buffer carries a generation
-number in a header before the pixels: a batch whose buffer was lent out again before it was
-received (pickled bytes kept and unpickled late) raises instead of returning another batch's
-pixels. Labels travel inline (no segment, no round trip).
+Here each worker keeps a small pool of shared buffers. A reader in a worker asks
+:func:`lease` for its batch tensor and gathers or decodes straight into a buffer;
+:func:`collate <imgpack.formats.dataset_base.collate>` returns the batch as a :class:`Handover`
+(a plain ``(images, labels)`` tuple everywhere but in pickling), and pickled it carries only the
+buffer's name and the batch's layout. The training process builds the batch as a view of the
+buffer, no copy. A buffer is lent again only when nothing in either process can see it: the
+worker's views are gone (a finalizer on the array its tensors are built on) and the training
+process has dropped every view of the batch (the same, there; it marks the buffer free in a
+header before the pixels). A batch that is forwarded on (``share_memory_``, a
+``torch.multiprocessing`` queue, ``pin_memory``) is copied out of the buffer by torch first, so
+the buffer is free again.
 
-Only batches up to :data:`POOL_MAX_BYTES` go through the pool (above it the fixed cost per
-segment is small beside the copies); when every buffer is out, or the batch is not a plain
-tensor, it travels as torch sends any tensor.
+A buffer travels to the training process once (its descriptor, in a socket round trip); the
+training process keeps it while its worker lives, and later batches in it carry only its name.
+The header holds a generation number and the buffer's state (lent, sent, received), so the
+pickled bytes of a batch can be unpickled once and only in the process that holds the buffer;
+anything else raises instead of showing another batch's pixels. Labels travel inline.
+
+A batch the pool cannot hold (every buffer out, the pool full) is allocated as before and
+travels as torch sends any tensor; one gathered elsewhere (not :func:`lease`-d) up to
+:data:`POOL_MAX_BYTES` is copied into a free buffer when it is pickled.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,19 +47,15 @@ from torch.utils.data import get_worker_info
 
 from imgpack.errors import DataError
 
-#: Largest batch (bytes) handed over through the pool.
+#: Largest batch (bytes) not built in the pool that is copied into it when handed over.
 POOL_MAX_BYTES = 8 << 20
-#: Buffers per worker at most (DataLoader keeps ``prefetch_factor`` batches per worker in flight).
+#: Buffers per worker at most (DataLoader keeps ``prefetch_factor`` batches per worker in flight,
+#: and the training process holds one or two).
 POOL_SIZE = 8
-_HEADER = 64  # bytes before the pixels: int64 generation (0: free), padding to a cache line
-_FREE = 0
-
-_pool: list[torch.Tensor] = []  # this worker's buffers (uint8, shared)
-_sent: set[int] = set()  # the buffers (by number) the training process already holds
-_pool_pid: int | None = None
-_pool_token = ""  # this worker's pool: names its buffers to the training process
-_pool_lock = threading.Lock()  # batches are pickled in the queue's feeder thread
-_generation = itertools.count(1)
+# Header before the pixels, a cache line: int64 generation of the batch in the buffer; int64
+# state, as the training process sees the buffer.
+_HEADER = 64
+_FREE, _SENT, _RECEIVED = 0, 1, 2
 
 
 def in_worker() -> bool:
@@ -74,34 +79,125 @@ def shared_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> tor
     return _shared_bytes(numel * dtype.itemsize).view(dtype).reshape(tuple(shape))
 
 
-def _gen_view(buffer: torch.Tensor) -> np.ndarray:
-    return buffer[:8].numpy().view(np.int64)
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):  # bfloat16 and the like: no numpy twin
+        return None
 
 
-def _lend(nbytes: int) -> tuple[int, torch.Tensor, int] | None:
-    """A free pool buffer of at least ``nbytes``, marked with a new generation: ``(number,
-    buffer, generation)``; ``None`` when every buffer is out and the pool is full."""
-    global _pool, _pool_pid, _pool_token, _sent
-    with _pool_lock:
-        if _pool_pid != os.getpid():  # a fork: the parent's buffers are not this worker's
-            _pool, _pool_pid, _pool_token, _sent = [], os.getpid(), os.urandom(8).hex(), set()
-        number = next(
-            (
-                k
-                for k, b in enumerate(_pool)
-                if len(b) >= _HEADER + nbytes and _gen_view(b)[0] == _FREE
-            ),
-            None,
+class _Buffer:
+    """One pooled buffer: the shared bytes, a numpy view of them and of the header."""
+
+    __slots__ = ("array", "busy", "bytes", "header")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.bytes = data  # uint8, shared
+        self.array: np.ndarray = data.numpy()
+        self.header: np.ndarray = self.array[:16].view(np.int64)  # generation, state
+        self.busy = False  # this worker still has views of it
+
+    def free(self, nbytes: int) -> bool:
+        return not self.busy and int(self.header[1]) == _FREE and len(self.array) >= nbytes
+
+
+class _Pool:
+    """A process's buffers: shared ones in a DataLoader worker (handed over), private ones in
+    the training process (batches read there). ``take`` runs in the reading thread and in the
+    queue's feeder thread (pickling); finalizers run in whichever thread drops a view."""
+
+    def __init__(self, shared: bool, size: int) -> None:
+        self.pid = os.getpid()
+        self.shared = shared
+        self.size = size
+        self.token = os.urandom(8).hex()  # names this pool's buffers to the training process
+        self.buffers: list[_Buffer] = []
+        self.sent: set[int] = set()  # buffers (by number) the training process already holds
+        self.leased: dict[int, tuple[int, int]] = {}  # data pointer -> (number, generation)
+        self.lock = threading.Lock()
+        self.generation = itertools.count(1)
+
+    def _new(self, count: int) -> _Buffer:
+        return _Buffer(
+            _shared_bytes(count) if self.shared else torch.empty(count, dtype=torch.uint8)
         )
-        if number is None:
-            if len(_pool) >= POOL_SIZE:
-                return None
-            _pool.append(_shared_bytes(_HEADER + nbytes))
-            number = len(_pool) - 1
-        buffer = _pool[number]
-        generation = next(_generation)
-        _gen_view(buffer)[0] = generation
-        return number, buffer, generation
+
+    def take(self, nbytes: int) -> tuple[int, _Buffer, int] | None:
+        """A free buffer of ``nbytes`` after the header (at most twice that: a small batch does
+        not hold a large buffer), marked busy with a new generation; ``None`` when the pool is
+        full and nothing is free."""
+        need = _HEADER + nbytes
+        with self.lock:
+            fitting = [
+                k for k, b in enumerate(self.buffers) if b.free(need) and len(b.array) <= 2 * need
+            ]
+            if fitting:
+                number = min(fitting, key=lambda k: len(self.buffers[k].array))
+            elif len(self.buffers) < self.size:
+                self.buffers.append(self._new(need))
+                number = len(self.buffers) - 1
+            else:  # replace a free buffer of the wrong size
+                free = [k for k, b in enumerate(self.buffers) if b.free(0)]
+                if not free:
+                    return None
+                number = free[0]
+                self.buffers[number] = self._new(need)
+                self.sent.discard(number)
+            buffer = self.buffers[number]
+            buffer.busy = True
+            generation = next(self.generation)
+            buffer.header[0] = generation
+            return number, buffer, generation
+
+    def release(self, number: int, buffer: _Buffer, pointer: int | None) -> None:
+        """The process's last view of a buffer is gone (a finalizer: no lock, no allocation)."""
+        if pointer is not None:
+            self.leased.pop(pointer, None)
+        buffer.busy = False
+
+
+#: Private buffers the training process keeps for its own large batches at most.
+LOCAL_POOL_SIZE = 4
+_pools: dict[bool, _Pool] = {}
+_pool_guard = threading.Lock()
+
+
+def _pool_of(shared: bool) -> _Pool:
+    pool = _pools.get(shared)
+    if pool is None or pool.pid != os.getpid():  # a fork: the parent's buffers are not ours
+        with _pool_guard:
+            pool = _pools.get(shared)
+            if pool is None or pool.pid != os.getpid():
+                pool = _pools[shared] = _Pool(shared, POOL_SIZE if shared else LOCAL_POOL_SIZE)
+    return pool
+
+
+def lease(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
+    """An uninitialised tensor of ``shape`` in a pooled buffer, lent again once every view of it
+    is gone; ``None`` when the pool has no room. In a DataLoader worker the buffer is shared and
+    :class:`Handover` sends the batch without a copy. In the training process only batches over
+    :data:`POOL_MAX_BYTES` are lent (private buffers): a new allocation that large is fresh
+    pages, which the kernel zeroes and maps one by one on first touch, about 0.35 ms per
+    500x375 image, as much as half its JPEG decode; smaller ones malloc recycles itself."""
+    np_dtype = _numpy_dtype(dtype)
+    if np_dtype is None:
+        return None
+    nbytes = int(np.prod(shape)) * np_dtype.itemsize
+    worker = in_worker()
+    if not worker and nbytes <= POOL_MAX_BYTES:
+        return None
+    pool = _pool_of(shared=worker)
+    taken = pool.take(nbytes)
+    if taken is None:
+        return None
+    number, buffer, generation = taken
+    array = np.ndarray(tuple(shape), np_dtype, buffer=buffer.array, offset=_HEADER)
+    tensor = torch.from_numpy(array)  # its storage holds ``array``, and nothing else does
+    pointer = tensor.untyped_storage().data_ptr()
+    pool.leased[pointer] = (number, generation)
+    weakref.finalize(array, pool.release, number, buffer, pointer)
+    return tensor
 
 
 def _dense_layout(images: torch.Tensor) -> torch.Tensor:
@@ -114,6 +210,27 @@ def _dense_layout(images: torch.Tensor) -> torch.Tensor:
     return images.contiguous()
 
 
+def _leased_layout(pool: _Pool, images: torch.Tensor) -> tuple[int, _Buffer, int, int] | None:
+    """``(number, buffer, generation, byte offset)`` when ``images`` is a view of a leased
+    buffer, else ``None``."""
+    if images.device.type != "cpu":
+        return None
+    storage = images.untyped_storage()
+    found = pool.leased.get(storage.data_ptr())
+    if found is None:
+        return None
+    number, generation = found
+    buffer = pool.buffers[number]
+    if int(buffer.header[0]) != generation:
+        return None
+    return (
+        number,
+        buffer,
+        generation,
+        _HEADER + int(images.storage_offset()) * images.element_size(),
+    )
+
+
 class Handover(tuple[Any, Any]):
     """``(images, labels)`` of a batch from a DataLoader worker: a plain tuple, but pickled so
     that the images travel through the worker's buffer pool and the labels inline."""
@@ -123,25 +240,44 @@ class Handover(tuple[Any, Any]):
     def __reduce__(self) -> tuple[Any, ...]:
         images, labels = self
         inline = labels.numpy() if isinstance(labels, torch.Tensor) else labels
-        if not isinstance(images, torch.Tensor) or not 0 < images.nbytes <= POOL_MAX_BYTES:
+        if not isinstance(images, torch.Tensor) or images.nbytes == 0:
             return _plain, (images, inline)
-        lent = _lend(images.nbytes)
-        if lent is None:
-            return _plain, (images, inline)
-        number, buffer, generation = lent
-        images = _dense_layout(images)
-        offset = _HEADER // images.element_size()  # dense: the elements span nbytes from here
-        target = torch.empty(0, dtype=images.dtype).set_(
-            buffer.untyped_storage(), offset, images.shape, images.stride()
+        pool = _pool_of(shared=True)
+        found = _leased_layout(pool, images)
+        if found is None:  # gathered elsewhere: copy a small batch into a free buffer
+            if images.nbytes > POOL_MAX_BYTES or _numpy_dtype(images.dtype) is None:
+                return _plain, (images, inline)
+            taken = pool.take(images.nbytes)
+            if taken is None:
+                return _plain, (images, inline)
+            number, buffer, generation = taken
+            images = _dense_layout(images)
+            offset = _HEADER // images.element_size()  # dense: the elements span nbytes from here
+            target = torch.empty(0, dtype=images.dtype).set_(
+                buffer.bytes.untyped_storage(), offset, images.shape, images.stride()
+            )
+            target.copy_(images)
+            buffer.header[1] = _SENT
+            pool.release(number, buffer, None)  # the worker keeps no view of the copy
+            byte_offset = _HEADER
+        else:
+            number, buffer, generation, byte_offset = found
+            if int(buffer.header[1]) != _FREE:  # pickled a second time: torch copies it
+                return _plain, (images, inline)
+            buffer.header[1] = _SENT  # lent again only once the training process drops it
+        itemsize = images.element_size()
+        layout = (
+            byte_offset,
+            tuple(images.shape),
+            tuple(s * itemsize for s in images.stride()),
+            images.dtype,
         )
-        target.copy_(images)
-        layout = (offset, tuple(images.shape), tuple(images.stride()), images.dtype)
         # The buffer itself travels once (its descriptor passed in a socket round trip); after
         # that the training process holds it, and its name is enough.
-        key = (_pool_token, number, os.getpid())
-        with _pool_lock:
-            sent = None if number in _sent else buffer
-            _sent.add(number)
+        key = (pool.token, number, os.getpid())
+        with pool.lock:
+            sent = None if number in pool.sent else buffer.bytes
+            pool.sent.add(number)
         return _received, (key, sent, generation, layout, inline)
 
 
@@ -153,49 +289,58 @@ def _plain(images: Any, labels: Any) -> tuple[Any, Any]:
     return images, _labels(labels)
 
 
+def _set_free(header: np.ndarray) -> None:
+    header[1] = _FREE
+
+
 def _received(
     key: tuple[str, int, int],
-    buffer: torch.Tensor | None,
+    data: torch.Tensor | None,
     generation: int,
     layout: tuple[Any, ...],
     labels: Any,
 ) -> tuple[Any, Any]:
-    """In the training process: the batch copied out of the worker's buffer, which is then
-    marked free for the worker to lend again. ``buffer`` comes with the first batch a buffer
-    holds; the training process keeps it (:func:`_held`) and finds it by ``key`` after."""
-    buffer = _held(key, buffer)
-    offset, shape, stride, dtype = layout
-    flag = _gen_view(buffer)
-    if int(flag[0]) != generation:
-        raise DataError(
-            "a batch's shared buffer was reused before the batch was received (its pickled "
-            "bytes were kept and unpickled late); hand batches over as DataLoader does"
-        )
-    # ``offset`` counts elements of ``dtype`` from the start of the buffer's storage
-    source = torch.empty(0, dtype=dtype).set_(buffer.untyped_storage(), offset, shape, stride)
-    images = torch.empty_like(source)  # same strides: one straight copy
-    images.copy_(source)
-    flag[0] = _FREE
+    """In the training process: the batch as a view of the worker's buffer, which is marked
+    free again when the last view of it is gone. ``data`` (the buffer) comes with the first
+    batch a buffer holds; the training process keeps it (:func:`_held`) and finds it by ``key``
+    after."""
+    buffer = _held(key, data)
+    byte_offset, shape, strides, dtype = layout
+    header = buffer.header
+    with _held_lock:
+        if int(header[0]) != generation or int(header[1]) != _SENT:
+            raise DataError(
+                "a batch's shared buffer is not the batch's any more (its pickled bytes were "
+                "unpickled twice, or kept and unpickled late); hand batches over as "
+                "DataLoader does"
+            )
+        header[1] = _RECEIVED
+    array = np.ndarray(
+        shape, _numpy_dtype(dtype), buffer=buffer.array, offset=byte_offset, strides=strides
+    )
+    images = torch.from_numpy(array)
+    weakref.finalize(array, _set_free, header)
     return images, _labels(labels)
 
 
 # The workers' buffers the training process holds: (pool token, number) -> buffer, and the pid
 # of each pool's worker. A worker sends a buffer once and then only its name, so every buffer of
 # a live worker stays here (they are the worker's pages: no memory of their own); those of
-# workers that have exited are dropped when a new pool appears.
-_held_buffers: dict[tuple[str, int], torch.Tensor] = {}
+# workers that have exited are dropped when a new pool appears (batches still alive keep their
+# buffer's pages through their own views).
+_held_buffers: dict[tuple[str, int], _Buffer] = {}
 _held_pids: dict[str, int] = {}
-_held_lock = threading.Lock()
+_held_lock = threading.Lock()  # batches are unpickled in the main thread or a pin-memory thread
 
 
-def _held(key: tuple[str, int, int], buffer: torch.Tensor | None) -> torch.Tensor:
+def _held(key: tuple[str, int, int], data: torch.Tensor | None) -> _Buffer:
     token, number, pid = key
-    with _held_lock:  # batches are unpickled in the main thread or a pin-memory thread
-        if buffer is not None:
+    with _held_lock:
+        if data is not None:
             if token not in _held_pids:
                 _drop_exited_pools()
                 _held_pids[token] = pid
-            _held_buffers[token, number] = buffer
+            buffer = _held_buffers[token, number] = _Buffer(data)
             return buffer
         found = _held_buffers.get((token, number))
     if found is None:

@@ -3,17 +3,19 @@ decoding to a size, the pooled hand-over from DataLoader workers, and the defaul
 
 from __future__ import annotations
 
+import gc
 import io
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from conftest import build_uniform_folder, jpeg_bytes, png_bytes, smooth_rgb
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 import imgpack.decoding as decoding
 from imgpack import convert, open_dataset
@@ -250,9 +252,9 @@ def test_new_workers_each_epoch_hand_over_correctly(raw_outputs: dict[str, Path]
     assert len(handover._held_pids) <= 4  # this epoch's two pools, perhaps the last one's
 
 
-def test_a_pooled_batch_unpickled_late_raises() -> None:
-    """The generation check: pickled bytes of a batch kept until its buffer was lent again
-    raise instead of showing another batch's pixels."""
+def test_a_pooled_buffer_is_lent_again_only_when_every_view_is_gone() -> None:
+    """The training process gets views of a worker's buffer; the buffer is lent again only
+    once every view is gone, and the pickled bytes of a batch unpickle once."""
     from multiprocessing.reduction import ForkingPickler
 
     import imgpack.handover as handover
@@ -261,14 +263,59 @@ def test_a_pooled_batch_unpickled_late_raises() -> None:
     batch = handover.Handover((images, torch.arange(4)))
     first = ForkingPickler.loads(ForkingPickler.dumps(batch))  # the buffer travels, is held
     assert torch.equal(first[0], images) and first[1].tolist() == [0, 1, 2, 3]
-    kept = ForkingPickler.dumps(batch)  # the same buffer again, by name
-    again = ForkingPickler.loads(kept)
-    assert torch.equal(again[0], images)
+    pointer = first[0].data_ptr()
+    view = first[0][1:3]
+    del first
+    gc.collect()
     images.fill_(9)
-    ForkingPickler.dumps(batch)  # the buffer lent once more, now holding 9s
-    with pytest.raises(DataError, match="reused before the batch was received"):
+    second = ForkingPickler.loads(ForkingPickler.dumps(batch))
+    assert second[0].data_ptr() != pointer  # ``view`` still holds the first buffer
+    assert (view == 7).all() and (second[0] == 9).all()
+    del view
+    gc.collect()
+    kept = ForkingPickler.dumps(batch)  # the first buffer again, by name
+    third = ForkingPickler.loads(kept)
+    assert third[0].data_ptr() == pointer and (third[0] == 9).all()
+    with pytest.raises(DataError, match="unpickled twice"):
         ForkingPickler.loads(kept)
-    assert (again[0] == 7).all()  # what was received is the receiver's own copy
+    assert (second[0] == 9).all() and (third[0] == 9).all()
+
+
+class _Keeper(Dataset[Any]):
+    """Keeps every batch it returns, in the worker, and checks them all at every batch."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+        self.kept: list[tuple[list[int], torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        batch = self.ds.__getitems__(indices)
+        self.kept.append((indices, batch.images))
+        for old, images in self.kept:
+            if not torch.equal(images, self.ds.__getitems__(old).images):
+                raise AssertionError(f"a kept batch changed: {old[:3]}...")
+        return batch
+
+
+@pytest.mark.parametrize("fmt", ["pt", "tfrecord"])
+def test_batches_kept_or_forwarded_stay_whole(raw_outputs: dict[str, Path], fmt: str) -> None:
+    """Batches built in pooled buffers stay right when a worker keeps them (a cache in the
+    dataset) and when the training process forwards them to another process (torch copies
+    them out of the buffer first), over epochs that reuse the buffers."""
+    from multiprocessing.reduction import ForkingPickler
+
+    ds = open_dataset(raw_outputs[fmt])
+    expected = collate(ds.__getitems__(list(range(len(ds)))))
+    loader = DataLoader(
+        _Keeper(ds), batch_size=16, num_workers=2, collate_fn=collate, persistent_workers=True
+    )
+    forwarded = [ForkingPickler.dumps(images) for _ in range(3) for images, _ in loader]
+    for step, data in enumerate(forwarded):
+        first = (step % 13) * 16
+        assert torch.equal(ForkingPickler.loads(data), expected[0][first : first + 16])
 
 
 def test_raw_memory_mapped_readers_steer_workers_to_zero(raw_outputs: dict[str, Path]) -> None:
