@@ -225,11 +225,15 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         state["_fetches"] = (0, 0)
         return state
 
-    def __del__(self) -> None:
+    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
+        # ``os`` is bound at definition: a dataset still alive at interpreter exit is deleted
+        # after the module's globals are cleared.
         handles = self.__dict__.get("_handles")
-        if handles is not None and self.__dict__.get("_pid") == os.getpid():
-            with contextlib.suppress(Exception):
+        if handles is not None and self.__dict__.get("_pid") == _getpid():
+            try:  # noqa: SIM105 (``contextlib`` may be gone as well)
                 self._close(handles)
+            except Exception:
+                pass
 
     def _check_output(self, found: Any, where: str) -> None:
         """Refuse a data file that does not carry this reader's output id: the output was

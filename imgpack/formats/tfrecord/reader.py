@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import os
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -412,9 +411,14 @@ class RawLayout:
         def at(index: np.ndarray) -> np.ndarray:
             return data.take(index, mode="clip")
 
+        def span(start: np.ndarray, width: int) -> np.ndarray:
+            """``data[s : s + width]`` for each ``s`` of ``start``, as rows (a start too close
+            to the end of the file is moved back: such a record does not match anyway)."""
+            return byte_rows(data, start, width)
+
         def varint(index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             """Varints of one to three bytes at ``index``: values, next positions, valid."""
-            b = at(index[:, None] + _THREE).astype(np.int64)
+            b = span(index, 3).astype(np.int64)
             one, two = b[:, 0] < 0x80, (b[:, 0] >= 0x80) & (b[:, 1] < 0x80)
             three = (b[:, 0] >= 0x80) & (b[:, 1] >= 0x80) & (b[:, 2] < 0x80)
             low = b[:, 0] & 0x7F
@@ -425,7 +429,9 @@ class RawLayout:
             )
             return value, index + np.where(one, 1, np.where(two, 2, 3)), one | two | three
 
-        length = at(offsets[:, None] + _EIGHT).view("<u8")[:, 0]
+        if len(data) < max(18, self.size):
+            return np.zeros(len(offsets), bool), np.zeros(len(offsets), np.int64), offsets
+        length = span(offsets, 8).copy().view("<u8")[:, 0]
         ok &= (length == sizes - 16) & (at(offsets + 12) == 0x0A)  # Example.features
         size, pos, valid = varint(offsets + 13)
         ok &= valid & (pos + size == end)
@@ -434,20 +440,16 @@ class RawLayout:
         ok &= valid & (labels >= 0) & (labels < len(self.heads))
         labels = np.where(ok, labels, 0)
         head_bytes, head_sizes, head_masks = self._head_table
-        same = (
-            at(pos[:, None] + np.arange(head_bytes.shape[1])) == head_bytes[labels]
-        ) | head_masks[labels]
+        same = (span(pos, head_bytes.shape[1]) == head_bytes[labels]) | head_masks[labels]
         ok &= same.all(axis=1)
         starts = pos + head_sizes[labels]
         stops = starts + self.size
         tails = end - len(self.tail)
-        ok &= (stops < tails) & (at(tails[:, None] + np.arange(len(self.tail))) == self._tail).all(
-            axis=1
-        )
+        ok &= (stops < tails) & (span(tails, len(self.tail)) == self._tail).all(axis=1)
         ok &= at(stops) == 0x0A  # between them, exactly one image/filename entry
         size, inner, valid = varint(stops + 1)
         ok &= valid & (inner + size == tails)
-        ok &= (at(inner[:, None] + np.arange(len(self._FILENAME))) == self._name).all(axis=1)
+        ok &= (span(inner, len(self._FILENAME)) == self._name).all(axis=1)
         return ok, labels, starts
 
     @property
@@ -465,22 +467,38 @@ class RawLayout:
         return self._heads_array
 
 
-_THREE, _EIGHT = np.arange(3), np.arange(8)
+def byte_rows(data: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
+    """``(len(start), width)`` uint8: ``data[s : s + width]`` for each ``s`` of ``start``, in
+    one gather (a sliding-window view of ``data``, indexed), a start past
+    ``len(data) - width`` moved back to it. ``data`` holds at least ``width`` bytes."""
+    last = len(data) - width
+    window = np.ndarray((last + 1, width), np.uint8, buffer=data, strides=(1, 1))
+    return window[np.minimum(np.maximum(start, 0), last)]
 
 
-_CRC = struct.Struct("<I")
 _MASK_DELTA = framing.MASK_DELTA
 _crc_value = google_crc32c.value  # CRC-32C of bytes (C)
 
 
-def _data_crc_matches(data: Any, offset: int, size: int) -> bool:
-    """Whether the data CRC of the framed record at ``offset`` of ``data`` (``size`` bytes, its
-    length field already found equal to what the index says) matches. The length's own CRC is
-    left to the generic path and ``imgpack verify``: the length it guards was just checked."""
-    end = offset + size - 4
-    crc = _crc_value(data[offset + 12 : end])
-    expected = (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-    return bool(_CRC.unpack_from(data, end)[0] == expected)
+def data_crcs_match(
+    mapped: Any, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+) -> np.ndarray:
+    """Whether the data CRC of each framed record (at ``offsets`` of the file ``mapped``, whose
+    bytes ``data`` views, of ``sizes`` bytes, each inside the file, its length field already
+    found equal to what the index says) matches. The length's own CRC is left to the generic
+    path and ``imgpack verify``: the length it guards was just checked."""
+    ends = offsets + sizes - 4
+    crcs = np.fromiter(
+        (
+            _crc_value(mapped[o + 12 : e])
+            for o, e in zip(offsets.tolist(), ends.tolist(), strict=True)
+        ),
+        np.uint64,
+        len(offsets),
+    )
+    masked = (((crcs >> 15) | (crcs << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+    stored = byte_rows(data, ends, 4).copy().view("<u4")[:, 0]
+    return np.asarray(masked == stored)
 
 
 def tfrecord_files(source: Source) -> list[Path]:
@@ -617,36 +635,27 @@ class TFRecordDataset(PreadDataset):
         straight into the batch; a record that does not match goes through the generic path,
         which reads it as any record is read (and names what is wrong with it)."""
         out = new_batch_tensor((len(indices), *layout.shape))
-        flat = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
         size = layout.size
+        rows = out.numpy().reshape(len(indices), size)
         labels = np.zeros(len(indices), np.int64)
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1
-        check = self.records.check_crc
         for number in np.unique(shard_of).tolist():
             mine = np.flatnonzero(shard_of == number)
             mapped = self._mapped(number)
+            data = np.frombuffer(mapped, np.uint8)
             offsets, sizes = self._offsets[indices[mine]], self._sizes[indices[mine]]
-            ok, found, starts = layout.match(np.frombuffer(mapped, np.uint8), offsets, sizes)
+            ok, found, starts = layout.match(data, offsets, sizes)
+            if self.records.check_crc and ok.any():
+                ok[ok] = data_crcs_match(mapped, data, offsets[ok], sizes[ok])
             labels[mine] = found
-            view = memoryview(mapped)
-            rows = zip(
-                mine.tolist(),
-                ok.tolist(),
-                offsets.tolist(),
-                sizes.tolist(),
-                starts.tolist(),
-                strict=True,
-            )
-            for pos, matched, offset, length, start in rows:
-                if matched and (not check or _data_crc_matches(mapped, offset, length)):
-                    flat[pos * size : (pos + 1) * size] = view[start : start + size]
-                    continue
-                [(_, data, where)] = list(self._frames(indices[pos : pos + 1]))
-                image, labels[pos] = self.records.stored(data, where)
+            if ok.any():
+                rows[mine[ok]] = byte_rows(data, starts[ok], size)
+            for pos in mine[~ok].tolist():  # the generic path names what is wrong
+                [(_, frame, where)] = list(self._frames(indices[pos : pos + 1]))
+                image, labels[pos] = self.records.stored(frame, where)
                 if not isinstance(image, np.ndarray) or image.shape != layout.shape:
                     raise DataError(f"{where}: not a raw {layout.shape} image as the manifest says")
-                flat[pos * size : (pos + 1) * size] = image.tobytes()
-            view.release()
+                rows[pos] = image.reshape(size)
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
 
     def record(self, index: int) -> tuple[dict[str, example.FeatureValue], str]:
