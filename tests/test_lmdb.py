@@ -194,3 +194,31 @@ def test_bad_map_size_names_the_option(uniform_folder: Path, tmp_path: Path) -> 
     with pytest.raises(OptionError, match="invalid map_size 'abc'"):
         convert(uniform_folder, tmp_path / "out", "lmdb", map_size="abc", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_raw_reads_from_the_map_table_equal_reads_by_get(tmp_path: Path) -> None:
+    """After half an epoch read by ``get``, raw batches come from the table of where records
+    lie in the map: the same pixels and labels in any order, small (inline) and large (over
+    a page) records alike; a header that does not check out sends the batch back to ``get``."""
+    for size in (6, 40):  # 108-byte values in leaf pages; 4.8 KB values on overflow pages
+        src = build_uniform_folder(tmp_path / f"src{size}", count=90, classes=4, size=size)
+        out = tmp_path / f"raw{size}"
+        convert(src, out, "lmdb", encoding="raw", size=size, progress=False)
+        expected = open_dataset(out).__getitems__(list(range(90)))  # by get
+        ds = open_dataset(out)
+        assert isinstance(ds, LMDBDataset)
+        order = np.random.default_rng(size).permutation(90)
+        for _ in range(2):
+            for start in range(0, 90, 16):
+                indices = order[start : start + 16].tolist()
+                batch = ds.__getitems__(indices)
+                assert torch.equal(batch.images, expected.images[indices])  # type: ignore[call-overload]
+                assert torch.equal(batch.labels, expected.labels[indices])
+        spans = ds._spans
+        assert spans is not None and spans.env is ds.handles
+        damaged = spans.view.copy()
+        damaged[spans.starts[5] + 8] = 99  # record 5's label byte: out of range
+        spans.view = damaged
+        assert ds._from_map(spans, np.array([4, 5])) is None
+        assert ds._from_map(spans, np.array([4, 6])) is not None
+        assert torch.equal(ds.__getitems__([5]).images, expected.images[[5]])  # type: ignore[call-overload]

@@ -98,6 +98,15 @@ def _rebuild_batch(images: Images | list[Any], labels: np.ndarray | list[Any]) -
     return Batch(images, torch.from_numpy(labels) if isinstance(labels, np.ndarray) else labels)
 
 
+def byte_rows(data: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
+    """``(len(start), width)`` uint8: ``data[s : s + width]`` for each ``s`` of ``start``, in
+    one gather (a sliding-window view of ``data``, indexed), a start past
+    ``len(data) - width`` moved back to it. ``data`` holds at least ``width`` bytes."""
+    last = len(data) - width
+    window = np.ndarray((last + 1, width), np.uint8, buffer=data, strides=(1, 1))
+    return window[np.minimum(np.maximum(start, 0), last)]
+
+
 def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
     """``collate_fn`` for imgpack readers: ``(images, labels)`` from a batch.
 

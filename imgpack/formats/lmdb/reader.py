@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
     Record,
+    byte_rows,
     new_batch_tensor,
 )
 from imgpack.formats.lmdb import record
@@ -82,8 +84,12 @@ class LMDBDataset(ImageDataset):
     """Dataset over an ``lmdb`` output.
 
     The environment opens lazily in the reading process (read-only, no lock file, no readahead,
-    no meminit) and again after a fork. A batch is served from one read transaction with one
-    ``Cursor.getmulti`` call; raw pixels are copied from the map straight into the batch tensor.
+    no meminit) and again after a fork. A batch is served from one read transaction, a ``get``
+    per record; raw pixels are copied from the map straight into the batch tensor.
+
+    Raw records, once a process has read half as many as the output holds that way, are served
+    from a table of where each record lies in LMDB's memory map (:class:`_MapSpans`): a batch is
+    then two numpy gathers from the map, its headers checked at once, no call per record.
     """
 
     format = "lmdb"
@@ -99,6 +105,13 @@ class LMDBDataset(ImageDataset):
             head = record.pack(Kind.RAW, self.channels, 0, self._shape[0], self._shape[1], "", b"")
             self._prefix = np.frombuffer(head[:8], np.uint8)
             self._dims = np.frombuffer(head[16:24], np.uint8)
+        self._spans: _MapSpans | None = None
+        self._slow_reads = 0  # raw records this process read through ``get``
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_spans"], state["_slow_reads"] = None, 0
+        return state
 
     def memory_mapped(self) -> bool:
         return self._raw
@@ -113,6 +126,7 @@ class LMDBDataset(ImageDataset):
         return env
 
     def _close(self, handles: Any) -> None:
+        self._spans = None  # views of the map: gone before the map may be
         release_environment(handles)
 
     def _check_environment(self, env: Any) -> None:
@@ -179,7 +193,19 @@ class LMDBDataset(ImageDataset):
         """Check every raw record's header at once; return the labels."""
         count = len(values)
         heads = np.frombuffer(bytearray().join([v[:_HEAD] for v in values]), np.uint8)
-        heads = heads.reshape(count, _HEAD)
+        good, labels = self._raw_heads(heads.reshape(count, _HEAD), lengths, pixels)
+        if not good.all():
+            bad = int(np.flatnonzero(~good)[0])
+            self._header(keys[bad], values[bad])  # raises the precise error
+            raise DataError(f"{self.root}: record {keys[bad].decode()} has the wrong size")
+        return labels
+
+    def _raw_heads(
+        self, heads: np.ndarray, lengths: np.ndarray, pixels: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(good, labels)`` of raw records from their first ``_HEAD`` bytes (rows of
+        ``heads``) and lengths: the fixed bytes, version, dimensions, label range and length."""
+        count = len(heads)
         version = heads[:, 4]
         path_length = heads[:, 24:28].copy().view("<u4").reshape(count).astype(np.int64)
         expected = np.where(version == 1, record.V1_HEADER_SIZE, _HEAD + path_length) + pixels
@@ -188,11 +214,25 @@ class LMDBDataset(ImageDataset):
         prefix[:, 4] = (version == 1) | (version == record.VERSION)
         good = prefix.all(axis=1) & (heads[:, 16:24] == self._dims).all(axis=1)
         good &= (labels >= 0) & (labels < len(self.classes)) & (lengths == expected)
+        return good, labels
+
+    def _from_map(
+        self, spans: _MapSpans, indices: np.ndarray
+    ) -> tuple[Images, torch.Tensor] | None:
+        """A raw batch gathered through ``spans``; ``None`` when a header does not check out
+        (the ``get`` path then names what is wrong)."""
+        count, pixels = len(indices), int(np.prod(self._shape))
+        starts, lengths = spans.starts[indices], spans.lengths[indices]
+        if count == 0 or int(lengths.min()) < _HEAD:
+            return None
+        good, labels = self._raw_heads(byte_rows(spans.view, starts, _HEAD), lengths, pixels)
         if not good.all():
-            bad = int(np.flatnonzero(~good)[0])
-            self._header(keys[bad], values[bad])  # raises the precise error
-            raise DataError(f"{self.root}: record {keys[bad].decode()} has the wrong size")
-        return labels
+            return None
+        out = new_batch_tensor((count, *self._shape))
+        out.numpy().reshape(count, pixels)[:] = byte_rows(
+            spans.view, starts + lengths - pixels, pixels
+        )
+        return out.permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64))
 
     def _values(self, txn: Any, keys: list[bytes]) -> list[Any]:
         # A loop of get() measured faster than Cursor.getmulti() for random keys (py-lmdb 3.0),
@@ -221,8 +261,17 @@ class LMDBDataset(ImageDataset):
             if self.verify:
                 for _ in self._checked(self._records(indices)):
                     pass
+            env = self.handles
+            spans = self._spans if self._spans is not None and self._spans.env is env else None
+            if spans is None and len(self) and self._slow_reads >= len(self) // 2:
+                spans = self._spans = _MapSpans.build(env, len(self))
+            if spans is not None:
+                gathered = self._from_map(spans, indices)
+                if gathered is not None:
+                    return gathered
+            self._slow_reads += len(indices)
             keys = list(map(_KEY, indices.tolist()))
-            with self.handles.begin(buffers=True) as txn:  # one read transaction for the batch
+            with env.begin(buffers=True) as txn:  # one read transaction for the batch
                 return self._raw_batch(keys, self._values(txn, keys))
         records = self._records(indices)
         if self.verify:
@@ -250,3 +299,40 @@ class LMDBDataset(ImageDataset):
     def _load_paths(self) -> list[str] | None:
         paths = [header.path for header in self._headers()]
         return None if None in paths else [p for p in paths if p is not None]
+
+
+class _MapSpans:
+    """Where each record's value lies in an environment's memory map, and a read-only numpy
+    view of the map from the first value to the end of the last.
+
+    LMDB hands out values as pointers into its map, valid for the read transaction; in a
+    read-only environment of an output nothing is ever written, so they stay where they are for
+    as long as the environment is open (the reader drops this before releasing it). Built by
+    one ``get`` per record (about 2.5 us each): a reader builds it only after reading half as
+    many records as the output holds the slow way, so a few reads never pay for it.
+    """
+
+    __slots__ = ("env", "lengths", "starts", "view")
+
+    def __init__(self, env: Any, view: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
+        self.env, self.view, self.starts, self.lengths = env, view, starts, lengths
+
+    @classmethod
+    def build(cls, env: Any, count: int) -> _MapSpans | None:
+        addresses = np.empty(count, np.int64)
+        lengths = np.empty(count, np.int64)
+        with env.begin(buffers=True) as txn:
+            get = txn.get
+            for index in range(count):
+                value = get(_KEY(index))
+                if value is None:
+                    return None  # the ``get`` path names the missing record
+                addresses[index] = np.frombuffer(value, np.uint8).__array_interface__["data"][0]
+                lengths[index] = len(value)
+        if count == 0:
+            return None
+        low = int(addresses.min())
+        high = int((addresses + lengths).max())
+        view = np.ctypeslib.as_array((ctypes.c_ubyte * (high - low)).from_address(low))
+        view.flags.writeable = False
+        return cls(env, view, addresses - low, lengths)

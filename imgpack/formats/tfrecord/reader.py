@@ -25,6 +25,7 @@ from imgpack.formats.dataset_base import (
     Images,
     PreadDataset,
     Record,
+    byte_rows,
     check_files,
     check_output_id,
     new_batch_tensor,
@@ -465,15 +466,6 @@ class RawLayout:
             beyond = np.arange(longest)[None, :] >= lengths[:, None]
             self._heads_array = table, lengths, beyond
         return self._heads_array
-
-
-def byte_rows(data: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
-    """``(len(start), width)`` uint8: ``data[s : s + width]`` for each ``s`` of ``start``, in
-    one gather (a sliding-window view of ``data``, indexed), a start past
-    ``len(data) - width`` moved back to it. ``data`` holds at least ``width`` bytes."""
-    last = len(data) - width
-    window = np.ndarray((last + 1, width), np.uint8, buffer=data, strides=(1, 1))
-    return window[np.minimum(np.maximum(start, 0), last)]
 
 
 _MASK_DELTA = framing.MASK_DELTA
