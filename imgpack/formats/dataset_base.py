@@ -504,6 +504,18 @@ class PreadDataset(ImageDataset):
             mapped = files.maps[number] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         return mapped
 
+    def _mapped_tensor(self, number: int) -> torch.Tensor:
+        """Shard ``number``'s bytes as a uint8 tensor over its memory map (never written: the
+        map is read-only), for torch's gathers."""
+        tensors = self.handles.tensors
+        found = tensors.get(number)
+        if found is None:
+            data = np.frombuffer(self._mapped(number), np.uint8)
+            with warnings.catch_warnings():  # "not writable": it is only read
+                warnings.simplefilter("ignore", UserWarning)
+                found = tensors[number] = torch.from_numpy(data)
+        return found
+
     def _fd(self, number: int) -> int:
         fds = self.handles.fds
         if number not in fds:
@@ -534,6 +546,7 @@ class ShardFiles:
 
     fds: dict[int, int] = field(default_factory=dict)
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes, for torch
 
 
 @dataclass(frozen=True)

@@ -229,8 +229,10 @@ class LMDBDataset(ImageDataset):
         if not good.all():
             return None
         out = new_batch_tensor((count, *self._shape))
-        out.numpy().reshape(count, pixels)[:] = byte_rows(
-            spans.view, starts + lengths - pixels, pixels
+        last = len(spans.view) - pixels  # a window of ``pixels`` bytes at every byte: the tails
+        windows = spans.tensor.as_strided((last + 1, pixels), (1, 1))
+        torch.index_select(
+            windows, 0, torch.from_numpy(starts + lengths - pixels), out=out.view(count, pixels)
         )
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64))
 
@@ -312,10 +314,12 @@ class _MapSpans:
     many records as the output holds the slow way, so a few reads never pay for it.
     """
 
-    __slots__ = ("env", "lengths", "starts", "view")
+    __slots__ = ("env", "lengths", "starts", "tensor", "view")
 
     def __init__(self, env: Any, view: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
         self.env, self.view, self.starts, self.lengths = env, view, starts, lengths
+        self.tensor = torch.from_numpy(view)  # the same bytes, for torch's gather (never written)
+        view.flags.writeable = False
 
     @classmethod
     def build(cls, env: Any, count: int) -> _MapSpans | None:
@@ -334,5 +338,4 @@ class _MapSpans:
         low = int(addresses.min())
         high = int((addresses + lengths).max())
         view = np.ctypeslib.as_array((ctypes.c_ubyte * (high - low)).from_address(low))
-        view.flags.writeable = False
         return cls(env, view, addresses - low, lengths)
