@@ -98,13 +98,23 @@ def _rebuild_batch(images: Images | list[Any], labels: np.ndarray | list[Any]) -
     return Batch(images, torch.from_numpy(labels) if isinstance(labels, np.ndarray) else labels)
 
 
-def byte_rows(data: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
-    """``(len(start), width)`` uint8: ``data[s : s + width]`` for each ``s`` of ``start``, in
-    one gather (a sliding-window view of ``data``, indexed), a start past
-    ``len(data) - width`` moved back to it. ``data`` holds at least ``width`` bytes."""
+def byte_rows(data: torch.Tensor, start: np.ndarray, width: int) -> np.ndarray:
+    """``(len(start), width)`` uint8: ``data[s : s + width]`` (``data``: 1-D uint8) for each
+    ``s`` of ``start``, in one gather (``index_select`` over a sliding-window view of ``data``,
+    a memory copy per row), a start past ``len(data) - width`` moved back to it. ``data`` holds
+    at least ``width`` bytes."""
     last = len(data) - width
-    window = np.ndarray((last + 1, width), np.uint8, buffer=data, strides=(1, 1))
-    return window[np.minimum(np.maximum(start, 0), last)]
+    windows = data.as_strided((last + 1, width), (1, 1))
+    index = torch.from_numpy(np.minimum(np.maximum(start, 0), last))
+    return torch.index_select(windows, 0, index).numpy()
+
+
+def readonly_tensor(data: np.ndarray) -> torch.Tensor:
+    """A tensor over the bytes of a read-only array (a memory map opened for reading), to be
+    read only (torch has no read-only tensors and warns)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
 
 
 def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
@@ -510,10 +520,7 @@ class PreadDataset(ImageDataset):
         tensors = self.handles.tensors
         found = tensors.get(number)
         if found is None:
-            data = np.frombuffer(self._mapped(number), np.uint8)
-            with warnings.catch_warnings():  # "not writable": it is only read
-                warnings.simplefilter("ignore", UserWarning)
-                found = tensors[number] = torch.from_numpy(data)
+            found = tensors[number] = readonly_tensor(np.frombuffer(self._mapped(number), np.uint8))
         return found
 
     def _fd(self, number: int) -> int:

@@ -225,7 +225,7 @@ class LMDBDataset(ImageDataset):
         starts, lengths = spans.starts[indices], spans.lengths[indices]
         if count == 0 or int(lengths.min()) < _HEAD:
             return None
-        good, labels = self._raw_heads(byte_rows(spans.view, starts, _HEAD), lengths, pixels)
+        good, labels = self._raw_heads(byte_rows(spans.tensor, starts, _HEAD), lengths, pixels)
         if not good.all():
             return None
         out = new_batch_tensor((count, *self._shape))

@@ -29,6 +29,7 @@ from imgpack.formats.dataset_base import (
     check_files,
     check_output_id,
     new_batch_tensor,
+    readonly_tensor,
 )
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
@@ -398,59 +399,55 @@ class RawLayout:
         self._name = np.frombuffer(self._FILENAME, np.uint8)
 
     def match(
-        self, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+        self, data: np.ndarray | torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Check framed records (at ``offsets``, of ``sizes`` bytes, in the file ``data``) against
         this layout, all at once: ``(matches, labels, pixel starts)``. The frame's length field
         is checked here, its CRCs are not (the caller checks them). A record that does not
         match goes through the generic parser."""
+        if isinstance(data, np.ndarray):
+            data = readonly_tensor(data)
         ok = (sizes >= 18) & (offsets >= 0) & (offsets + sizes <= len(data))
         offsets = np.where(ok, offsets, 0)
         sizes = np.where(ok, sizes, 18)
         end = offsets + sizes - 4  # where the data CRC starts
-
-        def at(index: np.ndarray) -> np.ndarray:
-            return data.take(index, mode="clip")
 
         def span(start: np.ndarray, width: int) -> np.ndarray:
             """``data[s : s + width]`` for each ``s`` of ``start``, as rows (a start too close
             to the end of the file is moved back: such a record does not match anyway)."""
             return byte_rows(data, start, width)
 
-        def varint(index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            """Varints of one to three bytes at ``index``: values, next positions, valid."""
-            b = span(index, 3).astype(np.int64)
-            one, two = b[:, 0] < 0x80, (b[:, 0] >= 0x80) & (b[:, 1] < 0x80)
-            three = (b[:, 0] >= 0x80) & (b[:, 1] >= 0x80) & (b[:, 2] < 0x80)
-            low = b[:, 0] & 0x7F
-            value = np.where(
-                one,
-                b[:, 0],
-                np.where(two, low | b[:, 1] << 7, low | (b[:, 1] & 0x7F) << 7 | b[:, 2] << 14),
-            )
-            return value, index + np.where(one, 1, np.where(two, 2, 3)), one | two | three
-
-        if len(data) < max(18, self.size):
+        head_bytes, head_sizes, head_masks = self._head_table
+        name = len(self._FILENAME)
+        if len(data) < max(18, self.size, head_bytes.shape[1], self.label_at + 3, 4 + name):
             return np.zeros(len(offsets), bool), np.zeros(len(offsets), np.int64), offsets
-        length = span(offsets, 8).copy().view("<u8")[:, 0]
-        ok &= (length == sizes - 16) & (at(offsets + 12) == 0x0A)  # Example.features
-        size, pos, valid = varint(offsets + 13)
+        # The frame: length (8 bytes), its CRC, then Example.features (tag 0x0A, a varint).
+        frame = span(offsets, 16)
+        length = frame[:, :8].copy().view("<u8")[:, 0]
+        ok &= (length == sizes - 16) & (frame[:, 12] == 0x0A)
+        size, used, valid = _varint3(frame[:, 13:16])
+        pos = offsets + 13 + used
         ok &= valid & (pos + size == end)
-        value, _, valid = varint(pos + self.label_at)
+        # The entries before the pixels: the class's head (its label's varint inside).
+        head = span(pos, max(head_bytes.shape[1], self.label_at + 3))
+        value, _, valid = _varint3(head[:, self.label_at : self.label_at + 3])
         labels = value - self.label_offset
         ok &= valid & (labels >= 0) & (labels < len(self.heads))
         labels = np.where(ok, labels, 0)
-        head_bytes, head_sizes, head_masks = self._head_table
-        same = (span(pos, head_bytes.shape[1]) == head_bytes[labels]) | head_masks[labels]
-        ok &= same.all(axis=1)
+        width = head_bytes.shape[1]
+        ok &= ((head[:, :width] == head_bytes[labels]) | head_masks[labels]).all(axis=1)
         starts = pos + head_sizes[labels]
         stops = starts + self.size
         tails = end - len(self.tail)
         ok &= (stops < tails) & (span(tails, len(self.tail)) == self._tail).all(axis=1)
-        ok &= at(stops) == 0x0A  # between them, exactly one image/filename entry
-        size, inner, valid = varint(stops + 1)
-        ok &= valid & (inner + size == tails)
-        ok &= (span(inner, len(self._FILENAME)) == self._name).all(axis=1)
+        # Between them, exactly one image/filename entry: tag, a varint, the key.
+        entry = span(stops, 4 + name)
+        size, used, valid = _varint3(entry[:, 1:4])
+        ok &= (entry[:, 0] == 0x0A) & valid & (stops + 1 + used + size == tails)
+        key = np.zeros(len(offsets), bool)
+        for n in (1, 2, 3):
+            key |= (used == n) & (entry[:, 1 + n : 1 + n + name] == self._name).all(axis=1)
+        ok &= key
         return ok, labels, starts
 
     @property
@@ -468,12 +465,27 @@ class RawLayout:
         return self._heads_array
 
 
+def _varint3(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Varints of one to three bytes starting each row of ``b`` (``(n, 3)`` uint8): values,
+    their lengths, and whether each ends within three bytes."""
+    b = b.astype(np.int64)
+    one, two = b[:, 0] < 0x80, (b[:, 0] >= 0x80) & (b[:, 1] < 0x80)
+    three = (b[:, 0] >= 0x80) & (b[:, 1] >= 0x80) & (b[:, 2] < 0x80)
+    low = b[:, 0] & 0x7F
+    value = np.where(
+        one,
+        b[:, 0],
+        np.where(two, low | b[:, 1] << 7, low | (b[:, 1] & 0x7F) << 7 | b[:, 2] << 14),
+    )
+    return value, np.where(one, 1, np.where(two, 2, 3)), one | two | three
+
+
 _MASK_DELTA = framing.MASK_DELTA
 _crc_value = google_crc32c.value  # CRC-32C of bytes (C)
 
 
 def data_crcs_match(
-    mapped: Any, data: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+    mapped: Any, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
 ) -> np.ndarray:
     """Whether the data CRC of each framed record (at ``offsets`` of the file ``mapped``, whose
     bytes ``data`` views, of ``sizes`` bytes, each inside the file, its length field already
@@ -628,16 +640,14 @@ class TFRecordDataset(PreadDataset):
         for number in np.unique(shard_of).tolist():
             mine = np.flatnonzero(shard_of == number)
             mapped = self._mapped(number)
-            data = np.frombuffer(mapped, np.uint8)
+            data = self._mapped_tensor(number)
             offsets, sizes = self._offsets[indices[mine]], self._sizes[indices[mine]]
             ok, found, starts = layout.match(data, offsets, sizes)
             if self.records.check_crc and ok.any():
                 ok[ok] = data_crcs_match(mapped, data, offsets[ok], sizes[ok])
             labels[mine] = found
             if ok.all() and len(mine) == len(indices):  # one shard: straight into the batch
-                windows = self._mapped_tensor(number).as_strided(
-                    (len(data) - size + 1, size), (1, 1)
-                )
+                windows = data.as_strided((len(data) - size + 1, size), (1, 1))
                 torch.index_select(windows, 0, torch.from_numpy(starts), out=out.view(-1, size))
             elif ok.any():
                 rows[mine[ok]] = byte_rows(data, starts[ok], size)
