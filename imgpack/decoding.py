@@ -318,16 +318,17 @@ def new_batch_tensor(
 ) -> torch.Tensor:
     """An uninitialised tensor for a batch, lent from a pool (:func:`imgpack.handover.lease`)
     where one has room: in a DataLoader worker it reaches the training process without a copy,
-    and a large batch in the training process reuses memory instead of fresh pages. Otherwise,
-    in a worker, a large batch, or any batch with ``shared`` (returned as it is, not through
-    ``collate``), is allocated in a shared-memory segment of its own (torch would copy it there
-    to send it)."""
+    and a large batch in the training process reuses memory instead of fresh pages. In a worker,
+    a batch with ``shared`` (returned as it is, not through ``collate``), or a large one the
+    pool has no room for, is allocated in a shared-memory segment of its own (torch would copy
+    it there to send it)."""
     try:
-        if not shared:
+        worker = in_worker()
+        if not (shared and worker):
             leased = lease(shape, dtype)
             if leased is not None:
                 return leased
-        if in_worker() and (shared or int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES):
+        if worker and (shared or int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES):
             return shared_tensor(shape, dtype)
         return torch.empty(tuple(shape), dtype=dtype)
     except (RuntimeError, MemoryError) as exc:

@@ -89,7 +89,8 @@ class LMDBDataset(ImageDataset):
 
     Raw records, once a process has read half as many as the output holds that way, are served
     from a table of where each record lies in LMDB's memory map (:class:`_MapSpans`): a batch is
-    then two numpy gathers from the map, its headers checked at once, no call per record.
+    then two gathers from the map (headers, pixels), the headers checked at once, no call per
+    record.
     """
 
     format = "lmdb"
@@ -265,8 +266,10 @@ class LMDBDataset(ImageDataset):
                     pass
             env = self.handles
             spans = self._spans if self._spans is not None and self._spans.env is env else None
-            if spans is None and len(self) and self._slow_reads >= len(self) // 2:
+            if spans is None and 0 <= len(self) // 2 <= self._slow_reads:
                 spans = self._spans = _MapSpans.build(env, len(self))
+                if spans is None:  # a record is missing: the ``get`` path says which, always
+                    self._slow_reads = -(1 << 62)
             if spans is not None:
                 gathered = self._from_map(spans, indices)
                 if gathered is not None:
@@ -304,8 +307,9 @@ class LMDBDataset(ImageDataset):
 
 
 class _MapSpans:
-    """Where each record's value lies in an environment's memory map, and a read-only numpy
-    view of the map from the first value to the end of the last.
+    """Where each record's value lies in an environment's memory map, and a view of the map
+    from the first value to the end of the last (numpy, read-only, and torch over the same
+    bytes).
 
     LMDB hands out values as pointers into its map, valid for the read transaction; in a
     read-only environment of an output nothing is ever written, so they stay where they are for
