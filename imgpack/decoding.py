@@ -259,8 +259,6 @@ class Decoder:
         self.policy = policy if policy is not None and policy.size is not None else None
         self.threads = threads
         self.foreign = foreign
-        #: Batches go to shared memory in a DataLoader worker (a stream returning whole batches).
-        self.shared = False
 
     @property
     def size(self) -> tuple[int, int] | None:
@@ -300,7 +298,7 @@ class Decoder:
         threads = self.threads or default_threads()
         shapes = [self._shape(item) for item in items]
         if count and shapes[0] is not None and all(s == shapes[0] for s in shapes):
-            out = new_batch_tensor((count, *shapes[0]), shared=self.shared)
+            out = new_batch_tensor((count, *shapes[0]))
             rows = out.numpy()
             run_threaded(count, lambda k: self.one(items[k], where(k), rows[k]), threads)
             return out.permute(0, 3, 1, 2)

@@ -39,7 +39,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -231,11 +231,14 @@ def _leased_layout(pool: _Pool, images: torch.Tensor) -> tuple[int, _Buffer, int
     )
 
 
-class Handover(tuple[Any, Any]):
-    """``(images, labels)`` of a batch from a DataLoader worker: a plain tuple, but pickled so
-    that the images travel through the worker's buffer pool and the labels inline."""
+class Handover(NamedTuple):
+    """``(images, labels)`` of a batch from a DataLoader worker: a plain pair, but pickled so
+    that the images travel through the worker's buffer pool and the labels inline. A named
+    tuple, so that DataLoader's ``default_convert`` (``batch_size=None``: a dataset yielding
+    whole batches) passes it on as it is instead of turning it into a list."""
 
-    __slots__ = ()
+    images: Any
+    labels: Any
 
     def __reduce__(self) -> tuple[Any, ...]:
         images, labels = self

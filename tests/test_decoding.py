@@ -260,7 +260,7 @@ def test_a_pooled_buffer_is_lent_again_only_when_every_view_is_gone() -> None:
     import imgpack.handover as handover
 
     images = torch.full((4, 3, 8, 8), 7, dtype=torch.uint8)
-    batch = handover.Handover((images, torch.arange(4)))
+    batch = handover.Handover(images, torch.arange(4))
     first = ForkingPickler.loads(ForkingPickler.dumps(batch))  # the buffer travels, is held
     assert torch.equal(first[0], images) and first[1].tolist() == [0, 1, 2, 3]
     pointer = first[0].data_ptr()

@@ -391,6 +391,7 @@ def test_stream_can_yield_whole_batches(sharded: Path) -> None:
         images.shape[1:] == (3, 16, 16) and len(images) == len(labels) <= 8
         for images, labels in batches
     )
+    assert not batches[0][0].is_shared()  # a view of a worker's pooled buffer, no new segment
     assert sorted(x for images, _ in batches for x in _ids(images)) == everything
     with_transform = TFRecordStream(sharded, batch_size=8, transform=lambda x: x.float())
     images, labels = next(iter(with_transform))

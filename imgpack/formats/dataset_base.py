@@ -139,7 +139,7 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
         images = torch.stack(images, out=out)
     if isinstance(labels, list) and all(isinstance(label, int) for label in labels):
         labels = torch.tensor(labels, dtype=torch.int64)
-    return Handover((images, labels)) if in_worker() else (images, labels)
+    return Handover(images, labels) if in_worker() else (images, labels)
 
 
 class ImageDataset(Dataset[tuple[Any, Any]]):

@@ -15,6 +15,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from imgpack.formats.dataset_base import collate
 from imgpack.formats.tfrecord.reader import Records, Source
+from imgpack.handover import Handover, in_worker
 from imgpack.images import ImagePolicy
 from imgpack.units import parse_image_size
 
@@ -74,7 +75,6 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         )
         policy = ImagePolicy(size=parse_image_size(size), resize=resize) if size else None
         self.decoder = self.records.decoder(policy, decode_threads)
-        self.decoder.shared = batch_size is not None  # whole batches leave workers as they are
         self.classes = list(self.records.manifest.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.transform, self.target_transform = transform, target_transform
@@ -166,7 +166,8 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         """A whole batch, each image decoded straight into one tensor (no transforms set)."""
         images = self.decoder.batch([image for image, _, _ in items], lambda k: items[k][2])
         if self.transform is None and self.target_transform is None:
-            return images, torch.tensor([label for _, label, _ in items], dtype=torch.int64)
+            labels = torch.tensor([label for _, label, _ in items], dtype=torch.int64)
+            return Handover(images, labels) if in_worker() else (images, labels)
         return collate(
             [self._sample(image, label) for image, (_, label, _) in zip(images, items, strict=True)]
         )
