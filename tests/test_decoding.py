@@ -148,6 +148,26 @@ class _Threads(torch.utils.data.Dataset[int]):
         return default_threads()
 
 
+def test_images_under_64x64_decode_in_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default only: an explicit ``decode_threads`` is kept whatever the size."""
+    monkeypatch.setattr(decoding, "default_threads", lambda: 4)
+    rng = np.random.default_rng(0)
+    small = png_bytes(Image.fromarray(smooth_rgb(rng, 32, 48)))
+    large = jpeg_bytes(Image.fromarray(smooth_rgb(rng, 80, 80)))
+    seen: list[int] = []
+    real = decoding.run_threaded
+    monkeypatch.setattr(
+        decoding,
+        "run_threaded",
+        lambda n, work, threads: (seen.append(threads), real(n, work, threads)),
+    )
+    for items, threads in (([small] * 3, None), ([large] * 3, None), ([small] * 3, 2)):
+        Decoder(3, threads=threads).batch(items, lambda k: "x")
+    assert seen == [1, 4, 2]
+    raw = np.zeros((3, 8, 8, 3), np.uint8)
+    assert Decoder(3)._default_threads(list(raw)) == 1
+
+
 def test_workers_take_their_share_of_the_cpus() -> None:
     cpus = decoding.usable_cpus()
     assert default_threads() == cpus
