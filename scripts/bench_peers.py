@@ -316,6 +316,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     sets = list(dict.fromkeys(r.dataset for r in rows))
     figure, axes = plt.subplots(1, len(sets) + 1, figsize=(5.2 * (len(sets) + 1), 4.2))
@@ -330,6 +331,7 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.set_yticks([y + 0.2 for y in ys], names, fontsize=7)
         ax.invert_yaxis()
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decades only: minor labels overlap
         ax.set_title(f"reads, {dataset} set (samples/s, log)", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
         ax.margins(x=0.25)

@@ -151,6 +151,8 @@ def plot_results(results: Sequence[BenchResult], path: str | os.PathLike[str]) -
     it as an image (its type from the extension: ``.png``, ``.svg``...). Needs matplotlib, the
     ``[plot]`` extra."""
     plt = pyplot()
+    from matplotlib.ticker import NullFormatter
+
     loaders = list(dict.fromkeys((r.name, r.path) for r in results))
     workers = sorted({r.workers for r in results})
     rates = {(r.name, r.path, r.workers): r.rate for r in results}
@@ -171,6 +173,7 @@ def plot_results(results: Sequence[BenchResult], path: str | os.PathLike[str]) -
     logarithmic = bool(positive) and max(positive) > 30 * min(positive)
     if logarithmic:  # raw reads and decoded ones differ by orders of magnitude
         axes.set_xscale("log")
+        axes.xaxis.set_minor_formatter(NullFormatter())  # decades only: minor labels overlap
     scale = " (log scale)" if logarithmic else ""
     axes.set_xlabel(f"samples/s{scale}: DataLoader, shuffled batches")
     axes.set_title(f"imgpack bench (batch_size={results[0].batch_size})" if results else "")
