@@ -329,22 +329,17 @@ class Decoder:
         return arrays_to_batch(arrays)
 
 
-def new_batch_tensor(
-    shape: Sequence[int], dtype: torch.dtype = torch.uint8, shared: bool = False
-) -> torch.Tensor:
+def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialised tensor for a batch, lent from a pool (:func:`imgpack.handover.lease`)
     where one has room: in a DataLoader worker it reaches the training process without a copy,
-    and a large batch in the training process reuses memory instead of fresh pages. In a worker,
-    a batch with ``shared`` (returned as it is, not through ``collate``), or a large one the
-    pool has no room for, is allocated in a shared-memory segment of its own (torch would copy
-    it there to send it)."""
+    and a large batch in the training process reuses memory instead of fresh pages. When the
+    pool has no room, a large batch in a worker is allocated in a shared-memory segment of its
+    own (torch would copy it there to send it)."""
     try:
-        worker = in_worker()
-        if not (shared and worker):
-            leased = lease(shape, dtype)
-            if leased is not None:
-                return leased
-        if worker and (shared or int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES):
+        leased = lease(shape, dtype)
+        if leased is not None:
+            return leased
+        if in_worker() and int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES:
             return shared_tensor(shape, dtype)
         return torch.empty(tuple(shape), dtype=dtype)
     except (RuntimeError, MemoryError) as exc:

@@ -216,9 +216,9 @@ def test_raw_reads_from_the_map_table_equal_reads_by_get(tmp_path: Path) -> None
                 assert torch.equal(batch.labels, expected.labels[indices])
         spans = ds._spans
         assert spans is not None and spans.env is ds.handles
-        damaged = spans.view.copy()
-        damaged[spans.starts[5] + 8] = 99  # record 5's label byte: out of range
-        spans.view, spans.tensor = damaged, torch.from_numpy(damaged)
+        damaged = spans.tensor.clone()
+        damaged[int(spans.starts[5]) + 8] = 99  # record 5's label byte: out of range
+        spans.tensor = damaged
         assert ds._from_map(spans, np.array([4, 5])) is None
         assert ds._from_map(spans, np.array([4, 6])) is not None
         assert torch.equal(ds.__getitems__([5]).images, expected.images[[5]])  # type: ignore[call-overload]

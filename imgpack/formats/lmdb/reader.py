@@ -181,7 +181,7 @@ class LMDBDataset(ImageDataset):
             blob = bytearray().join([v[-pixels:] for v in values])  # the one copy out of the map
             images = torch.frombuffer(blob, dtype=torch.uint8).view(count, *self._shape)
             return images.permute(0, 3, 1, 2), labels_out
-        # In a DataLoader worker: straight into shared memory, which the hand-over needs anyway.
+        # In a DataLoader worker: straight into a pooled shared buffer, handed over without a copy.
         out = new_batch_tensor((count, *self._shape))
         rows = out.numpy().reshape(count, pixels)
         for k, value in enumerate(values):
@@ -230,7 +230,7 @@ class LMDBDataset(ImageDataset):
         if not good.all():
             return None
         out = new_batch_tensor((count, *self._shape))
-        last = len(spans.view) - pixels  # a window of ``pixels`` bytes at every byte: the tails
+        last = len(spans.tensor) - pixels  # a window of ``pixels`` bytes at every byte: the tails
         windows = spans.tensor.as_strided((last + 1, pixels), (1, 1))
         torch.index_select(
             windows, 0, torch.from_numpy(starts + lengths - pixels), out=out.view(count, pixels)
@@ -307,9 +307,9 @@ class LMDBDataset(ImageDataset):
 
 
 class _MapSpans:
-    """Where each record's value lies in an environment's memory map, and a view of the map
-    from the first value to the end of the last (numpy, read-only, and torch over the same
-    bytes).
+    """Where each record's value lies in an environment's memory map, and a uint8 tensor over
+    the map from the first value to the end of the last (read, never written: the map is
+    read-only).
 
     LMDB hands out values as pointers into its map, valid for the read transaction; in a
     read-only environment of an output nothing is ever written, so they stay where they are for
@@ -318,12 +318,10 @@ class _MapSpans:
     many records as the output holds the slow way, so a few reads never pay for it.
     """
 
-    __slots__ = ("env", "lengths", "starts", "tensor", "view")
+    __slots__ = ("env", "lengths", "starts", "tensor")
 
-    def __init__(self, env: Any, view: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
-        self.env, self.view, self.starts, self.lengths = env, view, starts, lengths
-        self.tensor = torch.from_numpy(view)  # the same bytes, for torch's gather (never written)
-        view.flags.writeable = False
+    def __init__(self, env: Any, tensor: torch.Tensor, starts: np.ndarray, lengths: np.ndarray):
+        self.env, self.tensor, self.starts, self.lengths = env, tensor, starts, lengths
 
     @classmethod
     def build(cls, env: Any, count: int) -> _MapSpans | None:
@@ -342,4 +340,4 @@ class _MapSpans:
         low = int(addresses.min())
         high = int((addresses + lengths).max())
         view = np.ctypeslib.as_array((ctypes.c_ubyte * (high - low)).from_address(low))
-        return cls(env, view, addresses - low, lengths)
+        return cls(env, torch.from_numpy(view), addresses - low, lengths)
