@@ -93,14 +93,30 @@ def friendly_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except Terminated as exc:
-            name = signal.Signals(exc.signum).name
-            click.echo(f"Error: stopped by {name}; cleaned up, nothing half-written", err=True)
-            raise SystemExit(128 + exc.signum) from None
+        except (Terminated, KeyboardInterrupt) as exc:
+            signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+            note = getattr(exc, "note", "cleaned up, nothing half-written")
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            click.echo(f"Error: stopped by {name}; {printable_line(note)}", err=True)
+            raise SystemExit(128 + signum) from None
         except Exception as exc:
             raise _user_facing(exc) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def printable_line(text: str) -> str:
+    """``text`` as one line: control characters (a newline in a file name) escaped, so a message
+    can never forge a second line; bytes that are not UTF-8 as ``\\xNN``."""
+    return (
+        text.encode("utf-8", "surrogateescape")
+        .decode("utf-8", "backslashreplace")
+        .translate(_CONTROL)
+    )
 
 
 def _user_facing(exc: Exception) -> Exception:
@@ -110,13 +126,13 @@ def _user_facing(exc: Exception) -> Exception:
         # torch re-raises from a frame that references the error: a cycle that keeps the
         # DataLoader's workers alive until a garbage collection, which waits 5 s for each.
         traceback.clear_frames(exc.__traceback__)
-        return click.ClickException(message)
+        return click.ClickException(printable_line(message))
     if isinstance(exc, OptionError):
-        return click.UsageError(str(exc))
+        return click.UsageError(printable_line(str(exc)))
     if isinstance(exc, (ImgpackError, FileExistsError, FileNotFoundError, NotADirectoryError)):
-        return click.ClickException(str(exc))
+        return click.ClickException(printable_line(str(exc)))
     if isinstance(exc, PermissionError):
-        return click.ClickException(f"{exc.filename}: permission denied")
+        return click.ClickException(printable_line(f"{exc.filename}: permission denied"))
     return exc
 
 

@@ -53,10 +53,21 @@ class Terminated(BaseException):
     """The process was asked to stop (SIGTERM). Like ``KeyboardInterrupt``, not an ``Exception``:
     nothing that handles errors catches it, every cleanup runs."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
+    def __init__(self, signum: int, note: str = "cleaned up, nothing half-written") -> None:
+        super().__init__(signum, note)
         self.signum = signum
+        #: What the run left behind, for the one-line message.
+        self.note = note
 
 
 class PerformanceWarning(UserWarning):
     """A setting that reads an output slower than another would (the message says which)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a conversion that kept its checkpoint: still a ``KeyboardInterrupt``, with
+    :attr:`note` saying what was kept and how to continue."""
+
+    def __init__(self, note: str) -> None:
+        super().__init__(note)
+        self.note = note

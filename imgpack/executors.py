@@ -63,6 +63,10 @@ class Job:
     #: TFRecord files): a module-level function ``fetch(job, sample) -> Encoded`` (it pickles by
     #: name, so workers and Ray tasks import it). ``None``: the sample is a file under ``root``.
     fetch: Callable[[Job, Sample], Encoded] | None = None
+    #: What the source was when the conversion planned it (an imgpack output's id and file
+    #: hashes, TFRecord files' sizes and times): a worker refuses to read a source that is
+    #: another one now, and never reuses a reader it opened for another run's source.
+    source_id: str = ""
 
 
 class Executor(Protocol):

@@ -12,6 +12,7 @@ that lets ``--overwrite`` replace an earlier export.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -74,8 +75,14 @@ def export(
         return done
     source, target = open_location(output, storage_options, cache_dir), local_path(folder)
     ds = open_dataset(source, verify=True)
-    if target.resolve() == source.resolve() or source.resolve() in target.resolve().parents:
+    real_source, real_target = source.resolve(), target.resolve()
+    if real_target == real_source or real_source in real_target.parents:
         raise OptionError(f"{target}: must not be the output or inside it")
+    if real_target in real_source.parents:
+        raise OptionError(
+            f"{target}: holds the output {source} being exported (--overwrite would delete it); "
+            "export into a folder of its own"
+        )
     with locked(target):
         recover(target, holding_lock=True)
         check_destination(target, overwrite, EXPORT_MARKER, "an imgpack export")
@@ -97,9 +104,14 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
     manifest = ds.manifest
     result = Exported(tmp)
     for name in manifest.classes:
-        (tmp / _plain(name, "class")).mkdir(parents=True, exist_ok=True)
+        try:
+            (tmp / _plain(name, "class")).mkdir()
+        except FileExistsError:  # two class names one folder (a case-insensitive filesystem)
+            raise DataError(f"class {name!r}: its folder exists already (a name clash)") from None
+        except OSError as exc:
+            raise DataError(f"class {name!r}: cannot make its folder: {exc.strerror}") from None
     paths = ds.stored_paths()
-    taken: set[str] = set()
+    taken = _Names(set(manifest.classes))
     with tqdm(
         total=len(ds), unit="img", desc="export", file=sys.stderr, disable=not progress
     ) as bar:
@@ -109,17 +121,13 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
             try:
                 sample = next(ds.encoded(index, index + 1))
                 name, data, kept = _file(sample, manifest.classes[sample.label], source, index)
-                if name in taken:
-                    raise DataError(f"sample {index}: a second sample named {name}")
+                taken.claim(name, index)
+                _create(tmp, name, data, index)
             except ImgpackError as exc:
                 if on_error == "fail":
                     raise
                 result.skipped.append({"sample": str(index), "reason": str(exc)})
                 continue
-            taken.add(name)
-            path = tmp / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
             result.files += 1
             result.kept += kept
             result.encoded += not kept
@@ -150,11 +158,58 @@ def _file(
     return name, data, kept
 
 
+#: The longest file name (in bytes) most filesystems take.
+NAME_MAX = 255
+
+
 def _plain(part: str, what: str) -> str:
-    """A stored name used as a path component: never leads outside the folder."""
+    """A stored name used as a path component: never leads outside the folder, and comes back
+    from ``imgpack convert`` as it went in (a hidden name would be ignored by the scan, which
+    would drop the file or the whole class and change the label map)."""
     if not part or part in (".", "..") or "/" in part or "\\" in part or "\0" in part:
         raise DataError(f"stored {what} name {part!r} cannot be a file name")
+    if part.startswith("."):
+        raise DataError(
+            f"stored {what} name {part!r} would be a hidden file that imgpack convert (like "
+            "torchvision's ImageFolder) ignores; it cannot be exported as it is"
+        )
+    if len(os.fsencode(part)) > NAME_MAX - 8:  # room for an added extension
+        raise DataError(f"stored {what} name {part[:40]!r}... is too long for a file name")
     return part
+
+
+class _Names:
+    """The names an export has written: a second sample under a name already taken, or a file
+    where a folder is (or the other way round), is refused, never overwritten. Names that
+    differ only in case are told apart by the filesystem itself: every file is created with
+    ``O_EXCL``, so on a case-insensitive one ``x.png`` after ``X.png`` is refused too."""
+
+    def __init__(self, folders: set[str]) -> None:
+        self.files: set[str] = set()
+        self.folders = set(folders)
+
+    def claim(self, name: str, index: int) -> None:
+        key = name
+        parents = [str(p) for p in PurePosixPath(name).parents if str(p) != "."]
+        if key in self.files or key in self.folders or any(p in self.files for p in parents):
+            raise DataError(f"sample {index}: {name} clashes with another exported file or folder")
+        self.files.add(key)
+        self.folders.update(parents)
+
+
+def _create(tmp: Path, name: str, data: bytes, index: int) -> None:
+    """Write a new file ``tmp/name``; never replaces one (``O_EXCL``)."""
+    path = tmp / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "xb") as out:
+            out.write(data)
+    except FileExistsError:
+        raise DataError(f"sample {index}: {name} exists already (a name clash)") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EILSEQ):
+            raise DataError(f"sample {index}: cannot write {name}: {exc.strerror}") from None
+        raise
 
 
 __all__ = ["EXPORT_MARKER", "Exported", "export"]

@@ -147,7 +147,7 @@ def fetch(job: Job, sample: Sample) -> Encoded:
     """One row's image through the image policy (in a conversion worker); ``job.root`` is
     ``<image column>:<dataset folder>``."""
     column, _, root = job.root.partition(":")
-    dataset = per_process(("hf", job.root), lambda: load(Path(root), column)[0])
+    dataset = per_process(("hf", job.root, job.source_id), lambda: _open(job, Path(root), column))
     item = dataset[sample.index][column]
     data = item.get("bytes") if item else None
     if not data:
@@ -159,6 +159,19 @@ def fetch(job: Job, sample: Sample) -> Encoded:
         except OSError as exc:
             raise ImageError(sample.path, f"cannot read {where}: {exc.strerror}") from None
     return process_bytes(data, sample.path, sample.label, job.policy, job.encoding)
+
+
+def _open(job: Job, root: Path, column: str) -> Any:
+    """The saved dataset at ``root``, refused when it is not the one the run planned."""
+    from imgpack.sources import changed_source, source_identity
+
+    try:
+        state = hashlib.sha256((root / "state.json").read_bytes()).hexdigest()
+    except OSError:
+        state = ""
+    if job.source_id and source_identity("hf", root, {"state_sha256": state}) != job.source_id:
+        raise changed_source(str(root))
+    return load(root, column)[0]
 
 
 def to_hf(output: str | os.PathLike[str], cache_dir: str | None = None) -> Any:

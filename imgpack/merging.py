@@ -28,7 +28,8 @@ from typing import Any
 from tqdm import tqdm
 
 from imgpack import formats
-from imgpack.errors import OptionError
+from imgpack.errors import DataError, OptionError
+from imgpack.formats.dataset_base import ImageDataset
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.manifest import FileEntry, Manifest, read_manifest, write_manifest
@@ -67,20 +68,54 @@ def merge(
     roots = [open_location(p, storage_options, cache_dir) for p in parts]
     if not roots:
         raise OptionError("give the parts to merge")
-    ordered = check_parts(roots, [read_manifest(root) for root in roots])
     target = local_path(dst)
-    for root, _ in ordered:
-        if root.resolve() == target.resolve():
-            raise OptionError(f"{target}: is one of the parts; merge into a new folder")
+    for root in roots:
+        if inside(root, target) or inside(target, root):
+            raise OptionError(
+                f"{target}: the output must not be, hold or lie inside a part ({root}); merge "
+                "into a folder of its own"
+            )
+    # Pinned before the check: each part's reader (its manifest, and for streamed formats its
+    # open files) is what is checked and what is merged; a part replaced meanwhile is refused.
+    readers = [_pinned_reader(root) for root in roots]
+    ordered = check_parts(roots, [reader.manifest for reader in readers])
+    by_root = dict(zip(roots, readers, strict=True))
     with locked(target):
         recover(target, holding_lock=True)
         check_destination(target, overwrite)
         with temp_output(target) as tmp:
-            files, linked = _join(ordered, tmp, progress)
+            files, linked = _join(ordered, [by_root[root] for root, _ in ordered], tmp, progress)
+            for root, manifest in ordered:
+                if read_manifest(root) != manifest:
+                    raise DataError(
+                        f"{root}: the part was replaced while it was being merged; nothing was "
+                        "published: merge again"
+                    )
             manifest = _merged_manifest(ordered, tmp, files, linked)
             write_manifest(tmp, manifest)
             publish(tmp, target, replace=overwrite)
     return manifest
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it (links resolved)."""
+    real, base = path.resolve(), folder.resolve()
+    return real == base or base in real.parents
+
+
+def _pinned_reader(root: Path) -> ImageDataset:
+    """The part at ``root`` opened for merging: its manifest read and its files checked
+    (:func:`~imgpack.formats.dataset_base.check_files`), and the files of a format that
+    streams its records opened now, so that what is merged is what was checked."""
+    from imgpack.readers import open_dataset
+
+    reader = open_dataset(root, verify=True)
+    if not isinstance(reader.manifest.part, dict):
+        return reader  # check_parts refuses it
+    if not issubclass(formats.get(reader.manifest.format).writer_class(), ShardedWriter):
+        reader.handles  # noqa: B018 - opens the files
+        reader.stored_paths()
+    return reader
 
 
 def check_parts(roots: list[Path], manifests: list[Manifest]) -> list[tuple[Path, Manifest]]:
@@ -120,6 +155,8 @@ def check_parts(roots: list[Path], manifests: list[Manifest]) -> list[tuple[Path
             f"{', '.join(map(str, sorted(by_index)))}); merge all {count} parts"
         )
     order = sorted(range(len(roots)), key=lambda k: slices[k]["index"])
+    for root, manifest, part in zip(roots, manifests, slices, strict=True):
+        _check_slice(root, manifest, part)
     stop = 0
     for k in order:
         if slices[k]["start"] != stop:
@@ -132,8 +169,26 @@ def check_parts(roots: list[Path], manifests: list[Manifest]) -> list[tuple[Path
     return [(roots[k], manifests[k]) for k in order]
 
 
+def _check_slice(root: Path, manifest: Manifest, part: dict[str, int]) -> None:
+    """A part's slice of the scan must hold what its manifest says it converted: every scan
+    position written or skipped (part 0 also lists the files the scan could not take)."""
+    if not all(type(part.get(k)) is int for k in ("index", "count", "start", "stop")):
+        raise OptionError(f"{root}: its manifest's part record is damaged")
+    if not (0 <= part["index"] < part["count"] and 0 <= part["start"] <= part["stop"]):
+        raise OptionError(f"{root}: its manifest's part record is out of range (damaged)")
+    span, held = part["stop"] - part["start"], manifest.num_samples + len(manifest.skipped)
+    if held != span if part["index"] else held < span:
+        raise OptionError(
+            f"{root}: holds {manifest.num_samples} samples and {len(manifest.skipped)} skipped "
+            f"files for a slice of {span} (its manifest is damaged)"
+        )
+
+
 def _join(
-    ordered: list[tuple[Path, Manifest]], directory: Path, progress: bool
+    ordered: list[tuple[Path, Manifest]],
+    readers: list[ImageDataset],
+    directory: Path,
+    progress: bool,
 ) -> tuple[list[WrittenFile], bool]:
     """The merged data files in ``directory``, and whether they are the parts' files linked."""
     first = ordered[0][1]
@@ -151,12 +206,10 @@ def _join(
             disable=not progress,
         )
         with bar:
-            for root, manifest in ordered:
-                reader = spec.reader_class()(root, verify=True)
+            for reader, (_, manifest) in zip(readers, ordered, strict=True):
                 for sample in reader.encoded(0, manifest.num_samples):
                     writer.add(sample)
                     bar.update(1)
-                del reader
     return writer.close(), False
 
 

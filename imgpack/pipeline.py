@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections import deque
@@ -38,7 +39,16 @@ from typing import Any
 from tqdm import tqdm
 
 from imgpack import executors, hf, sources, storage
-from imgpack.errors import ImageError, ImgpackError, OptionError, ScanError, StorageError
+from imgpack.errors import (
+    DataError,
+    ImageError,
+    ImgpackError,
+    Interrupted,
+    OptionError,
+    ScanError,
+    StorageError,
+    Terminated,
+)
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
 from imgpack.folder import (
     SPLIT_NAMES,
@@ -85,7 +95,9 @@ class Plan:
 
     @property
     def job(self) -> Job:
-        job = Job(str(self.src), self.options.policy, self.options.encoding_spec)
+        job = Job(
+            str(self.src), self.options.policy, self.options.encoding_spec, source_id=self.source_id
+        )
         if self.reader == "output":
             mode = "carry" if sources.carries_over(self.scan, job) else "encode"
             return replace(job, root=f"{mode}:{self.src}", fetch=sources.fetch_stored)
@@ -95,6 +107,11 @@ class Plan:
             column = (self.scan.origin or {})["image_column"]
             return replace(job, root=f"{column}:{self.src}", fetch=hf.fetch)
         return job
+
+    @cached_property
+    def source_id(self) -> str:
+        """The source as planned (:func:`imgpack.sources.source_identity`)."""
+        return sources.source_identity(self.reader, self.src, self.scan.origin)
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -201,10 +218,54 @@ class Checkpoint:
 
     @classmethod
     def load(cls, directory: Path) -> Checkpoint | None:
+        """The checkpoint in ``directory``, or ``None`` when there is none or it is not one
+        (damaged, another layout): such a folder cannot be resumed."""
         try:
-            return cls(**json.loads((directory / CHECKPOINT).read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
+            data = json.loads((directory / CHECKPOINT).read_text(encoding="utf-8"))
+            found = cls(**data)
+        except (OSError, ValueError, TypeError, UnicodeDecodeError):
             return None
+        ints = (found.position, found.count)
+        if (
+            not isinstance(found.fingerprint, str)
+            or not all(type(v) is int and v >= 0 for v in ints)
+            or not isinstance(found.skipped, list)
+            or not all(
+                isinstance(s, dict) and set(s) == {"path", "reason"} and
+                all(isinstance(v, str) for v in s.values())
+                for s in found.skipped
+            )
+            or not isinstance(found.writer, dict)
+        ):  # fmt: skip
+            return None
+        return found
+
+    def check(self, plan: Plan, directory: Path) -> None:
+        """Refuse a checkpoint whose counts do not add up for ``plan`` (edited, or damaged):
+        resuming from it would skip or repeat samples. The writer checks its files itself."""
+        unreadable = plan.unreadable
+        problem = None
+        if self.position > len(plan.samples):
+            problem = f"position {self.position} is past the {len(plan.samples)} samples"
+        elif self.skipped[: len(unreadable)] != unreadable:
+            problem = "its skipped files do not start with the scan's unreadable ones"
+        elif self.count + len(self.skipped) - len(unreadable) != self.position:
+            problem = (
+                f"{self.count} written + {len(self.skipped) - len(unreadable)} skipped is not its "
+                f"position {self.position}"
+            )
+        else:
+            consumed = {sample.path for sample in plan.samples[: self.position]}
+            stray = [
+                s["path"] for s in self.skipped[len(unreadable) :] if s["path"] not in consumed
+            ]
+            if stray:
+                problem = f"it lists {stray[0]!r} as skipped, which is not a sample it passed"
+        if problem:
+            raise DataError(
+                f"{directory}: damaged checkpoint ({problem}); it cannot be resumed: remove it "
+                "and convert without --resume"
+            )
 
 
 @dataclass
@@ -393,11 +454,12 @@ def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
     for candidate in leftovers(the_plan.dst):
         checkpoint = Checkpoint.load(candidate)
         if checkpoint is None:
-            log.warning("%s: holds no checkpoint, nothing to resume; remove it", candidate)
+            log.warning("%s: holds no usable checkpoint, nothing to resume; remove it", candidate)
         elif checkpoint.fingerprint == fingerprint:
             if not checkpoint.writer:  # killed before its writer started: nothing kept
                 shutil.rmtree(candidate)
                 return None, None
+            checkpoint.check(the_plan, candidate)
             return candidate, checkpoint
         else:
             others.append(candidate)
@@ -412,9 +474,11 @@ def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
 
 
 @contextmanager
-def temp_output(dst: Path, existing: Path | None = None) -> Iterator[Path]:
+def temp_output(dst: Path, existing: Path | None = None, resumable: bool = False) -> Iterator[Path]:
     """A temp dir beside ``dst`` (same filesystem, so publishing is a rename), removed on error;
-    ``existing`` is the temp dir of an interrupted conversion being resumed."""
+    ``existing`` is the temp dir of an interrupted conversion being resumed. ``resumable``: a
+    run stopped by SIGTERM or Ctrl-C keeps the dir when it holds a checkpoint of written
+    samples, and says so (:class:`~imgpack.errors.Terminated` with a note)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     if existing is not None:
         tmp = existing
@@ -425,6 +489,19 @@ def temp_output(dst: Path, existing: Path | None = None) -> Iterator[Path]:
         )  # mkdtemp makes it private; an output is an ordinary folder
     try:
         yield tmp
+    except (KeyboardInterrupt, Terminated) as exc:
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        checkpoint = Checkpoint.load(tmp) if resumable else None
+        if checkpoint is not None and checkpoint.writer and checkpoint.count > 0:
+            note = (
+                f"kept {tmp} with {checkpoint.count} samples written: run the same command "
+                "with --resume to continue from there"
+            )
+            raise (
+                Interrupted(note) if signum == signal.SIGINT else Terminated(signum, note)
+            ) from None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -600,7 +677,7 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
                 the_plan.dst,
             )
     start = checkpoint.position if checkpoint is not None else 0
-    with temp_output(the_plan.dst, existing) as tmp:
+    with temp_output(the_plan.dst, existing, resumable=True) as tmp:
         if checkpoint is None:  # at once: a run killed from here on can be recognised
             Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable).save(tmp)
         outcomes = process(the_plan, executor, start)

@@ -20,7 +20,10 @@ The new manifest's ``source`` records where the samples came from, and the sourc
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -114,6 +117,34 @@ def scan_source(src: Path, classes: list[str] | None) -> tuple[Scan, str]:
     return scan, reader
 
 
+def source_identity(reader: str, src: Path, origin: dict[str, Any] | None) -> str:
+    """What identifies the source a conversion planned (:attr:`Job.source_id`): an imgpack
+    output's id and file hashes (in its scan's ``origin``), else the sizes and modification
+    times of TFRecord files, as a short digest."""
+    if reader == "output":
+        head: Any = {k: (origin or {}).get(k) for k in ("output_id", "sha256")}
+    elif reader == "tfrecord":
+        head = _stat_signature(src)
+    elif reader == "hf":
+        head = (origin or {}).get("state_sha256")
+    else:
+        return ""
+    return hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _stat_signature(src: str | os.PathLike[str]) -> list[list[Any]]:
+    files = tfrecord_files(src) or []
+    out: list[list[Any]] = []
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError:
+            out.append([str(path), None])  # the file fails when it is read
+            continue
+        out.append([str(path), st.st_size, st.st_mtime_ns])
+    return out
+
+
 def carries_over(scan: Scan, job: Job) -> bool:
     """Whether the source's records can be stored as they are under ``job``'s options."""
     origin = scan.origin or {}
@@ -131,7 +162,7 @@ def fetch_stored(job: Job, sample: Sample) -> Encoded:
     """One sample of an imgpack output, carried over or re-encoded (see the module doc); runs in
     a conversion worker. ``job.root`` is ``"carry:"`` or ``"encode:"`` and the output's path."""
     mode, _, root = job.root.partition(":")
-    ds = per_process(("output", root), lambda: _open_output(root))
+    ds = per_process(("output", root, job.source_id), lambda: _open_output(root, job.source_id))
     try:
         stored = next(ds.encoded(sample.index, sample.index + 1))
     except DataError as exc:
@@ -149,9 +180,9 @@ def fetch_stored(job: Job, sample: Sample) -> Encoded:
 
 def fetch_tfrecord(job: Job, sample: Sample) -> Encoded:
     """One record of TFRecord files, through the image policy; runs in a conversion worker."""
-    from imgpack.formats.tfrecord.reader import TFRecordDataset, stored_image
+    from imgpack.formats.tfrecord.reader import stored_image
 
-    ds = per_process(("tfrecord", job.root), lambda: TFRecordDataset(job.root))
+    ds = per_process(("tfrecord", job.root, job.source_id), lambda: _open_tfrecord(job))
     try:
         features, where = ds.record(sample.index)
         payload, shape = stored_image(features, where)
@@ -163,19 +194,46 @@ def fetch_tfrecord(job: Job, sample: Sample) -> Encoded:
     return process_bytes(payload, sample.path, sample.label, job.policy, job.encoding)
 
 
-#: Readers (and datasets) a worker opened, by source: opened once per source, not per sample.
-#: A forked worker inherits the parent's entries; readers reopen their handles after a fork.
-_opened: dict[tuple[str, str], Any] = {}
+#: Readers (and datasets) a worker opened, by source kind, path and identity (the source as the
+#: run planned it), so that a worker reused by a later run (a pool worker, a Ray actor) never
+#: serves an earlier run's source that was replaced since. Opened once per source, not per
+#: sample; the few most recent are kept. A forked worker inherits the parent's entries;
+#: readers reopen their handles after a fork.
+_opened: OrderedDict[tuple[str, ...], Any] = OrderedDict()
+KEEP_OPENED = 4
 
 
-def per_process(key: tuple[str, str], open_it: Callable[[], Any]) -> Any:
+def per_process(key: tuple[str, ...], open_it: Callable[[], Any]) -> Any:
     """The object opened for ``key`` in this process, opened by ``open_it`` the first time."""
-    if key not in _opened:
-        _opened[key] = open_it()
-    return _opened[key]
+    if key in _opened:
+        _opened.move_to_end(key)
+        return _opened[key]
+    found = _opened[key] = open_it()
+    while len(_opened) > KEEP_OPENED:
+        _opened.popitem(last=False)
+    return found
 
 
-def _open_output(root: str) -> ImageDataset:
+def changed_source(root: str) -> DataError:
+    return DataError(
+        f"{root}: the source changed after this conversion planned it (replaced or rewritten "
+        "while it ran); nothing was published: run the conversion again"
+    )
+
+
+def _open_output(root: str, expected: str) -> ImageDataset:
     from imgpack.readers import open_dataset
 
-    return open_dataset(root, verify=True)
+    ds = open_dataset(root, verify=True)
+    origin = {"output_id": ds.manifest.output_id, "sha256": [e.sha256 for e in ds.manifest.files]}
+    if expected and source_identity("output", Path(root), origin) != expected:
+        raise changed_source(root)
+    return ds
+
+
+def _open_tfrecord(job: Job) -> Any:
+    from imgpack.formats.tfrecord.reader import TFRecordDataset
+
+    if job.source_id and source_identity("tfrecord", Path(job.root), None) != job.source_id:
+        raise changed_source(job.root)
+    return TFRecordDataset(job.root)

@@ -20,12 +20,14 @@ anything else to the filesystem.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import ImgpackError, ManifestError, OptionError, StorageError
-from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, sha256_file
+from imgpack.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from imgpack.units import parse_byte_size
 
 log = logging.getLogger(__name__)
@@ -182,30 +184,53 @@ class OutputCache:
         return self.directory / "outputs" / f"{name}-{version}"
 
     def fetch(self, url: str, storage_options: dict[str, Any] | None = None) -> Path:
-        """The local copy of the output at ``url``: fetched (what is missing or damaged),
-        checked, and pinned for this process's lifetime."""
+        """The local copy of the output at ``url``: fetched (what is missing, damaged or
+        changed in the store), checked, and pinned for this process's lifetime."""
         manifest, data = read_remote_manifest(url, storage_options)
         local = self.entry(url, manifest, data)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(local, fcntl.LOCK_EX):
-            local.mkdir(exist_ok=True)  # under the lock: an eviction may have just removed it
-            checked = _load_json(local / ".imgpack-cache.json")
-            fs, root = filesystem(url, storage_options)
-            entries = manifest.files + _companions(fs, root, url, manifest)
-            wanted = [e for e in entries if not _still_good(local, e.path, e.bytes, checked)]
+        fs, root = filesystem(url, storage_options)
+        entries = _companions(fs, root, url, manifest)
+        try:
+            _safe_dirs(self.directory, local)
+            lock = _locked(local, fcntl.LOCK_EX)
+            lock.__enter__()
+        except PermissionError as exc:  # a read-only cache: a complete entry is still read
+            if _complete(local, entries, data):
+                return local
+            raise StorageError(
+                f"{self.directory}: the cache folder cannot be written ({exc.strerror}) and "
+                f"holds no complete copy of {url}; set IMGPACK_CACHE_DIR (or cache_dir=) to a "
+                "writable folder"
+            ) from None
+        except OSError as exc:
+            if exc.errno == errno.EROFS and _complete(local, entries, data):
+                return local
+            raise StorageError(f"{local}: cannot use the cache entry: {exc.strerror}") from None
+        try:
+            _safe_dirs(self.directory, local)  # under the lock: an eviction may have removed it
+            for stale in local.glob(".*.part"):  # left by a fetch that was killed
+                stale.unlink(missing_ok=True)
+            checked = _load_json(local / CHECKED)
+            wanted = [e for e in entries if not _still_good(local, e, checked)]
             if wanted:
                 with ThreadPoolExecutor(TRANSFERS) as pool:
                     done = pool.map(
                         lambda e: _fetch_file(fs, f"{root}/{e.path}", local, e, url), wanted
                     )
-                    for path, size, mtime in done:
-                        checked[path] = [size, mtime]
-                _write_json(local / ".imgpack-cache.json", checked)
+                    for entry, (path, size, mtime) in zip(wanted, done, strict=True):
+                        checked[path] = [size, mtime, entry.sha256, entry.etag]
+                _write_json(local / CHECKED, checked)
             manifest_path = local / MANIFEST_NAME
-            if not manifest_path.exists() or manifest_path.read_bytes() != data:
+            if (
+                manifest_path.is_symlink()
+                or not manifest_path.exists()
+                or (manifest_path.read_bytes() != data)
+            ):
                 _write_bytes(manifest_path, data)  # last: the entry is complete
-            (local / ".imgpack-used").touch()
+            _write_bytes(local / ".imgpack-used", b"")
             _pin(local)  # before the lock goes: no eviction can slip in between
+        finally:
+            lock.__exit__(None, None, None)
         self.evict(keep=local)
         return local
 
@@ -216,7 +241,7 @@ class OutputCache:
             return
         entries = []
         for entry in outputs.iterdir():
-            if entry.is_dir():
+            if entry.is_dir() and not entry.is_symlink():
                 used = entry / ".imgpack-used"
                 stamp = used.stat().st_mtime if used.exists() else 0.0
                 entries.append((stamp, entry, _folder_bytes(entry)))
@@ -236,23 +261,74 @@ class OutputCache:
                 log.info("cache: evicted %s (%d bytes)", entry, size)
 
 
-def _companions(fs: Any, root: str, url: str, manifest: Manifest) -> list[FileEntry]:
-    """The files beside an output's data files that its manifest does not list but readers use
-    (the ``.idx`` index of a ``tfrecord`` or ``webdataset`` shard): sizes from the listing, no
-    sha256 (the readers check each index against the framing it describes)."""
+@dataclass(frozen=True)
+class Remote:
+    """A file of an output in the store, as the cache fetches it: the manifest's size and
+    sha256 (none for index files the manifest does not list), and the store's ETag/version."""
+
+    path: str
+    bytes: int
+    sha256: str
+    etag: str
+
+
+def _companions(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remote]:
+    """The files to fetch: the manifest's data files with the store's ETag of each, and the
+    files beside them that the manifest does not list but readers use (the ``.idx`` index of a
+    ``tfrecord`` or ``webdataset`` shard): sizes from the listing, no sha256 (the readers check
+    each index against the framing it describes). One listing for all of them."""
     listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
     stems = {Path(e.path).stem for e in manifest.files}
     try:
         found = fs.find(root, detail=True)
     except OSError as exc:
         raise _remote_error(url, exc) from None
+    tags = {}
     extra = []
     for path, info in sorted(found.items()):
         name = path[len(root) :].lstrip("/")
+        tags[name] = _etag(info)
         if "/" in name or name in listed or Path(name).stem not in stems:
             continue
-        extra.append(FileEntry(name, int(info.get("size") or 0), 0, ""))
-    return extra
+        extra.append(Remote(name, int(info.get("size") or 0), "", tags[name]))
+    data = [Remote(e.path, e.bytes, e.sha256, tags.get(e.path, "")) for e in manifest.files]
+    return data + extra
+
+
+def _etag(info: dict[str, Any]) -> str:
+    """What the store says identifies an object's content (ETag, version, generation)."""
+    for key in ("VersionId", "ETag", "etag", "generation", "version_id", "md5Hash"):
+        if info.get(key):
+            return str(info[key])
+    return ""
+
+
+#: Per entry: ``{path: [size, mtime_ns, sha256, etag]}`` of each file once it was checked.
+CHECKED = ".imgpack-cache.json"
+
+
+def _safe_dirs(cache: Path, entry: Path) -> None:
+    """Make ``cache/outputs/entry`` as real folders: a symbolic link (or anything but a folder)
+    planted in a shared cache folder is refused, never followed."""
+    for folder in (cache, entry.parent, entry):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(parents=folder == cache, exist_ok=True)
+        st = os.lstat(folder)
+        if folder != cache and not stat.S_ISDIR(st.st_mode):
+            raise StorageError(
+                f"{folder}: not a folder (a symbolic link or a file planted in the cache); "
+                "refusing to use it: remove it"
+            )
+
+
+def _complete(local: Path, entries: list[Remote], data: bytes) -> bool:
+    """Whether the cache entry ``local`` holds the manifest ``data`` and every file checked."""
+    try:
+        manifest_ok = (local / MANIFEST_NAME).read_bytes() == data
+    except OSError:
+        return False
+    checked = _load_json(local / CHECKED)
+    return manifest_ok and all(_still_good(local, e, checked) for e in entries)
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -263,7 +339,7 @@ def _folder_bytes(folder: Path) -> int:
 def _locked(entry: Path, how: int, suffix: str = ".lock") -> Iterator[None]:
     """``flock`` on the entry's lock file: ``.lock`` serialises fetching, ``.pin`` is held
     shared by every process reading the entry (and taken exclusively to evict it)."""
-    fd = os.open(str(entry) + suffix, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(str(entry) + suffix, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, how)
         yield
@@ -277,7 +353,7 @@ def _pin(entry: Path) -> None:
     with _pinned_lock:
         if str(entry) in _pinned:
             return
-        fd = os.open(str(entry) + ".pin", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(str(entry) + ".pin", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH)
         _pinned[str(entry)] = fd
 
@@ -291,36 +367,54 @@ def _load_json(path: Path) -> dict[str, Any]:
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
+    """Put ``data`` at ``path`` by renaming a new file over it (a link there is replaced,
+    never followed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+    fd = _new_file(tmp)
+    with open(fd, "wb") as out:
+        out.write(data)
     os.replace(tmp, path)
+
+
+def _new_file(path: Path) -> int:
+    """A descriptor of a new regular file at ``path`` (never a link planted there)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     _write_bytes(path, json.dumps(data).encode())
 
 
-def _still_good(local: Path, name: str, size: int, checked: dict[str, Any]) -> bool:
-    """Whether the cached file ``name`` is what was checked (same size and mtime); one that
-    changed since is hashed again by the caller's fetch."""
+def _still_good(local: Path, entry: Remote, checked: dict[str, Any]) -> bool:
+    """Whether the cached file is what was checked for this manifest and this object in the
+    store: same size and mtime as when it was checked, against the same sha256 and ETag. A
+    file that changed since, or whose object was replaced in the store, is fetched again."""
     try:
-        st = (local / name).stat()
+        st = (local / entry.path).lstat()
     except OSError:
         return False
-    return st.st_size == size and checked.get(name) == [st.st_size, st.st_mtime_ns]
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == entry.bytes
+        and checked.get(entry.path) == [st.st_size, st.st_mtime_ns, entry.sha256, entry.etag]
+    )
 
 
-def _fetch_file(fs: Any, remote: str, local: Path, entry: Any, url: str) -> tuple[str, int, int]:
+def _fetch_file(fs: Any, remote: str, local: Path, entry: Remote, url: str) -> tuple[str, int, int]:
     """Make ``local/entry.path`` the checked file: a present copy that hashes right is kept
     (a changed stamp only), anything else is downloaded to a temporary name, checked, renamed."""
     target = local / entry.path
-    if target.exists() and target.stat().st_size == entry.bytes:
-        if not entry.sha256 or sha256_file(target) == entry.sha256:
+    if target.is_file() and not target.is_symlink() and target.stat().st_size == entry.bytes:
+        if entry.sha256 and sha256_file(target) == entry.sha256:
             st = target.stat()
             return entry.path, st.st_size, st.st_mtime_ns
-        stats.refetched += 1
-        log.warning("cache: %s is damaged; fetching it again", target)
+        if entry.sha256:
+            stats.refetched += 1
+            log.warning("cache: %s is damaged or stale; fetching it again", target)
     tmp = local / f".{entry.path}.{os.getpid()}.{threading.get_ident()}.part"
+    os.close(_new_file(tmp))
     try:
         fs.get_file(remote, str(tmp))
     except OSError as exc:

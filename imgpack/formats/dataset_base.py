@@ -150,10 +150,13 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     (per-process handles), :meth:`_gather` (a batch of valid indices to images and labels),
     :meth:`_load_targets` and :meth:`_load_paths` (the stored source paths).
 
-    ``verify``: check every record's CRC-32C as it is read (``True``), never (``False``), or
-    where it costs little (``None``, the default: encoded outputs, whose reads are bound by the
-    image decode; not raw pixels). A mismatch raises :class:`~imgpack.errors.DataError` naming
-    the file, the sample and its source path.
+    ``verify``: check every record's CRC-32C as it is read (``True``), never (``False``), or by
+    default (``None``) every encoded record as it is read (those reads are bound by the image
+    decode) and every raw record **the first time** this reader reads it: a bitmap of checked
+    records, shared by the DataLoader workers forked from the process that opened the reader
+    (and by every epoch of theirs), so the first epoch pays the checksums and later ones only
+    a bitmap lookup per batch. A mismatch raises :class:`~imgpack.errors.DataError` naming the
+    file, the sample and its source path.
 
     ``size``: ``N`` or ``(H, W)`` resizes every image on read (``resize``: ``crop``, the
     default, or ``stretch``, bilinear, as the conversion's ``--size``); a JPEG is decoded at the
@@ -196,6 +199,12 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         if manifest is None:
             check_files(self.root, self.manifest)
         self.verify: bool = self._verify_by_default() if verify is None else bool(verify)
+        #: Raw records checked once each (``verify=None`` on a raw output): which ones were,
+        #: in memory shared with forked workers (made again in a spawned one).
+        self._check_once = verify is None and self.manifest.encoding == "raw"
+        self._seen: mmap.mmap | None = None
+        if self._check_once:  # now, so that workers forked later share it
+            self._seen = mmap.mmap(-1, max(1, len(self)))
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
         self.transform = transform
@@ -215,10 +224,28 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         self._stored_paths: list[str] | None = None
 
     def _verify_by_default(self) -> bool:
-        """Whether records are checked when ``verify`` is not given: where it costs little.
-        Encoded reads are bound by the decode; raw reads that gather whole batches at memory
-        speed would lose most of their speed (``scripts/bench_integrity.py``)."""
+        """Whether every read is checked when ``verify`` is not given: encoded reads, bound by
+        the decode. Raw reads, which gather whole batches at memory speed, are checked once
+        per record instead (:meth:`_check_raw`; ``scripts/bench_integrity.py``)."""
         return self.manifest.encoding != "raw"
+
+    def _check_raw(self, indices: np.ndarray) -> None:
+        """Check the raw records ``indices`` before they are gathered: all of them with
+        ``verify=True``; by default those this reader has not checked yet (then marked)."""
+        if self.verify:
+            for _ in self._checked(self._records(indices)):
+                pass
+            return
+        if not self._check_once or not len(indices):
+            return
+        if self._seen is None:
+            self._seen = mmap.mmap(-1, max(1, len(self)))  # shared with forked workers
+        seen = np.frombuffer(self._seen, np.uint8)
+        fresh = np.unique(indices[seen[indices] == 0])
+        if fresh.size:
+            for _ in self._checked(self._records(fresh)):
+                pass
+            seen[fresh] = 1
 
     # -- per-process handles -------------------------------------------------------------
     @abstractmethod
@@ -241,6 +268,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         state = self.__dict__.copy()
         state["_handles"] = None
         state["_pid"] = None
+        state["_seen"] = None
         state["_fetches"] = (0, 0)
         return state
 

@@ -10,8 +10,9 @@ reach it as :attr:`WriterConfig.settings`.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
-import shutil
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,8 +20,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from imgpack.errors import DataError
 from imgpack.images import Encoded, Encoding, ImagePolicy
-from imgpack.manifest import Manifest
+from imgpack.manifest import Manifest, sha256_file
 
 #: Files of the engine's own in a temp output dir (the checkpoint), which writers leave alone.
 KEEP_PREFIX = ".imgpack-"
@@ -128,6 +130,8 @@ class ShardedWriter(Writer):
     def __init__(self, directory: Path, config: WriterConfig) -> None:
         super().__init__(directory, config)
         self._shards: list[WrittenFile] = []
+        #: ``[bytes, sha256, {companion: sha256}]`` of each completed shard, for checkpoints.
+        self._sealed: dict[str, list[Any]] = {}
         self._shard_bytes = 0
         self._shard_count = 0
         self._open = False
@@ -159,22 +163,78 @@ class ShardedWriter(Writer):
 
     def _roll(self) -> None:
         self._end_shard()
-        self._shards.append(WrittenFile(self.shard_name(len(self._shards)), self._shard_count))
+        name = self.shard_name(len(self._shards))
+        self._shards.append(WrittenFile(name, self._shard_count))
         self._open = False
         self.durable = sum(shard.num_samples for shard in self._shards)
+        path = self.directory / name
+        self._sealed[name] = [
+            path.stat().st_size,
+            sha256_file(path),
+            {c.name: sha256_file(c) for c in self.companions_of(path)},
+        ]
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"shards": [[shard.path, shard.num_samples] for shard in self._shards]}
+        return {
+            "shards": [
+                [shard.path, shard.num_samples, *self._sealed[shard.path]] for shard in self._shards
+            ]
+        }
 
     def resume(self, state: dict[str, Any]) -> int:
-        """Keep the completed shards; remove whatever else was being written."""
-        self._shards = [WrittenFile(str(path), int(count)) for path, count in state["shards"]]
+        """Keep the completed shards, each checked against the checkpoint (the writer's own
+        name in order, its sample count, size and sha256, its companions' sha256); remove
+        whatever else was being written. A checkpoint that does not describe the files is
+        refused (:class:`DataError`), never followed."""
+        shards = state.get("shards") if isinstance(state, dict) else None
+        if not isinstance(shards, list):
+            raise DataError(f"{self.directory}: the checkpoint lists no shards")
+        self._shards, self._sealed = [], {}
+        for number, row in enumerate(shards):
+            self._shards.append(self._checked_shard(number, row))
         self.durable = sum(shard.num_samples for shard in self._shards)
         keep = {shard.path for shard in self._shards} | self._companions()
         for path in self.directory.iterdir():
             if path.name not in keep and not path.name.startswith(KEEP_PREFIX):
                 path.unlink()
         return 0
+
+    def _checked_shard(self, number: int, row: Any) -> WrittenFile:
+        """Completed shard ``number`` as the checkpoint row ``row`` describes it, checked."""
+        name = self.shard_name(number)
+        bad = f"{self.directory}: the checkpoint's shard {number}"
+        if not (isinstance(row, list) and len(row) == 5 and row[0] == name):
+            raise DataError(f"{bad} is not {name} as this writer names it (damaged checkpoint)")
+        _, count, size, digest, companions = row
+        path = self.directory / name
+        try:
+            st = path.lstat()
+        except OSError:
+            raise DataError(f"{bad}: {name} is missing") from None
+        if not (path.is_file() and not path.is_symlink()):
+            raise DataError(f"{bad}: {name} is not a regular file")
+        if not (isinstance(count, int) and count > 0 and st.st_size == size):
+            raise DataError(f"{bad}: {name} is not the size or count the checkpoint recorded")
+        if sha256_file(path) != digest:
+            raise DataError(f"{bad}: {name} changed since it was completed (sha256 differs)")
+        wanted = {c.name: c for c in self.companions_of(path)}
+        if not isinstance(companions, dict) or set(companions) != set(wanted):
+            raise DataError(f"{bad}: its index files are not the ones this writer writes")
+        for key, companion in wanted.items():
+            if companion.is_symlink() or not companion.is_file():
+                raise DataError(f"{bad}: {key} is missing or not a regular file")
+            if sha256_file(companion) != companions[key]:
+                raise DataError(f"{bad}: {key} changed since its shard was completed")
+        held = self.shard_samples(path)
+        if held is not None and held != count:
+            raise DataError(f"{bad}: {name} holds {held} samples, the checkpoint says {count}")
+        self._sealed[name] = [size, digest, dict(companions)]
+        return WrittenFile(name, count)
+
+    def shard_samples(self, path: Path) -> int | None:
+        """How many samples the completed shard at ``path`` holds, read from the file (``None``:
+        the format cannot tell cheaply); resuming checks it against the checkpoint."""
+        return None
 
     def _companions(self) -> set[str]:
         """Files beside the completed shards that belong to them (index files)."""
@@ -196,13 +256,18 @@ class ShardedWriter(Writer):
     def link_parts(self, parts: Sequence[tuple[Path, Manifest]]) -> list[WrittenFile]:
         """The shards of a partitioned conversion's parts, in order, put into this writer's
         directory under this output's names as hard links: no data is copied (a copy where the
-        filesystem cannot link, e.g. across filesystems). The parts stay as they were."""
+        filesystem cannot link, e.g. across filesystems). The parts stay as they were.
+
+        Every part file is checked as the readers check it and never followed when it is a
+        link: a regular file of the size its part's manifest records, whose linked (or copied)
+        bytes hash to the recorded sha256, so a part replaced or edited after its manifest was
+        checked is refused, not merged."""
         shards = [(root, entry) for root, manifest in parts for entry in manifest.files]
         written = []
         for number, (root, entry) in enumerate(shards):
             source = root / entry.path
             target = self.directory / self.final_name(number, len(shards))
-            _link(source, target)
+            _link(source, target, entry.bytes, entry.sha256)
             for companion, new in zip(
                 self.companions_of(source), self.companions_of(target), strict=True
             ):
@@ -212,10 +277,59 @@ class ShardedWriter(Writer):
         return written
 
 
-def _link(source: Path, target: Path) -> None:
+def _link(source: Path, target: Path, size: int | None = None, sha256: str = "") -> None:
+    """Put ``source`` at ``target``: a hard link of the very file checked (a copy of it across
+    filesystems). ``source`` must be a regular file, not a link (``size`` bytes and hashing to
+    ``sha256`` when given); anything else raises :class:`DataError` naming it."""
     try:
-        os.link(source, target)
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-        shutil.copyfile(source, target)
+        what = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise DataError(f"{source}: cannot be merged: {what}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{source}: cannot be merged: not a regular file")
+        if size is not None and st.st_size != size:
+            raise DataError(
+                f"{source}: {st.st_size} bytes, its part's manifest says {size} (the part is "
+                "damaged or was replaced)"
+            )
+        try:
+            os.link(source, target, follow_symlinks=False)
+            linked = os.lstat(target)
+            if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
+                raise DataError(f"{source}: replaced while it was being merged")
+            digest = _hash_fd(fd) if sha256 else ""
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            digest = _copy_fd(fd, target)
+        if sha256 and digest != sha256:
+            raise DataError(
+                f"{source}: its bytes are not what its part's manifest records (sha256 "
+                "differs): the part is damaged or was replaced while merging"
+            )
+    finally:
+        os.close(fd)
+
+
+def _hash_fd(fd: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _copy_fd(fd: int, target: Path) -> str:
+    """Copy the open file ``fd`` to a new file ``target``; the sha256 of what was copied."""
+    digest = hashlib.sha256()
+    offset = 0
+    with open(target, "xb") as out:
+        while chunk := os.pread(fd, 1 << 20, offset):
+            digest.update(chunk)
+            out.write(chunk)
+            offset += len(chunk)
+    return digest.hexdigest()

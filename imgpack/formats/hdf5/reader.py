@@ -207,9 +207,7 @@ class HDF5Dataset(ImageDataset):
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
         if self._raw:
-            if self.verify:
-                for _ in self._checked(self._records(indices)):
-                    pass
+            self._check_raw(indices)
             if self.mmap:
                 out = new_batch_tensor((len(indices), *self._shape[1:]))
                 torch.index_select(self.handles, 0, torch.from_numpy(indices), out=out)

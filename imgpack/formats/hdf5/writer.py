@@ -100,17 +100,45 @@ class HDF5Writer(Writer):
         }
 
     def resume(self, state: dict[str, Any]) -> int:
-        """Cut the staging file and the journal back to the checkpoint; reload the journal."""
-        self._staging.truncate(int(state["staging_bytes"]))
-        self._journal.truncate(int(state["journal_bytes"]))
-        with open(self.directory / ".data.journal", "rb") as fh:
+        """Cut the staging file and the journal back to the checkpoint; reload the journal and
+        check every staged record against its journaled checksum (what is kept is checked as
+        a merge checks what it copies). A checkpoint or journal that does not describe the
+        staged bytes is refused."""
+        bad = f"{self.directory}: damaged checkpoint or journal; convert again without --resume"
+        keys = ("records", "staging_bytes", "journal_bytes")
+        if not all(type(state.get(k)) is int and state[k] >= 0 for k in keys):
+            raise DataError(bad)
+        staging, journal = self._staging_path, self.directory / ".data.journal"
+        if (
+            state["staging_bytes"] > staging.stat().st_size
+            or state["journal_bytes"] > journal.stat().st_size
+        ):
+            raise DataError(f"{bad} (it points past the end of the staged files)")
+        self._staging.truncate(state["staging_bytes"])
+        self._journal.truncate(state["journal_bytes"])
+        with open(journal, "rb") as fh, open(staging, "rb") as data:
             for line in fh.read().decode("utf-8", "surrogateescape").splitlines():
-                label, size, crc, path = json.loads(line)
+                try:
+                    label, size, crc, path = json.loads(line)
+                except (ValueError, TypeError):
+                    raise DataError(bad) from None
+                if not (
+                    all(type(v) is int for v in (label, size, crc))
+                    and 0 <= size <= state["staging_bytes"]
+                    and isinstance(path, str)
+                ):
+                    raise DataError(bad)
+                payload = data.read(size)
+                if len(payload) != size or record_crc(payload, label) != crc:
+                    raise DataError(
+                        f"{staging}: staged record {len(self._labels)} does not match its "
+                        "checksum; convert again without --resume"
+                    )
                 self._labels.append(label)
                 self._offsets.append(self._offsets[-1] + size)
                 self._crcs.append(crc)
                 self._filenames.append(path)
-        if len(self._labels) != int(state["records"]):
+        if len(self._labels) != state["records"] or self._offsets[-1] != state["staging_bytes"]:
             raise DataError(f"{self.directory}: the journal does not match its checkpoint")
         self.durable = len(self._labels)
         self._block_start = self._offsets[-1]

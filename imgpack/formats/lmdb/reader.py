@@ -261,9 +261,7 @@ class LMDBDataset(ImageDataset):
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._raw:
-            if self.verify:
-                for _ in self._checked(self._records(indices)):
-                    pass
+            self._check_raw(indices)
             env = self.handles
             spans = self._spans if self._spans is not None and self._spans.env is env else None
             if spans is None and 0 <= len(self) // 2 <= self._slow_reads:

@@ -108,9 +108,7 @@ class PTDataset(ImageDataset):
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._raw:
-            if self.verify:
-                for _ in self._checked(self._records(indices)):
-                    pass
+            self._check_raw(indices)
             shard_of = np.searchsorted(self._starts, indices, side="right") - 1
             return self._gather_raw(shard_of, torch.from_numpy(indices - self._starts[shard_of]))
         records = self._records(indices)

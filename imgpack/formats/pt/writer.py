@@ -64,3 +64,10 @@ class PTWriter(ShardedWriter):
         torch.save(payload, self._path)
         del data, payload
         self._data = bytearray()
+
+    def shard_samples(self, path: Path) -> int | None:
+        try:
+            shard = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            return len(shard["labels"])
+        except Exception:
+            return -1

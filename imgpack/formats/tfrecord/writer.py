@@ -76,6 +76,13 @@ class TFRecordWriter(ShardedWriter):
         self._fh = None
         framing.write_index(path.with_suffix(".tfrecord"), self._index)  # .partial -> .idx below
 
+    def shard_samples(self, path: Path) -> int | None:
+        try:
+            lines = self.companions_of(path)[0].read_bytes().splitlines()
+        except OSError:
+            return -1
+        return sum(1 for line in lines if line.strip())
+
     def companions_of(self, shard: Path) -> list[Path]:
         return [framing.index_path(shard.with_suffix(".tfrecord"))]
 

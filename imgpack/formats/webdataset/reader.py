@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import tarfile
 from collections.abc import Iterator
@@ -88,7 +89,15 @@ class WebDatasetDataset(PreadDataset):
         return paths
 
     def _check_shard(self, number: int, fd: int) -> None:
-        """The first sample's ``.json`` must carry this output's id."""
+        """The shard's index must describe its tar (:func:`check_index`), and the first
+        sample's ``.json`` must carry this output's id."""
+        start, stop = int(self._starts[number]), int(self._starts[number + 1])
+        problem = check_index(fd, self._offsets[start:stop], self._sizes[start:stop])
+        if problem:
+            raise DataError(
+                f"{layout.index_path(self._paths[number])}: does not match {self._paths[number].name}"
+                f": {problem} (a damaged or edited index)"
+            )
         expected = self.manifest.output_id
         if not expected or not self.manifest.files[number].num_samples:
             return
@@ -161,3 +170,39 @@ class WebDatasetDataset(PreadDataset):
     def _where(self, index: int) -> str:
         number = int(np.searchsorted(self._starts, index, side="right") - 1)
         return f"{self._paths[number]}: sample {index} ({layout.KEY_FORMAT % index})"
+
+
+def check_index(fd: int, offsets: np.ndarray, sizes: np.ndarray) -> str | None:
+    """What is wrong with a shard's index rows (``offsets``, ``sizes`` of its image members),
+    checked against the tar's own framing, or ``None``: each row must point just past a ustar
+    member header whose size field is the row's size and whose name is ``<key>.<ext>`` with a
+    key that grows from row to row and an image extension (not ``.cls`` or ``.json``). A
+    duplicated, swapped or shifted line fails. One gather of 512-byte headers per shard."""
+    if not len(offsets):
+        return None
+    size = os.fstat(fd).st_size
+    if int(offsets.min()) < 512 or int((offsets + sizes).max()) > size:
+        return "an entry points outside the tar"
+    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mapped:
+        data = np.frombuffer(mapped, np.uint8)
+        windows = np.lib.stride_tricks.as_strided(data, (size - 511, 512), (1, 1))
+        heads = windows[offsets - 512].copy()
+        del data, windows
+    width = len(layout.KEY_FORMAT % 0)
+    digits = heads[:, :width].astype(np.int64) - 48
+    if ((digits < 0) | (digits > 9)).any() or (heads[:, width] != ord(".")).any():
+        return "an entry does not point at a sample's image member"
+    keys = digits @ (10 ** np.arange(width - 1, -1, -1, dtype=np.int64))
+    if len(keys) > 1 and bool((keys[1:] <= keys[:-1]).any()):
+        return "its entries are not in key order (a line repeated or moved)"
+    ext = heads[:, width + 1 : width + 6]
+    for other in (b"cls\0", b"json\0"):
+        if (ext[:, : len(other)] == np.frombuffer(other, np.uint8)).all(axis=1).any():
+            return "an entry points at a label or metadata member, not an image"
+    octal = heads[:, 124:135].astype(np.int64) - 48
+    if ((octal < 0) | (octal > 7)).any():
+        return "an entry does not point just past a tar header"
+    found = octal @ (8 ** np.arange(10, -1, -1, dtype=np.int64))
+    if not np.array_equal(found, sizes):
+        return "an entry's size is not its member's size"
+    return None
