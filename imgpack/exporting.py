@@ -27,7 +27,7 @@ from imgpack.errors import DataError, ImgpackError, OptionError
 from imgpack.formats.dataset_base import ImageDataset
 from imgpack.images import Encoded, Kind, encode_pixels
 from imgpack.options import ON_ERROR
-from imgpack.pipeline import check_destination, temp_output
+from imgpack.pipeline import check_destination, clear_leftovers, temp_output
 from imgpack.publishing import locked, publish, recover
 from imgpack.readers import open_dataset
 from imgpack.storage import is_url, local_path, open_location, output_folder
@@ -85,6 +85,7 @@ def export(
         )
     with locked(target):
         recover(target, holding_lock=True)
+        clear_leftovers(target)
         check_destination(target, overwrite, EXPORT_MARKER, "an imgpack export")
         with temp_output(target) as tmp:
             result = _write(ds, tmp, on_error, progress)

@@ -257,11 +257,11 @@ def check_png(data: bytes | memoryview, path: str) -> None:
         length, name = _PNG_CHUNK.unpack_from(view, offset)
         end = offset + 8 + length
         if end + 4 > len(view):
-            raise ImageError(path, f"truncated PNG data (chunk {name!r} at byte {offset})")
+            raise ImageError(path, f"truncated PNG data (chunk {_chunk(name)} at byte {offset})")
         (crc,) = struct.unpack_from(">I", view, end)
         if zlib.crc32(view[offset + 4 : end]) != crc:
             raise ImageError(
-                path, f"damaged PNG data (CRC mismatch in chunk {name!r} at byte {offset})"
+                path, f"damaged PNG data (CRC mismatch in chunk {_chunk(name)} at byte {offset})"
             )
         if name == b"IEND":
             return
@@ -323,6 +323,20 @@ def describe(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+def describe_content(data: bytes | memoryview) -> str:
+    """What unrecognised ``data`` looks like, without quoting any of it: a message (and the
+    manifest's skip list, which others may read) never carries a file's content."""
+    head = bytes(data[:512])
+    printable = sum(32 <= b < 127 or b in (9, 10, 13) for b in head)
+    kind = "text" if head and printable == len(head) else "binary data"
+    return f"{kind}, {len(data)} bytes"
+
+
+def _chunk(name: bytes) -> str:
+    """A PNG chunk type for a message: its name when it is one (four ASCII letters)."""
+    return repr(name.decode("ascii")) if len(name) == 4 and name.isalpha() else "of a bad type"
+
+
 def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str]:
     """Open ``data`` (headers only) and check its type and size; :func:`_load` decodes it."""
     if not data:
@@ -331,7 +345,7 @@ def _open(data: bytes, path: str, policy: ImagePolicy) -> tuple[Image.Image, str
     if kind is None:
         raise ImageError(
             path,
-            f"not an image: unrecognised content (first bytes {data[:8]!r}); "
+            f"not an image: unrecognised content ({describe_content(data)}); "
             "expected JPEG, PNG, GIF, BMP, TIFF, WEBP or PPM data",
         )
     try:
@@ -539,7 +553,7 @@ def stored_info(payload: bytes) -> tuple[Kind, int, int, int]:
     (nothing is decoded); :class:`DataError` for anything else."""
     kind = sniff(payload)
     if kind not in _KEEPABLE:
-        raise DataError(f"stored record is not JPEG or PNG data (first bytes {payload[:8]!r})")
+        raise DataError(f"stored record is not JPEG or PNG data ({describe_content(payload)})")
     try:
         with strict_pillow(), Image.open(io.BytesIO(payload), formats=[kind]) as img:
             width, height = img.size

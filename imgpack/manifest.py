@@ -24,6 +24,9 @@ from typing import Any
 
 from imgpack.errors import ManifestError
 
+#: The encodings an output may record (:class:`imgpack.images.Encoding`).
+ENCODING_NAMES = ("original", "jpeg", "png", "raw")
+
 MANIFEST_NAME = "imgpack.json"
 SCHEMA_VERSION = 1
 #: Hex digits of an output id.
@@ -91,6 +94,13 @@ class Manifest:
         if not isinstance(fmt, str) or not fmt:
             raise ManifestError(f"{where}: malformed manifest (format {fmt!r} is not a name)")
         try:
+            if not isinstance(data["image"], dict):
+                raise TypeError("image is not an object")
+            encoding = data["encoding"]
+            if encoding not in ENCODING_NAMES:
+                raise ValueError(
+                    f"encoding is {encoding!r}, expected one of {', '.join(ENCODING_NAMES)}"
+                )
             image = dict(data["image"])
             for key in ("height", "width"):
                 if image.get(key) is not None:
@@ -98,6 +108,8 @@ class Manifest:
             image["channels"] = _count(image.get("channels", 3), "image.channels", low=1)
             if image["channels"] not in (1, 3):
                 raise ValueError(f"image.channels is {image['channels']}, expected 1 or 3")
+            if encoding == "raw" and not (image.get("height") and image.get("width")):
+                raise ValueError("a raw output needs image.height and image.width")
             classes = data["classes"]
             if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
                 raise TypeError("classes is not a list of names")
@@ -116,7 +128,7 @@ class Manifest:
                 format=fmt,
                 num_samples=_count(data["num_samples"], "num_samples"),
                 classes=list(classes),
-                encoding=str(data["encoding"]),
+                encoding=encoding,
                 image=image,
                 files=files,
                 options=dict(data.get("options", {})),

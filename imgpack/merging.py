@@ -33,7 +33,7 @@ from imgpack.formats.dataset_base import ImageDataset
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.manifest import FileEntry, Manifest, read_manifest, write_manifest
-from imgpack.pipeline import check_destination, file_entries, temp_output
+from imgpack.pipeline import check_destination, clear_leftovers, file_entries, temp_output
 from imgpack.publishing import locked, publish, recover
 from imgpack.storage import is_url, local_path, open_location, output_folder
 from imgpack.version import __version__
@@ -82,6 +82,7 @@ def merge(
     by_root = dict(zip(roots, readers, strict=True))
     with locked(target):
         recover(target, holding_lock=True)
+        clear_leftovers(target)
         check_destination(target, overwrite)
         with temp_output(target) as tmp:
             files, linked = _join(ordered, [by_root[root] for root, _ in ordered], tmp, progress)

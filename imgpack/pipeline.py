@@ -447,6 +447,16 @@ def leftovers(dst: Path) -> list[Path]:
     return sorted(p for p in dst.parent.glob(f".{dst.name}.*{TEMP_SUFFIX}") if p.is_dir())
 
 
+def clear_leftovers(dst: Path) -> None:
+    """Remove the temp dirs beside ``dst`` that nothing can resume (no checkpoint: a killed
+    ``merge`` or ``export``, or a conversion killed before it wrote one). Call it holding DST's
+    lock: no live run is writing them then."""
+    for left in leftovers(dst):
+        if not (left / CHECKPOINT).exists() and not left.is_symlink():
+            shutil.rmtree(left, ignore_errors=True)
+            log.info("%s: removed, left by a run that was killed and cannot be resumed", left)
+
+
 def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
     """The leftover temp dir of an interrupted run of this very conversion, with its checkpoint."""
     fingerprint = the_plan.fingerprint
@@ -567,6 +577,7 @@ def convert(
         raise OptionError("ray_address is for executor='ray'")
     with locked(Path(dst)):
         recover(Path(dst), holding_lock=True)
+        clear_leftovers(Path(dst))
         the_plan = plan(src, dst, options)
         try:
             return _convert(the_plan, executor)

@@ -89,7 +89,7 @@ def scan_source(src: Path, classes: list[str] | None) -> tuple[Scan, str]:
     labels = list(ds.targets)
     stored = ds.stored_paths()
     names = (
-        list(stored)
+        [_plain_path(p) for p in stored]
         if stored is not None
         else [f"{source_classes[t]}/{i:08d}" for i, t in enumerate(labels)]
     )
@@ -145,6 +145,12 @@ def _stat_signature(src: str | os.PathLike[str]) -> list[list[Any]]:
     return out
 
 
+def _plain_path(path: str) -> str:
+    """A stored source path as the new output records it: a NUL, which no file name and no
+    HDF5 string can hold, written as ``\\x00``."""
+    return path.replace("\0", "\\x00") if "\0" in path else path
+
+
 def carries_over(scan: Scan, job: Job) -> bool:
     """Whether the source's records can be stored as they are under ``job``'s options."""
     origin = scan.origin or {}
@@ -168,7 +174,7 @@ def fetch_stored(job: Job, sample: Sample) -> Encoded:
     except DataError as exc:
         raise ImageError(sample.path, f"damaged record in the source output: {exc}") from None
     stored = replace(stored, path=sample.path, label=sample.label)
-    if mode == "carry":
+    if mode == "carry" and _KINDS.get(job.encoding.name, stored.kind) is stored.kind:
         return stored
     if stored.kind is Kind.RAW:
         pixels = np.frombuffer(stored.payload, np.uint8).reshape(
@@ -176,6 +182,10 @@ def fetch_stored(job: Job, sample: Sample) -> Encoded:
         )
         return process_pixels(pixels, stored.path, stored.label, job.policy, job.encoding)
     return process_bytes(stored.payload, stored.path, stored.label, job.policy, job.encoding)
+
+
+#: What a carried-over record must hold under each encoding (``original`` keeps either).
+_KINDS = {"jpeg": Kind.JPEG, "png": Kind.PNG, "raw": Kind.RAW}
 
 
 def fetch_tfrecord(job: Job, sample: Sample) -> Encoded:

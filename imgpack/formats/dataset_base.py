@@ -640,6 +640,19 @@ def _raw_image_bytes(manifest: Manifest) -> int:
     return 0 if compressed else size
 
 
+def check_file_order(root: Path, manifest: Manifest, name: Callable[[int, int], str]) -> None:
+    """The manifest of a sharded output must list its shards under the names its writer gives
+    them, in order (``name(number, total)``): a manifest whose files were reordered or renamed
+    would serve one shard's samples for another's."""
+    total = len(manifest.files)
+    for number, entry in enumerate(manifest.files):
+        if entry.path != name(number, total):
+            raise ManifestError(
+                f"{root}: the manifest lists {entry.path} as shard {number}, which its writer "
+                f"names {name(number, total)} (the manifest's files were edited or reordered)"
+            )
+
+
 def check_output_id(expected: str, found: Any, where: str, root: Path) -> None:
     """Raise :class:`DataError` when a data file's output id ``found`` is not the ``expected``
     one of the manifest a reader opened (no check for outputs written without ids)."""

@@ -112,9 +112,16 @@ class HDF5Dataset(ImageDataset):
                 return torch.empty(self._shape, dtype=torch.uint8)
             assert self._offset is not None
             # MAP_PRIVATE mapping of the file: pages load on first touch and are never written.
-            whole = torch.from_file(
-                str(self.path), shared=False, size=self._offset + nbytes, dtype=torch.uint8
-            )
+            try:
+                whole = torch.from_file(
+                    str(self.path), shared=False, size=self._offset + nbytes, dtype=torch.uint8
+                )
+            except RuntimeError:  # shorter than the mapping: replaced (said first), or cut
+                self._check_open_output()
+                raise DataError(
+                    f"{self.path}: shorter than the {self._offset + nbytes} bytes its images "
+                    "need (the file is damaged)"
+                ) from None
             # Checked after mapping: a file replaced before the mapping has another id.
             self._check_open_output()
             return whole[self._offset :].view(self._shape)

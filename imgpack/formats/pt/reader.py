@@ -13,6 +13,7 @@ from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
     Record,
+    check_file_order,
     check_labels,
     check_offsets,
     new_batch_tensor,
@@ -28,6 +29,7 @@ class PTDataset(ImageDataset):
 
     def __init__(self, root: Any, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
+        check_file_order(self.root, self.manifest, lambda number, _: f"shard-{number:05d}.pt")
         counts = [f.num_samples for f in self.manifest.files]
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
         self._raw = self.manifest.encoding == "raw"

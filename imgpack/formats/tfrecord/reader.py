@@ -26,6 +26,7 @@ from imgpack.formats.dataset_base import (
     PreadDataset,
     Record,
     byte_rows,
+    check_file_order,
     check_files,
     check_output_id,
     new_batch_tensor,
@@ -88,6 +89,10 @@ class Records:
                     f"{self.root}: holds format {self.manifest.format!r}, not 'tfrecord'"
                 )
             check_files(self.root, self.manifest)
+            prefix = str(self.manifest.options.get("prefix", "data"))
+            check_file_order(
+                self.root, self.manifest, lambda k, n: f"{prefix}-{k:05d}-of-{n:05d}.tfrecord"
+            )
             self.foreign = False
             self.shards = [self._shard(self.root / f.path) for f in self.manifest.files]
             for entry, shard in zip(self.manifest.files, self.shards, strict=True):
@@ -222,6 +227,11 @@ class Records:
             raise DataError(
                 f"label {min(labels)} is negative (is label_offset={self.label_offset} right?)"
             )
+        if max(labels) >= MAX_CLASSES:
+            raise DataError(
+                f"{self.shards[0].path}: label {max(labels)} is beyond the {MAX_CLASSES:,} classes "
+                f"imgpack takes (is label_offset={self.label_offset} right?)"
+            )
         classes = [names.get(i, str(i)) for i in range(max(labels) + 1)]
         files = [FileEntry(str(s.path), s.path.stat().st_size, len(s), "") for s in self.shards]
         manifest = Manifest(
@@ -281,6 +291,14 @@ class Records:
         label = _label(features, where) - self.label_offset
         if not 0 <= label < len(self.manifest.classes):
             raise DataError(f"{where}: label {label} outside 0..{len(self.manifest.classes) - 1}")
+        if not self.foreign:  # an imgpack record names its class: the label must agree
+            text = features.get("image/class/text") or [b""]
+            name = self.manifest.classes[label]
+            if text[0] != name.encode("utf-8", "surrogateescape"):
+                raise DataError(
+                    f"{where}: label {label} is class {name!r} in the manifest but the record "
+                    f"says {text[0]!r} (the manifest's classes or label_offset were changed)"
+                )
         return label
 
     def check_output(self, features: dict[str, example.FeatureValue], where: str) -> None:
@@ -554,6 +572,10 @@ def _collect_path(
         return None
     paths.append(value[0].decode("utf-8", "surrogateescape"))
     return paths
+
+
+#: The most classes a foreign TFRecord's labels may imply (its label map is 0..max label).
+MAX_CLASSES = 1 << 20
 
 
 def _label(features: dict[str, example.FeatureValue], where: str) -> int:

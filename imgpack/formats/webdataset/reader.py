@@ -17,6 +17,7 @@ from imgpack.formats.dataset_base import (
     Images,
     PreadDataset,
     Record,
+    check_file_order,
     check_labels,
     check_output_id,
     new_batch_tensor,
@@ -36,6 +37,7 @@ class WebDatasetDataset(PreadDataset):
 
     def __init__(self, root: Any, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
+        check_file_order(self.root, self.manifest, lambda number, _: layout.shard_name(number))
         self._raw = self.manifest.encoding == "raw"
         self._paths = self.shard_files = [self.root / f.path for f in self.manifest.files]
         counts = [f.num_samples for f in self.manifest.files]
