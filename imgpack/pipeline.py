@@ -329,6 +329,12 @@ def write(
     skipped, count, position = list(state.skipped), state.count, state.position
     # Samples after the checkpoint that the writer's files hold already: passed over.
     already = writer.resume(state.writer) if resume is not None else 0
+    if resume is not None and writer.durable - already != state.count:
+        raise DataError(
+            f"{directory}: damaged checkpoint (it counts {state.count} samples written, its "
+            f"files hold {writer.durable - already}); it cannot be resumed: remove it and "
+            "convert without --resume"
+        )
     marks: deque[tuple[int, int, int]] = deque()  # (count, position, skipped) after each sample
     checkpoints = _can_checkpoint(writer)
     if checkpoints and resume is None:

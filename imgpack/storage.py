@@ -194,6 +194,8 @@ class OutputCache:
             _safe_dirs(self.directory, local)
             lock = _locked(local, fcntl.LOCK_EX)
             lock.__enter__()
+        except StorageError:
+            raise
         except PermissionError as exc:  # a read-only cache: a complete entry is still read
             if _complete(local, entries, data):
                 return local
