@@ -12,6 +12,8 @@ CRC-32C comes from ``google-crc32c`` (C-accelerated, several GiB/s).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
+from typing import Any
 
 import google_crc32c
 
@@ -27,3 +29,13 @@ def record_crc(payload: bytes | bytearray | memoryview, label: int) -> int:
     """The checksum of one record: CRC-32C of ``payload`` then ``label`` (int64 LE)."""
     crc = google_crc32c.value(payload if isinstance(payload, bytes) else bytes(payload))
     return int(google_crc32c.extend(crc, _LABEL.pack(label)))
+
+
+def record_crcs(rows: Iterable[Any], labels: Iterable[int]) -> list[int]:
+    """:func:`record_crc` of many records: ``rows`` yields each payload as a NumPy row or
+    bytes (one loop, no per-record object)."""
+    value, extend, pack = google_crc32c.value, google_crc32c.extend, _LABEL.pack
+    return [
+        int(extend(value(row if isinstance(row, bytes) else row.tobytes()), pack(label)))
+        for row, label in zip(rows, labels, strict=True)
+    ]

@@ -226,3 +226,21 @@ def refresh_manifest(output: Path) -> None:
 @pytest.fixture
 def uniform_folder(tmp_path: Path) -> Path:
     return build_uniform_folder(tmp_path / "uniform")
+
+
+def slow_cli(seconds: float = 0.02) -> str:
+    """Python source of an `imgpack` CLI whose every image takes at least ``seconds`` to
+    process (forked pool workers inherit the slowdown), so that a test can act on a running
+    conversion: ``[sys.executable, "-c", slow_cli(), "convert", ...]``."""
+    return f"""
+import sys, time
+import imgpack.executors as executors
+real = executors.process_file
+def slow(*args):
+    time.sleep({seconds})
+    return real(*args)
+executors.process_file = slow
+from imgpack.cli import main
+sys.argv[0] = "imgpack"
+main()
+"""

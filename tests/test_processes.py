@@ -13,27 +13,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import build_uniform_folder
+from conftest import build_uniform_folder, slow_cli
 
 from imgpack import convert, open_dataset, publishing
 from imgpack.cli import main
 from imgpack.errors import ConcurrentRunError
 from imgpack.pipeline import leftovers
 
-#: `imgpack` with every image taking at least 20 ms to process, so that a test can act while a
-#: conversion runs (the workers are forked, so they inherit the slowdown).
-SLOW_CLI = """
-import sys, time
-import imgpack.executors as executors
-real = executors.process_file
-def slow(*args):
-    time.sleep(0.02)
-    return real(*args)
-executors.process_file = slow
-from imgpack.cli import main
-sys.argv[0] = "imgpack"
-main()
-"""
+SLOW_CLI = slow_cli(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder, refresh_manifest
+from conftest import build_uniform_folder, refresh_manifest, slow_cli
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -213,15 +213,14 @@ def test_raw_records_are_checked_once_per_reader(src: Path, tmp_path: Path) -> N
     out = tmp_path / "out"
     convert(src, out, format="pt", encoding="raw", size=16, progress=False)
     ds = open_dataset(out)
-    calls = []
-    real = ds._checked
+    calls: list[int] = []
+    real = ds._raw_rows
 
-    def counting(records):  # type: ignore[no-untyped-def]
-        for record in real(records):
-            calls.append(record.index)
-            yield record
+    def counting(indices):  # type: ignore[no-untyped-def]
+        calls.extend(indices.tolist())
+        return real(indices)
 
-    ds._checked = counting  # type: ignore[method-assign]
+    ds._raw_rows = counting  # type: ignore[method-assign]
     for _ in range(2):
         for _ in DataLoader(ds, batch_size=5, shuffle=True, collate_fn=collate):
             pass
@@ -229,18 +228,7 @@ def test_raw_records_are_checked_once_per_reader(src: Path, tmp_path: Path) -> N
 
 
 # -- checkpoints -----------------------------------------------------------------------------
-SLOW_CLI = """
-import sys, time
-import imgpack.executors as executors
-real = executors.process_file
-def slow(*args):
-    time.sleep(0.01)
-    return real(*args)
-executors.process_file = slow
-from imgpack.cli import main
-sys.argv[0] = "imgpack"
-main()
-"""
+SLOW_CLI = slow_cli(0.01)
 
 
 def _killed_run(src: Path, dst: Path, fmt: str, sig: int = signal.SIGKILL) -> subprocess.Popen[str]:
@@ -547,3 +535,14 @@ def test_a_killed_merges_temp_folder_is_removed(src: Path, tmp_path: Path) -> No
     (left / "shard-00000.pt").write_bytes(b"half")
     merge(parts, tmp_path / "out", progress=False)
     assert not left.exists()
+
+
+def test_an_hdf5_reader_opened_before_a_smaller_overwrite_says_replaced(tmp_path: Path) -> None:
+    big_src = build_uniform_folder(tmp_path / "big", count=20, seed=1)
+    small_src = build_uniform_folder(tmp_path / "small", count=4, seed=2)
+    out = tmp_path / "out"
+    convert(big_src, out, format="hdf5", encoding="raw", size=16, progress=False)
+    ds = open_dataset(out)
+    convert(small_src, out, format="hdf5", encoding="raw", size=16, progress=False, overwrite=True)
+    with pytest.raises(DataError, match="was replaced after it was opened"):
+        ds[0]

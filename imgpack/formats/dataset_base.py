@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from imgpack.checksum import record_crc
+from imgpack.checksum import record_crc, record_crcs
 from imgpack.decoding import Decoder
 from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
 from imgpack.decoding import new_batch_tensor as new_batch_tensor
@@ -233,19 +233,41 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         """Check the raw records ``indices`` before they are gathered: all of them with
         ``verify=True``; by default those this reader has not checked yet (then marked)."""
         if self.verify:
-            for _ in self._checked(self._records(indices)):
-                pass
+            self._check_rows(indices)
             return
         if not self._check_once or not len(indices):
             return
         if self._seen is None:
             self._seen = mmap.mmap(-1, max(1, len(self)))  # shared with forked workers
         seen = np.frombuffer(self._seen, np.uint8)
-        fresh = np.unique(indices[seen[indices] == 0])
-        if fresh.size:
-            for _ in self._checked(self._records(fresh)):
+        marks = seen[indices]
+        if marks.all():  # every epoch after the first: one gather of 1-byte marks
+            return
+        fresh = np.unique(indices[marks == 0])
+        self._check_rows(fresh)
+        seen[fresh] = 1
+
+    def _check_rows(self, indices: np.ndarray) -> None:
+        """Check raw records ``indices`` against their checksums, in one pass where the reader
+        gathers them (:meth:`_raw_rows`), else record by record."""
+        rows = self._raw_rows(indices)
+        if rows is None:
+            for _ in self._checked(self._records(indices)):
                 pass
-            seen[fresh] = 1
+            return
+        pixels, labels, crcs = rows
+        found = np.asarray(record_crcs(pixels, labels.tolist()), np.int64)
+        bad = indices[found != crcs]
+        if bad.size:  # the record path names the file, the sample and its source
+            for _ in self._checked(self._records(bad)):
+                pass
+            raise DataError(f"{self.root}: sample {int(bad[0])}: checksum mismatch")
+
+    def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Raw records ``indices`` for checking in one pass: their pixels ``(n, bytes)``, labels
+        and stored checksums (int64), or ``None`` to check through :meth:`_records` (formats
+        without such a gather, outputs written without checksums)."""
+        return None
 
     # -- per-process handles -------------------------------------------------------------
     @abstractmethod

@@ -228,6 +228,15 @@ class HDF5Dataset(ImageDataset):
         images = self._decode(payloads, lambda k: f"{self.path}: sample {indices[k]}")
         return images, labels
 
+    def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        if self._crcs is None:
+            return None
+        if self.mmap:
+            pixels = torch.index_select(self.handles, 0, torch.from_numpy(indices)).numpy()
+        else:
+            pixels = self._read_rows(indices)
+        return pixels.reshape(len(indices), -1), self._labels[indices], self._crcs[indices]
+
     def _read_spans(self, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
         """Byte spans of the chunked ``data`` dataset: adjacent samples are read in one call."""
         dset = self.handles["data"]

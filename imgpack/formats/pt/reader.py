@@ -123,6 +123,26 @@ class PTDataset(ImageDataset):
         )
         return images, torch.tensor([r.label for r in batch], dtype=torch.int64)
 
+    def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        local = indices - self._starts[shard_of]
+        image = self.manifest.image
+        pixels = np.empty(
+            (len(indices), image["height"] * image["width"] * self.channels), np.uint8
+        )
+        labels = np.empty(len(indices), np.int64)
+        crcs = np.empty(len(indices), np.int64)
+        for number in np.unique(shard_of).tolist():
+            shard = self._shard(number)
+            if shard.get("crc32c") is None:
+                return None  # written without checksums: the record path has nothing to check
+            rows = np.flatnonzero(shard_of == number)
+            at = torch.from_numpy(local[rows])
+            pixels[rows] = torch.index_select(shard["images"], 0, at).reshape(len(rows), -1)
+            labels[rows] = shard["labels"].numpy()[local[rows]]
+            crcs[rows] = shard["crc32c"].numpy()[local[rows]]
+        return pixels, labels, crcs
+
     def _gather_raw(self, shard_of: np.ndarray, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
         image = self.manifest.image
         out = new_batch_tensor((len(local), image["height"], image["width"], self.channels))
