@@ -197,7 +197,10 @@ def _join(
     writer = spec.writer_class()(directory, _writer_config(first))
     with writer:
         if isinstance(writer, ShardedWriter):
-            return writer.link_parts(ordered), True
+            linked = writer.link_parts(ordered)  # each file's bytes: its recorded sha256
+            for reader in readers:  # and each record: its checksum, as a stream is checked
+                reader.check_records()
+            return linked, True
         total = sum(manifest.num_samples for _, manifest in ordered)
         bar = tqdm(
             total=total,

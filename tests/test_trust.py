@@ -546,3 +546,25 @@ def test_an_hdf5_reader_opened_before_a_smaller_overwrite_says_replaced(tmp_path
     convert(small_src, out, format="hdf5", encoding="raw", size=16, progress=False, overwrite=True)
     with pytest.raises(DataError, match="was replaced after it was opened"):
         ds[0]
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+def test_merge_checks_the_records_it_links(src: Path, tmp_path: Path, fmt: str) -> None:
+    """A part damaged with its manifest refreshed (the sha256 then agree): the record checksums
+    still catch it, as a streamed merge would."""
+    parts = [tmp_path / f"p{i}" for i in range(2)]
+    for i, part in enumerate(parts):
+        convert(src, part, format=fmt, encoding="raw", size=16, num_parts=2, part=i,
+                progress=False)  # fmt: skip
+    ds = open_dataset(parts[1])
+    target = ds[2][0].permute(1, 2, 0).contiguous().numpy().tobytes()
+    path = parts[1] / ds.manifest.files[0].path
+    data = bytearray(path.read_bytes())
+    at = data.find(target)
+    assert at >= 0
+    data[at + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    refresh_manifest(parts[1])
+    with pytest.raises(DataError, match="checksum mismatch"):
+        merge(parts, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

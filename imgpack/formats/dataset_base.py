@@ -263,6 +263,17 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
                 pass
             raise DataError(f"{self.root}: sample {int(bad[0])}: checksum mismatch")
 
+    def check_records(self, chunk: int = 4096) -> None:
+        """Check every record against its checksum (raising :class:`DataError` at the first
+        damaged one), without decoding: what ``merge`` does with the shards it links."""
+        for first in range(0, len(self), chunk):
+            indices = np.arange(first, min(len(self), first + chunk), dtype=np.int64)
+            if self.manifest.encoding == "raw":
+                self._check_rows(indices)
+            else:
+                for _ in self._checked(self._records(indices)):
+                    pass
+
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Raw records ``indices`` for checking in one pass: their pixels ``(n, bytes)``, labels
         and stored checksums (int64), or ``None`` to check through :meth:`_records` (formats
