@@ -1,3 +1,30 @@
-"""Feeding the training loop: :mod:`~imgpack.loading.gpu` (``DeviceLoader``, a dataset preloaded
-onto the GPU), :mod:`~imgpack.loading.tuning` (DataLoader settings), :mod:`~imgpack.loading.profiling`
-(where the time goes) and :mod:`~imgpack.loading.bench` (read throughput side by side)."""
+"""Feeding the training loop: :mod:`~imgpack.loading.sampler` (``ShardSampler``, shard-aware and
+resumable; ``Mix``, several outputs drawn by weight), :mod:`~imgpack.loading.state` (``Loader``,
+a ``DataLoader`` with exact mid-epoch state), :mod:`~imgpack.loading.gpu` (``DeviceLoader``, a
+dataset preloaded onto the GPU), :mod:`~imgpack.loading.tuning` (DataLoader settings),
+:mod:`~imgpack.loading.profiling` (where the time goes) and :mod:`~imgpack.loading.bench` (read
+throughput side by side)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "ShardSampler": "imgpack.loading.sampler",
+    "Mix": "imgpack.loading.sampler",
+    "Loader": "imgpack.loading.state",
+    "DeviceLoader": "imgpack.loading.gpu",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``from imgpack.loading import ShardSampler, Loader, Mix, DeviceLoader`` (imported when
+    first used: torch is not imported by ``import imgpack.loading``)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'imgpack.loading' has no attribute {name!r}")
+
+
+__all__ = ["DeviceLoader", "Loader", "Mix", "ShardSampler"]

@@ -117,6 +117,8 @@ class DeviceLoader:
         self.device = torch.device(device)
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.dtype, self.seed, self.epoch = dtype, seed, 0
+        self._resume: tuple[int, int] | None = None  # (epoch, batches) of a loaded state
+        self._taken = 0
         self.crop_padding, self.hflip = crop_padding, hflip
         self.policy = ImagePolicy(size=parse_image_size(size)) if size is not None else None
         if self.policy is not None and isinstance(dataset, ImageDataset):
@@ -259,11 +261,61 @@ class DeviceLoader:
             order = torch.randperm(n, generator=gen, device=self.device)
         else:
             order = torch.arange(n, device=self.device)
-        for batch in range(len(self)):
+        first, self._resume = (self._resume or (self.epoch, 0)), None
+        start = first[1] if first[0] == self.epoch else 0
+        for batch in range(start):  # skipped: draw what their augmentation drew, read nothing
+            self._draw(len(order[batch * self.batch_size : (batch + 1) * self.batch_size]), gen)
+        self._taken = start
+        for batch in range(start, len(self)):
             idx = order[batch * self.batch_size : (batch + 1) * self.batch_size]
             images = self.images.index_select(0, idx)
             labels = self.labels.index_select(0, idx)
-            yield self._transform(images, gen), labels
+            out = self._transform(images, gen)
+            self._taken = batch + 1
+            yield out, labels
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The seed, the epoch and the batches of it handed out (all on the device, nothing is
+        prefetched): with :meth:`load_state_dict` the next iteration continues after them, with
+        the same augmentation draws an uninterrupted epoch makes. The order is per rank (each
+        rank holds its own part of the dataset), so a state resumes on the same number of
+        ranks and the same ``batch_size``."""
+        return {
+            "imgpack_device_loader": 1,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "batches": getattr(self, "_taken", 0),
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "samples": len(self.indices),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (see there); another seed, batch size, world size
+        or dataset is refused with :class:`~imgpack.errors.OptionError`."""
+        if not isinstance(state, dict) or state.get("imgpack_device_loader") != 1:
+            raise OptionError("not a DeviceLoader state (from DeviceLoader.state_dict())")
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "world_size", "samples"):
+            if state.get(key) != mine[key]:
+                raise OptionError(
+                    f"the saved DeviceLoader state has another {key} ({state.get(key)!r}, this "
+                    f"loader {mine[key]!r}); it cannot resume here"
+                )
+        batches = state.get("batches")
+        if type(batches) is not int or not 0 <= batches <= len(self):
+            raise OptionError("the saved DeviceLoader state is damaged (batches)")
+        self.epoch = int(state["epoch"])
+        self._resume = (self.epoch, batches)
+
+    def _draw(self, count: int, gen: torch.Generator) -> None:
+        """Advance ``gen`` as :meth:`_transform` does for a batch of ``count`` images."""
+        if self.crop_padding:
+            torch.randint(0, 2 * self.crop_padding + 1, (count,), generator=gen, device=self.device)
+            torch.randint(0, 2 * self.crop_padding + 1, (count,), generator=gen, device=self.device)
+        if self.hflip:
+            torch.rand(count, generator=gen, device=self.device)
 
     def _transform(self, images: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         if self.crop_padding:

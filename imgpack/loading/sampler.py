@@ -1,0 +1,375 @@
+"""A shard-aware sampler with exact, elastic mid-epoch state, and mixing several outputs.
+
+:class:`ShardSampler` takes the names of torch's ``DistributedSampler`` (``shuffle``, ``seed``,
+``num_replicas``, ``rank``, ``drop_last``, :meth:`~ShardSampler.set_epoch`), so it drops in for
+it, and adds two things:
+
+- **Locality.** An epoch's order shuffles the output's shards (for single-file outputs,
+  ``block_size`` runs of consecutive samples), then the samples within each window of
+  ``window`` consecutive shards of that order: the whole dataset is shuffled, but a stretch of
+  the epoch touches only ``window`` shards, so a small cache (or page cache) holds what is read.
+- **State.** The epoch's *global order* depends only on the dataset, the seed and the epoch,
+  never on the number of ranks or DataLoader workers. Rank ``r`` of ``R`` reads positions
+  ``r, r + R, ...`` of what is left of that order; :meth:`~ShardSampler.state_dict` says how
+  many positions of it were consumed, so a run saved on 8 ranks resumes on 4 (or 3) with
+  exactly the samples not yet consumed, each once. :class:`imgpack.loading.Loader` (and
+  torchdata's ``StatefulDataLoader``) count what reached the training loop, not what workers
+  prefetched.
+
+Ranks get equal counts: as ``DistributedSampler`` does, the rest of an epoch is padded with its
+own first samples to a multiple of ``num_replicas`` (``drop_last=False``) or cut to one
+(``drop_last=True``); only those pad samples are read twice.
+
+:class:`Mix` joins outputs into one dataset (labels kept apart or merged by class name) and
+:class:`ShardSampler` draws its epochs by weights: deterministic, resumable the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from imgpack.errors import OptionError
+
+#: Samples per block of a single-file output (``lmdb``, ``hdf5``), read as its "shards".
+BLOCK_SIZE = 1024
+#: Shards (or blocks) whose samples are shuffled together.
+WINDOW = 8
+STATE_VERSION = 1
+
+
+def _rank_and_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    if num_replicas is None or rank is None:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if num_replicas is None:
+            num_replicas = torch.distributed.get_world_size() if distributed else 1
+        if rank is None:
+            rank = torch.distributed.get_rank() if distributed else 0
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise OptionError(
+            f"invalid rank {rank} of num_replicas {num_replicas}: expected 0..num_replicas-1"
+        )
+    return rank, num_replicas
+
+
+def shard_sizes(dataset: Any, block_size: int = BLOCK_SIZE) -> list[int]:
+    """Samples per shard of ``dataset`` in order: an imgpack output's data files, in blocks of
+    ``block_size`` for one-file outputs and datasets without a manifest."""
+    manifest = getattr(dataset, "manifest", None)
+    counts = [f.num_samples for f in manifest.files] if manifest is not None else []
+    if len(counts) > 1 and sum(counts) == len(dataset):
+        return [c for c in counts if c]
+    n = len(dataset)
+    return [min(block_size, n - start) for start in range(0, n, block_size)]
+
+
+def shard_order(
+    sizes: Sequence[int], rng: np.random.Generator | None, window: int = WINDOW
+) -> np.ndarray:
+    """A permutation of ``range(sum(sizes))``: shards in random order, samples shuffled within
+    each window of ``window`` consecutive shards of it (``rng=None``: in order)."""
+    starts = np.cumsum([0, *sizes], dtype=np.int64)
+    if rng is None:
+        return np.arange(starts[-1], dtype=np.int64)
+    picked = rng.permutation(len(sizes))
+    parts = []
+    for first in range(0, len(picked), max(1, window)):
+        group = picked[first : first + max(1, window)]
+        block = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in group])
+        parts.append(rng.permutation(block))
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+def _fingerprint(dataset: Any) -> str:
+    """What identifies a dataset's samples for a saved state: its length and, for an imgpack
+    reader, its output id (a :class:`Mix`: its parts and weights)."""
+    if isinstance(dataset, Mix):
+        head: Any = [dataset.counts, [_fingerprint(d) for d in dataset.datasets]]
+    else:
+        manifest = getattr(dataset, "manifest", None)
+        head = [len(dataset), getattr(manifest, "output_id", "") or ""]
+    return hashlib.sha256(json.dumps(head).encode()).hexdigest()[:16]
+
+
+class ShardSampler(Sampler[int]):
+    """Shard-aware, resumable ``DistributedSampler`` for imgpack readers (see the module doc).
+
+    Args:
+        dataset: a map-style reader of any format (local or from a bucket), or a :class:`Mix`.
+        shuffle: shuffle each epoch (shards, then samples within windows); else scan order.
+        seed: the same seed on every rank.
+        num_replicas, rank: default to ``torch.distributed`` when it is initialised, else 1, 0.
+        drop_last: cut the epoch to a multiple of ``num_replicas`` instead of padding it.
+        window: shards shuffled together (more: closer to a full shuffle, more shards in use).
+        block_size: samples per "shard" of single-file outputs (``lmdb``, ``hdf5``).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+        window: int = WINDOW,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        self.dataset = dataset
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.rank, self.num_replicas = _rank_and_world(num_replicas, rank)
+        if window < 1 or block_size < 1:
+            raise OptionError("window and block_size must be 1 or more")
+        self.window, self.block_size = int(window), int(block_size)
+        self.epoch = 0
+        self._sizes = shard_sizes(dataset, self.block_size)
+        self._id = _fingerprint(dataset)
+        self._resume: tuple[int, int] | None = None  # (epoch, consumed) from a loaded state
+        self._start = 0  # global positions consumed before the running iteration started
+        self._yielded = 0  # samples the running iteration has yielded (this rank)
+
+    # -- the order ---------------------------------------------------------------------------
+    def global_order(self, epoch: int | None = None) -> np.ndarray:
+        """The epoch's order of sample indices, the same on every rank and for any number of
+        ranks and workers."""
+        epoch = self.epoch if epoch is None else epoch
+        rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
+        if isinstance(self.dataset, Mix):
+            return self.dataset.epoch_order(rng, self.window, self.block_size)
+        return shard_order(self._sizes, rng, self.window)
+
+    def _rank_part(self, order: np.ndarray, start: int) -> np.ndarray:
+        rest = order[start:]
+        if self.drop_last:
+            rest = rest[: len(rest) - len(rest) % self.num_replicas]
+        elif len(rest) % self.num_replicas:
+            pad = self.num_replicas - len(rest) % self.num_replicas
+            rest = np.concatenate([rest, np.resize(rest, pad)])
+        return rest[self.rank :: self.num_replicas]
+
+    def _begin(self) -> int:
+        """Global positions already consumed in this epoch (a loaded state's), used once."""
+        resume, self._resume = self._resume, None
+        return resume[1] if resume is not None and resume[0] == self.epoch else 0
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.global_order()
+        self._start = self._begin()
+        self._yielded = 0
+        return _Positions(self, self._rank_part(order, self._start).tolist())
+
+    def __len__(self) -> int:
+        total = len(self.global_order()) if isinstance(self.dataset, Mix) else sum(self._sizes)
+        start = self._resume[1] if self._resume and self._resume[0] == self.epoch else 0
+        rest = max(0, total - start)
+        if self.drop_last:
+            return rest // self.num_replicas
+        return -(-rest // self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from the next iteration on (as ``DistributedSampler``).
+        After :meth:`load_state_dict`, setting the saved epoch keeps its consumed count."""
+        self.epoch = int(epoch)
+
+    # -- state -------------------------------------------------------------------------------
+    def consumed(self, samples: int | None = None) -> int:
+        """Global positions of this epoch consumed once ``samples`` of this rank's (default:
+        every sample this sampler has yielded) reached the training loop."""
+        local = self._yielded if samples is None else samples
+        total = len(self.global_order()) if isinstance(self.dataset, Mix) else sum(self._sizes)
+        return min(total, self._start + local * self.num_replicas)
+
+    def state_dict(self, samples: int | None = None) -> dict[str, Any]:
+        """The state to resume from: the seed, the epoch and how many positions of the epoch's
+        global order were consumed (``samples``: this rank's samples handed to the training
+        loop so far this epoch; default: what the sampler yielded)."""
+        return {
+            "imgpack_sampler": STATE_VERSION,
+            "dataset": self._id,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "window": self.window,
+            "block_size": self.block_size,
+            "drop_last": self.drop_last,
+            "epoch": self.epoch,
+            "consumed": self.consumed(samples),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (saved with any number of ranks and workers): the
+        next iteration of the saved epoch yields only what was not consumed. A state of another
+        dataset, seed or order is refused with :class:`~imgpack.errors.OptionError`."""
+        if not isinstance(state, dict) or state.get("imgpack_sampler") != STATE_VERSION:
+            raise OptionError("not an imgpack sampler state (from ShardSampler.state_dict())")
+        mine = self.state_dict()
+        for key, what in (
+            ("dataset", "another dataset (its samples or output id differ)"),
+            ("seed", f"another seed ({state.get('seed')!r}, this sampler has {self.seed})"),
+            ("shuffle", "another shuffle setting"),
+            ("window", "another window"),
+            ("block_size", "another block_size"),
+        ):
+            if state.get(key) != mine[key]:
+                raise OptionError(f"the saved loader state is of {what}; it cannot resume here")
+        consumed, epoch = state.get("consumed"), state.get("epoch")
+        total = len(self.global_order(epoch)) if type(epoch) is int else -1
+        if type(consumed) is not int or type(epoch) is not int or not 0 <= consumed <= total:
+            raise OptionError("the saved loader state is damaged (epoch or consumed count)")
+        self.epoch = epoch
+        self._resume = (epoch, consumed)
+        self._start, self._yielded = consumed, 0
+
+
+class _Positions(Iterator[int]):
+    """A :class:`ShardSampler` iteration: counts what it yields, and is ``Stateful`` for
+    torchdata's ``StatefulDataLoader`` (which snapshots it as each batch is dispatched)."""
+
+    def __init__(self, sampler: ShardSampler, indices: list[int]) -> None:
+        self.sampler, self.indices, self.at = sampler, indices, 0
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        if self.at >= len(self.indices):
+            raise StopIteration
+        self.at += 1
+        self.sampler._yielded = self.at
+        return self.indices[self.at - 1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict(self.at)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+        fresh = iter(self.sampler)
+        assert isinstance(fresh, _Positions)
+        self.indices, self.at = fresh.indices, 0
+
+
+class Mix(Dataset[tuple[Any, Any]]):
+    """Several datasets as one, drawn by weight each epoch by :class:`ShardSampler`.
+
+    Args:
+        datasets: imgpack readers (or any map-style datasets with ``classes``).
+        weights: each dataset's share of an epoch (normalised); default: proportional to size.
+        samples: samples per epoch (default: the datasets' total); or ``counts``:
+        counts: absolute samples per epoch from each dataset (instead of weights and samples).
+        labels: ``"separate"`` (default): each dataset's labels shifted past the previous
+            ones' classes, ``classes`` concatenated (a ``cat`` of the first and one of the second
+            stay two classes); ``"by_name"``: one label map, the sorted union of class names,
+            labels remapped by name (a ``cat`` is a ``cat`` in both).
+
+    A dataset drawn more often than it has samples repeats (a new shard-aware order for each
+    pass); one drawn less is a different subset each epoch. Index ``i`` of the mix is sample
+    ``i - offset`` of the dataset whose range holds it, whatever the epoch, so workers need no
+    epoch. The epoch's order interleaves the datasets evenly: in every prefix of it each
+    dataset's share is its weight within one sample.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Dataset[Any]],
+        weights: Sequence[float] | None = None,
+        samples: int | None = None,
+        counts: Sequence[int] | None = None,
+        labels: str = "separate",
+    ) -> None:
+        if not datasets:
+            raise OptionError("Mix needs at least one dataset")
+        self.datasets = list(datasets)
+        sizes = [len(d) for d in self.datasets]  # type: ignore[arg-type]
+        self.offsets = np.cumsum([0, *sizes], dtype=np.int64)
+        if counts is not None:
+            if weights is not None or samples is not None:
+                raise OptionError("give counts, or weights and samples, not both")
+            if len(counts) != len(sizes) or any(c < 0 for c in counts):
+                raise OptionError("counts: one non-negative count per dataset")
+            self.counts = [int(c) for c in counts]
+        else:
+            w = np.asarray(weights if weights is not None else sizes, dtype=np.float64)
+            if len(w) != len(sizes) or (w < 0).any() or w.sum() <= 0:
+                raise OptionError("weights: one non-negative weight per dataset, not all 0")
+            total = int(samples if samples is not None else sum(sizes))
+            exact = w / w.sum() * total
+            counts_ = np.floor(exact).astype(np.int64)
+            rest = np.argsort(-(exact - counts_), kind="stable")[: total - int(counts_.sum())]
+            counts_[rest] += 1  # largest remainders: the counts add up to ``total``
+            self.counts = counts_.tolist()
+        for size, count in zip(sizes, self.counts, strict=True):
+            if count and not size:
+                raise OptionError("a dataset with no samples cannot be drawn from")
+        if labels not in ("separate", "by_name"):
+            raise OptionError(f"invalid labels {labels!r}: expected 'separate' or 'by_name'")
+        self.labels = labels
+        names = [list(getattr(d, "classes", [])) for d in self.datasets]
+        if labels == "by_name":
+            self.classes = sorted({c for group in names for c in group})
+            index = {c: i for i, c in enumerate(self.classes)}
+            self._remap = [np.array([index[c] for c in g], np.int64) for g in names]
+        else:
+            self.classes = [c for group in names for c in group]
+            shift = np.cumsum([0, *[len(g) for g in names]])[:-1]
+            self._remap = [
+                np.arange(len(g), dtype=np.int64) + s for g, s in zip(names, shift, strict=True)
+            ]
+        self.class_to_idx = (
+            {c: i for i, c in enumerate(self.classes)} if labels == "by_name" else {}
+        )
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        part = int(np.searchsorted(self.offsets, index, side="right") - 1)
+        if not 0 <= part < len(self.datasets):
+            raise IndexError(f"index {index} is out of range for a Mix of {len(self)} samples")
+        return part, index - int(self.offsets[part])
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        part, local = self._locate(int(index))
+        image, label = self.datasets[part][local]
+        return image, self._label(part, label)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        idx = np.asarray(indices, dtype=np.int64)
+        parts = np.searchsorted(self.offsets, idx, side="right") - 1
+        out: list[Any] = [None] * len(idx)
+        for part in np.unique(parts).tolist():
+            rows = np.flatnonzero(parts == part)
+            local = (idx[rows] - self.offsets[part]).tolist()
+            ds = self.datasets[part]
+            got = ds.__getitems__(local) if hasattr(ds, "__getitems__") else [ds[i] for i in local]
+            for row, (image, label) in zip(rows.tolist(), got, strict=True):
+                out[row] = (image, self._label(part, label))
+        return out
+
+    def _label(self, part: int, label: Any) -> Any:
+        return int(self._remap[part][int(label)]) if isinstance(label, int | np.integer) else label
+
+    def epoch_order(
+        self, rng: np.random.Generator | None, window: int = WINDOW, block_size: int = BLOCK_SIZE
+    ) -> np.ndarray:
+        """One epoch's indices into the mix: ``counts[i]`` samples of dataset ``i`` in its
+        shard-aware order (passes repeated as needed), interleaved evenly."""
+        streams, keys = [], []
+        for part, (ds, count) in enumerate(zip(self.datasets, self.counts, strict=True)):
+            if not count:
+                continue
+            sizes = shard_sizes(ds, block_size)
+            passes = -(-count // sum(sizes))
+            drawn = np.concatenate([shard_order(sizes, rng, window) for _ in range(passes)])
+            streams.append(drawn[:count] + self.offsets[part])
+            jitter = rng.random(count) if rng is not None else np.full(count, 0.5)
+            keys.append((np.arange(count) + jitter) / count)
+        order = np.argsort(np.concatenate(keys), kind="stable")
+        return np.concatenate(streams)[order]
+
+
+__all__ = ["Mix", "ShardSampler", "shard_order", "shard_sizes"]

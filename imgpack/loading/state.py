@@ -1,0 +1,82 @@
+"""``Loader``: a ``DataLoader`` whose state counts what reached the training loop.
+
+With ``num_workers > 0`` a ``DataLoader``'s sampler runs ahead of the training step (each worker
+holds ``prefetch_factor`` batches): the sampler's own count says what was *sent*, not what was
+*used*. :class:`Loader` counts the batches its iterator handed out, and its
+:meth:`~Loader.state_dict` is the sampler's state at exactly that point, so a run stopped after
+any batch resumes at the next one, on any number of workers (and, with
+:class:`~imgpack.loading.ShardSampler`, of ranks).
+
+Put it in a checkpoint like a model's state::
+
+    torch.save({"model": model.state_dict(), "loader": loader.state_dict()}, "ckpt.pt")
+    ...
+    loader.load_state_dict(torch.load("ckpt.pt")["loader"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from imgpack.errors import OptionError
+from imgpack.loading.sampler import ShardSampler
+
+
+class Loader(DataLoader[Any]):
+    """A ``torch.utils.data.DataLoader`` (same arguments) with ``state_dict()`` /
+    ``load_state_dict()``. The sampler must be a :class:`ShardSampler` (give ``sampler=``; with
+    none, one is made from ``shuffle`` and ``seed=0``)."""
+
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("sampler") is None and kwargs.get("batch_sampler") is None and not args:
+            kwargs["sampler"] = ShardSampler(
+                dataset, shuffle=bool(kwargs.pop("shuffle", False)), num_replicas=1, rank=0
+            )
+        super().__init__(dataset, *args, **kwargs)
+        if not isinstance(self.sampler, ShardSampler):
+            raise OptionError(
+                "Loader keeps state through its sampler: give sampler=ShardSampler(...)"
+            )
+        self._taken = 0  # samples of this rank handed out by the running iteration
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        assert isinstance(sampler, ShardSampler)
+        self._taken = 0
+        batches = super().__iter__()
+        for batch in batches:
+            self._taken += _count(batch, self.batch_size)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state as of the last batch this loader handed out (prefetched batches
+        are not counted): ``{"sampler": ...}``."""
+        sampler = self.sampler
+        assert isinstance(sampler, ShardSampler)
+        return {"sampler": sampler.state_dict(self._taken)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next iteration of the saved epoch (call
+        ``sampler.set_epoch`` with it, or not at all) yields only what was not consumed."""
+        if not isinstance(state, dict) or "sampler" not in state:
+            raise OptionError("not a Loader state (from Loader.state_dict())")
+        sampler = self.sampler
+        assert isinstance(sampler, ShardSampler)
+        sampler.load_state_dict(state["sampler"])
+        self._taken = 0
+
+
+def _count(batch: Any, batch_size: int | None) -> int:
+    """Samples in a collated batch: the length of its labels where it has them."""
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        try:
+            return len(batch[1])
+        except TypeError:
+            pass
+    return int(batch_size or 1)
+
+
+__all__ = ["Loader"]

@@ -1,0 +1,264 @@
+"""Training state: ShardSampler + Loader (and torchdata's StatefulDataLoader) resume exactly,
+mid-epoch, in a new process, with another number of workers and of ranks; Mix draws by weight
+and resumes the same way."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from conftest import build_uniform_folder
+
+from imgpack import convert, open_dataset
+from imgpack.converters import FORMATS
+from imgpack.errors import OptionError
+from imgpack.loading import Loader, Mix, ShardSampler
+from imgpack.readers import collate
+
+N = 24  # samples: 2 ranks x batches of 2 x 3 batches = 12 consumed, 12 left for 3 or 4 ranks
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("state")
+    src = build_uniform_folder(base / "src", count=N, classes=3, size=8)
+    made = {}
+    for fmt in FORMATS:
+        out = base / fmt
+        sharded = {"shard_size": 1000} if fmt in ("pt", "tfrecord", "webdataset") else {}
+        convert(src, out, format=fmt, progress=False, **sharded)
+        made[fmt] = out
+    return made
+
+
+#: A training process: R ranks (in lockstep, one Loader each) read TAKE batches each (all of
+#: the epoch if TAKE is -1) after loading STATE (a file, or "-"), write what they saw and rank
+#: 0's state to OUT, say "saved", and wait to be killed.
+CHILD = r"""
+import hashlib, json, sys, time, warnings
+warnings.simplefilter("ignore")
+from imgpack import open_dataset
+from imgpack.loading import Loader, ShardSampler
+from imgpack.readers import collate
+root, ranks, workers, take, state_file, out, kind = sys.argv[1:8]
+ranks, workers, take = int(ranks), int(workers), int(take)
+ds = open_dataset(root)
+def make(rank):
+    sampler = ShardSampler(ds, seed=7, window=2, block_size=5, num_replicas=ranks, rank=rank)
+    if kind == "torchdata":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        return StatefulDataLoader(ds, batch_size=2, sampler=sampler, num_workers=workers,
+                                  collate_fn=collate)
+    return Loader(ds, batch_size=2, sampler=sampler, num_workers=workers, collate_fn=collate)
+loaders = [make(r) for r in range(ranks)]
+if state_file != "-":
+    state = json.load(open(state_file))
+    for loader in loaders:
+        loader.load_state_dict(state)
+    for loader in loaders:
+        loader.sampler.set_epoch(0)  # what a training loop does: the saved epoch keeps its count
+seen, iters, batches = [], [iter(l) for l in loaders], 0
+while take < 0 or batches < take:
+    try:
+        got = [next(it) for it in iters]
+    except StopIteration:
+        break
+    for images, labels in got:
+        for image in images:
+            seen.append(hashlib.sha256(image.contiguous().numpy().tobytes()).hexdigest())
+    batches += 1
+json.dump({"seen": seen, "state": loaders[0].state_dict()}, open(out, "w"))
+print("saved", flush=True)
+time.sleep(600)
+"""
+
+
+def _run(root: Path, ranks: int, workers: int, take: int, state: Path | None, out: Path,
+         kind: str = "loader") -> dict[str, Any]:  # fmt: skip
+    """Run CHILD, SIGKILL it once it saved, return what it wrote."""
+    args = [sys.executable, "-c", CHILD, str(root), str(ranks), str(workers), str(take)]
+    args += [str(state) if state else "-", str(out), kind]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    process.send_signal(signal.SIGKILL)
+    _, err = process.communicate(timeout=60)
+    assert line.strip() == "saved", err[-3000:]
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def _digests(root: Path) -> list[str]:
+    ds = open_dataset(root)
+    return [hashlib.sha256(ds[i][0].contiguous().numpy().tobytes()).hexdigest() for i in range(N)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_killed_run_resumes_on_other_workers_and_ranks(
+    fmt: str, outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    root = outputs[fmt]
+    before = _run(root, ranks=2, workers=2, take=3, state=None, out=tmp_path / "a.json")
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(before["state"]))
+    assert before["state"]["sampler"]["consumed"] == 12  # what was handed out, not prefetched
+    after = _run(root, ranks=3, workers=0, take=-1, state=state, out=tmp_path / "b.json")
+    seen = before["seen"] + after["seen"]
+    assert len(seen) == N and sorted(seen) == sorted(_digests(root))
+
+
+@pytest.mark.parametrize("fmt", ["pt", "lmdb"])
+def test_statefuldataloader_resumes_with_the_same_workers_and_other_ranks(
+    fmt: str, outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    pytest.importorskip("torchdata.stateful_dataloader", reason="the [torchdata] extra")
+    root = outputs[fmt]
+    before = _run(root, 2, 2, 3, None, tmp_path / "a.json", kind="torchdata")
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(before["state"]))
+    after = _run(root, 4, 2, -1, state, tmp_path / "b.json", kind="torchdata")
+    seen = before["seen"] + after["seen"]
+    assert len(seen) == N and sorted(seen) == sorted(_digests(root))
+
+
+def _order(loader: Loader) -> list[int]:
+    """The labels of an iteration, flattened (the datasets here label samples uniquely)."""
+    return [int(t) for _, labels in loader for t in labels]
+
+
+@pytest.fixture
+def indexed(tmp_path: Path) -> Any:
+    """A dataset whose label is its index: orders compare exactly."""
+
+    class Indexed:
+        classes: ClassVar[list[str]] = [str(i) for i in range(N)]
+
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, index: int) -> tuple[Any, int]:
+            return np.zeros(1), index
+
+    return Indexed()
+
+
+def test_epoch_boundaries_and_set_epoch(indexed: Any) -> None:
+    def loader() -> Loader:
+        return Loader(indexed, batch_size=4, sampler=ShardSampler(indexed, seed=3, block_size=5))
+
+    first = loader()
+    epoch0 = _order(first)
+    assert sorted(epoch0) == list(range(N))
+    end = first.state_dict()  # after the whole epoch: nothing left of it
+    assert end["sampler"]["consumed"] == N and end["sampler"]["epoch"] == 0
+    resumed = loader()
+    resumed.load_state_dict(end)
+    assert _order(resumed) == []
+    resumed.sampler.set_epoch(1)  # type: ignore[attr-defined]
+    fresh = loader()
+    fresh.sampler.set_epoch(1)  # type: ignore[attr-defined]
+    assert _order(resumed) == _order(fresh) != epoch0
+    # mid-epoch 1, then the training loop's set_epoch(1) on resume keeps the position
+    mid = loader()
+    mid.sampler.set_epoch(1)  # type: ignore[attr-defined]
+    it = iter(mid)
+    head = [int(t) for _ in range(2) for t in next(it)[1]]
+    saved = mid.state_dict()
+    again = loader()
+    again.load_state_dict(saved)
+    again.sampler.set_epoch(1)  # type: ignore[attr-defined]
+    assert head + _order(again) == _order(fresh)
+
+
+def test_a_state_of_another_dataset_or_seed_is_refused(outputs: dict[str, Path]) -> None:
+    a, b = open_dataset(outputs["pt"]), open_dataset(outputs["hdf5"])
+    state = ShardSampler(a, seed=1).state_dict()
+    with pytest.raises(OptionError, match="another dataset"):
+        ShardSampler(b, seed=1).load_state_dict(state)
+    with pytest.raises(OptionError, match="another seed"):
+        ShardSampler(a, seed=2).load_state_dict(state)
+    with pytest.raises(OptionError, match="not an imgpack sampler state"):
+        ShardSampler(a, seed=1).load_state_dict({"epoch": 3})
+
+
+def test_every_sample_once_across_ranks_with_equal_counts(indexed: Any) -> None:
+    for ranks in (1, 2, 3, 5):
+        parts = [
+            list(ShardSampler(indexed, seed=0, num_replicas=ranks, rank=r, block_size=4))
+            for r in range(ranks)
+        ]
+        assert len({len(p) for p in parts}) == 1
+        counts = Counter(i for p in parts for i in p)
+        assert set(counts) == set(range(N))
+        assert sum(counts.values()) - N == (-N) % ranks  # only the pad is read twice
+
+
+def test_the_order_stays_within_a_window_of_shards(outputs: dict[str, Path]) -> None:
+    ds = open_dataset(outputs["pt"])
+    sampler = ShardSampler(ds, seed=0, window=2)
+    starts = np.cumsum([0, *[f.num_samples for f in ds.manifest.files]])
+    shard_of = np.searchsorted(starts, sampler.global_order(), side="right") - 1
+    per_window = sum(int(starts[1] - starts[0]) for _ in range(2))
+    for first in range(0, N, per_window):
+        assert len(set(shard_of[first : first + per_window].tolist())) <= 2 + 1
+
+
+def test_mix_draws_by_weight_and_resumes_exactly(outputs: dict[str, Path]) -> None:
+    a, b = open_dataset(outputs["pt"]), open_dataset(outputs["lmdb"])
+    mix = Mix([a, b], weights=[0.75, 0.25], samples=40)
+    assert mix.counts == [30, 10]
+    sampler = ShardSampler(mix, seed=5, block_size=4)
+    order = sampler.global_order()
+    source = (order >= len(a)).astype(int)
+    assert Counter(source.tolist()) == {0: 30, 1: 10}
+    for prefix in range(1, 41):  # every prefix within one sample of the weights
+        assert abs(int(source[:prefix].sum()) - 0.25 * prefix) <= 1.0
+    labels = [mix[int(i)][1] for i in order[:8]]
+    assert all(0 <= t < len(mix.classes) == 6 for t in labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = Loader(mix, batch_size=4, sampler=ShardSampler(mix, seed=5), collate_fn=collate)
+        full = _order(whole)
+        part = Loader(mix, batch_size=4, sampler=ShardSampler(mix, seed=5), collate_fn=collate)
+        it = iter(part)
+        head = [int(t) for _ in range(3) for t in next(it)[1]]
+        resumed = Loader(mix, batch_size=4, sampler=ShardSampler(mix, seed=5), collate_fn=collate)
+        resumed.load_state_dict(part.state_dict())
+        assert head + _order(resumed) == full
+    by_name = Mix([a, b], counts=[2, 2], labels="by_name")
+    assert by_name.classes == sorted(set(a.classes) | set(b.classes))
+
+
+def test_device_loader_resumes_with_the_same_augmentation(outputs: dict[str, Path]) -> None:
+    from imgpack.loading import DeviceLoader
+
+    def make() -> DeviceLoader:
+        return DeviceLoader(outputs["pt"], device="cpu", batch_size=5, seed=4, crop_padding=2,
+                            hflip=0.5, size=8, progress=False)  # fmt: skip
+
+    whole = make()
+    whole.set_epoch(2)
+    full = [(x.clone(), y.clone()) for x, y in whole]
+    part = make()
+    part.set_epoch(2)
+    it = iter(part)
+    head = [next(it) for _ in range(2)]
+    resumed = make()
+    resumed.load_state_dict(part.state_dict())
+    rest = list(resumed)
+    assert len(head) + len(rest) == len(full)
+    for (x, y), (fx, fy) in zip(head + rest, full, strict=True):
+        assert bool((x == fx).all()) and bool((y == fy).all())
+    with pytest.raises(OptionError, match="another seed"):
+        other = DeviceLoader(
+            outputs["pt"], device="cpu", batch_size=5, seed=5, size=8, progress=False
+        )
+        other.load_state_dict(part.state_dict())
