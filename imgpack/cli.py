@@ -186,7 +186,8 @@ def _handle_sigterm(ctx: click.Context) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 @click.pass_context
 def main(ctx: click.Context, verbose: bool) -> None:
-    """Pack image folders into LMDB, HDF5, TFRecord or .pt, and read them fast with PyTorch."""
+    """Pack image folders into LMDB, HDF5, TFRecord, WebDataset or .pt, and read them fast
+    with PyTorch."""
     _handle_sigterm(ctx)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
@@ -547,12 +548,12 @@ def list_formats() -> None:
 
 
 @main.command()
-@click.argument("dst")
+@click.argument("dst", metavar="OUTPUT")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
 @storage_option_only
 @friendly_errors
 def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
-    """Summarise the imgpack output DST (a folder or a URL) from its manifest."""
+    """Summarise the imgpack output OUTPUT (a folder or a URL) from its manifest."""
     from imgpack.publishing import recover
     from imgpack.storage import is_url, local_path, manifest_of
 
@@ -580,7 +581,7 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
 
 
 @main.command(name="verify")
-@click.argument("dst")
+@click.argument("dst", metavar="OUTPUT")
 @click.option("--deep", is_flag=True, help="Also decode every record; check shape and label.")
 @click.option(
     "--workers", type=click.IntRange(min=1), default=None, help="Threads [default: usable CPUs]."
@@ -597,7 +598,7 @@ def verify_command(
     quiet: bool,
     storage_option: tuple[str, ...],
 ) -> None:
-    """Check DST for damage: files against the manifest (size, sha256), every record's checksum,
+    """Check OUTPUT for damage: files against the manifest (size, sha256), every record's checksum,
     and with --deep every decode. One line per problem, a summary last; exit 1 when damaged."""
     from imgpack.verification import verify
 
@@ -683,7 +684,7 @@ def bench(
 
 
 @main.command()
-@click.argument("dst")
+@click.argument("dst", metavar="OUTPUT")
 @batch_size_option
 @click.option(
     "--batches",
@@ -702,7 +703,7 @@ def bench(
 def tune(
     dst: str, batch_size: int, batches: int, workers: str | None, json_path: Path | None
 ) -> None:
-    """Recommend DataLoader settings for DST, then measure candidates and name the fastest."""
+    """Recommend DataLoader settings for OUTPUT, then measure candidates and name the fastest."""
     from imgpack.loading.tuning import (
         LoaderSettings,
         autotune_loader,
@@ -760,7 +761,7 @@ def tune(
 
 
 @main.command()
-@click.argument("dst")
+@click.argument("dst", metavar="OUTPUT")
 @click.option(
     "--workers",
     type=click.IntRange(min=0),
@@ -782,7 +783,7 @@ def tune(
 def profile(
     dst: str, workers: int, batch_size: int, batches: int, step_ms: float, json_path: Path | None
 ) -> None:
-    """Profile a short pass over DST: per-sample fetch times (workers included) and how long
+    """Profile a short pass over OUTPUT: per-sample fetch times (workers included) and how long
     the training loop waits for each batch."""
     from torch.utils.data import DataLoader
 

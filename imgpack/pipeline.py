@@ -813,21 +813,20 @@ def _check_paths(src: Path, dst: Path, overwrite: bool, folder: bool = True) -> 
 def check_destination(
     dst: Path, overwrite: bool, marker: str = MANIFEST_NAME, what: str = "an imgpack output"
 ) -> None:
-    """``dst`` may be written: it does not exist, or ``overwrite`` and it is ``what`` (a folder
-    holding the file ``marker``) or an empty folder."""
-    if dst.exists() or dst.is_symlink():
-        if not overwrite:
-            raise FileExistsError(f"{dst}: already exists (use --overwrite to replace it)")
-        replaceable = (
-            dst.is_dir()
-            and not dst.is_symlink()
-            and ((dst / marker).is_file() or not any(dst.iterdir()))
+    """``dst`` may be written: it does not exist, it is an empty folder, or ``overwrite`` and
+    it is ``what`` (a folder holding the file ``marker``). The same words for every command,
+    local or bucket (:func:`imgpack.storage.output_folder`)."""
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+        return  # an empty folder: filled by the publish (a rename over an empty folder)
+    if not (dst.is_dir() and not dst.is_symlink() and (dst / marker).is_file()):
+        raise FileExistsError(
+            f"{dst}: already exists and is not {what}; refusing to replace it, with or without "
+            "--overwrite (remove it yourself, or choose another destination)"
         )
-        if not replaceable:
-            raise FileExistsError(
-                f"{dst}: exists and is not {what}; refusing to replace it even with "
-                "--overwrite (remove it yourself if that is what you want)"
-            )
+    if not overwrite:
+        raise FileExistsError(f"{dst}: already exists (use --overwrite to replace it)")
 
 
 def _umask() -> int:

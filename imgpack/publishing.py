@@ -141,6 +141,13 @@ def publish(tmp: Path, dst: Path, replace: bool) -> None:
             if not (dst.exists() or dst.is_symlink()):
                 os.rename(tmp, dst)
                 return
+    if not replace and dst.is_dir() and not dst.is_symlink():
+        try:  # an empty folder DST: rename() replaces a directory only while it is empty
+            os.rename(tmp, dst)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
     if not replace:
         raise ConcurrentRunError(
             f"{dst}: appeared while this conversion ran (another program wrote it); nothing was "

@@ -105,7 +105,10 @@ def parse_storage_options(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 def _remote_error(url: str, exc: BaseException) -> ImgpackError:
     if isinstance(exc, FileNotFoundError):
-        return ManifestError(f"{url}: not found")
+        return ManifestError(
+            f"{url}: not found (no such bucket or object; check the name, and the endpoint "
+            "and credentials the filesystem uses)"
+        )
     if isinstance(exc, PermissionError):
         return StorageError(f"{url}: access denied ({exc})")
     return StorageError(
@@ -518,13 +521,14 @@ def _check_remote_destination(fs: Any, root: str, url: str, overwrite: bool, mar
     if not present:
         return
     names = {p[len(root) :].lstrip("/") for p in present}
-    if not overwrite:
-        raise OptionError(f"{url}: already exists; pass --overwrite (overwrite=True) to replace it")
     if marker not in names:
-        raise OptionError(
-            f"{url}: holds files but no {marker}; refusing to overwrite what imgpack did not "
-            "write (a run killed midway leaves such files: remove them)"
+        raise FileExistsError(
+            f"{url}: already exists and holds no {marker}; refusing to replace it, with or "
+            "without --overwrite (remove it yourself, or choose another destination; a run "
+            "killed midway leaves such files)"
         )
+    if not overwrite:
+        raise FileExistsError(f"{url}: already exists (use --overwrite to replace it)")
 
 
 def upload(

@@ -228,16 +228,20 @@ def uniform_folder(tmp_path: Path) -> Path:
     return build_uniform_folder(tmp_path / "uniform")
 
 
-def slow_cli(seconds: float = 0.02) -> str:
+def slow_cli(seconds: float = 0.02, gate: Path | None = None) -> str:
     """Python source of an `imgpack` CLI whose every image takes at least ``seconds`` to
     process (forked pool workers inherit the slowdown), so that a test can act on a running
-    conversion: ``[sys.executable, "-c", slow_cli(), "convert", ...]``."""
+    conversion: ``[sys.executable, "-c", slow_cli(), "convert", ...]``. With ``gate``, every
+    image also waits while that file exists: the run cannot finish before the test removes it
+    (an event, not a race against the clock)."""
     return f"""
-import sys, time
+import os, sys, time
 import imgpack.executors as executors
 real = executors.process_file
 def slow(*args):
     time.sleep({seconds})
+    while {str(gate)!r} != "None" and os.path.exists({str(gate)!r}):
+        time.sleep(0.01)
     return real(*args)
 executors.process_file = slow
 from imgpack.cli import main

@@ -136,6 +136,7 @@ def test_bad_input_is_one_line_without_traceback(
 ) -> None:
     (tmp_path / "file.png").write_bytes(b"x")
     (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "notes.txt").write_text("mine")  # an empty folder would be used
     paths = {
         "missing": str(tmp_path / "missing"),
         "file": str(tmp_path / "file.png"),

@@ -28,8 +28,11 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_uniform_folder(tmp_path_factory.mktemp("procs") / "src", count=400, classes=4)
 
 
-def _start(src: Path, dst: Path, *args: str, slow: bool = True) -> subprocess.Popen[str]:
-    head = [sys.executable, "-c", SLOW_CLI] if slow else [sys.executable, "-m", "imgpack.cli"]
+def _start(
+    src: Path, dst: Path, *args: str, slow: bool = True, gate: Path | None = None
+) -> subprocess.Popen[str]:
+    code = slow_cli(0.02, gate) if gate else SLOW_CLI
+    head = [sys.executable, "-c", code] if slow else [sys.executable, "-m", "imgpack.cli"]
     command = [*head, "convert", str(src), str(dst), "-q", "--format", "pt", *args]
     return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -142,10 +145,13 @@ def test_sigterm_reaches_every_command_as_one_line(tmp_path: Path) -> None:
 
 def test_a_second_run_to_the_same_dst_is_refused(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    first = _start(src, out, "--workers", "2")
+    gate = tmp_path / "gate"
+    gate.touch()  # the first run cannot finish until the second one has been refused
+    first = _start(src, out, "--workers", "2", gate=gate)
     _wait_for_workers(first, out)
     second = _start(src, out, slow=False)
     _, err = second.communicate(timeout=120)
+    gate.unlink()
     assert second.returncode == 1
     assert f"{out}: another imgpack run (pid {first.pid}) is writing it" in err
     _, err = first.communicate(timeout=120)

@@ -190,7 +190,7 @@ def test_a_conversion_killed_midway_leaves_no_manifest(s3: str, src: Path, tmp_p
     assert left and "imgpack.json" not in left
     with pytest.raises(ManifestError, match=r"no imgpack\.json"):
         open_dataset(f"{s3}/killed", cache_dir=tmp_path / "cache")
-    with pytest.raises(OptionError, match=r"holds files but no imgpack\.json"):
+    with pytest.raises(FileExistsError, match=r"holds no imgpack\.json"):
         convert(src, f"{s3}/killed", "pt", progress=False, overwrite=True)
 
 
@@ -216,7 +216,7 @@ def test_overwrite_withdraws_then_replaces(mem: str, src: Path, cache: Path) -> 
     convert(src, url, "tfrecord", progress=False, shard_size=3000)
     fs = fsspec.filesystem("memory")
     first = sorted(fs.find(url))
-    with pytest.raises(OptionError, match="already exists"):
+    with pytest.raises(FileExistsError, match="already exists"):
         convert(src, url, "tfrecord", progress=False)
     convert(src, url, "tfrecord", progress=False, overwrite=True)  # one shard now
     second = sorted(fs.find(url))

@@ -205,6 +205,8 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         self._seen: mmap.mmap | None = None
         if self._check_once:  # now, so that workers forked later share it
             self._seen = mmap.mmap(-1, max(1, len(self)))
+        #: Whether the note on num_workers was given (shared with forked workers, like _seen).
+        self._steered: mmap.mmap | None = mmap.mmap(-1, 1)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
         self.transform = transform
@@ -302,6 +304,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         state["_handles"] = None
         state["_pid"] = None
         state["_seen"] = None
+        state["_steered"] = None
         state["_fetches"] = (0, 0)
         return state
 
@@ -487,18 +490,25 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
     def _steer(self, seconds: float, count: int) -> None:
         """In DataLoader worker 0 of a memory-mapped raw reader, at its second batch (the first
         opens the files): say that the training process gathers batches faster itself, with
-        the gather just measured."""
+        the gather just measured. Once per reader, whatever the epochs and workers (a flag in
+        memory its forked workers share), as one line (no source line of imgpack's)."""
         info = get_worker_info()
         if info is None or info.id != 0 or not self.memory_mapped():
             return
-        warnings.warn(
+        if self._steered is not None:
+            if self._steered[0]:
+                return
+            self._steered[0] = 1
+        warnings.warn_explicit(
             f"{type(self).__name__}({str(self.root)!r}): raw memory-mapped pixels: gathering "
             f"{count} samples took {seconds * 1e3:.2f} ms in worker 0, less than handing the "
             "batch from a worker to the training process costs; num_workers=0 (or "
             "imgpack.loading.DeviceLoader) reads this output faster ('imgpack tune' measures "
             "both)",
             PerformanceWarning,
-            stacklevel=2,
+            filename="imgpack",
+            lineno=0,
+            module="imgpack",
         )
 
     def _fetch(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:

@@ -114,7 +114,7 @@ class DeviceLoader:
             )
         if crop_padding < 0 or not 0.0 <= hflip <= 1.0:
             raise OptionError("crop_padding must be >= 0 and hflip a probability in 0..1")
-        self.device = torch.device(device)
+        self.device = _usable_device(device)
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.dtype, self.seed, self.epoch = dtype, seed, 0
         self._resume: tuple[int, int] | None = None  # (epoch, batches) of a loaded state
@@ -328,6 +328,32 @@ class DeviceLoader:
             if self._normalize:
                 images = images.sub_(self._mean).div_(self._std)
         return images
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, refused in one line when this machine has none of it
+    (torch's own message is an ``AssertionError`` deep in its CUDA initialisation)."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise OptionError(f"invalid device {device!r}: {exc}") from None
+    if found.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device"
+        raise OptionError(
+            f"DeviceLoader(device={str(device)!r}): this machine has no usable CUDA device "
+            f"({build}); use device='cpu' (the same code, in host memory) or read the output "
+            "with a DataLoader"
+        )
+    if (
+        found.type == "cuda"
+        and found.index is not None
+        and found.index >= torch.cuda.device_count()
+    ):
+        raise OptionError(
+            f"DeviceLoader(device={str(device)!r}): this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)"
+        )
+    return found
 
 
 def random_crop(

@@ -1,0 +1,105 @@
+"""What a new user meets first: the README's Python quick start runs as written, messages and
+exits are the same for every destination, advice comes once, in one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import build_uniform_folder
+
+from imgpack import convert, open_dataset
+from imgpack.cli import main
+from imgpack.errors import OptionError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_readme_python_quick_start_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(.*?)```", text, re.S)
+    assert block is not None
+    src = build_uniform_folder(tmp_path / "images", count=12, size=8)
+    convert(src, tmp_path / "out", format="pt", encoding="raw", size=8, progress=False)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.group(1), "README.md", "exec"), {"__name__": "readme"})
+
+
+def test_device_loader_without_cuda_says_so_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from imgpack.loading import DeviceLoader
+
+    src = build_uniform_folder(tmp_path / "images", count=4, size=8)
+    convert(src, tmp_path / "out", format="pt", encoding="raw", size=8, progress=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(OptionError, match=r"no usable CUDA device.*device='cpu'"):
+        DeviceLoader(tmp_path / "out", device="cuda", progress=False)
+
+
+ADVICE = """
+import warnings
+from torch.utils.data import DataLoader
+from imgpack import open_dataset
+from imgpack.readers import collate
+ds = open_dataset(OUT)
+for epoch in range(3):
+    for _ in DataLoader(ds, batch_size=2, num_workers=1, collate_fn=collate):
+        pass
+"""
+
+
+def test_the_num_workers_advice_is_one_line_once(tmp_path: Path) -> None:
+    src = build_uniform_folder(tmp_path / "images", count=12, size=8)
+    out = tmp_path / "out"
+    convert(src, out, format="pt", encoding="raw", size=8, progress=False)
+    code = ADVICE.replace("OUT", repr(str(out)))
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "PerformanceWarning" in lines[0] and "num_workers=0" in lines[0]
+
+
+def test_destinations_get_the_same_words(tmp_path: Path) -> None:
+    src = build_uniform_folder(tmp_path / "images", count=6, size=8)
+    runner = CliRunner()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(main, ["convert", str(src), str(empty), "--format", "pt", "-q"])
+    assert result.exit_code == 0, result.output
+    assert len(open_dataset(empty)) == 6
+    again = runner.invoke(main, ["convert", str(src), str(empty), "--format", "pt", "-q"])
+    assert again.exit_code == 1 and "already exists (use --overwrite to replace it)" in again.output
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    for extra in ([], ["--overwrite"]):
+        refused = runner.invoke(main, ["convert", str(src), str(mine), "--format", "pt", *extra])
+        assert refused.exit_code == 1
+        assert "is not an imgpack output; refusing to replace it, with or without" in (
+            refused.output
+        )
+    url = f"memory://first-hour-{tmp_path.name}/out"
+    assert runner.invoke(main, ["convert", str(src), url, "--format", "pt", "-q"]).exit_code == 0
+    bucket = runner.invoke(main, ["convert", str(src), url, "--format", "pt", "-q"])
+    assert bucket.exit_code == 1
+    assert f"{url}: already exists (use --overwrite to replace it)" in bucket.output
+
+
+def test_help_names_what_each_command_takes() -> None:
+    runner = CliRunner()
+    assert "WebDataset" in runner.invoke(main, ["--help"]).output
+    for command in ("info", "verify", "tune", "profile"):
+        usage = runner.invoke(main, [command, "--help"]).output.splitlines()[0]
+        assert usage.endswith("OUTPUT"), usage
