@@ -28,7 +28,7 @@ from imgpack.formats.dataset_base import ImageDataset
 from imgpack.images import Encoded, Kind, encode_pixels
 from imgpack.options import ON_ERROR
 from imgpack.pipeline import check_destination, clear_leftovers, temp_output
-from imgpack.publishing import locked, publish, recover
+from imgpack.publishing import inside, locked, publish, recover
 from imgpack.readers import open_dataset
 from imgpack.storage import is_url, local_path, open_location, output_folder
 
@@ -75,10 +75,9 @@ def export(
         return done
     source, target = open_location(output, storage_options, cache_dir), local_path(folder)
     ds = open_dataset(source, verify=True)
-    real_source, real_target = source.resolve(), target.resolve()
-    if real_target == real_source or real_source in real_target.parents:
+    if inside(target, source):
         raise OptionError(f"{target}: must not be the output or inside it")
-    if real_target in real_source.parents:
+    if inside(source, target):
         raise OptionError(
             f"{target}: holds the output {source} being exported (--overwrite would delete it); "
             "export into a folder of its own"
@@ -190,11 +189,10 @@ class _Names:
         self.folders = set(folders)
 
     def claim(self, name: str, index: int) -> None:
-        key = name
         parents = [str(p) for p in PurePosixPath(name).parents if str(p) != "."]
-        if key in self.files or key in self.folders or any(p in self.files for p in parents):
+        if name in self.files or name in self.folders or any(p in self.files for p in parents):
             raise DataError(f"sample {index}: {name} clashes with another exported file or folder")
-        self.files.add(key)
+        self.files.add(name)
         self.folders.update(parents)
 
 

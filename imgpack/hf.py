@@ -128,7 +128,7 @@ def scan_dataset(
             raise ScanError(f"{root}: class(es) {', '.join(unknown)} are not in the label map")
         labels = [classes.index(names[t]) for t in labels]
         names = classes
-    state = hashlib.sha256((root / "state.json").read_bytes()).hexdigest()
+    state = _state_sha256(root)
     present = set(labels)
     return Scan(
         classes=list(names),
@@ -166,12 +166,18 @@ def _open(job: Job, root: Path, column: str) -> Any:
     from imgpack.sources import changed_source, source_identity
 
     try:
-        state = hashlib.sha256((root / "state.json").read_bytes()).hexdigest()
+        state = _state_sha256(root)
     except OSError:
         state = ""
     if job.source_id and source_identity("hf", root, {"state_sha256": state}) != job.source_id:
         raise changed_source(str(root))
     return load(root, column)[0]
+
+
+def _state_sha256(root: Path) -> str:
+    """What identifies a saved dataset's contents: the sha256 of its ``state.json`` (which
+    lists its arrow files and their fingerprint)."""
+    return hashlib.sha256((root / "state.json").read_bytes()).hexdigest()
 
 
 def to_hf(output: str | os.PathLike[str], cache_dir: str | None = None) -> Any:

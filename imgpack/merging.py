@@ -34,7 +34,7 @@ from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.manifest import FileEntry, Manifest, read_manifest, write_manifest
 from imgpack.pipeline import check_destination, clear_leftovers, file_entries, temp_output
-from imgpack.publishing import locked, publish, recover
+from imgpack.publishing import inside, locked, publish, recover
 from imgpack.storage import is_url, local_path, open_location, output_folder
 from imgpack.version import __version__
 
@@ -96,12 +96,6 @@ def merge(
             write_manifest(tmp, manifest)
             publish(tmp, target, replace=overwrite)
     return manifest
-
-
-def inside(path: Path, folder: Path) -> bool:
-    """Whether ``path`` is ``folder`` or lies inside it (links resolved)."""
-    real, base = path.resolve(), folder.resolve()
-    return real == base or base in real.parents
 
 
 def _pinned_reader(root: Path) -> ImageDataset:
@@ -178,7 +172,9 @@ def _check_slice(root: Path, manifest: Manifest, part: dict[str, int]) -> None:
     if not (0 <= part["index"] < part["count"] and 0 <= part["start"] <= part["stop"]):
         raise OptionError(f"{root}: its manifest's part record is out of range (damaged)")
     span, held = part["stop"] - part["start"], manifest.num_samples + len(manifest.skipped)
-    if held != span if part["index"] else held < span:
+    # Part 0's skipped files also list what the scan could not take (not in any slice).
+    adds_up = held >= span if part["index"] == 0 else held == span
+    if not adds_up:
         raise OptionError(
             f"{root}: holds {manifest.num_samples} samples and {len(manifest.skipped)} skipped "
             f"files for a slice of {span} (its manifest is damaged)"

@@ -70,7 +70,7 @@ from imgpack.manifest import (
     write_manifest,
 )
 from imgpack.options import ConvertOptions
-from imgpack.publishing import locked, publish, recover
+from imgpack.publishing import inside, locked, publish, recover
 from imgpack.system import usable_cpus
 from imgpack.version import __version__
 
@@ -262,10 +262,15 @@ class Checkpoint:
             if stray:
                 problem = f"it lists {stray[0]!r} as skipped, which is not a sample it passed"
         if problem:
-            raise DataError(
-                f"{directory}: damaged checkpoint ({problem}); it cannot be resumed: remove it "
-                "and convert without --resume"
-            )
+            raise damaged_checkpoint(directory, problem)
+
+
+def damaged_checkpoint(directory: Path, problem: str) -> DataError:
+    """The error for a checkpoint that cannot be resumed, and what to do about it."""
+    return DataError(
+        f"{directory}: damaged checkpoint ({problem}); it cannot be resumed: remove it and "
+        "convert without --resume"
+    )
 
 
 @dataclass
@@ -330,10 +335,9 @@ def write(
     # Samples after the checkpoint that the writer's files hold already: passed over.
     already = writer.resume(state.writer) if resume is not None else 0
     if resume is not None and writer.durable - already != state.count:
-        raise DataError(
-            f"{directory}: damaged checkpoint (it counts {state.count} samples written, its "
-            f"files hold {writer.durable - already}); it cannot be resumed: remove it and "
-            "convert without --resume"
+        raise damaged_checkpoint(
+            directory,
+            f"it counts {state.count} samples written, its files hold {writer.durable - already}",
         )
     marks: deque[tuple[int, int, int]] = deque()  # (count, position, skipped) after each sample
     checkpoints = _can_checkpoint(writer)
@@ -424,13 +428,14 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
 
 
 def file_entries(directory: Path, files: list[WrittenFile]) -> list[FileEntry]:
-    """The manifest entries of finished data files in ``directory``: size and sha256 as they are."""
+    """The manifest entries of finished data files in ``directory``: size as it is, sha256 as
+    the writer computed it when it finished the file (else read now)."""
     return [
         FileEntry(
             f.path,
             (directory / f.path).stat().st_size,
             f.num_samples,
-            sha256_file(directory / f.path),
+            f.sha256 or sha256_file(directory / f.path),
         )
         for f in files
     ]
@@ -802,10 +807,9 @@ def _check_paths(src: Path, dst: Path, overwrite: bool, folder: bool = True) -> 
         raise FileNotFoundError(f"{src}: no such folder")
     if folder and not src.is_dir():
         raise OptionError(f"{src}: not a folder (SRC must be an image folder SRC/<class>/<image>)")
-    real_src, real_dst = src.resolve(), dst.resolve()
-    if real_dst == real_src or real_src in real_dst.parents:
+    if inside(dst, src):
         raise OptionError(f"{dst}: the output must not be inside the source folder {src}")
-    if real_dst in real_src.parents:
+    if inside(src, dst):
         raise OptionError(f"{dst}: the output must not contain the source folder {src}")
     check_destination(dst, overwrite)
 

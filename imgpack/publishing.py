@@ -70,6 +70,13 @@ def rename2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(code, os.strerror(code), str(src), None, str(dst))
 
 
+def inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it (links resolved): an input there would
+    be replaced or deleted with the output (``--overwrite``)."""
+    real, base = path.resolve(), folder.resolve()
+    return real == base or base in real.parents
+
+
 def lock_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}{LOCK_SUFFIX}"
 

@@ -36,7 +36,7 @@ from imgpack.executors import Job
 from imgpack.folder import Sample, Scan
 from imgpack.formats.dataset_base import ImageDataset
 from imgpack.images import Encoded, Kind, process_bytes, process_pixels
-from imgpack.manifest import MANIFEST_NAME
+from imgpack.manifest import MANIFEST_NAME, Manifest
 
 
 def is_output(src: Path) -> bool:
@@ -74,8 +74,7 @@ def scan_source(src: Path, classes: list[str] | None) -> tuple[Scan, str]:
             "encoding": manifest.encoding,
             "image": dict(manifest.image),
             "options": dict(manifest.options),
-            "output_id": manifest.output_id,
-            "sha256": [entry.sha256 for entry in manifest.files],
+            **output_identity(manifest),
             "from": dict(manifest.source),
         }
     else:
@@ -115,6 +114,12 @@ def scan_source(src: Path, classes: list[str] | None) -> tuple[Scan, str]:
         origin=origin,
     )
     return scan, reader
+
+
+def output_identity(manifest: Manifest) -> dict[str, Any]:
+    """What identifies an imgpack output as a source: its id and its files' sha256 (recorded in
+    the scan's ``origin``, compared by every worker that opens it)."""
+    return {"output_id": manifest.output_id, "sha256": [e.sha256 for e in manifest.files]}
 
 
 def source_identity(reader: str, src: Path, origin: dict[str, Any] | None) -> str:
@@ -235,8 +240,7 @@ def _open_output(root: str, expected: str) -> ImageDataset:
     from imgpack.readers import open_dataset
 
     ds = open_dataset(root, verify=True)
-    origin = {"output_id": ds.manifest.output_id, "sha256": [e.sha256 for e in ds.manifest.files]}
-    if expected and source_identity("output", Path(root), origin) != expected:
+    if expected and source_identity("output", Path(root), output_identity(ds.manifest)) != expected:
         raise changed_source(root)
     return ds
 

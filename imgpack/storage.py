@@ -192,26 +192,23 @@ class OutputCache:
         manifest, data = read_remote_manifest(url, storage_options)
         local = self.entry(url, manifest, data)
         fs, root = filesystem(url, storage_options)
-        entries = _companions(fs, root, url, manifest)
-        try:
-            _safe_dirs(self.directory, local)
-            lock = _locked(local, fcntl.LOCK_EX)
-            lock.__enter__()
-        except StorageError:
-            raise
-        except PermissionError as exc:  # a read-only cache: a complete entry is still read
-            if _complete(local, entries, data):
-                return local
-            raise StorageError(
-                f"{self.directory}: the cache folder cannot be written ({exc.strerror}) and "
-                f"holds no complete copy of {url}; set IMGPACK_CACHE_DIR (or cache_dir=) to a "
-                "writable folder"
-            ) from None
-        except OSError as exc:
-            if exc.errno == errno.EROFS and _complete(local, entries, data):
-                return local
-            raise StorageError(f"{local}: cannot use the cache entry: {exc.strerror}") from None
-        try:
+        entries = _remote_files(fs, root, url, manifest)
+        with contextlib.ExitStack() as stack:
+            try:
+                _safe_dirs(self.directory, local)
+                stack.enter_context(_locked(local, fcntl.LOCK_EX))
+            except StorageError:
+                raise
+            except OSError as exc:  # a cache that cannot be written: a complete entry is read
+                if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    if _complete(local, entries, data):
+                        return local
+                    raise StorageError(
+                        f"{self.directory}: the cache folder cannot be written ({exc.strerror}) "
+                        f"and holds no complete copy of {url}; set IMGPACK_CACHE_DIR (or "
+                        "cache_dir=) to a writable folder"
+                    ) from None
+                raise StorageError(f"{local}: cannot use the cache entry: {exc.strerror}") from None
             _safe_dirs(self.directory, local)  # under the lock: an eviction may have removed it
             for stale in local.glob(".*.part"):  # left by a fetch that was killed
                 stale.unlink(missing_ok=True)
@@ -228,14 +225,12 @@ class OutputCache:
             manifest_path = local / MANIFEST_NAME
             if (
                 manifest_path.is_symlink()
-                or not manifest_path.exists()
+                or not manifest_path.is_file()
                 or (manifest_path.read_bytes() != data)
             ):
                 _write_bytes(manifest_path, data)  # last: the entry is complete
             _write_bytes(local / ".imgpack-used", b"")
             _pin(local)  # before the lock goes: no eviction can slip in between
-        finally:
-            lock.__exit__(None, None, None)
         self.evict(keep=local)
         return local
 
@@ -277,7 +272,7 @@ class Remote:
     etag: str
 
 
-def _companions(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remote]:
+def _remote_files(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remote]:
     """The files to fetch: the manifest's data files with the store's ETag of each, and the
     files beside them that the manifest does not list but readers use (the ``.idx`` index of a
     ``tfrecord`` or ``webdataset`` shard): sizes from the listing, no sha256 (the readers check

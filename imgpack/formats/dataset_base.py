@@ -250,31 +250,30 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         seen[fresh] = 1
 
     def _check_rows(self, indices: np.ndarray) -> None:
-        """Check raw records ``indices`` against their checksums, in one pass where the reader
-        gathers them (:meth:`_raw_rows`), else record by record."""
-        rows = self._raw_rows(indices)
+        """Check records ``indices`` against their checksums: raw ones in one pass where the
+        reader gathers them (:meth:`_raw_rows`), others record by record."""
+        rows = self._raw_rows(indices) if self.manifest.encoding == "raw" else None
         if rows is None:
-            for _ in self._checked(self._records(indices)):
-                pass
+            self._check_each(indices)
             return
         pixels, labels, crcs = rows
         found = np.asarray(record_crcs(pixels, labels.tolist()), np.int64)
         bad = indices[found != crcs]
         if bad.size:  # the record path names the file, the sample and its source
-            for _ in self._checked(self._records(bad)):
-                pass
+            self._check_each(bad)
             raise DataError(f"{self.root}: sample {int(bad[0])}: checksum mismatch")
+
+    def _check_each(self, indices: np.ndarray) -> None:
+        """Check records ``indices`` one by one (:meth:`_checked`); the first damaged one
+        raises :class:`DataError` naming it."""
+        for _ in self._checked(self._records(indices)):
+            pass
 
     def check_records(self, chunk: int = 4096) -> None:
         """Check every record against its checksum (raising :class:`DataError` at the first
         damaged one), without decoding: what ``merge`` does with the shards it links."""
         for first in range(0, len(self), chunk):
-            indices = np.arange(first, min(len(self), first + chunk), dtype=np.int64)
-            if self.manifest.encoding == "raw":
-                self._check_rows(indices)
-            else:
-                for _ in self._checked(self._records(indices)):
-                    pass
+            self._check_rows(np.arange(first, min(len(self), first + chunk), dtype=np.int64))
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Raw records ``indices`` for checking in one pass: their pixels ``(n, bytes)``, labels
@@ -426,15 +425,13 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         range, checksum), without decoding images; used by :func:`imgpack.verify`."""
         idx = self._indices(indices)
         try:
-            for _ in self._checked(self._records(idx)):
-                pass
+            self._check_each(idx)
             return
         except ImgpackError:
             pass
         for index in idx.tolist():  # find each bad one
             try:
-                for _ in self._checked(self._records(np.array([index], np.int64))):
-                    pass
+                self._check_each(np.array([index], np.int64))
             except ImgpackError as exc:
                 yield index, str(exc)
 

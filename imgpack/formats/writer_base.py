@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, BinaryIO
 
 from imgpack.errors import DataError
 from imgpack.images import Encoded, Encoding, ImagePolicy
@@ -26,6 +26,12 @@ from imgpack.manifest import Manifest, sha256_file
 
 #: Files of the engine's own in a temp output dir (the checkpoint), which writers leave alone.
 KEEP_PREFIX = ".imgpack-"
+
+
+def default_shard_name(fmt: str, index: int) -> str:
+    """The name of shard ``index`` of a sharded format that does not name its own
+    (``shard-00000.pt``); its reader checks the manifest's files against it."""
+    return f"shard-{index:05d}.{fmt}"
 
 
 @dataclass(frozen=True)
@@ -50,10 +56,12 @@ class WriterConfig:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """A finished data file, relative to the output directory."""
+    """A finished data file, relative to the output directory, with its sha256 where the
+    writer already computed it (the manifest then need not read the file again)."""
 
     path: str
     num_samples: int
+    sha256: str = ""
 
 
 class Writer(ABC):
@@ -137,7 +145,7 @@ class ShardedWriter(Writer):
         self._open = False
 
     def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}.{self.config.format}"
+        return default_shard_name(self.config.format, index)
 
     @abstractmethod
     def _start_shard(self, path: Path) -> None: ...
@@ -164,15 +172,16 @@ class ShardedWriter(Writer):
     def _roll(self) -> None:
         self._end_shard()
         name = self.shard_name(len(self._shards))
-        self._shards.append(WrittenFile(name, self._shard_count))
-        self._open = False
-        self.durable = sum(shard.num_samples for shard in self._shards)
         path = self.directory / name
+        digest = sha256_file(path)  # once: the checkpoint and the manifest both use it
+        self._shards.append(WrittenFile(name, self._shard_count, digest))
         self._sealed[name] = [
             path.stat().st_size,
-            sha256_file(path),
+            digest,
             {c.name: sha256_file(c) for c in self.companions_of(path)},
         ]
+        self._open = False
+        self.durable = sum(shard.num_samples for shard in self._shards)
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -229,12 +238,21 @@ class ShardedWriter(Writer):
         if held is not None and held != count:
             raise DataError(f"{bad}: {name} holds {held} samples, the checkpoint says {count}")
         self._sealed[name] = [size, digest, dict(companions)]
-        return WrittenFile(name, count)
+        return WrittenFile(name, count, digest)
 
     def shard_samples(self, path: Path) -> int | None:
-        """How many samples the completed shard at ``path`` holds, read from the file (``None``:
-        the format cannot tell cheaply); resuming checks it against the checkpoint."""
-        return None
+        """How many samples the completed shard at ``path`` holds, read from its files;
+        resuming checks it against the checkpoint. By default the lines of its index (the
+        first of :meth:`companions_of`, one line per sample); ``None`` without one; ``-1``
+        when it cannot be read."""
+        companions = self.companions_of(path)
+        if not companions:
+            return None
+        try:
+            lines = companions[0].read_bytes().splitlines()
+        except OSError:
+            return -1
+        return sum(1 for line in lines if line.strip())
 
     def _companions(self) -> set[str]:
         """Files beside the completed shards that belong to them (index files)."""
@@ -300,11 +318,12 @@ def _link(source: Path, target: Path, size: int | None = None, sha256: str = "")
             linked = os.lstat(target)
             if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
                 raise DataError(f"{source}: replaced while it was being merged")
-            digest = _hash_fd(fd) if sha256 else ""
+            digest = _read_fd(fd) if sha256 else ""
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                 raise
-            digest = _copy_fd(fd, target)
+            with open(target, "xb") as out:
+                digest = _read_fd(fd, out)
         if sha256 and digest != sha256:
             raise DataError(
                 f"{source}: its bytes are not what its part's manifest records (sha256 "
@@ -314,22 +333,14 @@ def _link(source: Path, target: Path, size: int | None = None, sha256: str = "")
         os.close(fd)
 
 
-def _hash_fd(fd: int) -> str:
+def _read_fd(fd: int, copy_to: BinaryIO | None = None) -> str:
+    """The sha256 of the open file ``fd`` (read from its start), each block also written to
+    ``copy_to`` when given."""
     digest = hashlib.sha256()
     offset = 0
     while chunk := os.pread(fd, 1 << 20, offset):
         digest.update(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
         offset += len(chunk)
-    return digest.hexdigest()
-
-
-def _copy_fd(fd: int, target: Path) -> str:
-    """Copy the open file ``fd`` to a new file ``target``; the sha256 of what was copied."""
-    digest = hashlib.sha256()
-    offset = 0
-    with open(target, "xb") as out:
-        while chunk := os.pread(fd, 1 << 20, offset):
-            digest.update(chunk)
-            out.write(chunk)
-            offset += len(chunk)
     return digest.hexdigest()

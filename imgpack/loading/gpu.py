@@ -264,7 +264,7 @@ class DeviceLoader:
         first, self._resume = (self._resume or (self.epoch, 0)), None
         start = first[1] if first[0] == self.epoch else 0
         for batch in range(start):  # skipped: draw what their augmentation drew, read nothing
-            self._draw(len(order[batch * self.batch_size : (batch + 1) * self.batch_size]), gen)
+            self._draws(len(order[batch * self.batch_size : (batch + 1) * self.batch_size]), gen)
         self._taken = start
         for batch in range(start, len(self)):
             idx = order[batch * self.batch_size : (batch + 1) * self.batch_size]
@@ -285,7 +285,7 @@ class DeviceLoader:
             "imgpack_device_loader": 1,
             "seed": self.seed,
             "epoch": self.epoch,
-            "batches": getattr(self, "_taken", 0),
+            "batches": self._taken,
             "batch_size": self.batch_size,
             "world_size": self.world_size,
             "samples": len(self.indices),
@@ -309,19 +309,28 @@ class DeviceLoader:
         self.epoch = int(state["epoch"])
         self._resume = (self.epoch, batches)
 
-    def _draw(self, count: int, gen: torch.Generator) -> None:
-        """Advance ``gen`` as :meth:`_transform` does for a batch of ``count`` images."""
+    def _draws(
+        self, count: int, gen: torch.Generator
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+        """The random draws of a batch of ``count`` images, in the generator's order: crop
+        offsets (top, left) and which images flip. A skipped batch draws them too, so a resumed
+        epoch augments as an uninterrupted one."""
+        offsets = None
         if self.crop_padding:
-            torch.randint(0, 2 * self.crop_padding + 1, (count,), generator=gen, device=self.device)
-            torch.randint(0, 2 * self.crop_padding + 1, (count,), generator=gen, device=self.device)
+            span = 2 * self.crop_padding + 1
+            top = torch.randint(0, span, (count,), generator=gen, device=self.device)
+            left = torch.randint(0, span, (count,), generator=gen, device=self.device)
+            offsets = (top, left)
+        flip = None
         if self.hflip:
-            torch.rand(count, generator=gen, device=self.device)
+            flip = torch.rand(count, generator=gen, device=self.device) < self.hflip
+        return offsets, flip
 
     def _transform(self, images: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        if self.crop_padding:
-            images = random_crop(images, self.crop_padding, gen)
-        if self.hflip:
-            flip = torch.rand(len(images), generator=gen, device=self.device) < self.hflip
+        offsets, flip = self._draws(len(images), gen)
+        if offsets is not None:
+            images = random_crop(images, self.crop_padding, offsets=offsets)
+        if flip is not None:
             images = torch.where(flip[:, None, None, None], images.flip(-1), images)
         if self.dtype != torch.uint8:
             images = images.to(self.dtype).div_(255)
@@ -357,15 +366,23 @@ def _usable_device(device: str | torch.device) -> torch.device:
 
 
 def random_crop(
-    images: torch.Tensor, padding: int, generator: torch.Generator | None = None
+    images: torch.Tensor,
+    padding: int,
+    generator: torch.Generator | None = None,
+    offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """For each image of a ``(B, C, H, W)`` batch, an ``H x W`` window at a random offset of the
     image zero-padded by ``padding`` on every side (torchvision's ``RandomCrop(padding=...)``),
-    in one gather for the whole batch."""
+    in one gather for the whole batch. ``offsets``: the ``(top, left)`` of each window, drawn
+    already (else drawn here from ``generator``)."""
     b, _, h, w = images.shape
     padded = torch.nn.functional.pad(images, (padding, padding, padding, padding))
-    top = torch.randint(0, 2 * padding + 1, (b,), generator=generator, device=images.device)
-    left = torch.randint(0, 2 * padding + 1, (b,), generator=generator, device=images.device)
+    if offsets is None:
+        span = 2 * padding + 1
+        top = torch.randint(0, span, (b,), generator=generator, device=images.device)
+        left = torch.randint(0, span, (b,), generator=generator, device=images.device)
+    else:
+        top, left = offsets
     rows = (top[:, None] + torch.arange(h, device=images.device))[:, None, :, None]  # (B,1,H,1)
     cols = (left[:, None] + torch.arange(w, device=images.device))[:, None, None, :]  # (B,1,1,W)
     batch = torch.arange(b, device=images.device)[:, None, None, None]

@@ -164,8 +164,14 @@ class ShardSampler(Sampler[int]):
         self._yielded = 0
         return _Positions(self, self._rank_part(order, self._start).tolist())
 
+    @property
+    def _total(self) -> int:
+        """Positions in an epoch's global order (a :class:`Mix`: its samples per epoch), known
+        without building the order: ``state_dict`` runs at every batch under torchdata."""
+        return sum(self.dataset.counts) if isinstance(self.dataset, Mix) else sum(self._sizes)
+
     def __len__(self) -> int:
-        total = len(self.global_order()) if isinstance(self.dataset, Mix) else sum(self._sizes)
+        total = self._total
         start = self._resume[1] if self._resume and self._resume[0] == self.epoch else 0
         rest = max(0, total - start)
         if self.drop_last:
@@ -182,8 +188,7 @@ class ShardSampler(Sampler[int]):
         """Global positions of this epoch consumed once ``samples`` of this rank's (default:
         every sample this sampler has yielded) reached the training loop."""
         local = self._yielded if samples is None else samples
-        total = len(self.global_order()) if isinstance(self.dataset, Mix) else sum(self._sizes)
-        return min(total, self._start + local * self.num_replicas)
+        return min(self._total, self._start + local * self.num_replicas)
 
     def state_dict(self, samples: int | None = None) -> dict[str, Any]:
         """The state to resume from: the seed, the epoch and how many positions of the epoch's
@@ -218,8 +223,7 @@ class ShardSampler(Sampler[int]):
             if state.get(key) != mine[key]:
                 raise OptionError(f"the saved loader state is of {what}; it cannot resume here")
         consumed, epoch = state.get("consumed"), state.get("epoch")
-        total = len(self.global_order(epoch)) if type(epoch) is int else -1
-        if type(consumed) is not int or type(epoch) is not int or not 0 <= consumed <= total:
+        if type(consumed) is not int or type(epoch) is not int or not 0 <= consumed <= self._total:
             raise OptionError("the saved loader state is damaged (epoch or consumed count)")
         self.epoch = epoch
         self._resume = (epoch, consumed)

@@ -43,11 +43,8 @@ class Loader(DataLoader[Any]):
         self._taken = 0  # samples of this rank handed out by the running iteration
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        sampler = self.sampler
-        assert isinstance(sampler, ShardSampler)
         self._taken = 0
-        batches = super().__iter__()
-        for batch in batches:
+        for batch in super().__iter__():
             self._taken += _count(batch, self.batch_size)
             yield batch
 

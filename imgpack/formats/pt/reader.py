@@ -18,6 +18,7 @@ from imgpack.formats.dataset_base import (
     check_offsets,
     new_batch_tensor,
 )
+from imgpack.formats.writer_base import default_shard_name
 
 
 class PTDataset(ImageDataset):
@@ -29,7 +30,7 @@ class PTDataset(ImageDataset):
 
     def __init__(self, root: Any, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
-        check_file_order(self.root, self.manifest, lambda number, _: f"shard-{number:05d}.pt")
+        check_file_order(self.root, self.manifest, lambda k, _: default_shard_name(self.format, k))
         counts = [f.num_samples for f in self.manifest.files]
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
         self._raw = self.manifest.encoding == "raw"

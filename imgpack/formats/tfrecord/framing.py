@@ -37,6 +37,12 @@ FOOTER_SIZE = 4
 MASK_DELTA = 0xA282EAD8
 
 
+def shard_file_name(prefix: str, number: int, total: int) -> str:
+    """The name of shard ``number`` of ``total`` in a finished output: TensorFlow's
+    ``prefix-NNNNN-of-MMMMM.tfrecord`` convention."""
+    return f"{prefix}-{number:05d}-of-{total:05d}.tfrecord"
+
+
 def masked_crc32c(data: bytes | memoryview) -> int:
     """TensorFlow's masked CRC-32C of ``data``."""
     crc = crc32c(data)

@@ -91,7 +91,7 @@ class Records:
             check_files(self.root, self.manifest)
             prefix = str(self.manifest.options.get("prefix", "data"))
             check_file_order(
-                self.root, self.manifest, lambda k, n: f"{prefix}-{k:05d}-of-{n:05d}.tfrecord"
+                self.root, self.manifest, lambda k, n: framing.shard_file_name(prefix, k, n)
             )
             self.foreign = False
             self.shards = [self._shard(self.root / f.path) for f in self.manifest.files]

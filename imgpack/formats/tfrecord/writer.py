@@ -76,18 +76,11 @@ class TFRecordWriter(ShardedWriter):
         self._fh = None
         framing.write_index(path.with_suffix(".tfrecord"), self._index)  # .partial -> .idx below
 
-    def shard_samples(self, path: Path) -> int | None:
-        try:
-            lines = self.companions_of(path)[0].read_bytes().splitlines()
-        except OSError:
-            return -1
-        return sum(1 for line in lines if line.strip())
-
     def companions_of(self, shard: Path) -> list[Path]:
         return [framing.index_path(shard.with_suffix(".tfrecord"))]
 
     def final_name(self, number: int, total: int) -> str:
-        return f"{self.settings['prefix']}-{number:05d}-of-{total:05d}.tfrecord"
+        return framing.shard_file_name(self.settings["prefix"], number, total)
 
     def _finish(self) -> list[WrittenFile]:
         partial = super()._finish()
@@ -97,7 +90,7 @@ class TFRecordWriter(ShardedWriter):
             new = self.directory / self.final_name(number, len(partial))
             os.rename(old, new)
             os.rename(self.companions_of(old)[0], self.companions_of(new)[0])
-            files.append(WrittenFile(new.name, written.num_samples))
+            files.append(WrittenFile(new.name, written.num_samples, written.sha256))
         return files
 
     def _abort(self) -> None:

@@ -62,13 +62,6 @@ class WebDatasetWriter(ShardedWriter):
         self._index.append(f"{offset} {len(payload)} {sample.label} {crc}\n")
         return self._tar.offset - start
 
-    def shard_samples(self, path: Path) -> int | None:
-        try:
-            lines = self.companions_of(path)[0].read_bytes().splitlines()
-        except OSError:
-            return -1
-        return sum(1 for line in lines if line.strip())
-
     def companions_of(self, shard: Path) -> list[Path]:
         return [layout.index_path(shard)]
 
