@@ -107,17 +107,28 @@ def test_timed_dataset_per_sample_fetches_in_workers() -> None:
 
 
 def test_loader_profiler_tells_who_waits() -> None:
-    slow_loader = LoaderProfiler(DataLoader(Slow(12, 0.01), batch_size=2), per_step=True)
+    slow_loader = LoaderProfiler(DataLoader(Slow(24, 0.01), batch_size=2), per_step=True)
     for _ in slow_loader:
-        pass
+        time.sleep(0.001)
     summary = slow_loader.summary()
-    assert summary["batches"] == 6 and summary["samples"] == 12 and len(summary["steps"]) == 6
+    assert summary["batches"] == 12 and summary["samples"] == 24 and len(summary["steps"]) == 12
     assert summary["wait_share"] > 0.8 and verdict(summary).startswith("loader-bound")
-    fast_loader = LoaderProfiler(DataLoader(Slow(12, 0.0), batch_size=2))
+    fast_loader = LoaderProfiler(DataLoader(Slow(24, 0.0), batch_size=2))
     for _ in fast_loader:
         time.sleep(0.01)
     assert fast_loader.summary()["wait_share"] < 0.2
     assert verdict(fast_loader.summary()).startswith("consumer-bound")
+
+
+def test_the_verdict_needs_enough_batches_and_a_step() -> None:
+    few = LoaderProfiler(DataLoader(Slow(6, 0.01), batch_size=2))
+    for _ in few:
+        time.sleep(0.001)
+    assert verdict(few.summary()).startswith("too few batches for a verdict (2 after the first")
+    idle = LoaderProfiler(DataLoader(Slow(24, 0.002), batch_size=2))
+    for _ in idle:
+        pass
+    assert verdict(idle.summary()).startswith("no training step between batches")
 
 
 def test_tune_and_profile_commands(outputs: dict[str, Path], tmp_path: Path) -> None:
@@ -138,7 +149,7 @@ def test_tune_and_profile_commands(outputs: dict[str, Path], tmp_path: Path) -> 
         ],
     )
     assert result.exit_code == 0, result.output
-    assert "starting point" in result.output and "<- fastest" in result.output
+    assert "starting point" in result.output and "<- chosen" in result.output
     assert "DataLoader(ds, batch_size=8" in result.output
     assert "imgpack.open_dataset(" in result.output and "decode_threads" in result.output
     table = json.loads(report.read_text())["table"]
@@ -154,13 +165,52 @@ def test_tune_and_profile_commands(outputs: dict[str, Path], tmp_path: Path) -> 
             "--batch-size",
             "8",
             "--batches",
-            "5",
+            "12",
             "--step-ms",
             "5",
         ],
     )
     assert result.exit_code == 0, result.output
-    # Workers prefetch, so at least the 40 consumed samples were fetched.
+    # 12 batches of 8 from a 40-sample output: three epochs' worth, all consumed.
     match = re.search(r"fetch per sample \((\d+) samples, 2 workers\)", result.output)
-    assert match and int(match.group(1)) >= 40
-    assert "bound" in result.output
+    assert match and int(match.group(1)) >= 96
+    assert "training loop (12 batches" in result.output
+    assert "-bound" in result.output
+
+
+@pytest.mark.parametrize(
+    ("rates", "chosen", "words"),
+    [
+        ({0: 100.0, 1: 105.0, 2: 104.0}, 0, "within 10% of the fastest (105 with 1 workers)"),
+        ({0: 100.0, 1: 150.0, 2: 120.0}, 1, "raw pixels, nothing to decode"),
+    ],
+)
+def test_tune_keeps_the_reasoned_choice_within_noise(
+    outputs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    rates: dict[int, float],
+    chosen: int,
+    words: str,
+) -> None:
+    """One voice: on a raw output the warning and recommend_loader_settings say num_workers=0,
+    and autotune agrees unless a measured candidate beats it by more than the noise."""
+    monkeypatch.setattr(
+        "imgpack.loading.tuning._rate", lambda _ds, settings, *_a: rates[settings.num_workers]
+    )
+    ds = open_dataset(outputs["raw"])
+    candidates = [LoaderSettings(n, False, n > 0, 4 if n else None) for n in rates]
+    result = autotune_loader(ds, candidates=candidates)
+    assert result.best.num_workers == chosen and words in result.best.reasons["num_workers"]
+
+
+def test_tune_measures_workers_without_the_advice_it_is_measuring(
+    outputs: dict[str, Path],
+) -> None:
+    result = CliRunner().invoke(
+        main, ["tune", str(outputs["raw"]), "--batch-size", "8", "--workers", "0,1,4"]
+    )
+    assert result.exit_code == 0, result.output
+    assert (
+        "PerformanceWarning" not in result.output
+        and "worker processes in total" not in result.output
+    )

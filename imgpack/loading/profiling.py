@@ -192,9 +192,27 @@ def _batch_len(batch: Any) -> int:
         return 1
 
 
+#: Batches (after the first) a verdict needs: fewer say too little about a steady state.
+MIN_VERDICT_BATCHES = 10
+
+
 def verdict(summary: dict[str, Any], threshold: float = 0.2) -> str:
-    """A sentence saying whether the loader or the consumer is the bottleneck."""
+    """A sentence saying whether the loader or the consumer is the bottleneck, or that the
+    figures are too few to tell."""
+    measured = summary["batches"] - 1
+    if measured < MIN_VERDICT_BATCHES:
+        return (
+            f"too few batches for a verdict ({measured} after the first, which includes "
+            f"start-up): measure at least {MIN_VERDICT_BATCHES} (--batches)"
+        )
     share = summary["wait_share"]
+    if summary["compute_s"] <= 0.01 * summary["wait_s"]:
+        rate = summary["samples"] / max(summary["wait_s"] + summary["compute_s"], 1e-9)
+        return (
+            "no training step between batches: the loop only waited for data, so this measures "
+            f"the loader (about {rate:,.0f} samples/s, the first batch included); give your "
+            "step's time (--step-ms) for a verdict"
+        )
     if share > threshold:
         return (
             f"loader-bound: the training loop waited for data {share:.0%} of the time; add "

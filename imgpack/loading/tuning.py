@@ -10,6 +10,7 @@ worker processes: workers x threads should be the CPUs this process may use.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from imgpack.errors import PerformanceWarning
 from imgpack.formats.dataset_base import ImageDataset, collate
 from imgpack.system import usable_cpus
 
@@ -111,27 +113,32 @@ def _rate(
 ) -> float:
     if settings.decode_threads is not None and isinstance(dataset, ImageDataset):
         dataset = dataset.with_options(decode_threads=settings.decode_threads)
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=not isinstance(dataset, IterableDataset),
-        collate_fn=collate_fn,
-        **settings.kwargs(),
-    )
     count, start = 0, 0.0
-    iterator = iter(loader)
-    for step in range(batches + 1):
-        try:
-            images, _ = next(iterator)
-        except StopIteration:
-            iterator = iter(loader)
-            images, _ = next(iterator)
-        if step == 0:
-            start = time.perf_counter()  # worker start-up and the first batch are not timed
-        else:
-            count += len(images)
-    seconds = time.perf_counter() - start
-    del iterator
+    # The advice these runs would print (the readers' num_workers note, torch's note on more
+    # workers than CPUs) is what the measurement decides: workers forked here inherit the filter.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=not isinstance(dataset, IterableDataset),
+            collate_fn=collate_fn,
+            **settings.kwargs(),
+        )
+        iterator = iter(loader)
+        for step in range(batches + 1):
+            try:
+                images, _ = next(iterator)
+            except StopIteration:
+                iterator = iter(loader)
+                images, _ = next(iterator)
+            if step == 0:
+                start = time.perf_counter()  # worker start-up and the first batch are not timed
+            else:
+                count += len(images)
+        seconds = time.perf_counter() - start
+        del iterator
     return count / seconds if seconds > 0 else 0.0
 
 
@@ -163,25 +170,47 @@ def autotune_loader(
     collate_fn: Callable[[Any], Any] = collate,
 ) -> TuneResult:
     """Measure a short run (``batches`` batches after one warm-up batch) for each candidate and
-    return the fastest with its measured samples/s, and the whole table."""
+    return the chosen one with its measured samples/s, and the whole table.
+
+    The chosen candidate is the fastest, unless the one :func:`recommend_loader_settings`
+    reasons for is within :data:`NOISE` of it: a margin that small is the machine's noise, and
+    the advice stays the one the reader's warning and ``recommend_loader_settings`` give."""
     table = [
         (settings, _rate(dataset, settings, batch_size, batches, collate_fn))
         for settings in (candidates if candidates is not None else candidate_settings(dataset))
     ]
     if not table:
         raise ValueError("autotune_loader needs at least one candidate")
-    best, rate = max(table, key=lambda row: row[1])
-    reason = _measured_reason(best, rate, table)
+    fastest, top = max(table, key=lambda row: row[1])
+    advised = recommend_loader_settings(dataset).num_workers
+    kept = [(s, r) for s, r in table if s.num_workers == advised and r >= top / (1 + NOISE)]
+    if kept and kept[0][0] is not fastest:
+        best, rate = kept[0]
+        best.reasons["num_workers"] = (
+            f"measured: {rate:,.0f} samples/s with {_workers(best)}, within {NOISE:.0%} of the "
+            f"fastest ({top:,.0f} with {_workers(fastest)}), which is noise: kept the reasoned "
+            f"choice ({recommend_loader_settings(dataset).reasons['num_workers']})"
+        )
+        return TuneResult(best, rate, table)
+    reason = _measured_reason(fastest, top, table, _decodes(dataset))
     if reason:
-        best.reasons["num_workers"] = reason
-    return TuneResult(best, rate, table)
+        fastest.reasons["num_workers"] = reason
+    return TuneResult(fastest, top, table)
+
+
+#: How much faster than the reasoned choice a measured candidate must be to replace it.
+NOISE = 0.10
+
+
+def _workers(settings: LoaderSettings) -> str:
+    return f"{settings.num_workers} workers" if settings.num_workers else "no workers"
 
 
 def _measured_reason(
-    best: LoaderSettings, rate: float, table: list[tuple[LoaderSettings, float]]
+    best: LoaderSettings, rate: float, table: list[tuple[LoaderSettings, float]], decodes: bool
 ) -> str:
     """Why the fastest candidate won, in measured figures (against the best with workers, or
-    without: whichever kind lost)."""
+    without: whichever kind lost), and for what the format costs to read."""
     others = [(s, r) for s, r in table if (s.num_workers > 0) != (best.num_workers > 0)]
     if not others:
         return ""
@@ -192,9 +221,15 @@ def _measured_reason(
             f"{other.num_workers} workers: handing each batch over from a worker costs more "
             "than reading it"
         )
+    why = (
+        "the decode parallelizes over processes"
+        if decodes
+        else "raw pixels, nothing to decode: here the workers' gathers in parallel outpaced "
+        "the cost of handing each batch over"
+    )
     return (
         f"measured: {rate:,.0f} samples/s with {best.num_workers} workers against "
-        f"{other_rate:,.0f} in the main process: the decode parallelizes over processes"
+        f"{other_rate:,.0f} in the main process: {why}"
     )
 
 
