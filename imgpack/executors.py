@@ -17,6 +17,7 @@ byte-identical whichever runs the work.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import multiprocessing
 import os
 import signal
@@ -220,15 +221,7 @@ class RayExecutor:
         ray = import_ray()
         started = not ray.is_initialized()
         if started:
-            address = self.address or os.environ.get("RAY_ADDRESS") or None
-            local = {"num_cpus": self.workers} if address is None else {}
-            ray.init(
-                address=address,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                **local,
-            )
+            connect_ray(ray, self.address or os.environ.get("RAY_ADDRESS") or None, self.workers)
         window: deque[Any] = deque()
         try:
             cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
@@ -242,13 +235,88 @@ class RayExecutor:
             while window:
                 yield from ray.get(window.popleft())
         except ray.exceptions.RayError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ImgpackError(f"the Ray cluster failed the conversion: {first}") from None
+            raise ImgpackError(
+                f"the Ray cluster failed the conversion: {_first_line(exc)}"
+            ) from None
         finally:
             for ref in window:
                 ray.cancel(ref, force=True)
             if started:
                 ray.shutdown()
+
+
+#: Seconds to wait for a Ray cluster's port to answer before saying it cannot be reached.
+RAY_PROBE_TIMEOUT_S = 5.0
+
+RAY_TOKEN_HINT = (
+    "if the cluster uses token authentication, set RAY_AUTH_MODE=token here and give this "
+    "machine the cluster's token (~/.ray/auth_token or RAY_AUTH_TOKEN): see docs/scale.md"
+)
+
+
+def connect_ray(ray: Any, address: str | None, workers: int | None) -> None:
+    """``ray.init`` for a conversion: a local Ray when ``address`` is None, else the cluster at
+    ``address``. What goes wrong becomes one line: no client extra for ``ray://``, a port that
+    does not answer (said at once, not after Ray's retries), a token missing or refused."""
+    if address is not None and address != "auto":
+        # Ray's client runs on gRPC, which only ray[client] installs.
+        if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
+            raise OptionError(
+                f"the Ray address {address} needs Ray's client, which is not installed: "
+                "pip install 'imgpack[ray]' (it includes ray[client])"
+            )
+        _probe_ray(address)
+    try:
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            **({"num_cpus": workers} if address is None else {}),
+        )
+    except ray.exceptions.AuthenticationError:
+        raise ImgpackError(
+            f"the Ray cluster at {address} uses token authentication and this machine has no "
+            "token: copy the cluster's ~/.ray/auth_token here (or set RAY_AUTH_TOKEN): see "
+            "docs/scale.md"
+        ) from None
+    except (ConnectionError, RuntimeError) as exc:
+        if address is None:
+            raise ImgpackError(f"could not start a local Ray: {_first_line(exc)}") from None
+        hint = (
+            "" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else f"; {RAY_TOKEN_HINT}"
+        )
+        raise ImgpackError(
+            f"could not connect to the Ray cluster at {address}: {_first_line(exc)}{hint}"
+        ) from None
+
+
+def _probe_ray(address: str) -> None:
+    """Raise at once, with the reason, when nothing answers at ``address``'s host and port."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise OptionError(
+            f"Ray address {address!r} is not host:port or ray://host:port (e.g. head:6379)"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), RAY_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = (
+            f"no answer in {RAY_PROBE_TIMEOUT_S:g} s"
+            if isinstance(exc, TimeoutError)
+            else exc.strerror or type(exc).__name__
+        )
+        raise ImgpackError(
+            f"cannot reach the Ray cluster at {address}: {reason}; is `ray start --head` "
+            "running there, and is the port open from this machine?"
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def import_ray() -> Any:

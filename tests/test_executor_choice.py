@@ -40,3 +40,32 @@ def test_without_ray_the_error_says_what_to_install(
     )
     assert result.exit_code == 2 and "pip install 'imgpack[ray]'" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_ray_client_address_without_the_client_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("ray")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "grpc" else real(name, *a)
+    )
+    build_uniform_folder(tmp_path / "src", count=4, classes=1)
+    result = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(tmp_path / "src"),
+            str(tmp_path / "out"),
+            "--format",
+            "pt",
+            "--executor",
+            "ray",
+        ],
+        env={"RAY_ADDRESS": "ray://127.0.0.1:10001"},
+    )
+    assert result.exit_code == 2
+    assert "needs Ray's client, which is not installed: pip install 'imgpack[ray]'" in result.output
+    assert not (tmp_path / "out").exists()

@@ -78,3 +78,49 @@ def test_a_bad_file_is_named_as_locally(results: dict[str, object]) -> None:
     assert results["bad_ray"] == results["bad_local"]
     assert "class1/zz-broken.png" in str(results["bad_ray"])
     assert results["skip_same"] is True  # --on-error skip: the same skipped list and bytes
+
+
+def test_cluster_connection_problems_are_one_line(tmp_path: Path) -> None:
+    """A `ray start --head` cluster with token authentication (docs/scale.md): a driver without
+    RAY_AUTH_MODE=token, one with it but without the token, and an address where nothing
+    listens each get one imgpack line (exit 1), no traceback; with both, the conversion runs."""
+    pytest.importorskip("ray", reason="pip install 'imgpack[ray]' (scripts/test.sh installs it)")
+    short = Path(tempfile.mkdtemp(prefix="ipt", dir="/tmp"))
+    for home in ("head", "bare"):
+        (short / home).mkdir()
+    bin_dir = Path(sys.executable).parent
+    script = f"""
+ip link set lo up
+export PATH="{bin_dir}:$PATH" RAY_TMPDIR="{short}" RAY_USAGE_STATS_ENABLED=0 HOME="{short}/head"
+imgpack sample images --images 12 --classes 2 2>/dev/null
+RAY_AUTH_MODE=token ray get-auth-token --generate >/dev/null 2>&1
+RAY_AUTH_MODE=token ray start --head --port 6390 --num-cpus 1 >/dev/null 2>&1
+run() {{ imgpack convert images "$1" --format pt --executor ray --ray-address "$2" -q; echo "rc=$?"; }}
+echo "== no-mode";  run out1 127.0.0.1:6390
+echo "== no-token"; RAY_AUTH_MODE=token HOME="{short}/bare" run out2 127.0.0.1:6390
+echo "== nothing";  run out3 127.0.0.1:6399
+echo "== both";     RAY_AUTH_MODE=token run out4 127.0.0.1:6390
+ray stop --force >/dev/null 2>&1
+"""
+    try:
+        done = subprocess.run(
+            ["unshare", "-n", "bash", "-c", script],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    parts = dict(part.split("\n", 1) for part in done.stdout.split("== ")[1:])  # case -> rc
+    assert parts["no-mode"].strip() == "rc=1", done.stderr
+    assert parts["no-token"].strip() == "rc=1", done.stderr
+    assert parts["nothing"].strip() == "rc=1", done.stderr
+    assert parts["both"].strip() == "rc=0", done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 3, done.stderr
+    assert lines[0].startswith("Error: could not connect to the Ray cluster at 127.0.0.1:6390")
+    assert "set RAY_AUTH_MODE=token" in lines[0]
+    assert "uses token authentication and this machine has no token" in lines[1]
+    assert lines[2].startswith("Error: cannot reach the Ray cluster at 127.0.0.1:6399")
