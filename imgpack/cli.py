@@ -133,7 +133,19 @@ def _user_facing(exc: Exception) -> Exception:
         return click.ClickException(printable_line(str(exc)))
     if isinstance(exc, PermissionError):
         return click.ClickException(printable_line(f"{exc.filename}: permission denied"))
+    if type(exc).__module__.split(".")[0] in _STORAGE_CLIENTS:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return click.ClickException(
+            printable_line(
+                f"object storage: {first} (check the credentials and the "
+                "endpoint: AWS_* variables or --storage-option, see docs/storage.md)"
+            )
+        )
     return exc
+
+
+#: The packages whose errors mean a bucket's credentials or endpoint, not a bug of imgpack.
+_STORAGE_CLIENTS = {"botocore", "aiobotocore", "google", "gcsfs", "s3fs"}
 
 
 #: The user-facing errors whose tracebacks a DataLoader worker sends are shown as one line.
@@ -529,8 +541,10 @@ def export(
         cache_dir=cache_dir,
     )
     click.echo(
-        f"{folder}: {done.files} files ({done.kept} stored bytes kept, {done.encoded} as PNG), "
-        f"{len(done.skipped)} skipped, {time.perf_counter() - started:.1f} s",
+        f"{folder}: {done.files} files ({done.kept} stored JPEG/PNG bytes as they are, "
+        f"{done.renamed} of them PNGs the conversion stored for another type of source; "
+        f"{done.encoded} raw records as PNG), {len(done.skipped)} skipped, "
+        f"{time.perf_counter() - started:.1f} s",
         err=True,
     )
     for skip in done.skipped[:SHOW_SKIPPED]:
@@ -703,7 +717,8 @@ def bench(
 def tune(
     dst: str, batch_size: int, batches: int, workers: str | None, json_path: Path | None
 ) -> None:
-    """Recommend DataLoader settings for OUTPUT, then measure candidates and name the fastest."""
+    """Recommend DataLoader settings for OUTPUT, then measure candidates and name the one to use
+    (the fastest, unless the recommended one is within the machine's noise of it)."""
     from imgpack.loading.tuning import (
         LoaderSettings,
         autotune_loader,
@@ -735,7 +750,7 @@ def tune(
         f"  {'num_workers':>11}  {'decode_threads':>14}  {'pin_memory':>10}  {'samples/s':>11}"
     )
     for settings, rate in result.table:
-        mark = "  <- fastest" if settings is result.best else ""
+        mark = "  <- chosen" if settings is result.best else ""
         threads = "-" if settings.decode_threads is None else settings.decode_threads
         click.echo(
             f"  {settings.num_workers:>11}  {threads!s:>14}  {settings.pin_memory!s:>10}  "
@@ -774,9 +789,9 @@ def tune(
 @click.option(
     "--step-ms",
     type=click.FloatRange(min=0),
-    default=0.0,
+    default=20.0,
     show_default=True,
-    help="Simulated training step per batch.",
+    help="Simulated training step per batch (your step's time).",
 )
 @json_option("report")
 @friendly_errors
@@ -792,13 +807,24 @@ def profile(
 
     timed = TimedDataset(open_dataset(dst))
     loader = DataLoader(
-        timed, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate
+        timed,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        collate_fn=collate,
     )
     profiler = LoaderProfiler(loader)
-    for step, _ in enumerate(profiler):
-        if step_ms:
-            time.sleep(step_ms / 1000)
-        if step + 1 >= batches:
+    step = 0
+    while step < batches:  # as many epochs as --batches takes: a small output has few a pass
+        before = step
+        for _ in profiler:
+            if step_ms:
+                time.sleep(step_ms / 1000)
+            step += 1
+            if step >= batches:
+                break
+        if step == before:  # an empty output: no epoch yields a batch
             break
     fetch, loop = timed.stats(), profiler.summary()
     timed.close()
@@ -840,15 +866,29 @@ def index(files: tuple[Path, ...]) -> None:
 @click.option("--images", type=click.IntRange(min=1), default=300, show_default=True)
 @click.option("--classes", type=click.IntRange(1, 5), default=5, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--splits",
+    metavar="NAMES",
+    default=None,
+    help="Comma-separated split folders (e.g. train,val), each a sample folder of --images "
+    "images with its own seed: a SRC for convert --splits.",
+)
 @friendly_errors
-def sample(dst: Path, images: int, classes: int, seed: int) -> None:
+def sample(dst: Path, images: int, classes: int, seed: int, splits: str | None) -> None:
     """Write a small seeded sample image folder to DST (for trying imgpack out)."""
     from imgpack.sample import make_sample_folder
 
-    if dst.exists() and any(dst.iterdir()):
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst}: already exists and is not empty")
-    make_sample_folder(dst, images, classes, seed)
-    click.echo(f"{dst}: {images} images in {classes} classes", err=True)
+    names = [name.strip() for name in splits.split(",")] if splits is not None else []
+    if splits is not None and (not all(names) or len(set(names)) != len(names)):
+        raise OptionError(f"--splits {splits!r}: give distinct non-empty names, e.g. train,val")
+    for i, name in enumerate(names):
+        make_sample_folder(dst / name, images, classes, seed + i)
+    if not names:
+        make_sample_folder(dst, images, classes, seed)
+    each = f" in each of {', '.join(names)}" if names else ""
+    click.echo(f"{dst}: {images} images in {classes} classes{each}", err=True)
 
 
 if __name__ == "__main__":

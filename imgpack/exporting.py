@@ -1,9 +1,12 @@
 """Writing an output back out as an image folder (``imgpack export OUT FOLDER``).
 
 Every sample becomes ``FOLDER/<class>/<its source path below the class folder>``: the stored
-bytes themselves where the output kept a JPEG or PNG (so an ``original`` output of JPEG and PNG
-sources exports byte-identical files), else a lossless PNG of the stored pixels (raw outputs),
-named with ``.png`` added when the source name says another type (``x.gif`` -> ``x.gif.png``).
+bytes themselves where the output stored a JPEG or PNG, else a lossless PNG of the stored
+pixels (raw outputs), named with ``.png`` added when the source name says another type
+(``x.gif`` -> ``x.gif.png``). For an ``original`` output the stored bytes are the source file's
+only where the conversion kept them (a JPEG or PNG that decodes to the policy's pixels as it
+is); it stored a PNG of the policy's pixels for the others (EXIF-rotated JPEGs, alpha, palette,
+16-bit), and that PNG is what comes back.
 Every class gets its folder, empty ones too, so converting the folder again gives the same
 label map. The folder is written like an output: FOLDER locked, built in a temp folder beside it
 and renamed into place complete, with a hidden ``.imgpack-export.json`` (ignored by the scan)
@@ -43,8 +46,10 @@ class Exported:
 
     folder: Path
     files: int = 0
-    kept: int = 0  # stored bytes written as they are
-    encoded: int = 0  # written as a lossless PNG of the stored pixels
+    kept: int = 0  # stored JPEG/PNG bytes written as they are
+    #: Of ``kept``: PNGs the conversion stored for a source named as another type (``x.jpg.png``).
+    renamed: int = 0
+    encoded: int = 0  # raw records, written as a lossless PNG of the stored pixels
     skipped: list[dict[str, str]] = field(default_factory=list)
 
 
@@ -120,7 +125,9 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
             source = paths[index] if paths else None
             try:
                 sample = next(ds.encoded(index, index + 1))
-                name, data, kept = _file(sample, manifest.classes[sample.label], source, index)
+                name, data, kept, renamed = _file(
+                    sample, manifest.classes[sample.label], source, index
+                )
                 taken.claim(name, index)
                 _create(tmp, name, data, index)
             except ImgpackError as exc:
@@ -130,14 +137,16 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
                 continue
             result.files += 1
             result.kept += kept
+            result.renamed += renamed
             result.encoded += not kept
     return result
 
 
 def _file(
     sample: object, class_name: str, source: str | None, index: int
-) -> tuple[str, bytes, bool]:
-    """``(relative name, bytes, kept)`` of one sample in the exported folder."""
+) -> tuple[str, bytes, bool, bool]:
+    """``(relative name, bytes, kept, renamed)`` of one sample in the exported folder: kept,
+    the stored bytes as they are; renamed, ``.png`` added to a name that says another type."""
 
     assert isinstance(sample, Encoded)
     parts = PurePosixPath(source).parts if source else ()
@@ -153,9 +162,10 @@ def _file(
         kind = Kind.PNG
     else:
         data, kept, kind = sample.payload, True, sample.kind
-    if not name.lower().endswith(_EXTENSIONS[kind]):
+    renamed = not name.lower().endswith(_EXTENSIONS[kind])
+    if renamed:
         name += _EXTENSIONS[kind][0]
-    return name, data, kept
+    return name, data, kept, renamed and kept
 
 
 #: The longest file name (in bytes) most filesystems take.

@@ -27,16 +27,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from imgpack.errors import DataError, ImageError, ScanError
 from imgpack.executors import Job
 from imgpack.folder import Sample, Scan
-from imgpack.formats.dataset_base import ImageDataset
 from imgpack.images import Encoded, Kind, process_bytes, process_pixels
 from imgpack.manifest import MANIFEST_NAME, Manifest
+
+if TYPE_CHECKING:
+    from imgpack.formats.dataset_base import ImageDataset
 
 
 def is_output(src: Path) -> bool:

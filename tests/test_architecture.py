@@ -131,3 +131,24 @@ def test_no_import_cycles() -> None:
     done: set[str] = set()
     for module in sorted(graph):
         visit(module, [], done)
+
+
+def test_converting_a_folder_loads_no_torch(tmp_path: Path) -> None:
+    """torch takes ~2 s to import: a conversion to a format that does not write torch files
+    (every one but pt) never pays it, nor does the CLI before it knows the command."""
+    import subprocess
+    import sys
+
+    from imgpack.sample import make_sample_folder
+
+    make_sample_folder(tmp_path / "images", 12, 2, 0)
+    code = (
+        "import sys; from imgpack.cli import main\n"
+        "try:\n    main(['convert', 'images', 'out', '--format', 'lmdb', '-q'])\n"
+        "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False", done.stderr

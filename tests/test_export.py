@@ -1,7 +1,8 @@
-"""`imgpack export`: an output back to an image folder. An `original` output of JPEG and PNG
-sources gives back the source tree byte for byte (nested folders, unicode names, empty classes;
-hidden files were never part of it); other outputs give lossless PNGs of the stored pixels, and
-converting an export again gives the same samples."""
+"""`imgpack export`: an output back to an image folder. An `original` output of plain JPEG and
+PNG sources gives back the source tree byte for byte (nested folders, unicode names, empty
+classes; hidden files were never part of it); sources the conversion re-encoded come back as the
+PNG it stored, and the summary says so; other outputs give lossless PNGs of the stored pixels,
+and converting an export again gives the same samples."""
 
 from __future__ import annotations
 
@@ -91,7 +92,10 @@ def test_export_is_atomic_and_overwrites_only_exports(src: Path, tmp_path: Path)
     runner = CliRunner()
     result = runner.invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / "back"), "-q"])
     assert result.exit_code == 0, result.output
-    assert "4 files (4 stored bytes kept, 0 as PNG), 0 skipped" in result.output
+    assert (
+        "4 files (4 stored JPEG/PNG bytes as they are, 0 of them PNGs the conversion stored for "
+        "another type of source; 0 raw records as PNG), 0 skipped"
+    ) in result.output
     marker = json.loads((tmp_path / "back" / ".imgpack-export.json").read_text())
     assert marker["files"] == 4
     again = runner.invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / "back")])
@@ -138,3 +142,38 @@ def test_export_reads_the_stored_paths_once(
     monkeypatch.setattr(LMDBDataset, "_load_paths", counted)
     export(tmp_path / "out", tmp_path / "back", progress=False)
     assert len(calls) == 1
+
+
+def test_the_summary_and_files_say_what_the_conversion_kept(tmp_path: Path) -> None:
+    """A realistic folder: plain JPEG and PNG are the source bytes; an EXIF-rotated JPEG comes
+    back upright as ``x.jpg.png`` and an RGBA PNG flattened under its name, both counted."""
+    rng = np.random.default_rng(3)
+    pixels = rng.integers(0, 256, (12, 20, 3), dtype=np.uint8)
+    src = tmp_path / "src" / "cat"
+    src.mkdir(parents=True)
+    (src / "plain.jpg").write_bytes(_jpeg(pixels))
+    (src / "plain.png").write_bytes(_png(pixels))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees to display
+    rotated = io.BytesIO()
+    Image.fromarray(pixels).save(rotated, format="JPEG", quality=90, exif=exif)
+    (src / "rotated.jpg").write_bytes(rotated.getvalue())
+    rgba = io.BytesIO()
+    Image.fromarray(np.dstack([pixels, pixels[:, :, 0]]), "RGBA").save(rgba, format="PNG")
+    (src / "alpha.png").write_bytes(rgba.getvalue())
+    convert(tmp_path / "src", tmp_path / "out", "pt", progress=False)
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / "back")])
+    assert result.exit_code == 0, result.output
+    assert (
+        "4 files (4 stored JPEG/PNG bytes as they are, 1 of them PNGs the conversion stored for "
+        "another type of source; 0 raw records as PNG)"
+    ) in result.output
+    back = tmp_path / "back" / "cat"
+    assert sorted(p.name for p in back.iterdir()) == [
+        "alpha.png", "plain.jpg", "plain.png", "rotated.jpg.png",
+    ]  # fmt: skip
+    for name in ("plain.jpg", "plain.png"):
+        assert (back / name).read_bytes() == (src / name).read_bytes()
+    assert (back / "alpha.png").read_bytes() != (src / "alpha.png").read_bytes()
+    with Image.open(back / "rotated.jpg.png") as upright:
+        assert upright.size == (12, 20)  # EXIF orientation applied
