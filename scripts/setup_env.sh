@@ -21,8 +21,10 @@ want="$(cat "$ROOT/setup.cfg" "$ROOT/constraints.txt" "$ROOT/pyproject.toml" | s
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing imgpack$([ -n "$EXTRAS" ] && echo "[$EXTRAS]") (torch pinned by constraints.txt)" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -c "$ROOT/constraints.txt" -e "$ROOT$([ -n "$EXTRAS" ] && echo "[$EXTRAS]")"
+    # Not --quiet: a first install takes minutes, and each package it fetches says so.
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
+        -c "$ROOT/constraints.txt" -e "$ROOT$([ -n "$EXTRAS" ] && echo "[$EXTRAS]")" 2>&1 |
+        { grep -v '^Requirement already satisfied' || true; } >&2   # pipefail: pip's status counts
     echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -3,7 +3,22 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k roundtrip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== setup: .venv with imgpack[test,ray,dali,hf,plot] (the first time about 3 minutes and" \
+    "2.5 GiB, most of it DALI's CUDA wheels; later runs reuse it in seconds)" >&2
 EXTRAS=test,ray,dali,hf,plot source scripts/setup_env.sh
+
+# The docs show h5ls and mdb_stat output, which tests/test_docs.py checks against the real tools:
+# Debian's hdf5-tools and lmdb-utils, installed where this runs as root (CI); else those few
+# lines are skipped, saying so.
+if ! command -v h5ls >/dev/null || ! command -v mdb_stat >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "== setup: apt-get install hdf5-tools lmdb-utils (for the docs' h5ls and mdb_stat)" >&2
+        apt-get install -y -qq --no-install-recommends hdf5-tools lmdb-utils >/dev/null 2>&1 ||
+            { apt-get update -qq >/dev/null 2>&1 &&
+              apt-get install -y -qq --no-install-recommends hdf5-tools lmdb-utils >/dev/null 2>&1; } ||
+            echo "   (not installed: the docs' h5ls and mdb_stat examples will be skipped)" >&2
+    fi
+fi
 
 echo "== ruff check" >&2
 ruff check imgpack tests scripts
@@ -11,5 +26,6 @@ echo "== ruff format --check" >&2
 ruff format --check imgpack tests scripts
 echo "== mypy imgpack" >&2
 mypy imgpack
-echo "== pytest" >&2
+echo "== pytest: about 13 minutes on 2 CPUs (Ray, the docs pages and the killed-process tests" \
+    "take most of it); -x stops at the first failure, -k NAME runs some" >&2
 python -m pytest -q "$@"

@@ -1,10 +1,9 @@
-"""What a new user meets first: the README's Python quick start runs as written, messages and
-exits are the same for every destination, advice comes once, in one line."""
+"""What a new user meets first: messages and exits are the same for every destination, advice
+comes once, in one line (tests/test_docs.py runs every page's code blocks as written)."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +18,6 @@ from imgpack.cli import main
 from imgpack.errors import OptionError
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def test_the_readme_python_quick_start_runs_as_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"```python\n(.*?)```", text, re.S)
-    assert block is not None
-    src = build_uniform_folder(tmp_path / "images", count=12, size=8)
-    convert(src, tmp_path / "out", format="pt", encoding="raw", size=8, progress=False)
-    monkeypatch.chdir(tmp_path)
-    exec(compile(block.group(1), "README.md", "exec"), {"__name__": "readme"})
 
 
 def test_device_loader_without_cuda_says_so_in_one_line(
@@ -103,3 +90,46 @@ def test_help_names_what_each_command_takes() -> None:
     for command in ("info", "verify", "tune", "profile"):
         usage = runner.invoke(main, [command, "--help"]).output.splitlines()[0]
         assert usage.endswith("OUTPUT"), usage
+
+
+def test_sample_makes_split_folders_that_convert_with_splits(tmp_path: Path) -> None:
+    runner = CliRunner()
+    made = runner.invoke(
+        main, ["sample", str(tmp_path / "dataset"), "--images", "10", "--splits", "train,val"]
+    )
+    assert made.exit_code == 0, made.output
+    assert sorted(p.name for p in (tmp_path / "dataset").iterdir()) == ["train", "val"]
+    done = runner.invoke(
+        main,
+        ["convert", str(tmp_path / "dataset"), str(tmp_path / "out"), "--format", "pt"]
+        + ["--splits", "-q"],
+    )
+    assert done.exit_code == 0, done.output
+    train, val = open_dataset(tmp_path / "out" / "train"), open_dataset(tmp_path / "out" / "val")
+    assert len(train) == len(val) == 10 and train.classes == val.classes
+    assert train[0][0].numpy().tobytes() != val[0][0].numpy().tobytes()  # their own seeds
+    bad = runner.invoke(main, ["sample", str(tmp_path / "x"), "--splits", "a,a"])
+    assert bad.exit_code == 2 and "distinct non-empty names" in bad.output
+
+
+def test_a_bucket_without_credentials_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("s3fs", reason="pip install 'imgpack[s3]'")
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws either
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached: no credentials
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    done = subprocess.run(
+        [sys.executable, "-m", "imgpack.cli", "info", "s3://bucket/cats"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "Error: object storage: Unable to locate credentials (check the credentials and the "
+        "endpoint: AWS_* variables or --storage-option, see docs/storage.md)"
+    )

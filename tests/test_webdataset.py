@@ -96,6 +96,42 @@ def test_webdataset_decoders_give_the_same_pixels(
         assert np.array_equal(pixels, image.permute(1, 2, 0).numpy())
 
 
+@pytest.mark.parametrize("encoding", ["png", "original"])
+def test_hugging_face_reads_one_type_outputs_as_imgpack_does(encoding: str, tmp_path: Path) -> None:
+    """``load_dataset("webdataset")`` on a png output of a mixed folder, and on an original
+    output of an all-JPEG one (docs/formats/webdataset.md): every sample's pixels, label and
+    path, in order, over several shards."""
+    datasets = pytest.importorskip("datasets", reason="pip install 'imgpack[hf]'")
+    from PIL import Image
+
+    from imgpack.sample import make_sample_folder
+
+    src = tmp_path / "images"
+    make_sample_folder(src, 60, 5, 0)
+    if encoding == "original":  # one stored type: keep only the sample's JPEGs
+        for png in src.rglob("*.png"):
+            png.unlink()
+    out = tmp_path / "out"
+    convert(src, out, "webdataset", encoding=encoding, shard_size=20_000, progress=False)
+    ds = open_dataset(out)
+    shards = [str(out / f.path) for f in ds.manifest.files]
+    assert len(shards) > 1
+    hf = datasets.load_dataset(
+        "webdataset", data_files={"train": shards}, split="train", cache_dir=str(tmp_path / "hf")
+    )
+    column = "png" if encoding == "png" else "jpg"
+    assert len(hf) == len(ds)
+    for i, row in enumerate(hf):
+        image, label = ds[i]
+        rel = Path(ds.samples[i][0]).relative_to(src).as_posix()
+        assert (row["cls"], row["json"]["path"]) == (label, rel)
+        pixels = np.asarray(
+            row[column].convert("RGB") if row[column].mode != "RGB" else row[column]
+        )
+        assert isinstance(row[column], Image.Image)
+        assert np.array_equal(pixels, image.permute(1, 2, 0).numpy())
+
+
 def test_tar_lists_the_members(edge_folder: FakeFolder, tmp_path: Path) -> None:
     convert(edge_folder.root, tmp_path / "out", "webdataset", progress=False)
     listing = subprocess.run(

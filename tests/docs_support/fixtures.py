@@ -1,0 +1,83 @@
+"""What a page assumes the reader already has, made in the working folder before it runs.
+
+Each function is named in a page's entry in tests/test_docs.py. Everything is small and seeded,
+and a server listens on 127.0.0.1 only (the page runs in a network namespace of its own).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from imgpack import convert
+from imgpack.sample import make_sample_folder
+
+S3_PORT = 9000
+
+
+def images() -> None:
+    """./images: the sample folder (300 images, 5 classes)."""
+    make_sample_folder("images", 300, 5, 0)
+
+
+def s3() -> None:
+    """moto's S3 server on 127.0.0.1:9000 (the endpoint docs/storage.md names), the AWS
+    variables pointing at it, and the buckets the pages use: ``bucket``, ``datasets`` (with
+    ``raw-images/``, an image folder) and ``other`` (with ``out/``, an output)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(S3_PORT)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    atexit.register(server.terminate)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", S3_PORT), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("moto's server did not start") from None
+            time.sleep(0.2)
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{S3_PORT}",
+        AWS_ACCESS_KEY_ID=os.environ.get("AWS_ACCESS_KEY_ID", "minio"),
+        AWS_SECRET_ACCESS_KEY=os.environ.get("AWS_SECRET_ACCESS_KEY", "minio123"),
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    for bucket in ("bucket", "datasets", "other"):
+        fs.mkdir(bucket)
+    make_sample_folder("s3-fixture/images", 60, 3, 1)
+    fs.put("s3-fixture/images", "datasets/raw-images", recursive=True)
+    convert("s3-fixture/images", "s3://other/out", "pt", progress=False)
+
+
+def sources() -> None:
+    """What docs/sources.md converts: ./images, an LMDB output ``old-lmdb``, TFRecords
+    (``tf-shards/`` and ``tf/train-*.tfrecord``), a split folder ``dataset/`` and Hugging Face
+    datasets saved to disk (``saved-dataset``, ``saved-dataset-dict``, and ``saved`` with the
+    columns ``img`` and ``y``)."""
+    import datasets
+
+    images()
+    convert("images", "old-lmdb", "lmdb", progress=False)
+    convert("images", "tf-shards", "tfrecord", progress=False, shard_size=60_000)
+    Path("tf").mkdir()
+    for shard in sorted(Path("tf-shards").glob("*.tfrecord")):
+        os.link(shard, Path("tf") / shard.name.replace("data-", "train-"))
+    for i, split in enumerate(("train", "val", "test")):
+        make_sample_folder(Path("dataset") / split, 40, 3, 10 + i)
+    dataset = datasets.load_dataset("imagefolder", data_dir="images", split="train")
+    dataset.save_to_disk("saved-dataset")
+    datasets.DatasetDict(
+        {"train": dataset.select(range(0, 200)), "test": dataset.select(range(200, 300))}
+    ).save_to_disk("saved-dataset-dict")
+    dataset.rename_columns({"image": "img", "label": "y"}).save_to_disk("saved")
