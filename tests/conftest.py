@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,3 +252,22 @@ from imgpack.cli import main
 sys.argv[0] = "imgpack"
 main()
 """
+
+
+def start_moto(port: int) -> subprocess.Popen[bytes]:
+    """moto's S3 server on 127.0.0.1:``port``, once it answers (the caller stops it)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.terminate()
+                raise RuntimeError("moto's server did not start") from None
+            time.sleep(0.2)

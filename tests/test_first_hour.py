@@ -99,11 +99,8 @@ def test_sample_makes_split_folders_that_convert_with_splits(tmp_path: Path) -> 
     )
     assert made.exit_code == 0, made.output
     assert sorted(p.name for p in (tmp_path / "dataset").iterdir()) == ["train", "val"]
-    done = runner.invoke(
-        main,
-        ["convert", str(tmp_path / "dataset"), str(tmp_path / "out"), "--format", "pt"]
-        + ["--splits", "-q"],
-    )
+    args = ["convert", str(tmp_path / "dataset"), str(tmp_path / "out"), "-q", "--splits"]
+    done = runner.invoke(main, [*args, "--format", "pt"])
     assert done.exit_code == 0, done.output
     train, val = open_dataset(tmp_path / "out" / "train"), open_dataset(tmp_path / "out" / "val")
     assert len(train) == len(val) == 10 and train.classes == val.classes

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder
+from conftest import build_uniform_folder, start_moto
 from torch.utils.data import DataLoader
 
 import imgpack.storage as storage
@@ -69,11 +68,7 @@ def s3() -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = start_moto(port)
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "testing",
@@ -83,15 +78,6 @@ def s3() -> Iterator[str]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("moto's server did not start") from None
-                time.sleep(0.2)
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         fs.mkdir("imgpack-test")
         yield "s3://imgpack-test"

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest
+
+from conftest import start_moto
 
 from imgpack import convert
 from imgpack.sample import make_sample_folder
@@ -29,21 +30,7 @@ def s3() -> None:
     """moto's S3 server on 127.0.0.1:9000 (the endpoint docs/storage.md names), the AWS
     variables pointing at it, and the buckets the pages use: ``bucket``, ``datasets`` (with
     ``raw-images/``, an image folder) and ``other`` (with ``out/``, an output)."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(S3_PORT)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    atexit.register(server.terminate)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", S3_PORT), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("moto's server did not start") from None
-            time.sleep(0.2)
+    atexit.register(start_moto(S3_PORT).terminate)
     os.environ.update(
         AWS_ENDPOINT_URL=f"http://127.0.0.1:{S3_PORT}",
         AWS_ACCESS_KEY_ID=os.environ.get("AWS_ACCESS_KEY_ID", "minio"),
