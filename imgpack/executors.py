@@ -315,8 +315,14 @@ def _probe_ray(address: str) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The message's first line; with the last one too when the first only introduces it
+    (Ray's client: ``Initialization failure from server:`` and then a traceback)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[-1]}"
+    return lines[0]
 
 
 def import_ray() -> Any:
