@@ -4,7 +4,8 @@ Schema version 1::
 
     {"imgpack": 1, "format": "pt", "num_samples": 500, "classes": ["cat", "dog"],
      "encoding": "raw", "image": {"height": 32, "width": 32, "channels": 3, ...},
-     "files": [{"path": "shard-00000.pt", "bytes": 123, "num_samples": 500, "sha256": "..."}],
+     "files": [{"path": "shard-00000.pt", "bytes": 123, "num_samples": 500, "sha256": "...",
+                "companions": [{"path": "...", "bytes": 45, "sha256": "..."}]}],
      "options": {...}, "source": {...}, "skipped": [{"path": "...", "reason": "..."}],
      "created_by": "imgpack 0.1.0", "output_id": "3f2a9c0d51e4b7a8"}
 
@@ -34,13 +35,25 @@ OUTPUT_ID_LENGTH = 16
 
 
 @dataclass
+class Companion:
+    """A file that belongs to a data file (the ``.idx`` index of a TFRecord or WebDataset
+    shard, which DALI and imgpack's readers use), with its size and checksum."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
 class FileEntry:
-    """One data file of an output, with its size, sample count and checksum."""
+    """One data file of an output, with its size, sample count and checksum, and the files that
+    belong to it (outputs of imgpack 0.4.0 and earlier list none)."""
 
     path: str
     bytes: int
     num_samples: int
     sha256: str
+    companions: list[Companion] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +91,9 @@ class Manifest:
         del data["version"]
         if data["part"] is None:
             del data["part"]
+        for entry in data["files"]:  # formats without index files keep their manifests as before
+            if not entry["companions"]:
+                del entry["companions"]
         return {"imgpack": self.version, **data}
 
     @classmethod
@@ -121,9 +137,20 @@ class Manifest:
                     bytes=_count(entry["bytes"], "files.bytes"),
                     num_samples=_count(entry["num_samples"], "files.num_samples"),
                     sha256=str(entry.get("sha256", "")),
+                    companions=[
+                        Companion(
+                            _name(c["path"]),
+                            _count(c["bytes"], "files.companions.bytes"),
+                            str(c["sha256"]),
+                        )
+                        for c in entry.get("companions", [])
+                    ],
                 )
                 for entry in data["files"]
             ]
+            named = [e.path for e in files] + [c.path for e in files for c in e.companions]
+            if len(set(named)) != len(named) or MANIFEST_NAME in named:
+                raise ValueError("files and their companions name one file twice")
             return cls(
                 format=fmt,
                 num_samples=_count(data["num_samples"], "num_samples"),
@@ -224,7 +251,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     os.replace(tmp, directory / MANIFEST_NAME)
 
 
-def file_problem(root: Path, entry: FileEntry) -> str | None:
+def file_problem(root: Path, entry: FileEntry | Companion) -> str | None:
     """What is wrong with the file ``entry`` names in the output at ``root`` (missing, not a
     regular file, not of the recorded size), or ``None``. Cheap: one ``lstat``."""
     try:

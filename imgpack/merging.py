@@ -32,7 +32,7 @@ from imgpack.errors import DataError, OptionError
 from imgpack.formats.dataset_base import ImageDataset
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoding, ImagePolicy
-from imgpack.manifest import FileEntry, Manifest, read_manifest, write_manifest
+from imgpack.manifest import Manifest, read_manifest, write_manifest
 from imgpack.pipeline import check_destination, clear_leftovers, file_entries, temp_output
 from imgpack.publishing import inside, locked, publish, recover
 from imgpack.storage import is_url, local_path, open_location, output_folder
@@ -85,14 +85,14 @@ def merge(
         clear_leftovers(target)
         check_destination(target, overwrite)
         with temp_output(target) as tmp:
-            files, linked = _join(ordered, [by_root[root] for root, _ in ordered], tmp, progress)
+            files = _join(ordered, [by_root[root] for root, _ in ordered], tmp, progress)
             for root, manifest in ordered:
                 if read_manifest(root) != manifest:
                     raise DataError(
                         f"{root}: the part was replaced while it was being merged; nothing was "
                         "published: merge again"
                     )
-            manifest = _merged_manifest(ordered, tmp, files, linked)
+            manifest = _merged_manifest(ordered, tmp, files)
             write_manifest(tmp, manifest)
             publish(tmp, target, replace=overwrite)
     return manifest
@@ -186,8 +186,8 @@ def _join(
     readers: list[ImageDataset],
     directory: Path,
     progress: bool,
-) -> tuple[list[WrittenFile], bool]:
-    """The merged data files in ``directory``, and whether they are the parts' files linked."""
+) -> list[WrittenFile]:
+    """The merged data files in ``directory`` (the parts' shards linked, or one file streamed)."""
     first = ordered[0][1]
     spec = formats.get(first.format)
     writer = spec.writer_class()(directory, _writer_config(first))
@@ -196,7 +196,7 @@ def _join(
             linked = writer.link_parts(ordered)  # each file's bytes: its recorded sha256
             for reader in readers:  # and each record: its checksum, as a stream is checked
                 reader.check_records()
-            return linked, True
+            return linked
         total = sum(manifest.num_samples for _, manifest in ordered)
         bar = tqdm(
             total=total,
@@ -210,7 +210,7 @@ def _join(
                 for sample in reader.encoded(0, manifest.num_samples):
                     writer.add(sample)
                     bar.update(1)
-    return writer.close(), False
+    return writer.close()
 
 
 def _writer_config(manifest: Manifest) -> WriterConfig:
@@ -232,17 +232,11 @@ def _writer_config(manifest: Manifest) -> WriterConfig:
 
 
 def _merged_manifest(
-    ordered: list[tuple[Path, Manifest]], directory: Path, files: list[WrittenFile], linked: bool
+    ordered: list[tuple[Path, Manifest]], directory: Path, files: list[WrittenFile]
 ) -> Manifest:
     first = ordered[0][1]
-    if linked:  # the same bytes as the parts' files: their sizes and sha256 hold
-        entries = [entry for _, manifest in ordered for entry in manifest.files]
-        checked = [
-            FileEntry(f.path, e.bytes, e.num_samples, e.sha256)
-            for f, e in zip(files, entries, strict=True)
-        ]
-    else:
-        checked = file_entries(directory, files)
+    # Linked files are the parts' bytes, checked against their sha256 as they were linked.
+    checked = file_entries(directory, files)
     return Manifest(
         format=first.format,
         num_samples=sum(manifest.num_samples for _, manifest in ordered),

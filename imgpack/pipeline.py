@@ -64,6 +64,7 @@ from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, Writt
 from imgpack.manifest import (
     MANIFEST_NAME,
     OUTPUT_ID_LENGTH,
+    Companion,
     FileEntry,
     Manifest,
     sha256_file,
@@ -436,6 +437,7 @@ def file_entries(directory: Path, files: list[WrittenFile]) -> list[FileEntry]:
             (directory / f.path).stat().st_size,
             f.num_samples,
             f.sha256 or sha256_file(directory / f.path),
+            [Companion(name, (directory / name).stat().st_size, sha) for name, sha in f.companions],
         )
         for f in files
     ]

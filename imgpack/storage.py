@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 Location = str | os.PathLike[str]
 #: Files transferred at once.
 TRANSFERS = 8
-#: Files an output holds at run time that are not part of it (LMDB's lock file).
-RUNTIME_FILES = frozenset({"lock.mdb"})
 #: The cache's size limit when neither ``max_bytes`` nor ``IMGPACK_CACHE_SIZE`` sets one.
 DEFAULT_CACHE_BYTES = 100 << 30
 
@@ -273,11 +271,15 @@ class Remote:
 
 
 def _remote_files(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remote]:
-    """The files to fetch: the manifest's data files with the store's ETag of each, and the
-    files beside them that the manifest does not list but readers use (the ``.idx`` index of a
-    ``tfrecord`` or ``webdataset`` shard): sizes from the listing, no sha256 (the readers check
-    each index against the framing it describes). One listing for all of them."""
-    listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
+    """The files to fetch, with the store's ETag of each: the manifest's data files and their
+    companions (index files), each with its recorded size and sha256. An output of imgpack
+    0.4.0 or earlier lists no companions: the files beside its shards that readers use (the ``.idx``
+    of a ``tfrecord`` or ``webdataset`` shard) are taken from the listing, with no sha256 (the
+    readers check each index against the framing it describes). One listing for all of them."""
+    listed = [(e.path, e.bytes, e.sha256) for e in manifest.files]
+    listed += [(c.path, c.bytes, c.sha256) for e in manifest.files for c in e.companions]
+    names = {name for name, _, _ in listed} | {MANIFEST_NAME}
+    guess = not any(e.companions for e in manifest.files)
     stems = {Path(e.path).stem for e in manifest.files}
     try:
         found = fs.find(root, detail=True)
@@ -288,11 +290,10 @@ def _remote_files(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remo
     for path, info in sorted(found.items()):
         name = path[len(root) :].lstrip("/")
         tags[name] = _etag(info)
-        if "/" in name or name in listed or Path(name).stem not in stems:
+        if not guess or "/" in name or name in names or Path(name).stem not in stems:
             continue
         extra.append(Remote(name, int(info.get("size") or 0), "", tags[name]))
-    data = [Remote(e.path, e.bytes, e.sha256, tags.get(e.path, "")) for e in manifest.files]
-    return data + extra
+    return [Remote(name, size, sha, tags.get(name, "")) for name, size, sha in listed] + extra
 
 
 def _etag(info: dict[str, Any]) -> str:
@@ -537,7 +538,10 @@ def upload(
     every other file (the commit), and files of the replaced output that the new one does not
     have are removed after."""
     fs, root = filesystem(url, storage_options)
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name not in RUNTIME_FILES)
+    from imgpack import formats  # the registry, not the formats: no reader or writer loaded
+
+    runtime = {name for spec in formats.specs() for name in spec.runtime_files}
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name not in runtime)
     names = {p.relative_to(local).as_posix() for p in files}
     try:
         before = {f[len(root) :].lstrip("/") for f in fs.find(root) if not f.endswith("/")}

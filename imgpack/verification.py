@@ -28,6 +28,7 @@ from tqdm import tqdm
 from imgpack.errors import ImgpackError
 from imgpack.manifest import (
     MANIFEST_NAME,
+    Companion,
     FileEntry,
     Manifest,
     file_problem,
@@ -92,19 +93,27 @@ class Report:
 
 
 def _check_file(root: Path, entry: FileEntry, bar: tqdm) -> list[Problem]:
-    """The manifest's word on one file against the file (names were checked with the manifest)."""
-    path = root / entry.path
-    problem = file_problem(root, entry)
-    if problem is not None:
-        bar.update(entry.bytes)
-        return [Problem(str(path), problem)]
-    try:
-        digest = sha256_file(path, progress=bar.update)
-    except OSError as exc:
-        return [Problem(str(path), f"unreadable: {exc.strerror}")]
-    if entry.sha256 and digest != entry.sha256:
-        return [Problem(str(path), "sha256 differs from the manifest (the file was changed)")]
-    return []
+    """The manifest's word on one file and its companions (index files) against the files
+    (names were checked with the manifest)."""
+    problems = []
+    files: list[FileEntry | Companion] = [entry, *entry.companions]
+    for one in files:
+        path = root / one.path
+        problem = file_problem(root, one)
+        if problem is not None:
+            bar.update(one.bytes)
+            problems.append(Problem(str(path), problem))
+            continue
+        try:
+            digest = sha256_file(path, progress=bar.update)
+        except OSError as exc:
+            problems.append(Problem(str(path), f"unreadable: {exc.strerror}"))
+            continue
+        if one.sha256 and digest != one.sha256:
+            problems.append(
+                Problem(str(path), "sha256 differs from the manifest (the file was changed)")
+            )
+    return problems
 
 
 def _batches(count: int) -> Iterator[range]:
@@ -185,7 +194,7 @@ def verify(
     report.files = len(manifest.files)
     report.bytes = manifest.total_bytes
     bar = tqdm(
-        total=manifest.total_bytes,
+        total=manifest.total_bytes + sum(c.bytes for e in manifest.files for c in e.companions),
         unit="B",
         unit_scale=True,
         desc="files",

@@ -221,7 +221,7 @@ def refresh_manifest(output: Path) -> None:
     from imgpack.manifest import read_manifest, sha256_file, write_manifest
 
     manifest = read_manifest(output)
-    for entry in manifest.files:
+    for entry in [*manifest.files, *(c for e in manifest.files for c in e.companions)]:
         entry.bytes = (output / entry.path).stat().st_size
         entry.sha256 = sha256_file(output / entry.path)
     write_manifest(output, manifest)

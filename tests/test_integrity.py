@@ -220,3 +220,56 @@ def test_verify_of_something_that_is_not_an_output(tmp_path: Path) -> None:
     assert not report.ok and "not an imgpack output" in report.problems[0].message
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "nowhere")])
     assert result.exit_code == 1 and "no such imgpack output" in result.output
+
+
+@pytest.mark.parametrize("fmt", ["tfrecord", "webdataset"])
+def test_index_files_are_listed_and_verified(
+    fmt: str, uniform_folder: Path, tmp_path: Path
+) -> None:
+    """The manifest lists each shard's .idx with its size and sha256; verify names a deleted or
+    edited one (DALI needs a TFRecord shard's .idx, imgpack's reader a WebDataset shard's)."""
+    import hashlib
+
+    out = tmp_path / "out"
+    convert(uniform_folder, out, fmt, shard_size=3000, progress=False)
+    manifest = json.loads((out / "imgpack.json").read_text())
+    assert len(manifest["files"]) > 1
+    for entry in manifest["files"]:
+        (companion,) = entry["companions"]
+        index = out / companion["path"]
+        assert index.suffix == ".idx" and Path(entry["path"]).stem == index.stem
+        assert companion["bytes"] == index.stat().st_size
+        assert companion["sha256"] == hashlib.sha256(index.read_bytes()).hexdigest()
+    assert verify(out).ok
+    first, second = (out / e["companions"][0]["path"] for e in manifest["files"][:2])
+    first.unlink()
+    second.write_bytes(second.read_bytes().replace(b" ", b"  ", 1))
+    report = verify(out)
+    problems = {Path(p.file).name: p.message for p in report.problems}
+    assert problems[first.name].startswith("missing")
+    assert problems[second.name].endswith(
+        "bytes, the manifest says " + str(manifest["files"][1]["companions"][0]["bytes"])
+    )
+
+
+def test_outputs_without_listed_index_files_still_verify(
+    uniform_folder: Path, tmp_path: Path
+) -> None:
+    """imgpack 0.4.0 listed no companions: such an output reads and verifies as before."""
+    out = tmp_path / "out"
+    convert(uniform_folder, out, "webdataset", shard_size=3000, progress=False)
+    manifest = json.loads((out / "imgpack.json").read_text())
+    for entry in manifest["files"]:
+        del entry["companions"]
+    (out / "imgpack.json").write_text(json.dumps(manifest))
+    assert verify(out, deep=True).ok
+    assert len(open_dataset(out)) == manifest["num_samples"]
+
+
+def test_only_formats_with_index_files_list_companions(
+    uniform_folder: Path, tmp_path: Path
+) -> None:
+    for fmt in ("pt", "lmdb", "hdf5"):
+        convert(uniform_folder, tmp_path / fmt, fmt, progress=False)
+        manifest = json.loads((tmp_path / fmt / "imgpack.json").read_text())
+        assert all("companions" not in entry for entry in manifest["files"])

@@ -17,7 +17,7 @@ from conftest import build_uniform_folder
 from imgpack import convert, merge, open_dataset, verify
 from imgpack.cli import main
 from imgpack.converters import FORMATS
-from imgpack.errors import OptionError
+from imgpack.errors import ImgpackError, OptionError
 
 PARTS = 3
 
@@ -72,6 +72,27 @@ def test_parts_merged_equal_one_conversion(fmt: str, src: Path, tmp_path: Path) 
         first = parts[0] / manifests[0]["files"][0]["path"]
         assert first.stat().st_nlink == 2
         assert verify(parts[0]).ok  # and the parts are as they were
+    # The index files are listed under the merged names, as one conversion lists them.
+    indexed = fmt in ("tfrecord", "webdataset")
+    for entry in merged.files:
+        wanted = [Path(entry.path).with_suffix(".idx").name] if indexed else []
+        assert [c.path for c in entry.companions] == wanted
+
+
+@pytest.mark.parametrize("fmt", ["tfrecord", "webdataset"])
+def test_a_part_index_changed_after_its_conversion_is_not_merged(
+    fmt: str, src: Path, tmp_path: Path
+) -> None:
+    parts = _parts(src, tmp_path, fmt)
+    manifest = json.loads((parts[1] / "imgpack.json").read_text())
+    index = parts[1] / manifest["files"][0]["companions"][0]["path"]
+    text = index.read_text()
+    end = text.index("\n") - 1  # the first line's last digit, another digit: same size
+    index.write_text(text[:end] + str((int(text[end]) + 1) % 10) + text[end + 1 :])
+    with pytest.raises(ImgpackError, match=r"sha256|does not match|damaged|records end") as caught:
+        merge(parts, tmp_path / "merged", progress=False)
+    assert str(index) in str(caught.value) or index.name in str(caught.value)
+    assert not (tmp_path / "merged").exists()
 
 
 def test_the_cli_runs_a_slurm_style_array_then_merges(src: Path, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import imgpack.storage as storage
 from imgpack import convert, export, merge, open_dataset, verify
 from imgpack.cli import main
-from imgpack.errors import ManifestError, OptionError
+from imgpack.errors import ImgpackError, ManifestError, OptionError
 from imgpack.readers import TFRecordStream, collate
 
 FORMATS = ("pt", "lmdb", "hdf5", "tfrecord", "webdataset")
@@ -346,3 +346,18 @@ def test_bench_tune_profile_read_urls(mem: str, src: Path) -> None:
         assert result.exit_code == 0, result.output
     result = runner.invoke(main, ["bench", str(src / "missing"), *args])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_a_bucket_index_file_is_checked_like_the_data(mem: str, src: Path, cache: Path) -> None:
+    """The manifest lists each .idx with its sha256: the cache checks a fetched index as it
+    checks a shard, instead of taking whatever lies beside the shards."""
+    url = f"{mem}/wds"
+    manifest = convert(src, url, "webdataset", shard_size=4000, progress=False)
+    (index,) = manifest.files[1].companions
+    fs = fsspec.filesystem("memory")
+    path = f"{url.removeprefix('memory://')}/{index.path}"
+    data = bytearray(fs.cat_file(path))
+    data[-2] = ord("0") if data[-2] != ord("0") else ord("1")  # same size, another digit
+    fs.pipe_file(path, bytes(data))
+    with pytest.raises(ImgpackError, match=rf"{index.path}.*another sha256"):
+        open_dataset(url, cache_dir=cache)

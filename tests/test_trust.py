@@ -178,6 +178,9 @@ def test_a_webdataset_index_is_checked_against_the_tar(
     idx.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match="does not match"):
         open_dataset(out)[1]
+    report = verify(out, deep=True)  # the manifest lists the .idx: its size or sha256 differs
+    assert not report.ok and any(p.file == str(idx) for p in report.problems)
+    refresh_manifest(out)  # an index edited with its manifest: the tar framing still tells
     report = verify(out, deep=True)
     assert not report.ok and any("does not match" in p.message for p in report.problems)
 

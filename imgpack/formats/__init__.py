@@ -94,6 +94,9 @@ class FormatSpec:
     #: installs them (the install hint when one is missing).
     requires: tuple[str, ...] = ()
     extra: str | None = None
+    #: Files the format's libraries create beside the data while it is read or written, which
+    #: are no part of the output (LMDB's ``lock.mdb``): not uploaded, not checked.
+    runtime_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.sharded and not self.default_shard_size:

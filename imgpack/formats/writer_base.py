@@ -62,6 +62,8 @@ class WrittenFile:
     path: str
     num_samples: int
     sha256: str = ""
+    #: ``(name, sha256)`` of each file that belongs to it (:meth:`ShardedWriter.companions_of`).
+    companions: list[tuple[str, str]] = field(default_factory=list)
 
 
 class Writer(ABC):
@@ -174,12 +176,9 @@ class ShardedWriter(Writer):
         name = self.shard_name(len(self._shards))
         path = self.directory / name
         digest = sha256_file(path)  # once: the checkpoint and the manifest both use it
-        self._shards.append(WrittenFile(name, self._shard_count, digest))
-        self._sealed[name] = [
-            path.stat().st_size,
-            digest,
-            {c.name: sha256_file(c) for c in self.companions_of(path)},
-        ]
+        companions = {c.name: sha256_file(c) for c in self.companions_of(path)}
+        self._shards.append(WrittenFile(name, self._shard_count, digest, [*companions.items()]))
+        self._sealed[name] = [path.stat().st_size, digest, companions]
         self._open = False
         self.durable = sum(shard.num_samples for shard in self._shards)
 
@@ -238,7 +237,9 @@ class ShardedWriter(Writer):
         if held is not None and held != count:
             raise DataError(f"{bad}: {name} holds {held} samples, the checkpoint says {count}")
         self._sealed[name] = [size, digest, dict(companions)]
-        return WrittenFile(name, count, digest)
+        return WrittenFile(
+            name, count, digest, [(c.name, companions[c.name]) for c in wanted.values()]
+        )
 
     def shard_samples(self, path: Path) -> int | None:
         """How many samples the completed shard at ``path`` holds, read from its files;
@@ -286,11 +287,20 @@ class ShardedWriter(Writer):
             source = root / entry.path
             target = self.directory / self.final_name(number, len(shards))
             _link(source, target, entry.bytes, entry.sha256)
+            listed = {c.path: c for c in entry.companions}  # none in parts of imgpack <= 0.4.0
+            companions = []
             for companion, new in zip(
                 self.companions_of(source), self.companions_of(target), strict=True
             ):
-                _link(companion, new)
-            written.append(WrittenFile(target.name, entry.num_samples))
+                known = listed.get(companion.name)
+                if entry.companions and known is None:
+                    raise DataError(f"{companion}: its part's manifest does not list it")
+                if known is None:
+                    _link(companion, new)
+                else:
+                    _link(companion, new, known.bytes, known.sha256)
+                companions.append((new.name, known.sha256 if known else sha256_file(new)))
+            written.append(WrittenFile(target.name, entry.num_samples, entry.sha256, companions))
         self._files = written
         return written
 

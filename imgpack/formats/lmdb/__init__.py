@@ -10,6 +10,7 @@ SPEC = FormatSpec(
     writer="imgpack.formats.lmdb.writer:LMDBWriter",
     reader="imgpack.formats.lmdb.reader:LMDBDataset",
     summary="one LMDB environment (data.mdb), a binary record per sample",
+    runtime_files=("lock.mdb",),
     options=(
         FormatOption(
             "map_size",

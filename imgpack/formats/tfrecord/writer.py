@@ -89,8 +89,12 @@ class TFRecordWriter(ShardedWriter):
             old = self.directory / written.path
             new = self.directory / self.final_name(number, len(partial))
             os.rename(old, new)
-            os.rename(self.companions_of(old)[0], self.companions_of(new)[0])
-            files.append(WrittenFile(new.name, written.num_samples, written.sha256))
+            index = self.companions_of(new)[0]
+            os.rename(self.companions_of(old)[0], index)
+            (_, digest), *_ = written.companions
+            files.append(
+                WrittenFile(new.name, written.num_samples, written.sha256, [(index.name, digest)])
+            )
         return files
 
     def _abort(self) -> None:
