@@ -12,21 +12,32 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 SUPPORT = Path(__file__).resolve().parent / "ray_support"
 
 
-def _isolated() -> bool:
+#: Network, PID and mount namespaces of their own: only loopback, and every Ray process the
+#: script started dies with it (no `ray stop`, which would stop any Ray it can see).
+NAMESPACES = ["unshare", "-n", "-p", "-f", "-m", "--mount-proc"]
+
+
+def _can_isolate() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
         return False
-    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True)
-    return probe.returncode == 0
+    return subprocess.run([*NAMESPACES, "true"], capture_output=True).returncode == 0
+
+
+def _isolated(script: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``script`` run by bash in :data:`NAMESPACES`, loopback up."""
+    command = [*NAMESPACES, "bash", "-c", f"ip link set lo up\n{script}"]
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 
 pytestmark = pytest.mark.skipif(
-    not _isolated(), reason="needs root for a loopback-only network namespace (CI runs as root)"
+    not _can_isolate(), reason="needs root for a loopback-only network namespace (CI runs as root)"
 )
 
 
@@ -43,15 +54,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_TMPDIR": str(ray_tmp),
     }
-    command = f'ip link set lo up && exec "{sys.executable}" "{SUPPORT / "checks.py"}" "{work}"'
+    command = f'exec "{sys.executable}" "{SUPPORT / "checks.py"}" "{work}"'
     try:
-        done = subprocess.run(
-            ["unshare", "-n", "sh", "-c", command],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
-        )
+        done = _isolated(command, env=env, timeout=600)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
@@ -90,7 +95,6 @@ def test_cluster_connection_problems_are_one_line(tmp_path: Path) -> None:
         (short / home).mkdir()
     bin_dir = Path(sys.executable).parent
     script = f"""
-ip link set lo up
 export PATH="{bin_dir}:$PATH" RAY_TMPDIR="{short}" RAY_USAGE_STATS_ENABLED=0 HOME="{short}/head"
 imgpack sample images --images 12 --classes 2 2>/dev/null
 RAY_AUTH_MODE=token ray get-auth-token --generate >/dev/null 2>&1
@@ -100,16 +104,9 @@ echo "== no-mode";  run out1 127.0.0.1:6390
 echo "== no-token"; RAY_AUTH_MODE=token HOME="{short}/bare" run out2 127.0.0.1:6390
 echo "== nothing";  run out3 127.0.0.1:6399
 echo "== both";     RAY_AUTH_MODE=token run out4 127.0.0.1:6390
-ray stop --force >/dev/null 2>&1
 """
     try:
-        done = subprocess.run(
-            ["unshare", "-n", "bash", "-c", script],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=300,
-        )
+        done = _isolated(script, cwd=tmp_path, timeout=300)
     finally:
         shutil.rmtree(short, ignore_errors=True)
     parts = dict(part.split("\n", 1) for part in done.stdout.split("== ")[1:])  # case -> rc
