@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import click
 
 from imgpack import errors, formats
-from imgpack.errors import ImgpackError, OptionError, Terminated
+from imgpack.errors import ImgpackError, OptionError, Terminated, first_line
 from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES
 from imgpack.options import ON_ERROR, ConvertOptions
 from imgpack.units import format_bytes
@@ -133,11 +133,10 @@ def _user_facing(exc: Exception) -> Exception:
         return click.ClickException(printable_line(str(exc)))
     if isinstance(exc, PermissionError):
         return click.ClickException(printable_line(f"{exc.filename}: permission denied"))
-    if type(exc).__module__.split(".")[0] in _STORAGE_CLIENTS:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if type(exc).__module__.startswith(_STORAGE_CLIENTS):
         return click.ClickException(
             printable_line(
-                f"object storage: {first} (check the credentials and the "
+                f"object storage: {first_line(exc)} (check the credentials and the "
                 "endpoint: AWS_* variables or --storage-option, see docs/storage.md)"
             )
         )
@@ -145,7 +144,14 @@ def _user_facing(exc: Exception) -> Exception:
 
 
 #: The packages whose errors mean a bucket's credentials or endpoint, not a bug of imgpack.
-_STORAGE_CLIENTS = {"botocore", "aiobotocore", "google", "gcsfs", "s3fs"}
+_STORAGE_CLIENTS = (
+    "botocore.",
+    "aiobotocore.",
+    "s3fs.",
+    "gcsfs.",
+    "google.auth.",
+    "google.api_core.",
+)
 
 
 #: The user-facing errors whose tracebacks a DataLoader worker sends are shown as one line.

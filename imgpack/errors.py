@@ -8,6 +8,18 @@ the bad value and what is allowed, so the CLI can print them as they are.
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line for a user: its first line, and the last one too when
+    the first only introduces it (``Initialization failure from server:`` and a traceback);
+    the class name when it has no message."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[-1]}"
+    return lines[0]
+
+
 class ImgpackError(Exception):
     """Base class of imgpack's own errors."""
 

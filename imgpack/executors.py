@@ -32,7 +32,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from imgpack.errors import ImageError, ImgpackError, OptionError
+from imgpack.errors import ImageError, ImgpackError, OptionError, first_line
 from imgpack.folder import Sample
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_file
 from imgpack.system import usable_cpus
@@ -236,7 +236,7 @@ class RayExecutor:
                 yield from ray.get(window.popleft())
         except ray.exceptions.RayError as exc:
             raise ImgpackError(
-                f"the Ray cluster failed the conversion: {_first_line(exc)}"
+                f"the Ray cluster failed the conversion: {first_line(exc)}"
             ) from None
         finally:
             for ref in window:
@@ -274,7 +274,7 @@ def connect_ray(ray: Any, address: str | None, workers: int | None) -> None:
             configure_logging=False,
             **({"num_cpus": workers} if address is None else {}),
         )
-    except ray.exceptions.AuthenticationError:
+    except getattr(ray.exceptions, "AuthenticationError", ()):  # Ray 2.5x and later
         raise ImgpackError(
             f"the Ray cluster at {address} uses token authentication and this machine has no "
             "token: copy the cluster's ~/.ray/auth_token here (or set RAY_AUTH_TOKEN): see "
@@ -282,12 +282,12 @@ def connect_ray(ray: Any, address: str | None, workers: int | None) -> None:
         ) from None
     except (ConnectionError, RuntimeError) as exc:
         if address is None:
-            raise ImgpackError(f"could not start a local Ray: {_first_line(exc)}") from None
+            raise ImgpackError(f"could not start a local Ray: {first_line(exc)}") from None
         hint = (
             "" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else f"; {RAY_TOKEN_HINT}"
         )
         raise ImgpackError(
-            f"could not connect to the Ray cluster at {address}: {_first_line(exc)}{hint}"
+            f"could not connect to the Ray cluster at {address}: {first_line(exc)}{hint}"
         ) from None
 
 
@@ -312,17 +312,6 @@ def _probe_ray(address: str) -> None:
             f"cannot reach the Ray cluster at {address}: {reason}; is `ray start --head` "
             "running there, and is the port open from this machine?"
         ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    """The message's first line; with the last one too when the first only introduces it
-    (Ray's client: ``Initialization failure from server:`` and then a traceback)."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    if len(lines) > 1 and lines[0].endswith(":"):
-        return f"{lines[0]} {lines[-1]}"
-    return lines[0]
 
 
 def import_ray() -> Any:

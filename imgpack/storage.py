@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ImgpackError, ManifestError, OptionError, StorageError
+from imgpack.errors import ImgpackError, ManifestError, OptionError, StorageError, first_line
 from imgpack.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from imgpack.units import parse_byte_size
 
@@ -110,7 +110,7 @@ def _remote_error(url: str, exc: BaseException) -> ImgpackError:
     if isinstance(exc, PermissionError):
         return StorageError(f"{url}: access denied ({exc})")
     return StorageError(
-        f"{url}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        f"{url}: {type(exc).__name__}: {first_line(exc) if str(exc).strip() else ''}"
     )
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -271,3 +273,22 @@ def start_moto(port: int) -> subprocess.Popen[bytes]:
                 server.terminate()
                 raise RuntimeError("moto's server did not start") from None
             time.sleep(0.2)
+
+
+#: Network, PID and mount namespaces of their own for tests that start servers: only loopback
+#: (no byte leaves 127.0.0.1), and every process started inside dies with the namespace (no
+#: `ray stop`, which would stop any Ray it can see). Needs root, which CI has.
+NAMESPACES = ["unshare", "-n", "-p", "-f", "-m", "--mount-proc"]
+
+
+def can_isolate() -> bool:
+    """Whether :data:`NAMESPACES` can be made here."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    return subprocess.run([*NAMESPACES, "true"], capture_output=True).returncode == 0
+
+
+def isolated(script: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``script`` run by bash in :data:`NAMESPACES`, loopback up (``kwargs`` to subprocess.run)."""
+    command = [*NAMESPACES, "bash", "-c", f"ip link set lo up\n{script}"]
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import can_isolate
+from conftest import isolated as run_isolated
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "docs_support" / "page.py"
@@ -40,9 +42,11 @@ PAGES: dict[str, dict[str, object]] = {
         "isolated": True,
         "replace": CLUSTER,
         "seconds": 60,
-        # Its ray:// client (whose server starts a process per client) failed now and then
-        # beside the other lane on 2 CPUs: it runs alone, after the others.
+        # Its ray:// client (whose server starts a process per client) failed now and then on
+        # 2 CPUs, Ray's per-client server dying at start with empty logs ("Starting Ray client
+        # server failed"): it runs alone, after the others, and once more if that happens.
         "alone": True,
+        "again_on": "Starting Ray client server failed",
     },
     "docs/security.md": {},
     "docs/sources.md": {"fixtures": ["sources"], "seconds": 40},
@@ -53,13 +57,6 @@ PAGES: dict[str, dict[str, object]] = {
     "docs/formats/tfrecord.md": {},
     "docs/formats/webdataset.md": {},
 }
-
-
-def _can_isolate() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    probe = ["unshare", "-n", "-p", "-f", "-m", "--mount-proc", "true"]
-    return subprocess.run(probe, capture_output=True).returncode == 0
 
 
 def test_every_page_is_listed() -> None:
@@ -76,7 +73,7 @@ def _run(page: str, root: Path) -> subprocess.CompletedProcess[str] | str:
     """Run one page in a fresh folder under ``root``; a string says why it was not run."""
     config = PAGES[page]
     isolated = bool(config.get("isolated"))
-    if isolated and not _can_isolate():
+    if isolated and not can_isolate():
         return "starts servers: needs root for a loopback-only network namespace (CI has it)"
     # Ray's socket paths must stay under 108 bytes, and its token file lives in $HOME/.ray.
     short = Path(tempfile.mkdtemp(prefix="ipd", dir="/tmp"))
@@ -93,13 +90,9 @@ def _run(page: str, root: Path) -> subprocess.CompletedProcess[str] | str:
     work = root / page.replace("/", "-")
     work.mkdir()
     command = [sys.executable, str(RUNNER), str(ROOT / page), str(work), json.dumps(config)]
-    if isolated:
-        # Network, PID and mount namespaces of its own: only loopback, and a Ray the page started
-        # dies with the namespace's first process (`ray stop` would stop every Ray it can see,
-        # the other lane's too).
-        inner = f"ip link set lo up; exec {shlex.join(command)}"
-        command = ["unshare", "-n", "-p", "-f", "-m", "--mount-proc", "sh", "-c", inner]
     try:
+        if isolated:  # a Ray the page started dies with its namespace, not the other lane's
+            return run_isolated(f"exec {shlex.join(command)}", env=env, timeout=900)
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     finally:
         shutil.rmtree(short, ignore_errors=True)
@@ -121,7 +114,18 @@ def runs(
     shared = [page for page in order if not PAGES[page].get("alone")]
     with ThreadPoolExecutor(PARALLEL) as pool:
         done = dict(zip(shared, pool.map(lambda page: _run(page, root), shared), strict=True))
-    return done | {page: _run(page, root) for page in order if page not in done}
+    for page in (page for page in order if page not in done):
+        done[page] = first = _run(page, root)
+        again_on = str(PAGES[page].get("again_on", ""))
+        failed = isinstance(first, subprocess.CompletedProcess) and first.returncode != 0
+        if again_on and failed and again_on in first.stderr:  # type: ignore[union-attr]
+            # That failure only, once, and said in the page's output.
+            shutil.rmtree(root / page.replace("/", "-"))
+            retried = _run(page, root)
+            if isinstance(retried, subprocess.CompletedProcess):
+                retried.stdout = f"RETRIED after: {again_on}\n{retried.stdout}"
+            done[page] = retried
+    return done
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))

@@ -8,36 +8,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
+from conftest import can_isolate, isolated
 
 SUPPORT = Path(__file__).resolve().parent / "ray_support"
 
 
-#: Network, PID and mount namespaces of their own: only loopback, and every Ray process the
-#: script started dies with it (no `ray stop`, which would stop any Ray it can see).
-NAMESPACES = ["unshare", "-n", "-p", "-f", "-m", "--mount-proc"]
-
-
-def _can_isolate() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    return subprocess.run([*NAMESPACES, "true"], capture_output=True).returncode == 0
-
-
-def _isolated(script: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """``script`` run by bash in :data:`NAMESPACES`, loopback up."""
-    command = [*NAMESPACES, "bash", "-c", f"ip link set lo up\n{script}"]
-    return subprocess.run(command, capture_output=True, text=True, **kwargs)
-
-
 pytestmark = pytest.mark.skipif(
-    not _can_isolate(), reason="needs root for a loopback-only network namespace (CI runs as root)"
+    not can_isolate(), reason="needs root for a loopback-only network namespace (CI runs as root)"
 )
 
 
@@ -56,7 +38,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     }
     command = f'exec "{sys.executable}" "{SUPPORT / "checks.py"}" "{work}"'
     try:
-        done = _isolated(command, env=env, timeout=600)
+        done = isolated(command, env=env, timeout=600)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
@@ -106,7 +88,7 @@ echo "== nothing";  run out3 127.0.0.1:6399
 echo "== both";     RAY_AUTH_MODE=token run out4 127.0.0.1:6390
 """
     try:
-        done = _isolated(script, cwd=tmp_path, timeout=300)
+        done = isolated(script, cwd=tmp_path, timeout=300)
     finally:
         shutil.rmtree(short, ignore_errors=True)
     parts = dict(part.split("\n", 1) for part in done.stdout.split("== ")[1:])  # case -> rc

@@ -182,14 +182,16 @@ def autotune_loader(
     if not table:
         raise ValueError("autotune_loader needs at least one candidate")
     fastest, top = max(table, key=lambda row: row[1])
-    advised = recommend_loader_settings(dataset).num_workers
-    kept = [(s, r) for s, r in table if s.num_workers == advised and r >= top / (1 + NOISE)]
+    advised = recommend_loader_settings(dataset)
+    kept = [
+        (s, r) for s, r in table if s.num_workers == advised.num_workers and r >= top / (1 + NOISE)
+    ]
     if kept and kept[0][0] is not fastest:
         best, rate = kept[0]
         best.reasons["num_workers"] = (
             f"measured: {rate:,.0f} samples/s with {_workers(best)}, within {NOISE:.0%} of the "
             f"fastest ({top:,.0f} with {_workers(fastest)}), which is noise: kept the reasoned "
-            f"choice ({recommend_loader_settings(dataset).reasons['num_workers']})"
+            f"choice ({advised.reasons['num_workers']})"
         )
         return TuneResult(best, rate, table)
     reason = _measured_reason(fastest, top, table, _decodes(dataset))
