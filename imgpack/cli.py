@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import click
 
-from imgpack import errors, formats
+from imgpack import errors, formats, sources
 from imgpack.errors import ImgpackError, OptionError, Terminated, first_line
 from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES
 from imgpack.options import ON_ERROR, ConvertOptions
@@ -317,14 +317,50 @@ def main(ctx: click.Context, verbose: bool) -> None:
     help="Convert top-level folders named like splits (train, test) as classes.",
 )
 @click.option(
+    "--source",
+    "source_kind",
+    type=click.Choice(sources.names()),
+    default=None,
+    help="What SRC is [default: detected]: "
+    + "; ".join(f"{s.name}: {s.summary}" for s in sources.specs())
+    + ".",
+)
+@click.option(
+    "--source-option",
+    "-s",
+    "source_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="An option of SRC's kind (docs/sources.md): "
+    + "; ".join(
+        f"{s.name}: {', '.join(o.name for o in s.options)}" for s in sources.specs() if s.options
+    )
+    + ".",
+)
+@click.option(
+    "--labels",
+    "labels_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A CSV or JSON Lines list of path,label rows; paths relative to SRC (--source labels "
+    "-s file=FILE).",
+)
+@click.option(
+    "--no-labels",
+    is_flag=True,
+    help="Convert every image under SRC without labels: label -1, no classes (--source "
+    "unlabelled).",
+)
+@click.option(
     "--image-column",
     default=None,
-    help="Hugging Face dataset SRC: the image column [default: by type].",
+    help="Hugging Face dataset SRC: the image column [default: by type] (-s image_column=).",
 )
 @click.option(
     "--label-column",
     default=None,
-    help="Hugging Face dataset SRC: the label column [default: by type].",
+    help="Hugging Face dataset or label list SRC: the label column [default: by type; a list's "
+    "'label'] (-s label_column=).",
 )
 @click.option(
     "--num-parts",
@@ -380,6 +416,10 @@ def convert(
     format_options: tuple[str, ...],
     splits: str | None,
     no_splits: bool,
+    source_kind: str | None,
+    source_options: tuple[str, ...],
+    labels_file: Path | None,
+    no_labels: bool,
     image_column: str | None,
     label_column: str | None,
     num_parts: int,
@@ -390,16 +430,12 @@ def convert(
     storage_option: tuple[str, ...],
     cache_dir: str | None,
 ) -> None:
-    """Convert the image folder SRC (SRC/<class>/<image>) into DST. Either may be a URL
+    """Convert SRC (an image folder SRC/<class>/<image>, an imgpack output, a label list, TFRecord
+    or WebDataset files: docs/sources.md) into DST. Either may be a URL
     (s3://bucket/prefix, gs://..., memory://...; see docs/storage.md)."""
     from imgpack.pipeline import convert as run_convert
 
-    options: dict[str, Any] = {}
-    for item in format_options:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--option")
-        options[key.replace("-", "_")] = value
+    options = _key_values(format_options, "--option")
     for alias, given in (("compression", compression), ("label_offset", label_offset)):
         if given is not None:
             options[alias] = given
@@ -426,6 +462,10 @@ def convert(
         num_parts=num_parts,
         part=part,
         allow_split_names=no_splits,
+        source=source_kind,
+        source_options=_key_values(source_options, "--source-option"),
+        labels=labels_file,
+        no_labels=no_labels,
         image_column=image_column,
         label_column=label_column,
         format_options=options,
@@ -456,6 +496,17 @@ def convert(
         cache_dir=cache_dir,
     )
     _summary(dst, manifest, time.perf_counter() - started)
+
+
+def _key_values(items: tuple[str, ...], flag: str) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict (dashes in keys read as underscores)."""
+    found: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint=flag)
+        found[key.replace("-", "_")] = value
+    return found
 
 
 def _summary(dst: str, manifest: Any, seconds: float) -> None:

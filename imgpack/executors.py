@@ -1,6 +1,6 @@
 """Where a conversion's read + validate + encode work runs.
 
-An executor takes a :class:`Job` (the source root, the image policy and the encoding) and the
+An executor takes a :class:`Job` (the source's fetcher, the image policy and the encoding) and the
 samples in scan order, and yields one :data:`Outcome` per sample, **in scan order**, whatever order
 the work finishes in: the writer downstream sees the same sequence from every executor, so the
 output bytes do not depend on where the work ran.
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from imgpack.errors import ImageError, ImgpackError, OptionError, first_line
-from imgpack.folder import Sample
-from imgpack.images import Encoded, Encoding, ImagePolicy, process_file
+from imgpack.images import Encoded, Encoding, ImagePolicy
+from imgpack.scan import Sample
 from imgpack.system import usable_cpus
 
 #: Chunks in flight per worker: enough to keep every worker busy, few enough to bound memory.
@@ -57,17 +57,11 @@ Outcome = Encoded | Failure
 class Job:
     """How every sample of one conversion is processed (small: sent with every chunk)."""
 
-    root: str
+    #: Reads one sample of the run's source (:class:`~imgpack.sources.base.Fetcher`): the
+    #: source kind's own picklable object, carrying what identifies the source as planned.
+    fetch: Callable[[Sample, ImagePolicy, Encoding], Encoded]
     policy: ImagePolicy
     encoding: Encoding
-    #: How one sample is read and encoded when SRC is not an image folder (an imgpack output,
-    #: TFRecord files): a module-level function ``fetch(job, sample) -> Encoded`` (it pickles by
-    #: name, so workers and Ray tasks import it). ``None``: the sample is a file under ``root``.
-    fetch: Callable[[Job, Sample], Encoded] | None = None
-    #: What the source was when the conversion planned it (an imgpack output's id and file
-    #: hashes, TFRecord files' sizes and times): a worker refuses to read a source that is
-    #: another one now, and never reuses a reader it opened for another run's source.
-    source_id: str = ""
 
 
 class Executor(Protocol):
@@ -81,12 +75,7 @@ def process_chunk(job: Job, items: Sequence[Sample]) -> list[Outcome]:
     out: list[Outcome] = []
     for sample in items:
         try:
-            if job.fetch is not None:
-                out.append(job.fetch(job, sample))
-            else:
-                out.append(
-                    process_file(job.root, sample.path, sample.label, job.policy, job.encoding)
-                )
+            out.append(job.fetch(sample, job.policy, job.encoding))
         except ImageError as exc:
             out.append(Failure(exc.path, exc.reason))
     return out

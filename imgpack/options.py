@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from imgpack import formats
+from imgpack import formats, sources
 from imgpack.errors import OptionError
 from imgpack.formats import FormatSpec
 from imgpack.images import Encoding, ImagePolicy, parse_color
@@ -49,9 +49,11 @@ class ConvertOptions:
     classes: tuple[str, ...] | None = None
     #: Convert a SRC whose top-level folders are split names (train, val, test) as classes.
     allow_split_names: bool = False
-    #: The image and label columns of a Hugging Face dataset SRC (default: found by type).
-    image_column: str | None = None
-    label_column: str | None = None
+    #: SRC's kind (:func:`imgpack.sources.names`); ``None``: detected from SRC.
+    source: str | None = None
+    #: The source kind's own options (``-s KEY=VALUE``), parsed by its spec when SRC's kind is
+    #: known: ``image_column``/``label_column`` of a Hugging Face dataset, a label list's ``file``.
+    source_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
     #: Partitioned conversion: convert only part ``part`` of ``num_parts`` contiguous slices of
     #: the scan (``imgpack merge`` joins the parts).
@@ -103,11 +105,17 @@ class ConvertOptions:
             if not self.classes or len(set(self.classes)) != len(self.classes):
                 raise OptionError("classes must be a non-empty list of distinct names")
         set_(self, "format_options", spec.check_options(self.format_options))
+        if self.source is not None:
+            sources.get(self.source)  # an unknown kind fails here; its options when SRC is known
+        set_(self, "source_options", dict(self.source_options))
 
     @classmethod
     def create(cls, format: str = "pt", **options: Any) -> ConvertOptions:
-        """Options from keywords: the names of this class's fields, and any other keyword as a
-        format option (``map_size="1GiB"``, ``compression="gzip"``)."""
+        """Options from keywords: the names of this class's fields, the source shorthands
+        (``labels="list.csv"``: a label list; ``no_labels=True``: unlabelled images;
+        ``image_column=``/``label_column=``: source options), and any other keyword as a format
+        option (``map_size="1GiB"``, ``compression="gzip"``)."""
+        options = _source_shorthands(options)
         own = {f.name for f in fields(cls)} - {"format", "format_options"}
         given = {k: v for k, v in options.items() if k in own}
         format_options = {
@@ -153,3 +161,38 @@ class ConvertOptions:
             "max_pixels": self.max_pixels,
             **self.format_options,
         }
+
+
+#: Keywords that name a source kind or set a source option.
+SOURCE_SHORTHANDS = ("labels", "no_labels", "image_column", "label_column")
+
+
+def _source_shorthands(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the source shorthands turned into ``source`` and ``source_options``."""
+    options = dict(options)
+    chosen: dict[str, Any] = dict(options.pop("source_options", None) or {})
+    kind = options.get("source")
+    labels = options.pop("labels", None)
+    no_labels = options.pop("no_labels", False)
+    if labels is not None and no_labels:
+        raise OptionError("give labels (a label list) or no_labels, not both")
+    for name, value, what in (
+        ("labels", labels, labels is not None),
+        ("unlabelled", None, no_labels),
+    ):
+        if not what:
+            continue
+        if kind not in (None, name):
+            raise OptionError(f"{'--labels' if name == 'labels' else '--no-labels'} reads a "
+                              f"{name!r} source, not {kind!r}")  # fmt: skip
+        kind = name
+        if value is not None:
+            chosen["file"] = os.fspath(value)
+    for key in ("image_column", "label_column"):
+        value = options.pop(key, None)
+        if value is not None:
+            chosen[key] = value
+    if kind is not None:
+        options["source"] = kind
+    options["source_options"] = chosen
+    return options

@@ -28,6 +28,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import uuid
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
@@ -50,16 +51,6 @@ from imgpack.errors import (
     Terminated,
 )
 from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
-from imgpack.folder import (
-    SPLIT_NAMES,
-    Sample,
-    Scan,
-    find_classes,
-    find_splits,
-    printable,
-    read_class_list,
-    scan_folder,
-)
 from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile
 from imgpack.manifest import (
     MANIFEST_NAME,
@@ -72,6 +63,9 @@ from imgpack.manifest import (
 )
 from imgpack.options import ConvertOptions
 from imgpack.publishing import inside, locked, publish, recover
+from imgpack.scan import Sample, Scan
+from imgpack.sources.base import ScanRequest, Source
+from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
 from imgpack.system import usable_cpus
 from imgpack.version import __version__
 
@@ -90,29 +84,18 @@ class Plan:
     dst: Path
     options: ConvertOptions
     scan: Scan
-    #: What SRC is: ``""`` an image folder, ``"output"`` an imgpack output, ``"tfrecord"``
-    #: TFRecord files (see :mod:`imgpack.sources`).
-    reader: str = ""
+    #: What SRC is and how its samples are read (:mod:`imgpack.sources`).
+    source: Source
 
     @property
     def job(self) -> Job:
-        job = Job(
-            str(self.src), self.options.policy, self.options.encoding_spec, source_id=self.source_id
-        )
-        if self.reader == "output":
-            mode = "carry" if sources.carries_over(self.scan, job) else "encode"
-            return replace(job, root=f"{mode}:{self.src}", fetch=sources.fetch_stored)
-        if self.reader == "tfrecord":
-            return replace(job, fetch=sources.fetch_tfrecord)
-        if self.reader == "hf":
-            column = (self.scan.origin or {})["image_column"]
-            return replace(job, root=f"{column}:{self.src}", fetch=hf.fetch)
-        return job
+        policy, encoding = self.options.policy, self.options.encoding_spec
+        return Job(self.source.fetcher(self.scan, policy, encoding, self.run), policy, encoding)
 
     @cached_property
-    def source_id(self) -> str:
-        """The source as planned (:func:`imgpack.sources.source_identity`)."""
-        return sources.source_identity(self.reader, self.src, self.scan.origin)
+    def run(self) -> str:
+        """A token unique to this run: the readers workers open for it belong to it."""
+        return uuid.uuid4().hex
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -179,15 +162,10 @@ class Plan:
             "origin": self.scan.origin,
         }
         digest.update(json.dumps(head, sort_keys=True).encode())
-        root = str(self.src)
+        # Files are stat'ed; other sources' contents are in the origin already.
+        stamp = self.source.stamp
         for sample in self.scan.samples:
-            # A folder's files are stat'ed; other sources' contents are in the origin already.
-            try:
-                st = os.stat(f"{root}/{sample.path}") if not self.reader else None
-                stamp = f"{st.st_size}:{st.st_mtime_ns}" if st else "-"
-            except OSError:
-                stamp = "-"  # the file fails when it is read
-            line = f"{sample.label}\t{stamp}\t{sample.path}\n"
+            line = f"{sample.label}\t{stamp(sample)}\t{sample.path}\n"
             digest.update(line.encode("utf-8", "surrogateescape"))
         return digest.hexdigest()[:OUTPUT_ID_LENGTH]
 
@@ -284,30 +262,16 @@ class Written:
 
 
 def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: ConvertOptions) -> Plan:
-    """Check the paths and scan the source (options are already valid)."""
+    """Resolve SRC's kind, check the paths and scan the source (options are already valid)."""
     src_path, dst_path = Path(src), Path(dst)
-    reader = _source_kind(src_path)
-    _check_paths(src_path, dst_path, options.overwrite, folder=not reader)
+    source = sources.resolve(src_path, options.source, options.source_options)
+    source.check()
+    _check_paths(src_path, dst_path, options.overwrite)
     classes = read_class_list(options.classes_from) if options.classes_from is not None else None
     if options.classes is not None:
         classes = list(options.classes)
-    if reader == "hf":
-        scan = hf.scan_dataset(src_path, classes, options.image_column, options.label_column)
-        return Plan(src_path, dst_path, options, scan, reader)
-    if reader:
-        scan, reader = sources.scan_source(src_path, classes)
-        return Plan(src_path, dst_path, options, scan, reader)
-    if not options.allow_split_names:
-        _refuse_split_folders(src_path)
-    scan = scan_folder(src_path, classes)
-    if scan.unreadable and options.on_error == "fail":
-        first = scan.unreadable[0]
-        more = f" (and {len(scan.unreadable) - 1} more)" if len(scan.unreadable) > 1 else ""
-        raise ScanError(
-            f"{printable(str(src_path))}/{first['path']}: {first['reason']}{more}; it would be "
-            "left out (use --on-error skip to convert without it, recorded as skipped)"
-        )
-    return Plan(src_path, dst_path, options, scan)
+    request = ScanRequest(classes, options.on_error, options.allow_split_names)
+    return Plan(src_path, dst_path, options, source.scan(request), source)
 
 
 def process(
@@ -449,7 +413,16 @@ def _chain(scan: Scan) -> dict[str, Any]:
     origin = scan.origin
     if origin is None:
         return {}
-    keys = ("format", "encoding", "output_id", "foreign", "from", "image_column", "label_column")
+    keys = (
+        "format",
+        "encoding",
+        "output_id",
+        "foreign",
+        "from",
+        "image_column",
+        "label_column",
+        "file",
+    )
     return {"converted_from": {k: origin[k] for k in keys if k in origin}}
 
 
@@ -714,38 +687,6 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
     return manifest
 
 
-def _source_kind(src: Path) -> str:
-    """``"output"``, ``"hf"``, ``"tfrecord"`` or ``""`` (an image folder): what SRC is."""
-    if sources.is_output(src):
-        return "output"
-    if hf.is_dataset_folder(src):
-        return "hf"
-    if hf.is_dataset_dict_folder(src):
-        raise ScanError(
-            f"{src}: a Hugging Face DatasetDict (splits {', '.join(hf.dict_splits(src))}): use "
-            "--splits to convert each split into DST/<split> with one label map"
-        )
-    if src.is_dir() and any(p.is_dir() for p in src.iterdir() if not p.name.startswith(".")):
-        return ""  # class folders: an image folder, whatever else lies beside them
-    return "tfrecord" if sources.tfrecord_files(src) else ""
-
-
-def _refuse_split_folders(src: Path) -> None:
-    """Refuse a SRC whose class folders would all be split names: converting ``train/`` and
-    ``test/`` as two classes is never what was meant."""
-    try:
-        folders = find_classes(src)
-    except (OSError, ScanError):
-        return  # the scan reports it
-    splits = find_splits(src)
-    if splits and len(splits) == len(folders):
-        raise ScanError(
-            f"{src}: its folders ({', '.join(splits)}) are dataset splits, not classes: use "
-            "--splits to convert each into DST/<split> with one shared label map, or --no-splits "
-            "to convert them as classes"
-        )
-
-
 def convert_splits(
     root: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -784,10 +725,8 @@ def convert_splits(
         raise OptionError("give either options= or format and keyword options, not both")
     if options.classes is None and options.classes_from is None and dataset_dict:
         # The splits share the ClassLabel feature: its names, in their order, are the label map.
-        scan = hf.scan_dataset(
-            root_path / names[0], None, options.image_column, options.label_column
-        )
-        options = replace(options, classes=tuple(scan.classes))
+        first = sources.resolve(root_path / names[0], options.source, options.source_options)
+        options = replace(options, classes=tuple(first.scan(ScanRequest()).classes))
     elif options.classes is None and options.classes_from is None:
         union = sorted({c for name in names for c in find_classes(root_path / name)})
         options = replace(options, classes=tuple(union))
@@ -804,11 +743,7 @@ def convert_splits(
     }
 
 
-def _check_paths(src: Path, dst: Path, overwrite: bool, folder: bool = True) -> None:
-    if not src.exists() and folder:
-        raise FileNotFoundError(f"{src}: no such folder")
-    if folder and not src.is_dir():
-        raise OptionError(f"{src}: not a folder (SRC must be an image folder SRC/<class>/<image>)")
+def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     if inside(dst, src):
         raise OptionError(f"{dst}: the output must not be inside the source folder {src}")
     if inside(src, dst):

@@ -35,10 +35,10 @@ from torch.utils.data._utils.collate import default_collate
 
 from imgpack import convert, open_dataset
 from imgpack.converters import FORMATS
-from imgpack.folder import scan_folder
 from imgpack.formats.tfrecord import framing
 from imgpack.loading.bench import FolderDataset, measure
 from imgpack.readers import TFRecordStream, collate
+from imgpack.sources.folder.scan import scan_folder
 from imgpack.system import usable_cpus
 
 

@@ -275,7 +275,7 @@ def tfrecord_tool(samples: list[tuple[Path, int]], out: Path) -> tuple[float, Ca
 
 # -- the run -----------------------------------------------------------------------------------
 def measure_tool(tool: str, dataset: str, src: Path, out_root: Path, raw: int | None) -> Row:
-    from imgpack.folder import scan_folder
+    from imgpack.sources.folder.scan import scan_folder
 
     scan = scan_folder(src)
     samples = [(src / s.path, s.label) for s in scan.samples]

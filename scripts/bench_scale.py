@@ -30,10 +30,10 @@ from benchlib import machine, make_jpeg_folder, print_table, save_json
 
 from imgpack import convert, merge
 from imgpack.converters import FORMATS
-from imgpack.folder import scan_folder
 from imgpack.formats import get
 from imgpack.formats.writer_base import WriterConfig
 from imgpack.images import Encoded, Encoding, ImagePolicy, stored_info
+from imgpack.sources.folder.scan import scan_folder
 
 
 def files(out: Path) -> dict[str, bytes]:

@@ -242,14 +242,14 @@ def slow_cli(seconds: float = 0.02, gate: Path | None = None) -> str:
     (an event, not a race against the clock)."""
     return f"""
 import os, sys, time
-import imgpack.executors as executors
-real = executors.process_file
+import imgpack.sources.folder.source as folder_source
+real = folder_source.process_file
 def slow(*args):
     time.sleep({seconds})
     while {str(gate)!r} != "None" and os.path.exists({str(gate)!r}):
         time.sleep(0.01)
     return real(*args)
-executors.process_file = slow
+folder_source.process_file = slow
 from imgpack.cli import main
 sys.argv[0] = "imgpack"
 main()

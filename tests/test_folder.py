@@ -7,7 +7,7 @@ import pytest
 from conftest import FakeFolder, build_uniform_folder
 
 from imgpack.errors import ScanError
-from imgpack.folder import read_class_list, scan_folder
+from imgpack.sources.folder.scan import read_class_list, scan_folder
 
 
 def test_scan_finds_every_image_in_torchvision_order(edge_folder: FakeFolder) -> None:

@@ -23,9 +23,9 @@ from imgpack import convert, formats, open_dataset
 from imgpack.cli import main
 from imgpack.converters import FORMATS
 from imgpack.errors import ScanError, StorageError
-from imgpack.folder import scan_folder
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.writer_base import Writer
+from imgpack.sources.folder.scan import scan_folder
 
 # -- disk full --------------------------------------------------------------------------
 

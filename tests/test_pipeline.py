@@ -252,8 +252,9 @@ def test_work_in_flight_is_bounded(uniform_folder: Path, monkeypatch: pytest.Mon
     from concurrent.futures import ProcessPoolExecutor
 
     from imgpack import executors
-    from imgpack.folder import scan_folder
     from imgpack.images import Encoding, ImagePolicy
+    from imgpack.sources.folder.scan import scan_folder
+    from imgpack.sources.folder.source import FileFetcher
 
     submitted = {"n": 0}
     original = ProcessPoolExecutor.submit
@@ -267,7 +268,7 @@ def test_work_in_flight_is_bounded(uniform_folder: Path, monkeypatch: pytest.Mon
     samples = scan_folder(uniform_folder).samples
     ahead = []
     consumed = 0
-    job = executors.Job(str(uniform_folder), ImagePolicy(), Encoding())
+    job = executors.Job(FileFetcher(str(uniform_folder)), ImagePolicy(), Encoding())
     for _ in executors.LocalExecutor(2).outcomes(job, samples):
         consumed += 1
         ahead.append(submitted["n"] - 1 - consumed)  # minus the start-up task
@@ -295,6 +296,6 @@ def test_format_options_are_checked_before_the_scan(
     def no_scan(*args: object, **kwargs: object) -> None:
         raise AssertionError("scanned before checking the options")
 
-    monkeypatch.setattr("imgpack.pipeline.scan_folder", no_scan)
+    monkeypatch.setattr("imgpack.sources.folder.source.scan_folder", no_scan)
     with pytest.raises(OptionError, match=match):
         convert(uniform_folder, tmp_path / "out", fmt, progress=False, **options)

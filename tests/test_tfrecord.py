@@ -22,11 +22,11 @@ from torch.utils.data import DataLoader
 from imgpack import convert, open_dataset
 from imgpack.cli import main
 from imgpack.errors import DataError, ManifestError
-from imgpack.folder import scan_folder
 from imgpack.formats.tfrecord import example as tfexample
 from imgpack.formats.tfrecord import framing as tfrecord
 from imgpack.images import ImagePolicy, apply_policy
 from imgpack.readers import TFRecordDataset, TFRecordStream, collate
+from imgpack.sources.folder.scan import scan_folder
 
 DATA = Path(__file__).parent / "data"
 EXPECTED = json.loads((DATA / "tensorflow-written.expected.json").read_text())

@@ -57,9 +57,9 @@ def test_a_replaced_source_output_is_read_as_it_is_now(tmp_path: Path, workers: 
 
 
 def test_a_worker_refuses_a_source_replaced_after_the_plan(tmp_path: Path) -> None:
-    from imgpack import sources
     from imgpack.options import ConvertOptions
     from imgpack.pipeline import plan, process
+    from imgpack.sources.base import forget
 
     a = build_uniform_folder(tmp_path / "a", count=6, seed=1)
     b = build_uniform_folder(tmp_path / "b", count=6, seed=2)
@@ -67,7 +67,7 @@ def test_a_worker_refuses_a_source_replaced_after_the_plan(tmp_path: Path) -> No
     convert(a, mid, format="pt", progress=False)
     the_plan = plan(mid, tmp_path / "out", ConvertOptions.create("lmdb", progress=False))
     convert(b, mid, format="pt", progress=False, overwrite=True)
-    sources._opened.clear()
+    forget()  # nothing this process opened serves the run
     with pytest.raises(DataError, match="changed after this conversion planned it"):
         list(process(the_plan, imgpack.executors.LocalExecutor(1)))
 

@@ -20,10 +20,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from imgpack.errors import OptionError
-from imgpack.folder import scan_folder
 from imgpack.formats.dataset_base import collate
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset
+from imgpack.sources.folder.scan import scan_folder
 from imgpack.storage import is_url
 
 

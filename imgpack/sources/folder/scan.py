@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from imgpack.errors import ManifestError, ScanError
+from imgpack.scan import Sample, Scan
 
 log = logging.getLogger(__name__)
 
@@ -39,35 +38,6 @@ IMAGE_EXTENSIONS = (
     ".tiff",
     ".webp",
 )
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One image of the source: its path relative to the source root (POSIX) and its label."""
-
-    path: str
-    label: int
-    #: The sample's index in its source when SRC is an imgpack output or TFRecord files.
-    index: int = -1
-
-
-@dataclass
-class Scan:
-    """What :func:`scan_folder` found."""
-
-    classes: list[str]
-    samples: list[Sample]
-    empty_classes: list[str] = field(default_factory=list)
-    ignored_files: int = 0
-    #: Folders under a class that could not be listed: ``{"path": ..., "reason": ...}``.
-    unreadable: list[dict[str, str]] = field(default_factory=list)
-    #: When SRC is not an image folder: what the manifest records of it (its format, output id,
-    #: its own source), which also goes into the output id.
-    origin: dict[str, Any] | None = None
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:
-        return {name: index for index, name in enumerate(self.classes)}
 
 
 def _hidden(name: str) -> bool:
@@ -154,10 +124,15 @@ def is_utf8(name: str) -> bool:
     return True
 
 
-def _walk_class(
+def _join(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def walk_images(
     root: Path, class_name: str, unreadable: list[dict[str, str]]
 ) -> tuple[list[str], int]:
-    """Relative POSIX paths of the image files under ``root/class_name``, in torchvision's order.
+    """Relative POSIX paths of the image files under ``root/class_name`` (``""``: all of
+    ``root``), in torchvision's order, and the number of other files passed over.
 
     The walk keeps its own stack (no recursion: a tree thousands of levels deep is fine), follows
     symbolic links to folders but never around a loop, and adds to ``unreadable`` the folders
@@ -185,7 +160,10 @@ def _walk_class(
                 entries = [(e.name, e.is_dir()) for e in listing if not _hidden(e.name)]
         except OSError as exc:
             unreadable.append(
-                {"path": printable(rel_dir) + "/", "reason": f"cannot list folder: {exc.strerror}"}
+                {
+                    "path": printable(rel_dir or ".") + "/",
+                    "reason": f"cannot list folder: {exc.strerror}",
+                }
             )
             continue
         subfolders = []
@@ -194,19 +172,19 @@ def _walk_class(
                 subfolders.append(name)
             elif not name.lower().endswith(IMAGE_EXTENSIONS):
                 ignored += 1
-            elif not is_utf8(rel_dir + "/" + name):
+            elif not is_utf8(_join(rel_dir, name)):
                 unreadable.append(
                     {
-                        "path": printable(f"{rel_dir}/{name}"),
+                        "path": printable(_join(rel_dir, name)),
                         "reason": "file name is not valid UTF-8; rename it to convert it",
                     }
                 )
             else:
                 found.append((rel_dir, name))
         # Depth first, subfolders in sorted order (os.walk's order); order is restored below.
-        stack.extend(f"{rel_dir}/{d}" for d in sorted(subfolders, reverse=True))
+        stack.extend(_join(rel_dir, d) for d in sorted(subfolders, reverse=True))
     found.sort()
-    return [f"{d}/{n}" for d, n in found], ignored
+    return [_join(d, n) for d, n in found], ignored
 
 
 def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) -> Scan:
@@ -247,7 +225,7 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
         if name not in present:
             empty.append(name)
             continue
-        paths, skipped = _walk_class(root, name, unreadable)
+        paths, skipped = walk_images(root, name, unreadable)
         ignored += skipped
         if not paths:
             empty.append(name)

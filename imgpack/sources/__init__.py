@@ -1,0 +1,211 @@
+"""What imgpack converts from, behind one registry of source specs (as :mod:`imgpack.formats`
+is for what it writes).
+
+Each source kind is a package ``imgpack.sources.<name>`` holding a
+:class:`~imgpack.sources.base.Source` subclass (its scan and its fetcher) and a
+:class:`SourceSpec` named ``SPEC`` in its ``__init__``. SRC's kind is the first, in
+:data:`BUILTIN` order, whose ``detect`` says yes (plugins are asked before the image folder, the
+fallback), unless the user names it (``--source KIND``, or ``--labels FILE`` and ``--no-labels``,
+which name ``labels`` and ``unlabelled``). Its options (``-s KEY=VALUE``) are parsed by its spec.
+
+Adding a source kind to imgpack: its package plus one line in :data:`BUILTIN`. Another package
+adds one without touching imgpack, by declaring an entry point in the ``imgpack.sources`` group
+that names a :class:`SourceSpec` (or calling :func:`register`)::
+
+    [options.entry_points]
+    imgpack.sources =
+        toy = toy_source:SPEC
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from imgpack.errors import OptionError
+from imgpack.formats import FormatOption
+
+if TYPE_CHECKING:
+    from imgpack.sources.base import Source
+
+log = logging.getLogger(__name__)
+
+#: imgpack's own source kinds, in the order SRC is matched against them.
+BUILTIN = (
+    "output",
+    "hf",
+    "tfrecord",
+    "webdataset",
+    "labels",
+    "folder",
+    "unlabelled",
+)
+#: The kind a SRC that no other kind recognises is taken for (asked last, after plugins).
+FALLBACK = "folder"
+ENTRY_POINT_GROUP = "imgpack.sources"
+
+#: A source kind's ``-s KEY=VALUE`` options are declared as a format's ``-o`` ones are.
+SourceOption = FormatOption
+
+
+def optional_text(value: Any) -> str | None:
+    """A source option's text value; ``None`` (the default) stays ``None``."""
+    return None if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Everything imgpack needs to know about a source kind."""
+
+    name: str
+    #: ``"module:Class"`` of the :class:`~imgpack.sources.base.Source` subclass.
+    source: str
+    #: One line for ``--help`` and the docs.
+    summary: str
+    options: tuple[SourceOption, ...] = ()
+    #: Whether SRC is matched against this kind; ``False``: only when asked for by name.
+    detected: bool = True
+    #: Modules the kind needs beyond imgpack's own dependencies, and the pip extra.
+    requires: tuple[str, ...] = ()
+    extra: str | None = None
+
+    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The kind's settings: the defaults updated with ``options``, parsed and checked."""
+        known = {option.name for option in self.options}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            allowed = ", ".join(option.name for option in self.options) or "none"
+            raise OptionError(
+                f"source {self.name!r} has no option {', '.join(unknown)} (its options: {allowed})"
+            )
+        return {
+            option.name: option.convert(options.get(option.name, option.default))
+            for option in self.options
+        }
+
+    def source_class(self, check_requires: bool = True) -> type[Source]:
+        """The kind's class (``check_requires``: refuse, with the install hint, when a module
+        it needs is missing; detection does not need them)."""
+        module, _, name = self.source.partition(":")
+        for required in self.requires if check_requires else ():
+            try:
+                importlib.import_module(required)
+            except ImportError:
+                hint = (
+                    f"pip install 'imgpack[{self.extra}]'"
+                    if self.extra
+                    else f"pip install {required}"
+                )
+                raise OptionError(
+                    f"source {self.name!r} needs the {required!r} package: {hint}"
+                ) from None
+        cls: type[Source] = getattr(importlib.import_module(module), name)
+        return cls
+
+    def open(self, src: Path, options: Mapping[str, Any] | None = None) -> Source:
+        """A source of this kind for ``src`` with ``options`` (checked)."""
+        return self.source_class()(src, self.check_options(options or {}))
+
+
+_registry: dict[str, SourceSpec] = {}
+_loaded = False
+
+
+def register(spec: SourceSpec, replace: bool = False) -> SourceSpec:
+    """Add ``spec`` to the registry (``replace=True`` to override a kind of the same name)."""
+    if not isinstance(spec, SourceSpec):
+        raise TypeError(f"register() takes a SourceSpec, not {type(spec).__name__}")
+    _load()
+    if spec.name in _registry and not replace and _registry[spec.name] is not spec:
+        raise ValueError(f"source kind {spec.name!r} is registered already (pass replace=True)")
+    _registry[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a source kind from the registry (for tests and plugins that replace one)."""
+    _load()
+    _registry.pop(name, None)
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for name in BUILTIN:
+        _registry[name] = importlib.import_module(f"imgpack.sources.{name}").SPEC
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            spec = point.load()
+            if callable(spec) and not isinstance(spec, SourceSpec):
+                spec = spec()
+            if not isinstance(spec, SourceSpec):
+                raise TypeError(f"{point.value} is a {type(spec).__name__}, not a SourceSpec")
+        except Exception as exc:  # a broken plugin must not break imgpack
+            log.warning("source plugin %r (%s) not loaded: %s", point.name, point.value, exc)
+            continue
+        if spec.name in _registry:
+            log.warning("source plugin %r ignored: kind %r exists already", point.value, spec.name)
+            continue
+        _registry[spec.name] = spec
+
+
+def names() -> tuple[str, ...]:
+    """The registered source kinds: imgpack's own first, then plugins."""
+    _load()
+    return tuple(_registry)
+
+
+def specs() -> list[SourceSpec]:
+    _load()
+    return list(_registry.values())
+
+
+def get(name: str) -> SourceSpec:
+    """The spec of kind ``name``; :class:`~imgpack.errors.OptionError` for an unknown one."""
+    _load()
+    try:
+        return _registry[name]
+    except KeyError:
+        raise OptionError(
+            f"unknown source kind {name!r}: expected one of {', '.join(_registry)}"
+        ) from None
+
+
+def detect(src: Path) -> SourceSpec:
+    """The kind of ``src``: the first that recognises it, plugins before the fallback."""
+    _load()
+    candidates = [s for s in _registry.values() if s.detected and s.name != FALLBACK]
+    for spec in candidates:
+        if spec.source_class(check_requires=False).detect(src):
+            return spec
+    return _registry[FALLBACK]
+
+
+def resolve(src: Path, kind: str | None = None, options: Mapping[str, Any] | None = None) -> Source:
+    """The source for SRC: of kind ``kind``, else the detected one, with its ``options``."""
+    spec = get(kind) if kind else detect(src)
+    return spec.open(src, options)
+
+
+__all__ = [
+    "BUILTIN",
+    "ENTRY_POINT_GROUP",
+    "FALLBACK",
+    "SourceOption",
+    "SourceSpec",
+    "detect",
+    "optional_text",
+    "get",
+    "names",
+    "register",
+    "resolve",
+    "specs",
+    "unregister",
+]

@@ -1,0 +1,266 @@
+"""A label list as a source: the layout Kaggle and many annotation tools export.
+
+The list is a CSV file (a header row naming the columns, then one row per image) or a JSON Lines
+file (``.jsonl``/``.ndjson``: one object per line), with a path column (``path``) and a label
+column (``label``); ``-s path_column=`` and ``-s label_column=`` name others. A path is relative
+to SRC (``--labels FILE``: SRC is the folder the paths are relative to) or to the list's folder
+(the list as SRC), absolute, or a URL (``s3://...``, read in the workers through fsspec). Samples
+keep the list's order and its paths as written.
+
+Labels are class names or integers. When every label is an integer ``>= 0`` they are the labels
+and the classes are ``"0"`` to the largest; otherwise the classes are the sorted names. With
+``--classes-from`` the names are looked up in that label map (integers are positions in it).
+
+A row that cannot be taken (no such file, a label that is not a class of the given label map, a
+path listed twice, a line that is not UTF-8, a missing column) stops the run naming its line, or
+with ``--on-error skip`` is recorded as skipped (``"<list>:<line>"`` when the row names no path).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from imgpack.errors import ImageError, OptionError, ScanError
+from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
+from imgpack.scan import Sample, Scan
+from imgpack.sources.base import (
+    Fetcher,
+    ScanRequest,
+    Source,
+    digest,
+    empty_classes,
+    file_stamp,
+    label_map,
+)
+
+#: The suffixes of files taken for a label list when given as SRC.
+LIST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+class LabelListSource(Source):
+    @classmethod
+    def detect(cls, src: Path) -> bool:
+        return src.is_file() and src.suffix.lower() in LIST_SUFFIXES
+
+    @property
+    def list_file(self) -> Path:
+        given = self.settings.get("file")
+        return Path(given) if given is not None else self.src
+
+    @property
+    def root(self) -> Path:
+        """The folder relative paths start from."""
+        return self.src if self.settings.get("file") is not None else self.list_file.parent
+
+    def check(self) -> None:
+        if not self.list_file.is_file():
+            raise FileNotFoundError(f"{self.list_file}: no such label list")
+        if self.settings.get("file") is not None and not self.src.is_dir():
+            raise OptionError(
+                f"{self.src}: not a folder (with --labels FILE, SRC is the folder the list's "
+                "paths are relative to)"
+            )
+
+    def scan(self, request: ScanRequest) -> Scan:
+        rows, unreadable = self._rows(request)
+        classes, label_of = label_map([value for _, _, value in rows], request.classes)
+        samples: list[Sample] = []
+        for line, path, value in rows:
+            label = label_of(value)
+            if isinstance(label, str):
+                self._bad(request, unreadable, line, path, label)
+            else:
+                samples.append(Sample(path, label, line))
+        if not samples and not unreadable:
+            raise ScanError(f"{self.list_file}: lists no image")
+        origin = {
+            "format": "labels",
+            "file": str(self.list_file.resolve()),
+            "sha256": _sha256(self.list_file),
+        }
+        return Scan(
+            classes=classes,
+            samples=samples,
+            empty_classes=empty_classes(classes, [s.label for s in samples]),
+            unreadable=unreadable,
+            origin=origin,
+        )
+
+    def _rows(
+        self, request: ScanRequest
+    ) -> tuple[list[tuple[int, str, Any]], list[dict[str, str]]]:
+        """``(line, path, label)`` of every good row, and the bad rows skipped so far."""
+        path_key = self.settings["path_column"]
+        label_key = self.settings["label_column"]
+        rows: list[tuple[int, str, Any]] = []
+        unreadable: list[dict[str, str]] = []
+        seen: dict[str, int] = {}
+        for line, record, problem in self._records():
+            path = record.get(path_key) if record is not None else None
+            if record is not None and problem is None:
+                problem = self._problem(record, path_key, label_key, seen)
+            if problem is None and isinstance(path, str):
+                seen[path] = line
+                rows.append((line, path, record[label_key] if record else None))
+                continue
+            named = path if isinstance(path, str) else None
+            self._bad(request, unreadable, line, named, problem or "unreadable row")
+        return rows, unreadable
+
+    def _problem(
+        self, record: dict[str, Any], path_key: str, label_key: str, seen: dict[str, int]
+    ) -> str | None:
+        """What is wrong with one row, or ``None``."""
+        path, value = record.get(path_key), record.get(label_key)
+        if not isinstance(path, str) or not path.strip():
+            return f"no {path_key!r} value"
+        if value is None or value == "":
+            return f"no {label_key!r} value"
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            return f"label {value!r} is neither a class name nor an integer"
+        if isinstance(value, int) and value < 0:
+            return f"label {value} is negative"
+        if path in seen:
+            return f"{path} is listed already, on line {seen[path]}"
+        if not is_url(path) and not os.path.isfile(self._full(path)):
+            return f"{path}: no such file"
+        return None
+
+    def _records(self) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+        """``(line, row, problem)`` for every row of the list."""
+        try:
+            data = self.list_file.read_bytes()
+        except OSError as exc:
+            raise ScanError(
+                f"{self.list_file}: cannot read the label list: {exc.strerror}"
+            ) from None
+        if data.startswith(b"\xef\xbb\xbf"):
+            data = data[3:]  # a UTF-8 byte order mark, as spreadsheet programs write
+        lines: list[str] = []
+        bad: dict[int, str] = {}
+        for number, raw in enumerate(data.splitlines(keepends=True), 1):
+            try:
+                lines.append(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                bad[number] = f"not valid UTF-8 text ({exc.reason} at byte {exc.start})"
+                lines.append("\n")
+        if self.list_file.suffix.lower() in (".jsonl", ".ndjson"):
+            for number, text in enumerate(lines, 1):
+                if number in bad:
+                    yield number, None, bad[number]
+                elif text.strip():
+                    yield number, *_json_row(text)
+            return
+        reader = csv.reader(lines)
+        header = next(reader, None)
+        if 1 in bad or header is None:
+            raise ScanError(f"{self.list_file}: line 1: {bad.get(1, 'empty list')}")
+        columns = [c.strip() for c in header]
+        for key in (self.settings["path_column"], self.settings["label_column"]):
+            if key not in columns:
+                flag = "path_column" if key == self.settings["path_column"] else "label_column"
+                raise ScanError(
+                    f"{self.list_file}: line 1: no {key!r} column (columns: {', '.join(columns)});"
+                    f" name it with -s {flag}=NAME"
+                )
+        start = reader.line_num
+        for values in reader:
+            number = start + 1
+            start = reader.line_num
+            if number in bad:
+                yield number, None, bad[number]
+            elif not any(v.strip() for v in values):
+                continue
+            elif len(values) != len(columns):
+                yield number, None, f"{len(values)} values, the header names {len(columns)}"
+            else:
+                yield number, dict(zip(columns, (v.strip() for v in values), strict=True)), None
+
+    def _full(self, path: str) -> str:
+        return path if os.path.isabs(path) else str(self.root / path)
+
+    def _bad(
+        self,
+        request: ScanRequest,
+        unreadable: list[dict[str, str]],
+        line: int,
+        path: str | None,
+        problem: str,
+    ) -> None:
+        where = f"{self.list_file}: line {line}"
+        if request.on_error == "fail":
+            raise ScanError(
+                f"{where}: {problem} (use --on-error skip to convert without it, recorded as "
+                "skipped)"
+            )
+        unreadable.append(
+            {"path": path or f"{self.list_file.name}:{line}", "reason": f"line {line}: {problem}"}
+        )
+
+    def identity(self, scan: Scan) -> str:
+        return digest((scan.origin or {}).get("sha256"))
+
+    def stamp(self, sample: Sample) -> str:
+        return "-" if is_url(sample.path) else file_stamp(self._full(sample.path))
+
+    def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
+        return LabelListFetcher(str(self.root), self.list_file.name)
+
+
+def _json_row(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return None, f"not a JSON object ({exc})"
+    if not isinstance(value, dict):
+        return None, f"not a JSON object (a {type(value).__name__})"
+    return value, None
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class LabelListFetcher(Fetcher):
+    """Reads a listed image: a file (relative to ``root``, or absolute) or a URL."""
+
+    root: str
+    list_file: str
+
+    def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
+        path = sample.path
+        try:
+            if is_url(path):
+                data = _read_url(path)
+            else:
+                full = path if os.path.isabs(path) else f"{self.root}/{path}"
+                data = read_regular_file(full, path)
+            return process_bytes(data, path, sample.label, policy, encoding)
+        except ImageError as exc:  # named by its line too: the row to fix
+            raise ImageError(
+                exc.path, f"{exc.reason} ({self.list_file} line {sample.index})"
+            ) from None
+
+
+def _read_url(url: str) -> bytes:
+    from imgpack.storage import filesystem
+
+    fs, where = filesystem(url)
+    try:
+        data: bytes = fs.cat_file(where)
+    except Exception as exc:  # fsspec backends raise their own errors
+        raise ImageError(url, f"cannot read: {type(exc).__name__}: {exc}") from None
+    return data
