@@ -641,7 +641,9 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
         f"path:      {dst}",
         f"format:    {manifest.format}",
         f"samples:   {manifest.num_samples}",
-        f"classes:   {len(manifest.classes)} ({classes})",
+        f"classes:   {len(manifest.classes)} ({classes})"
+        if manifest.classes
+        else "classes:   none (unlabelled: every label is -1)",
         f"encoding:  {manifest.encoding}",
         f"image:     {size}, {image.get('channels')} channel(s)",
         f"files:     {len(manifest.files)}, {format_bytes(manifest.total_bytes)}",

@@ -125,9 +125,8 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
             source = paths[index] if paths else None
             try:
                 sample = next(ds.encoded(index, index + 1))
-                name, data, kept, renamed = _file(
-                    sample, manifest.classes[sample.label], source, index
-                )
+                folder = manifest.classes[sample.label] if manifest.classes else None
+                name, data, kept, renamed = _file(sample, folder, source, index)
                 taken.claim(name, index)
                 _create(tmp, name, data, index)
             except ImgpackError as exc:
@@ -143,17 +142,19 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
 
 
 def _file(
-    sample: object, class_name: str, source: str | None, index: int
+    sample: object, class_name: str | None, source: str | None, index: int
 ) -> tuple[str, bytes, bool, bool]:
     """``(relative name, bytes, kept, renamed)`` of one sample in the exported folder: kept,
-    the stored bytes as they are; renamed, ``.png`` added to a name that says another type."""
+    the stored bytes as they are; renamed, ``.png`` added to a name that says another type.
+    ``class_name``: the sample's class folder (``None``: an unlabelled output, no class
+    folders)."""
 
     assert isinstance(sample, Encoded)
     parts = PurePosixPath(source).parts if source else ()
     if parts and parts[0] == class_name:
         parts = parts[1:]
     rest = "/".join(_plain(p, "path") for p in parts) if parts else f"{index:08d}"
-    name = f"{_plain(class_name, 'class')}/{rest}"
+    name = rest if class_name is None else f"{_plain(class_name, 'class')}/{rest}"
     if sample.kind is Kind.RAW:
         pixels = np.frombuffer(sample.payload, np.uint8).reshape(
             sample.height, sample.width, sample.channels

@@ -36,6 +36,7 @@ from imgpack.manifest import (
     sha256_file,
 )
 from imgpack.publishing import recover
+from imgpack.scan import valid_label
 from imgpack.storage import is_url, local_path, source_folder
 from imgpack.system import usable_cpus
 
@@ -147,7 +148,7 @@ def _decode(dataset: Any, manifest: Manifest, part: range) -> list[Problem]:
         shape = tuple(pixels.shape)
         if shape[0] != channels or (fixed and shape[1:] != (image["height"], image["width"])):
             problems.append(Problem(str(dataset.root), f"decodes to shape {shape}", index))
-        if not 0 <= int(label) < len(manifest.classes):
+        if not valid_label(int(label), len(manifest.classes)):
             problems.append(Problem(str(dataset.root), f"label {label} out of range", index))
     return problems
 

@@ -39,6 +39,7 @@ from imgpack.errors import DataError, ImgpackError, ManifestError, PerformanceWa
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.manifest import Manifest, file_problem, read_manifest
+from imgpack.scan import UNLABELLED
 from imgpack.storage import fetch_output, is_url, local_path
 from imgpack.units import parse_image_size
 
@@ -710,6 +711,10 @@ def check_labels(labels: np.ndarray, count: int, num_classes: int) -> str | None
     ``num_classes`` classes, or ``None``."""
     if labels.shape != (count,):
         return f"labels has shape {tuple(labels.shape)}, expected ({count},)"
+    if not num_classes:  # an unlabelled output: every label is UNLABELLED
+        if count and (labels != UNLABELLED).any():
+            return f"labels other than {UNLABELLED} in an output without classes"
+        return None
     if count and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         return f"labels outside 0..{num_classes - 1}"
     return None

@@ -53,6 +53,11 @@ class WriterConfig:
     #: numbers never collide and merged parts need no renumbering.
     first_index: int = 0
 
+    def class_name(self, label: int) -> str | None:
+        """The class of ``label``; ``None`` for an unlabelled sample (an output without
+        classes)."""
+        return self.classes[label] if self.classes else None
+
 
 @dataclass(frozen=True)
 class WrittenFile:

@@ -25,6 +25,7 @@ from imgpack.formats.dataset_base import (
 )
 from imgpack.formats.lmdb import record
 from imgpack.images import Kind
+from imgpack.scan import UNLABELLED, valid_label
 
 # py-lmdb allows one Environment per file per process, so readers of the same output share one,
 # counted: (path, the data file's identity) -> [environment, readers using it]. The last reader
@@ -151,7 +152,7 @@ class LMDBDataset(ImageDataset):
             header = record.unpack_header(value)
         except DataError as exc:
             raise DataError(f"{self.root}: record {bytes(key).decode()}: {exc}") from None
-        if not 0 <= header.label < len(self.classes):
+        if not valid_label(header.label, len(self.classes)):
             raise DataError(
                 f"{self.root}: record {bytes(key).decode()}: label {header.label} out of range"
             )
@@ -214,7 +215,10 @@ class LMDBDataset(ImageDataset):
         prefix = heads[:, :8] == self._prefix
         prefix[:, 4] = (version == 1) | (version == record.VERSION)
         good = prefix.all(axis=1) & (heads[:, 16:24] == self._dims).all(axis=1)
-        good &= (labels >= 0) & (labels < len(self.classes)) & (lengths == expected)
+        if self.classes:
+            good &= (labels >= 0) & (labels < len(self.classes)) & (lengths == expected)
+        else:
+            good &= (labels == UNLABELLED) & (lengths == expected)
         return good, labels
 
     def _from_map(

@@ -36,6 +36,7 @@ from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
+from imgpack.scan import valid_label
 from imgpack.storage import fetch_output, filesystem, is_url, read_remote_manifest
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
@@ -289,11 +290,11 @@ class Records:
     def label(self, features: dict[str, example.FeatureValue], where: str) -> int:
         """A record's label (``label_offset`` taken off), checked against the label map."""
         label = _label(features, where) - self.label_offset
-        if not 0 <= label < len(self.manifest.classes):
+        if not valid_label(label, len(self.manifest.classes)):
             raise DataError(f"{where}: label {label} outside 0..{len(self.manifest.classes) - 1}")
         if not self.foreign:  # an imgpack record names its class: the label must agree
             text = features.get("image/class/text") or [b""]
-            name = self.manifest.classes[label]
+            name = self.manifest.classes[label] if self.manifest.classes else ""
             if text[0] != name.encode("utf-8", "surrogateescape"):
                 raise DataError(
                     f"{where}: label {label} is class {name!r} in the manifest but the record "

@@ -58,7 +58,7 @@ class TFRecordWriter(ShardedWriter):
 
     def _append(self, sample: Encoded) -> int:
         assert self._fh is not None
-        name = self.config.classes[sample.label]
+        name = self.config.class_name(sample.label) or ""
         record = framing.frame(
             example.encode_example(
                 example_features(sample, name, self.label_offset, self.config.output_id)

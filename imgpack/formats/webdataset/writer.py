@@ -54,7 +54,7 @@ class WebDatasetWriter(ShardedWriter):
         ext = layout.extension(sample.kind, sample.path)
         offset = self._member(f"{key}.{ext}", payload)
         self._member(f"{key}.cls", str(sample.label).encode("ascii"))
-        meta = {"class": self.config.classes[sample.label], "path": sample.path}
+        meta = {"class": self.config.class_name(sample.label), "path": sample.path}
         if self.config.output_id:
             meta["output_id"] = self.config.output_id
         self._member(f"{key}.json", json.dumps(meta, sort_keys=True).encode("ascii"))
