@@ -6,6 +6,7 @@ machinery (torch, the format libraries) on first call.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from imgpack.errors import ImgpackError
@@ -73,7 +74,11 @@ def export(output: Any, folder: Any, **kwargs: Any) -> Any:
 
 
 def to_hf(output: Any, **kwargs: Any) -> Any:
-    """An imgpack output as a Hugging Face ``datasets.Dataset``; see :func:`imgpack.hf.to_hf`."""
+    """An imgpack output (a path, a URL or an open reader) as a Hugging Face
+    ``datasets.Dataset``; see :func:`imgpack.hf.to_hf`."""
     from imgpack.hf import to_hf as _to_hf
+    from imgpack.readers import open_dataset
 
+    if isinstance(output, (str, os.PathLike)):
+        output = open_dataset(output, verify=False)
     return _to_hf(output, **kwargs)

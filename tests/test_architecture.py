@@ -1,5 +1,7 @@
-"""The package's shape: formats live in imgpack/formats/<name>/, imports only point down, and
-there is no import cycle. Read from the source with ast, so the rules hold for every module."""
+"""The package's shape: formats live in imgpack/formats/<name>/ and source kinds in
+imgpack/sources/<name>/, every module sits in a layer and imports only point down, and there is
+no import cycle, inside functions included. Read from the source with ast, so the rules hold for
+every module."""
 
 from __future__ import annotations
 
@@ -8,51 +10,66 @@ from pathlib import Path
 
 import pytest
 
-from imgpack import formats
+from imgpack import formats, sources
 
 PACKAGE = Path(__file__).resolve().parents[1] / "imgpack"
 
-#: What each part may not import (a prefix matches the module and everything below it).
-FORBIDDEN = {
-    # The data model and the small utilities know nothing of formats or the engine.
-    "imgpack.manifest": (
-        "imgpack.formats",
-        "imgpack.converters",
-        "imgpack.readers",
-        "imgpack.pipeline",
+#: The package's layers, bottom first. A module may import modules of its own layer and of the
+#: layers below (imports inside functions count; ``if TYPE_CHECKING:`` ones, which never run, do
+#: not); every module must be in a layer, so a new one is placed on purpose. ``x`` names the module
+#: ``x``; ``x.*`` every module below the package ``x``.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # The data model and small utilities: they know nothing of images, formats or the engine.
+    (
+        "foundation",
+        (
+            "imgpack.errors",
+            "imgpack.version",
+            "imgpack.system",
+            "imgpack.units",
+            "imgpack.checksum",
+            "imgpack.scan",
+            "imgpack.manifest",
+            "imgpack.publishing",
+            "imgpack.handover",
+            "imgpack.sample",
+        ),
     ),
-    "imgpack.errors": ("imgpack.",),
-    "imgpack.units": ("imgpack.formats", "imgpack.pipeline"),
-    "imgpack.system": ("imgpack.",),
-    "imgpack.version": ("imgpack.",),
-    "imgpack.images": ("imgpack.formats", "imgpack.pipeline", "imgpack.manifest"),
-    # Formats sit below the engine, the options, the facades, the loading side and the CLI.
-    "imgpack.formats": (
-        "imgpack.pipeline",
-        "imgpack.executors",
-        "imgpack.options",
-        "imgpack.cli",
-        "imgpack.loading",
-        "imgpack.converters",
-        "imgpack.readers",
+    # The image policy, the decoders, and the image-folder scan (the read side's ImageFolder
+    # baseline lists folders too).
+    ("images", ("imgpack.images", "imgpack.decoding", "imgpack.sources.folder.scan")),
+    # The format registry, object storage and Hugging Face's side of the formats (to_hf).
+    ("registry", ("imgpack.formats", "imgpack.storage", "imgpack.hf")),
+    # Each format's codec, writer and reader.
+    ("formats", ("imgpack.formats.*", "imgpack.converters")),
+    # The read side: opening outputs, loading, verifying. It never imports the engine.
+    (
+        "reading",
+        ("imgpack.readers", "imgpack.loading", "imgpack.loading.*", "imgpack.verification"),
     ),
-    # The read side never imports the conversion engine.
-    "imgpack.readers": ("imgpack.pipeline", "imgpack.executors", "imgpack.options", "imgpack.cli"),
-    "imgpack.loading": ("imgpack.pipeline", "imgpack.executors", "imgpack.options", "imgpack.cli"),
-    "imgpack.executors": ("imgpack.pipeline", "imgpack.formats", "imgpack.cli"),
-    "imgpack.options": ("imgpack.pipeline", "imgpack.cli"),
-    "imgpack.pipeline": ("imgpack.cli", "imgpack.loading", "imgpack.readers"),
-    # Publishing and locking sit beside the manifest: both sides use them.
-    "imgpack.publishing": (
-        "imgpack.formats",
-        "imgpack.pipeline",
-        "imgpack.executors",
-        "imgpack.options",
-        "imgpack.readers",
-        "imgpack.loading",
-        "imgpack.cli",
-    ),
-}
+    # What a conversion reads (source kinds) and how it runs (executors, options).
+    ("sources", ("imgpack.sources", "imgpack.sources.*", "imgpack.executors", "imgpack.options")),
+    # The conversion engine and the commands built on it.
+    ("engine", ("imgpack.pipeline", "imgpack.merging", "imgpack.exporting")),
+    # The command line, and the package's facade (imgpack.convert, ...: lazy imports of all).
+    ("facade", ("imgpack.cli", "imgpack")),
+)
+
+
+def _layer(module: str) -> int:
+    """The layer of ``module``: an exact name first, else the deepest ``x.*`` that holds it."""
+    for rank, (_, names) in enumerate(LAYERS):
+        if module in names:
+            return rank
+    best = (-1, -1)
+    for rank, (_, names) in enumerate(LAYERS):
+        for name in names:
+            package = name.removesuffix(".*")
+            if name.endswith(".*") and module.startswith(package + "."):
+                best = max(best, (package.count("."), rank))
+    if best[1] < 0:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return best[1]
 
 
 def _modules() -> dict[str, Path]:
@@ -65,24 +82,34 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(module: str, path: Path, top_level_only: bool) -> set[str]:
-    """The imgpack modules ``module`` imports (``from imgpack import x`` counts as imgpack.x).
-    ``top_level_only`` leaves out imports inside functions and ``if TYPE_CHECKING:`` blocks."""
+def _imports(module: str, path: Path) -> set[str]:
+    """The imgpack modules ``module`` imports, at the top or inside functions (``from imgpack
+    import x`` counts as imgpack.x), except under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes: list[ast.AST] = []
-    if top_level_only:
-        nodes = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    else:
-        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == (
+            "TYPE_CHECKING"
+        ):
+            typing_only.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
     names: set[str] = set()
     known = _modules()
-    for node in nodes:
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names if a.name.startswith("imgpack"))
-        elif node.module and node.module.startswith("imgpack") and node.level == 0:
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level == 0
+            and node.module.startswith("imgpack")
+        ):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
                 names.add(full if full in known else node.module)
+    names.discard(module)
     return names
 
 
@@ -96,23 +123,29 @@ def test_every_format_is_a_package_of_its_own() -> None:
             assert target.startswith(f"imgpack.formats.{name}."), target
 
 
+def test_every_source_kind_is_a_package_of_its_own() -> None:
+    for name in sources.BUILTIN:
+        package = PACKAGE / "sources" / name
+        assert (package / "__init__.py").is_file(), name
+        assert sources.get(name).source.startswith(f"imgpack.sources.{name}."), name
+
+
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_imports_only_point_down(module: str) -> None:
-    rules = [
-        bad for part, bad in FORBIDDEN.items() if module == part or module.startswith(part + ".")
-    ]
-    imported = _imports(module, _modules()[module], top_level_only=False)
+    own = _layer(module)
+    imported = _imports(module, _modules()[module])
     assert "imgpack" not in imported, f"{module} imports the package itself (an upward import)"
-    for forbidden in (f for group in rules for f in group):
-        offenders = sorted(
-            i for i in imported if i == forbidden.rstrip(".") or i.startswith(forbidden)
-        )
-        assert not offenders, f"{module} imports {offenders}"
+    upward = sorted(
+        f"{other} ({LAYERS[_layer(other)][0]})" for other in imported if _layer(other) > own
+    )
+    assert not upward, f"{module} ({LAYERS[own][0]}) imports upward: {upward}"
 
 
 def test_no_import_cycles() -> None:
+    """No cycle, counting the imports inside functions (a cycle there still means two modules
+    that cannot be understood, or split, apart)."""
     modules = _modules()
-    graph = {m: _imports(m, p, top_level_only=True) & set(modules) for m, p in modules.items()}
+    graph = {m: _imports(m, p) & set(modules) for m, p in modules.items()}
 
     def visit(node: str, stack: list[str], done: set[str]) -> None:
         if node in stack:

@@ -402,3 +402,12 @@ def test_a_label_list_may_name_urls(images: Path, tmp_path: Path) -> None:
     assert ds.stored_paths() == [file.as_uri() for _, _, file in rows]
     for i, (_, _, file) in enumerate(rows):
         assert np.array_equal(ds[i][0].permute(1, 2, 0).numpy(), reference_pixels(file))
+
+
+def test_an_unlabelled_output_to_hugging_face(images: Path, tmp_path: Path) -> None:
+    pytest.importorskip("datasets", reason="pip install 'imgpack[hf]' (test.sh does)")
+    from imgpack import to_hf
+
+    convert(images, tmp_path / "out", "lmdb", no_labels=True, progress=False)
+    back = to_hf(tmp_path / "out", cache_dir=str(tmp_path / "cache"))
+    assert back["label"] == [-1] * 12

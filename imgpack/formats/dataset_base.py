@@ -419,7 +419,7 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         """This output as a Hugging Face ``datasets.Dataset`` (see :func:`imgpack.hf.to_hf`)."""
         from imgpack.hf import to_hf
 
-        return to_hf(self.root, cache_dir)
+        return to_hf(self, cache_dir)
 
     def damaged(self, indices: Sequence[int] | np.ndarray) -> Iterator[tuple[int, str]]:
         """``(index, problem)`` for every damaged record among ``indices`` (structure, label
