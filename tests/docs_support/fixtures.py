@@ -51,7 +51,7 @@ def sources() -> None:
     """What docs/sources.md converts: ./images, an LMDB output ``old-lmdb``, TFRecords
     (``tf-shards/`` and ``tf/train-*.tfrecord``), a split folder ``dataset/`` and Hugging Face
     datasets saved to disk (``saved-dataset``, ``saved-dataset-dict``, and ``saved`` with the
-    columns ``img`` and ``y``)."""
+    columns ``img`` and ``y``), a label list, unlabelled images and WebDataset shards."""
     import datasets
 
     make_sample_folder("images", 60, 5, 0)  # small: the Hugging Face steps dominate this page
@@ -68,3 +68,34 @@ def sources() -> None:
         {"train": dataset.select(range(0, 40)), "test": dataset.select(range(40, 60))}
     ).save_to_disk("saved-dataset-dict")
     dataset.rename_columns({"image": "img", "label": "y"}).save_to_disk("saved")
+    _label_list_and_shards()
+
+
+def _label_list_and_shards() -> None:
+    """``kaggle/images/`` (flat) with ``kaggle/labels.csv`` (``path,label`` rows), ``flat/``
+    (images without labels) and ``wds-shards/`` (two tars as the webdataset package writes
+    them: ``key.jpg``/``key.png`` + ``key.cls``)."""
+    import io
+    import shutil
+    import tarfile
+
+    folder = Path("kaggle/images")
+    folder.mkdir(parents=True)
+    rows, members = ["path,label"], []
+    classes = sorted(p.name for p in Path("images").iterdir())
+    for name in classes:
+        for file in sorted((Path("images") / name).iterdir()):
+            shutil.copy(file, folder / f"{name}-{file.name}")
+            rows.append(f"images/{name}-{file.name},{name}")
+            members.append((file, classes.index(name)))
+    Path("kaggle/labels.csv").write_text("\n".join(rows) + "\n")
+    shutil.copytree(folder, "flat")
+    Path("wds-shards").mkdir()
+    for shard in range(2):
+        with tarfile.open(f"wds-shards/shard-{shard:06d}.tar", "w") as tar:
+            for k, (file, label) in enumerate(members[shard::2]):
+                for name, data in ((f"{shard}{k:05d}{file.suffix}", file.read_bytes()),
+                                   (f"{shard}{k:05d}.cls", str(label).encode())):  # fmt: skip
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
