@@ -197,6 +197,66 @@ def test_installed_plugin_adds_a_format(
             assert label == target and torch.equal(image, want)
 
 
+TOY_TOUR = """
+import sys
+from imgpack import convert, export, merge, verify
+src, base = sys.argv[1], sys.argv[2]
+convert(src, f"{base}/toy", "toy", progress=False)
+report = verify(f"{base}/toy", deep=True)
+assert report.ok, report.problems
+export(f"{base}/toy", f"{base}/exported", progress=False)
+for part in (0, 1):
+    convert(src, f"{base}/p{part}", "toy", num_parts=2, part=part, progress=False)
+merge([f"{base}/p0", f"{base}/p1"], f"{base}/merged", progress=False)
+convert(f"{base}/merged", f"{base}/back", "pt", progress=False)
+with open(f"{base}/toy/toy.bin", "r+b") as data:  # one byte of one record flipped
+    data.seek(100)
+    byte = data.read(1)
+    data.seek(100)
+    data.write(bytes([byte[0] ^ 0xFF]))
+print(verify(f"{base}/toy").ok)
+"""
+
+
+def test_the_toy_reader_needs_only_records(
+    toy_site: Path, uniform_folder: Path, tmp_path: Path
+) -> None:
+    """The toy plugin's reader implements only _records and _load_paths; verify, export, merge
+    and converting from its output work through the base class."""
+    env = {**os.environ, "PYTHONPATH": str(toy_site)}
+    done = subprocess.run(
+        [sys.executable, "-c", TOY_TOUR, str(uniform_folder), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"  # the damaged output is reported
+    files = sorted(p.relative_to(uniform_folder) for p in uniform_folder.rglob("*.png"))
+    for name in files:  # original PNGs: the export is the source tree, byte for byte
+        assert (tmp_path / "exported" / name).read_bytes() == (uniform_folder / name).read_bytes()
+    reference = open_dataset(convert_reference(uniform_folder, tmp_path / "ref"))
+    back = open_dataset(tmp_path / "back")
+    assert back.stored_paths() == reference.stored_paths() and back.targets == reference.targets
+    for i in range(len(reference)):
+        assert torch.equal(back[i][0], reference[i][0])
+
+
+def convert_reference(folder: Path, out: Path) -> Path:
+    convert(folder, out, "pt", progress=False)
+    return out
+
+
+def test_a_reader_without_records_is_refused() -> None:
+    from imgpack.formats.dataset_base import ImageDataset
+
+    class NoRecords(ImageDataset):
+        format = "none"
+
+    with pytest.raises(TypeError, match=r"abstract method.*_records"):
+        NoRecords("anywhere")  # type: ignore[abstract]
+
+
 def test_a_broken_plugin_does_not_break_imgpack(tmp_path: Path) -> None:
     site = tmp_path / "site"
     info = site / "broken_plugin-0.1.dist-info"

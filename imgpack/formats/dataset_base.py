@@ -21,7 +21,7 @@ import os
 import stat
 import time
 import warnings
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,13 +143,17 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
     return Handover(images, labels) if in_worker() else (images, labels)
 
 
-class ImageDataset(Dataset[tuple[Any, Any]]):
+class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     """Base class of the readers: ``ds[i]`` is ``(image, label)`` with a uint8 ``(C, H, W)`` image.
 
     Attributes named as torchvision's ``ImageFolder``: ``classes``, ``class_to_idx``,
-    ``targets``, ``samples``. Subclasses set :attr:`format` and implement :meth:`_open`
-    (per-process handles), :meth:`_gather` (a batch of valid indices to images and labels),
-    :meth:`_load_targets` and :meth:`_load_paths` (the stored source paths).
+    ``targets``, ``samples``. A subclass sets :attr:`format` and implements **one** primitive,
+    :meth:`_records` (the stored records of some indices, undecoded); everything else —
+    batches (:meth:`_gather`), labels, ``encoded`` for ``merge``/``export``/convert-from,
+    ``verify`` — works from it. A reader overrides only its fast paths: :meth:`_open`
+    (per-process handles), :meth:`_gather`, :meth:`_load_targets`, :meth:`_load_paths` (the
+    stored source paths; the default: none stored), :meth:`_raw_rows`. An abstract
+    :meth:`_records` left out is refused when the class is instantiated (it is an ``ABC``).
 
     ``verify``: check every record's CRC-32C as it is read (``True``), never (``False``), or by
     default (``None``) every encoded record as it is read (those reads are bound by the image
@@ -283,9 +287,10 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
         return None
 
     # -- per-process handles -------------------------------------------------------------
-    @abstractmethod
     def _open(self) -> Any:
-        """Open the files of this output in the current process."""
+        """Open the files of this output in the current process (default: nothing to open;
+        :meth:`_records` opens what it reads)."""
+        return None
 
     def _close(self, handles: Any) -> None:
         """Release handles opened by :meth:`_open`."""
@@ -335,8 +340,13 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             self._targets = self._load_targets()
         return self._targets
 
-    @abstractmethod
-    def _load_targets(self) -> list[int]: ...
+    def _load_targets(self) -> list[int]:
+        """The label of every sample (default: read from the records, a chunk at a time)."""
+        labels: list[int] = []
+        for first in range(0, len(self), 4096):
+            indices = np.arange(first, min(len(self), first + 4096), dtype=np.int64)
+            labels.extend(record.label for record in self._records(indices))
+        return labels
 
     @property
     def samples(self) -> list[tuple[str, int]]:
@@ -363,9 +373,10 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             self._stored_paths = self._load_paths()
         return self._stored_paths
 
-    @abstractmethod
     def _load_paths(self) -> list[str] | None:
-        """The stored source path of every sample (relative, POSIX), or ``None`` if not stored."""
+        """The stored source path of every sample (relative, POSIX), or ``None`` if not stored
+        (the default)."""
+        return None
 
     def _source(self, index: int) -> str:
         """`` (source PATH)`` for an error about sample ``index``, when the path can be had."""
@@ -436,9 +447,29 @@ class ImageDataset(Dataset[tuple[Any, Any]]):
             except ImgpackError as exc:
                 yield index, str(exc)
 
-    @abstractmethod
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
-        """Images and int64 labels of valid sample ``indices`` (an int64 array), in that order."""
+        """Images and int64 labels of valid sample ``indices`` (an int64 array), in that order.
+
+        The default reads :meth:`_records` (checked as ``verify`` says: every read with
+        ``verify=True``, by default encoded reads and each raw record once) and decodes them
+        with this reader's decoder; formats override it with their fast paths."""
+        if self.manifest.encoding == "raw":
+            self._check_raw(indices)
+            records = list(self._records(indices))
+            image = self.manifest.image
+            shape = (int(image["height"]), int(image["width"]), self.channels)
+            arrays = [
+                np.frombuffer(self._stored_bytes(r), np.uint8).reshape(shape) for r in records
+            ]
+            return arrays_to_batch(arrays), torch.tensor(
+                [r.label for r in records], dtype=torch.int64
+            )
+        found = self._records(indices)
+        records = list(self._checked(found) if self.verify else found)
+        payloads = [self._stored_bytes(r) for r in records]
+        where = [f"{r.where}: sample {r.index}" for r in records]
+        images = self._decode(payloads, lambda k: where[k])
+        return images, torch.tensor([r.label for r in records], dtype=torch.int64)
 
     def _indices(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)

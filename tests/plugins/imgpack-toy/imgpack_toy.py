@@ -1,16 +1,23 @@
-"""A toy imgpack format: every payload in one file ``toy.bin``, with ``toy.idx`` listing
-``offset size label`` per sample. Small on purpose: it shows what a format plugin implements."""
+"""A toy imgpack format, and the smallest complete one: every payload in one file ``toy.bin``,
+with ``toy.idx`` listing one JSON line per sample (offset, size, label, checksum, source path).
+
+Small on purpose: it shows what a format plugin implements. The writer stores samples; the
+reader implements the one required primitive, ``_records`` (and ``_load_paths`` to give the
+source paths back) — batches, labels, ``verify``, ``export``, ``merge`` and converting from the
+output all work from those."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 
+from imgpack.checksum import record_crc
 from imgpack.formats import FormatOption, FormatSpec
-from imgpack.formats.dataset_base import ImageDataset, Images, arrays_to_batch, decode_batch
+from imgpack.formats.dataset_base import ImageDataset, Record
 from imgpack.formats.writer_base import Writer, WrittenFile
 from imgpack.images import Encoded
 
@@ -30,7 +37,14 @@ class ToyWriter(Writer):
         self._index: list[str] = []
 
     def add(self, sample: Encoded) -> None:
-        self._index.append(f"{self._data.tell()} {len(sample.payload)} {sample.label}\n")
+        entry = {
+            "offset": self._data.tell(),
+            "size": len(sample.payload),
+            "label": sample.label,
+            "crc": record_crc(sample.payload, sample.label),
+            "path": sample.path,
+        }
+        self._index.append(json.dumps(entry) + "\n")
         self._data.write(sample.payload)
 
     def _finish(self) -> list[WrittenFile]:
@@ -48,30 +62,15 @@ class ToyDataset(ImageDataset):
 
     def __init__(self, root: Any, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
-        table = np.loadtxt(self.root / "toy.idx", dtype=np.int64, ndmin=2)
-        self._offsets, self._sizes, self._labels = table[:, 0], table[:, 1], table[:, 2]
+        with open(self.root / "toy.idx") as index:
+            self._index = [json.loads(line) for line in index]
 
-    def _open(self) -> int:
-        return os.open(self.root / "toy.bin", os.O_RDONLY)
-
-    def _close(self, handles: Any) -> None:
-        os.close(handles)
-
-    def _load_targets(self) -> list[int]:
-        return self._labels.tolist()
+    def _records(self, indices: np.ndarray) -> Iterator[Record]:
+        with open(self.root / "toy.bin", "rb") as data:
+            for i in indices.tolist():
+                entry = self._index[i]
+                payload = os.pread(data.fileno(), entry["size"], entry["offset"])
+                yield Record(i, payload, entry["label"], entry["crc"], f"{self.root}/toy.bin")
 
     def _load_paths(self) -> list[str] | None:
-        return None
-
-    def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
-        payloads = [
-            os.pread(self.handles, int(self._sizes[i]), int(self._offsets[i])) for i in indices
-        ]
-        labels = torch.from_numpy(self._labels[indices])
-        if self.manifest.encoding == "raw":
-            image = self.manifest.image
-            shape = (image["height"], image["width"], self.channels)
-            return arrays_to_batch(
-                [np.frombuffer(p, np.uint8).reshape(shape) for p in payloads]
-            ), labels
-        return decode_batch(payloads, self.channels, lambda k: f"toy sample {indices[k]}"), labels
+        return [entry["path"] for entry in self._index]
