@@ -213,276 +213,254 @@ def main(ctx: click.Context, verbose: bool) -> None:
     )
 
 
+#: What is written: the format, its shards and options, what DST may be, bad files.
+OUTPUT_OPTIONS = (
+    click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(formats.names()),
+        required=True,
+        help="Output format: " + "; ".join(f"{s.name}: {s.summary}" for s in formats.specs()) + ".",
+    ),
+    click.option(
+        "--shard-size",
+        default=None,
+        help="Bytes per shard of sharded formats: 512MB, 1GiB, ... [default: "
+        + ", ".join(
+            f"{s.name} {format_bytes(s.default_shard_size or 0)}"
+            for s in formats.specs()
+            if s.sharded
+        )
+        + "].",
+    ),
+    click.option(
+        "--overwrite", is_flag=True, help="Replace DST if it is an existing imgpack output."
+    ),
+    click.option(
+        "--resume",
+        is_flag=True,
+        help="Continue an interrupted conversion of the same SRC, DST and options from its last "
+        "checkpoint; the output is the same as an uninterrupted run's.",
+    ),
+    click.option(
+        "--on-error",
+        type=click.Choice(ON_ERROR),
+        default=_default("on_error"),
+        show_default=True,
+        help="fail: stop at a bad file, DST untouched; skip: skip and record it in the manifest.",
+    ),
+    click.option(
+        "--classes-from",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Reuse the label map of an imgpack output or a text file (one class per line).",
+    ),
+    click.option("--compression", default=None, help="Alias of -o compression=VALUE (hdf5)."),
+    click.option("--label-offset", default=None, help="Alias of -o label_offset=VALUE (tfrecord)."),
+    click.option(
+        "--option",
+        "-o",
+        "format_options",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help=_format_options_help(),
+    ),
+)
+
+
+#: The image policy: what every stored image is (docs/images.md).
+IMAGE_OPTIONS = (
+    click.option(
+        "--encoding",
+        type=click.Choice(ENCODINGS),
+        default=_default("encoding"),
+        show_default=True,
+        help="original: source bytes when they decode to the policy's pixels, else lossless PNG; "
+        "png/jpeg: re-encode; raw: pixels (needs --size).",
+    ),
+    click.option("--size", default=None, help="Resize to N x N or HxW (e.g. 224, 256x320)."),
+    click.option(
+        "--resize",
+        type=click.Choice(RESIZE_MODES),
+        default=_default("resize"),
+        show_default=True,
+        help="crop: shorter side to fit, then centre crop; stretch: ignore the aspect ratio.",
+    ),
+    click.option(
+        "--resample",
+        type=click.Choice(list(RESAMPLE)),
+        default=_default("resample"),
+        show_default=True,
+    ),
+    click.option(
+        "--quality",
+        type=click.IntRange(1, 100),
+        default=_default("quality"),
+        show_default=True,
+        help="JPEG quality.",
+    ),
+    click.option("--grayscale", is_flag=True, help="Store 1-channel luma instead of RGB."),
+    click.option(
+        "--background", default="white", show_default=True, help="Colour under transparent pixels."
+    ),
+    click.option(
+        "--max-pixels",
+        type=int,
+        default=_default("max_pixels"),
+        show_default=True,
+        help="Refuse larger images (decompression-bomb guard); 0 turns the guard off.",
+    ),
+)
+
+
+#: What SRC is and how it is read (docs/sources.md).
+SOURCE_GROUP = (
+    click.option(
+        "--source",
+        "source_kind",
+        type=click.Choice(sources.names()),
+        default=None,
+        help="What SRC is [default: detected]: "
+        + "; ".join(f"{s.name}: {s.summary}" for s in sources.specs())
+        + ".",
+    ),
+    click.option(
+        "--source-option",
+        "-s",
+        "source_options",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="An option of SRC's kind (docs/sources.md): "
+        + "; ".join(
+            f"{s.name}: {', '.join(o.name for o in s.options)}"
+            for s in sources.specs()
+            if s.options
+        )
+        + ".",
+    ),
+    click.option(
+        "--labels",
+        "labels_file",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="A CSV or JSON Lines list of path,label rows; paths relative to SRC (--source labels "
+        "-s file=FILE).",
+    ),
+    click.option(
+        "--no-labels",
+        is_flag=True,
+        help="Convert every image under SRC without labels: label -1, no classes (--source "
+        "unlabelled).",
+    ),
+    click.option(
+        "--image-column",
+        default=None,
+        help="Hugging Face dataset SRC: the image column [default: by type] (-s image_column=).",
+    ),
+    click.option(
+        "--label-column",
+        default=None,
+        help="Hugging Face dataset or label list SRC: the label column [default: by type; a list's "
+        "'label'] (-s label_column=).",
+    ),
+    click.option(
+        "--splits",
+        is_flag=False,
+        flag_value="auto",
+        default=None,
+        metavar="[NAMES]",
+        help="SRC holds split folders (train, val, test...): convert each into DST/<split> with one "
+        "shared label map; or name them: --splits train,val.",
+    ),
+    click.option(
+        "--no-splits",
+        is_flag=True,
+        help="Convert top-level folders named like splits (train, test) as classes.",
+    ),
+)
+
+
+#: Where and how the work runs: workers, parts, executor, progress.
+RUN_OPTIONS = (
+    click.option(
+        "--workers",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Processes [default: usable CPUs].",
+    ),
+    click.option(
+        "--num-parts",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Split the conversion into this many parts (contiguous slices of the scan); "
+        "convert each with --part, join them with imgpack merge.",
+    ),
+    click.option(
+        "--part",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Which part to convert, 0 to --num-parts minus 1 (e.g. $SLURM_ARRAY_TASK_ID).",
+    ),
+    click.option(
+        "--executor",
+        type=click.Choice(["local", "ray"]),
+        default="local",
+        show_default=True,
+        help="Where images are decoded and encoded: a local process pool, or Ray tasks on a cluster "
+        "(pip install 'imgpack[ray]'); the output is the same bytes.",
+    ),
+    click.option(
+        "--ray-address",
+        default=None,
+        help="The Ray cluster for --executor ray [default: RAY_ADDRESS, else a local Ray].",
+    ),
+    click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+)
+
+
+def option_group(options: tuple[Callable[[F], F], ...]) -> Callable[[F], F]:
+    """The click options of one group, applied in their order (as stacked decorators are)."""
+
+    def apply(func: F) -> F:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return apply
+
+
 @main.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(formats.names()),
-    required=True,
-    help="Output format: " + "; ".join(f"{s.name}: {s.summary}" for s in formats.specs()) + ".",
-)
-@click.option(
-    "--encoding",
-    type=click.Choice(ENCODINGS),
-    default=_default("encoding"),
-    show_default=True,
-    help="original: source bytes when they decode to the policy's pixels, else lossless PNG; "
-    "png/jpeg: re-encode; raw: pixels (needs --size).",
-)
-@click.option("--size", default=None, help="Resize to N x N or HxW (e.g. 224, 256x320).")
-@click.option(
-    "--resize",
-    type=click.Choice(RESIZE_MODES),
-    default=_default("resize"),
-    show_default=True,
-    help="crop: shorter side to fit, then centre crop; stretch: ignore the aspect ratio.",
-)
-@click.option(
-    "--resample", type=click.Choice(list(RESAMPLE)), default=_default("resample"), show_default=True
-)
-@click.option(
-    "--quality",
-    type=click.IntRange(1, 100),
-    default=_default("quality"),
-    show_default=True,
-    help="JPEG quality.",
-)
-@click.option("--grayscale", is_flag=True, help="Store 1-channel luma instead of RGB.")
-@click.option(
-    "--background", default="white", show_default=True, help="Colour under transparent pixels."
-)
-@click.option(
-    "--max-pixels",
-    type=int,
-    default=_default("max_pixels"),
-    show_default=True,
-    help="Refuse larger images (decompression-bomb guard); 0 turns the guard off.",
-)
-@click.option(
-    "--workers", type=click.IntRange(min=1), default=None, help="Processes [default: usable CPUs]."
-)
-@click.option(
-    "--shard-size",
-    default=None,
-    help="Bytes per shard of sharded formats: 512MB, 1GiB, ... [default: "
-    + ", ".join(
-        f"{s.name} {format_bytes(s.default_shard_size or 0)}" for s in formats.specs() if s.sharded
-    )
-    + "].",
-)
-@click.option("--overwrite", is_flag=True, help="Replace DST if it is an existing imgpack output.")
-@click.option(
-    "--resume",
-    is_flag=True,
-    help="Continue an interrupted conversion of the same SRC, DST and options from its last "
-    "checkpoint; the output is the same as an uninterrupted run's.",
-)
-@click.option(
-    "--on-error",
-    type=click.Choice(ON_ERROR),
-    default=_default("on_error"),
-    show_default=True,
-    help="fail: stop at a bad file, DST untouched; skip: skip and record it in the manifest.",
-)
-@click.option(
-    "--classes-from",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Reuse the label map of an imgpack output or a text file (one class per line).",
-)
-@click.option("--compression", default=None, help="Alias of -o compression=VALUE (hdf5).")
-@click.option("--label-offset", default=None, help="Alias of -o label_offset=VALUE (tfrecord).")
-@click.option(
-    "--option",
-    "-o",
-    "format_options",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help=_format_options_help(),
-)
-@click.option(
-    "--splits",
-    is_flag=False,
-    flag_value="auto",
-    default=None,
-    metavar="[NAMES]",
-    help="SRC holds split folders (train, val, test...): convert each into DST/<split> with one "
-    "shared label map; or name them: --splits train,val.",
-)
-@click.option(
-    "--no-splits",
-    is_flag=True,
-    help="Convert top-level folders named like splits (train, test) as classes.",
-)
-@click.option(
-    "--source",
-    "source_kind",
-    type=click.Choice(sources.names()),
-    default=None,
-    help="What SRC is [default: detected]: "
-    + "; ".join(f"{s.name}: {s.summary}" for s in sources.specs())
-    + ".",
-)
-@click.option(
-    "--source-option",
-    "-s",
-    "source_options",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="An option of SRC's kind (docs/sources.md): "
-    + "; ".join(
-        f"{s.name}: {', '.join(o.name for o in s.options)}" for s in sources.specs() if s.options
-    )
-    + ".",
-)
-@click.option(
-    "--labels",
-    "labels_file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="A CSV or JSON Lines list of path,label rows; paths relative to SRC (--source labels "
-    "-s file=FILE).",
-)
-@click.option(
-    "--no-labels",
-    is_flag=True,
-    help="Convert every image under SRC without labels: label -1, no classes (--source "
-    "unlabelled).",
-)
-@click.option(
-    "--image-column",
-    default=None,
-    help="Hugging Face dataset SRC: the image column [default: by type] (-s image_column=).",
-)
-@click.option(
-    "--label-column",
-    default=None,
-    help="Hugging Face dataset or label list SRC: the label column [default: by type; a list's "
-    "'label'] (-s label_column=).",
-)
-@click.option(
-    "--num-parts",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Split the conversion into this many parts (contiguous slices of the scan); "
-    "convert each with --part, join them with imgpack merge.",
-)
-@click.option(
-    "--part",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Which part to convert, 0 to --num-parts minus 1 (e.g. $SLURM_ARRAY_TASK_ID).",
-)
-@click.option(
-    "--executor",
-    type=click.Choice(["local", "ray"]),
-    default="local",
-    show_default=True,
-    help="Where images are decoded and encoded: a local process pool, or Ray tasks on a cluster "
-    "(pip install 'imgpack[ray]'); the output is the same bytes.",
-)
-@click.option(
-    "--ray-address",
-    default=None,
-    help="The Ray cluster for --executor ray [default: RAY_ADDRESS, else a local Ray].",
-)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@option_group(OUTPUT_OPTIONS)
+@option_group(IMAGE_OPTIONS)
+@option_group(SOURCE_GROUP)
+@option_group(RUN_OPTIONS)
 @storage_options
 @friendly_errors
 def convert(
-    src: str,
-    dst: str,
-    fmt: str,
-    encoding: str,
-    size: str | None,
-    resize: str,
-    resample: str,
-    quality: int,
-    grayscale: bool,
-    background: str,
-    max_pixels: int,
-    workers: int | None,
-    shard_size: str | None,
-    overwrite: bool,
-    resume: bool,
-    on_error: str,
-    classes_from: Path | None,
-    compression: str | None,
-    label_offset: str | None,
-    format_options: tuple[str, ...],
-    splits: str | None,
-    no_splits: bool,
-    source_kind: str | None,
-    source_options: tuple[str, ...],
-    labels_file: Path | None,
-    no_labels: bool,
-    image_column: str | None,
-    label_column: str | None,
-    num_parts: int,
-    part: int,
-    executor: str,
-    ray_address: str | None,
-    quiet: bool,
-    storage_option: tuple[str, ...],
-    cache_dir: str | None,
+    src: str, dst: str, storage_option: tuple[str, ...], cache_dir: str | None, **given: Any
 ) -> None:
     """Convert SRC (an image folder SRC/<class>/<image>, an imgpack output, a label list, TFRecord
     or WebDataset files: docs/sources.md) into DST. Either may be a URL
     (s3://bucket/prefix, gs://..., memory://...; see docs/storage.md)."""
     from imgpack.pipeline import convert as run_convert
+    from imgpack.pipeline import convert_splits
+    from imgpack.storage import is_url
 
-    options = _key_values(format_options, "--option")
-    for alias, given in (("compression", compression), ("label_offset", label_offset)):
-        if given is not None:
-            options[alias] = given
-    if splits is not None and no_splits:
-        raise click.UsageError("give --splits or --no-splits, not both")
     started = time.perf_counter()
-    settings = ConvertOptions.create(
-        fmt,
-        encoding=encoding,
-        size=size,
-        resize=resize,
-        resample=resample,
-        quality=quality,
-        grayscale=grayscale,
-        background=background,
-        max_pixels=max_pixels or None,
-        workers=workers,
-        shard_size=shard_size,
-        overwrite=overwrite,
-        resume=resume,
-        on_error=on_error,
-        classes_from=classes_from,
-        progress=not quiet,
-        num_parts=num_parts,
-        part=part,
-        allow_split_names=no_splits,
-        source=source_kind,
-        source_options=_key_values(source_options, "--source-option"),
-        labels=labels_file,
-        no_labels=no_labels,
-        image_column=image_column,
-        label_column=label_column,
-        format_options=options,
-    )
-    if ray_address is not None and executor != "ray":
-        raise click.UsageError("--ray-address is for --executor ray")
+    splits = given.pop("splits")
+    if splits is not None and given["no_splits"]:
+        raise click.UsageError("give --splits or --no-splits, not both")
+    executor = _executor_spec(given.pop("executor"), given.pop("ray_address"))
+    settings = convert_options(given)
     if splits is not None:
-        from imgpack.pipeline import convert_splits
-
-        names = None if splits == "auto" else [n.strip() for n in splits.split(",") if n.strip()]
-        from imgpack.storage import is_url
-
         if is_url(src) or is_url(dst):
             raise click.UsageError("--splits reads and writes local folders")
-        done = convert_splits(
-            src, dst, splits=names, options=settings, executor=executor, ray_address=ray_address
-        )
+        names = None if splits == "auto" else [n.strip() for n in splits.split(",") if n.strip()]
+        done = convert_splits(src, dst, splits=names, options=settings, executor=executor)
         for name, manifest in done.items():
             _summary(f"{dst}/{name}", manifest, time.perf_counter() - started)
         return
@@ -491,11 +469,41 @@ def convert(
         dst,
         options=settings,
         executor=executor,
-        ray_address=ray_address,
         storage_options=_storage(storage_option),
         cache_dir=cache_dir,
     )
     _summary(dst, manifest, time.perf_counter() - started)
+
+
+def convert_options(given: dict[str, Any]) -> ConvertOptions:
+    """The :class:`ConvertOptions` of the option groups' values: the flags named like its fields
+    pass as they are; the others say how they map."""
+    given = dict(given)
+    options = _key_values(given.pop("format_options"), "--option")
+    for alias in ("compression", "label_offset"):  # aliases of -o KEY=VALUE
+        value = given.pop(alias)
+        if value is not None:
+            options[alias] = value
+    return ConvertOptions.create(
+        given.pop("fmt"),
+        max_pixels=given.pop("max_pixels") or None,  # 0: no guard
+        progress=not given.pop("quiet"),
+        allow_split_names=given.pop("no_splits"),
+        source=given.pop("source_kind"),
+        source_options=_key_values(given.pop("source_options"), "--source-option"),
+        labels=given.pop("labels_file"),
+        format_options=options,
+        **given,
+    )
+
+
+def _executor_spec(executor: str, ray_address: str | None) -> str:
+    """``--executor`` and ``--ray-address`` as one executor spec (:func:`imgpack.executors.create`)."""
+    if ray_address is None:
+        return executor
+    if executor != "ray":
+        raise click.UsageError("--ray-address is for --executor ray")
+    return ray_address if ray_address.startswith("ray://") else f"ray:{ray_address}"
 
 
 def _key_values(items: tuple[str, ...], flag: str) -> dict[str, str]:

@@ -317,13 +317,17 @@ def import_ray() -> Any:
 EXECUTORS = ("local", "ray")
 
 
-def create(name: str, workers: int | None, ray_address: str | None = None) -> Executor:
-    """The executor called ``name`` (``local`` or ``ray``)."""
-    if name == "local":
-        if ray_address is not None:
-            raise OptionError("--ray-address is for --executor ray")
+def create(spec: Executor | str | None, workers: int | None = None) -> Executor:
+    """The executor ``spec`` names: ``None`` or ``"local"`` a process pool of ``workers``
+    (default: the usable CPUs); ``"ray"`` Ray at ``RAY_ADDRESS``, else a local Ray started for
+    the run; ``"ray://HOST:PORT"`` (Ray client) or ``"ray:ADDRESS"`` (``ray:auto``,
+    ``ray:10.0.0.1:6379``) the cluster at that address; an :class:`Executor` as it is."""
+    if spec is None or spec == "local":
         return LocalExecutor(workers or usable_cpus())
-    if name == "ray":
+    if not isinstance(spec, str):
+        return spec
+    if spec == "ray" or spec.startswith("ray:"):
         import_ray()
-        return RayExecutor(ray_address, workers)
-    raise OptionError(f"executor {name!r} is not one of {', '.join(EXECUTORS)}")
+        address = spec if spec.startswith("ray://") else spec[len("ray:") :] or None
+        return RayExecutor(address, workers)
+    raise OptionError(f"executor {spec!r} is not one of local, ray, ray://HOST:PORT, ray:ADDRESS")

@@ -30,8 +30,15 @@ from imgpack.errors import DataError, ImgpackError, OptionError
 from imgpack.formats.dataset_base import ImageDataset
 from imgpack.images import Encoded, Kind, encode_pixels
 from imgpack.options import ON_ERROR
-from imgpack.pipeline import check_destination, clear_leftovers, temp_output
-from imgpack.publishing import inside, locked, publish, recover
+from imgpack.publishing import (
+    check_destination,
+    clear_leftovers,
+    inside,
+    locked,
+    publish,
+    recover,
+    temp_output,
+)
 from imgpack.readers import open_dataset
 from imgpack.storage import is_url, local_path, open_location, output_folder
 

@@ -30,11 +30,18 @@ from tqdm import tqdm
 from imgpack import formats
 from imgpack.errors import DataError, OptionError
 from imgpack.formats.dataset_base import ImageDataset
-from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
+from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile, file_entries
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.manifest import Manifest, read_manifest, write_manifest
-from imgpack.pipeline import check_destination, clear_leftovers, file_entries, temp_output
-from imgpack.publishing import inside, locked, publish, recover
+from imgpack.publishing import (
+    check_destination,
+    clear_leftovers,
+    inside,
+    locked,
+    publish,
+    recover,
+    temp_output,
+)
 from imgpack.storage import is_url, local_path, open_location, output_folder
 from imgpack.version import __version__
 

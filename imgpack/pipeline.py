@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import uuid
@@ -44,36 +43,40 @@ from imgpack.errors import (
     DataError,
     ImageError,
     ImgpackError,
-    Interrupted,
     OptionError,
     ScanError,
     StorageError,
-    Terminated,
 )
-from imgpack.executors import Executor, Failure, Job, LocalExecutor, Outcome
-from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile
+from imgpack.executors import Executor, Failure, Job, Outcome
+from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile, file_entries
 from imgpack.manifest import (
-    MANIFEST_NAME,
     OUTPUT_ID_LENGTH,
-    Companion,
-    FileEntry,
     Manifest,
-    sha256_file,
     write_manifest,
 )
 from imgpack.options import ConvertOptions
-from imgpack.publishing import inside, locked, publish, recover
+from imgpack.publishing import (
+    CHECKPOINT_NAME,
+    check_destination,
+    clear_leftovers,
+    inside,
+    leftovers,
+    locked,
+    publish,
+    recover,
+    temp_output,
+)
 from imgpack.scan import Sample, Scan
 from imgpack.sources.base import ScanRequest, Source
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
-from imgpack.system import usable_cpus
 from imgpack.version import __version__
 
 log = logging.getLogger(__name__)
 
-#: The checkpoint in a temp output dir (removed before publishing).
-CHECKPOINT = KEEP_PREFIX + "checkpoint.json"
-TEMP_SUFFIX = ".imgpack-tmp"
+#: The checkpoint in a temp output dir (removed before publishing); its name starts with the
+#: writers' KEEP_PREFIX, so no writer removes it.
+CHECKPOINT = CHECKPOINT_NAME
+assert CHECKPOINT.startswith(KEEP_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,7 @@ def process(
     """The outcome of every sample from scan position ``start`` on, in scan order (the local
     process pool unless told otherwise)."""
     if executor is None:
-        executor = LocalExecutor(plan.options.workers or usable_cpus())
+        executor = executors.create(None, plan.options.workers)
     return executor.outcomes(plan.job, plan.samples[start:])
 
 
@@ -392,21 +395,6 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
     )
 
 
-def file_entries(directory: Path, files: list[WrittenFile]) -> list[FileEntry]:
-    """The manifest entries of finished data files in ``directory``: size as it is, sha256 as
-    the writer computed it when it finished the file (else read now)."""
-    return [
-        FileEntry(
-            f.path,
-            (directory / f.path).stat().st_size,
-            f.num_samples,
-            f.sha256 or sha256_file(directory / f.path),
-            [Companion(name, (directory / name).stat().st_size, sha) for name, sha in f.companions],
-        )
-        for f in files
-    ]
-
-
 def _chain(scan: Scan) -> dict[str, Any]:
     """What the manifest records of a source that is not an image folder: its format, its
     output id and its own ``source`` (so a manifest holds the whole chain of conversions)."""
@@ -426,21 +414,16 @@ def _chain(scan: Scan) -> dict[str, Any]:
     return {"converted_from": {k: origin[k] for k in keys if k in origin}}
 
 
-def leftovers(dst: Path) -> list[Path]:
-    """Temp dirs of conversions to ``dst`` that were killed before they could clean up."""
-    if not dst.parent.is_dir():
-        return []
-    return sorted(p for p in dst.parent.glob(f".{dst.name}.*{TEMP_SUFFIX}") if p.is_dir())
-
-
-def clear_leftovers(dst: Path) -> None:
-    """Remove the temp dirs beside ``dst`` that nothing can resume (no checkpoint: a killed
-    ``merge`` or ``export``, or a conversion killed before it wrote one). Call it holding DST's
-    lock: no live run is writing them then."""
-    for left in leftovers(dst):
-        if not (left / CHECKPOINT).exists() and not left.is_symlink():
-            shutil.rmtree(left, ignore_errors=True)
-            log.info("%s: removed, left by a run that was killed and cannot be resumed", left)
+def _resume_note(tmp: Path) -> str | None:
+    """What a run stopped by SIGTERM or Ctrl-C says when its temp dir holds a checkpoint of
+    written samples (the dir is kept for ``--resume``), else ``None`` (it is removed)."""
+    checkpoint = Checkpoint.load(tmp)
+    if checkpoint is None or not checkpoint.writer or checkpoint.count == 0:
+        return None
+    return (
+        f"kept {tmp} with {checkpoint.count} samples written: run the same command with "
+        "--resume to continue from there"
+    )
 
 
 def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
@@ -469,56 +452,23 @@ def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
     return None, None
 
 
-@contextmanager
-def temp_output(dst: Path, existing: Path | None = None, resumable: bool = False) -> Iterator[Path]:
-    """A temp dir beside ``dst`` (same filesystem, so publishing is a rename), removed on error;
-    ``existing`` is the temp dir of an interrupted conversion being resumed. ``resumable``: a
-    run stopped by SIGTERM or Ctrl-C keeps the dir when it holds a checkpoint of written
-    samples, and says so (:class:`~imgpack.errors.Terminated` with a note)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if existing is not None:
-        tmp = existing
-    else:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=TEMP_SUFFIX, dir=dst.parent))
-        os.chmod(
-            tmp, 0o777 & ~_umask()
-        )  # mkdtemp makes it private; an output is an ordinary folder
-    try:
-        yield tmp
-    except (KeyboardInterrupt, Terminated) as exc:
-        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
-        checkpoint = Checkpoint.load(tmp) if resumable else None
-        if checkpoint is not None and checkpoint.writer and checkpoint.count > 0:
-            note = (
-                f"kept {tmp} with {checkpoint.count} samples written: run the same command "
-                "with --resume to continue from there"
-            )
-            raise (
-                Interrupted(note) if signum == signal.SIGINT else Terminated(signum, note)
-            ) from None
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def convert(
-    src: str | os.PathLike[str],
+    src: str | os.PathLike[str] | Any,
     dst: str | os.PathLike[str],
     format: str = "pt",
     *,
     options: ConvertOptions | None = None,
     executor: Executor | str | None = None,
-    ray_address: str | None = None,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     **kwargs: Any,
 ) -> Manifest:
-    """Convert the image folder ``src`` into a ``format`` output at ``dst``.
+    """Convert ``src`` into a ``format`` output at ``dst``.
 
     Args:
-        src: image folder, ``src/<class>/**/<image>``; never modified.
+        src: what to convert (:mod:`imgpack.sources`): an image folder ``src/<class>/**/<image>``,
+            an imgpack output, a label list, TFRecord or WebDataset files, a Hugging Face dataset
+            folder or ``datasets.Dataset`` object, or any of them as a URL; never modified.
         dst: output directory; must not exist unless ``overwrite`` (then it must be an imgpack
             output or empty, and is replaced only once the new output is complete).
         format: a registered format (:func:`imgpack.formats.names`).
@@ -532,38 +482,66 @@ def convert(
             (``"512MB"``, ``"1GiB"``, an int), ``overwrite``, ``on_error`` (``fail`` stops at the
             first bad file, DST untouched; ``skip`` records bad files in the manifest),
             ``classes_from`` (the label map of an imgpack output or a text file), ``progress``
-            (a tqdm bar on stderr); any other keyword is an option of the format (its docs page).
+            (a tqdm bar on stderr); the source's: ``source`` (its kind, default detected),
+            ``source_options``, ``labels`` (a label list), ``no_labels``, ``image_column``,
+            ``label_column``; any other keyword is an option of the format (its docs page).
         executor: where the per-image work runs: ``"local"`` (default: a process pool of
-            ``workers``), ``"ray"`` (Ray tasks; ``pip install 'imgpack[ray]'``), or an
+            ``workers``), ``"ray"`` (Ray tasks on the cluster at ``RAY_ADDRESS``, else a local
+            Ray started for the run; ``pip install 'imgpack[ray]'``), ``"ray://HOST:PORT"`` or
+            ``"ray:ADDRESS"`` (the cluster at that address), or an
             :class:`~imgpack.executors.Executor`. The output is the same bytes with every one.
-        ray_address: the Ray cluster for ``executor="ray"`` (default ``RAY_ADDRESS``, else a
-            local Ray started for the run).
         storage_options: for ``src`` or ``dst`` given as URLs (``s3://...``): passed to the
             fsspec filesystem (:mod:`imgpack.storage`).
         cache_dir: where an output read from a URL is cached (default: the user's cache folder).
 
     Returns:
         The manifest written to ``dst/imgpack.json``.
+
+    SRC and DST are resolved once — a URL source fetched (an output through the cache,
+    anything else to a scratch folder), a ``datasets.Dataset`` saved beside DST, a URL DST built
+    in a scratch folder and uploaded with its manifest last — and the engine runs once.
     """
+    options = _options(format, options, kwargs)
+    if storage.is_url(dst) and options.resume:
+        raise OptionError(
+            f"{dst}: --resume needs a local DST (a bucket output is built in a scratch folder)"
+        )
+    runner = executors.create(executor, options.workers)
+    with ExitStack() as stack:
+        if hf.is_dataset_object(src):  # saved beside where the output is built
+            local_dst = stack.enter_context(
+                storage.output_folder(dst, storage_options, overwrite=options.overwrite)
+            )
+            local_src = stack.enter_context(_saved_dataset(src, Path(local_dst)))
+        else:
+            local_src = stack.enter_context(
+                storage.source_location(src, storage_options, cache_dir)
+            )
+            local_dst = stack.enter_context(
+                storage.output_folder(dst, storage_options, overwrite=options.overwrite)
+            )
+        if storage.is_url(dst):  # the bucket's output was checked; the scratch folder is new
+            options = replace(options, overwrite=False)
+        manifest = _convert_local(Path(local_src), Path(local_dst), options, runner)
+        if storage.is_url(src):  # the source as the user named it, not the scratch copy
+            manifest.source["path"] = str(src).rstrip("/")
+            write_manifest(Path(local_dst), manifest)
+        return manifest
+
+
+def _options(format: str, options: ConvertOptions | None, kwargs: dict[str, Any]) -> ConvertOptions:
     if options is None:
-        options = ConvertOptions.create(format, **kwargs)
-    elif kwargs or format != "pt":
+        return ConvertOptions.create(format, **kwargs)
+    if kwargs or format != "pt":
         raise OptionError("give either options= or format and keyword options, not both")
-    if storage.is_url(src) or storage.is_url(dst):
-        return _convert_remote(src, dst, options, executor, ray_address, storage_options, cache_dir)
-    src = src if hf.is_dataset_object(src) else storage.local_path(src)
-    dst = storage.local_path(dst)
-    if hf.is_dataset_object(src):
-        return _convert_dataset_object(src, Path(dst), options, executor, ray_address)
-    if executor is None and ray_address is not None:
-        executor = "ray"
-    if isinstance(executor, str):
-        executor = executors.create(executor, options.workers, ray_address)
-    elif ray_address is not None:
-        raise OptionError("ray_address is for executor='ray'")
-    with locked(Path(dst)):
-        recover(Path(dst), holding_lock=True)
-        clear_leftovers(Path(dst))
+    return options
+
+
+def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Executor) -> Manifest:
+    """The engine: plan, process, write and publish one output at the local ``dst``."""
+    with locked(dst):
+        recover(dst, holding_lock=True)
+        clear_leftovers(dst)
         the_plan = plan(src, dst, options)
         try:
             return _convert(the_plan, executor)
@@ -577,41 +555,6 @@ def convert(
                 f"{the_plan.dst}: cannot write the output: {reason}; nothing was published and "
                 f"{the_plan.dst} is as it was"
             ) from None
-
-
-def _convert_remote(
-    src: Any,
-    dst: str | os.PathLike[str],
-    options: ConvertOptions,
-    executor: Executor | str | None,
-    ray_address: str | None,
-    storage_options: dict[str, Any] | None,
-    cache_dir: str | os.PathLike[str] | None,
-) -> Manifest:
-    """A source or destination in object storage: the source fetched (an output through the
-    cache, anything else to a scratch folder), the output built in a scratch folder and
-    uploaded with its manifest last (:mod:`imgpack.storage`)."""
-    if storage.is_url(dst) and options.resume:
-        raise OptionError(
-            f"{dst}: --resume needs a local DST (a bucket output is built in a scratch folder)"
-        )
-    with ExitStack() as stack:
-        local_src: Any = src
-        if not hf.is_dataset_object(src):
-            local_src = stack.enter_context(
-                storage.source_location(src, storage_options, cache_dir)
-            )
-        local_dst = stack.enter_context(
-            storage.output_folder(dst, storage_options, overwrite=options.overwrite)
-        )
-        local_options = replace(options, overwrite=False) if storage.is_url(dst) else options
-        manifest = convert(
-            local_src, local_dst, options=local_options, executor=executor, ray_address=ray_address
-        )
-        if storage.is_url(src):  # the source as the user named it, not the scratch copy
-            manifest.source["path"] = str(src).rstrip("/")
-            write_manifest(Path(local_dst), manifest)
-        return manifest
 
 
 #: errno values that mean the machine cannot store the output, whatever the input.
@@ -643,20 +586,15 @@ def storage_problem(exc: BaseException, directory: Path) -> str | None:
     return None
 
 
-def _convert_dataset_object(
-    dataset: Any,
-    dst: Path,
-    options: ConvertOptions,
-    executor: Executor | str | None,
-    ray_address: str | None,
-) -> Manifest:
-    """A ``datasets.Dataset`` object: saved (its rows as they are, selections applied) to a
-    temp folder beside DST, converted from there, the folder removed."""
+@contextmanager
+def _saved_dataset(dataset: Any, dst: Path) -> Iterator[Path]:
+    """A ``datasets.Dataset`` object saved (its rows as they are, selections applied) to a temp
+    folder beside ``dst``, removed afterwards."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".imgpack-hf", dir=dst.parent))
     try:
         dataset.save_to_disk(str(folder))
-        return convert(folder, dst, options=options, executor=executor, ray_address=ray_address)
+        yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -674,7 +612,7 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
                 the_plan.dst,
             )
     start = checkpoint.position if checkpoint is not None else 0
-    with temp_output(the_plan.dst, existing, resumable=True) as tmp:
+    with temp_output(the_plan.dst, existing, keep=_resume_note) as tmp:
         if checkpoint is None:  # at once: a run killed from here on can be recognised
             Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable).save(tmp)
         outcomes = process(the_plan, executor, start)
@@ -695,7 +633,6 @@ def convert_splits(
     splits: Sequence[str] | None = None,
     options: ConvertOptions | None = None,
     executor: Executor | str | None = None,
-    ray_address: str | None = None,
     **kwargs: Any,
 ) -> dict[str, Manifest]:
     """Convert each split folder of ``root`` (``train``, ``val``, ``test``... or the ``splits``
@@ -719,10 +656,7 @@ def convert_splits(
     for name in names:
         if not (root_path / name).is_dir() or name.startswith(".") or "/" in name:
             raise FileNotFoundError(f"{root_path / name}: no such split folder")
-    if options is None:
-        options = ConvertOptions.create(format, **kwargs)
-    elif kwargs or format != "pt":
-        raise OptionError("give either options= or format and keyword options, not both")
+    options = _options(format, options, kwargs)
     if options.classes is None and options.classes_from is None and dataset_dict:
         # The splits share the ClassLabel feature: its names, in their order, are the label map.
         first = sources.resolve(root_path / names[0], options.source, options.source_options)
@@ -731,15 +665,9 @@ def convert_splits(
         union = sorted({c for name in names for c in find_classes(root_path / name)})
         options = replace(options, classes=tuple(union))
     dst_path.mkdir(parents=True, exist_ok=True)
+    runner = executors.create(executor, options.workers)
     return {
-        name: convert(
-            root_path / name,
-            dst_path / name,
-            options=options,
-            executor=executor,
-            ray_address=ray_address,
-        )
-        for name in names
+        name: _convert_local(root_path / name, dst_path / name, options, runner) for name in names
     }
 
 
@@ -749,31 +677,6 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     if inside(src, dst):
         raise OptionError(f"{dst}: the output must not contain the source folder {src}")
     check_destination(dst, overwrite)
-
-
-def check_destination(
-    dst: Path, overwrite: bool, marker: str = MANIFEST_NAME, what: str = "an imgpack output"
-) -> None:
-    """``dst`` may be written: it does not exist, it is an empty folder, or ``overwrite`` and
-    it is ``what`` (a folder holding the file ``marker``). The same words for every command,
-    local or bucket (:func:`imgpack.storage.output_folder`)."""
-    if not (dst.exists() or dst.is_symlink()):
-        return
-    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
-        return  # an empty folder: filled by the publish (a rename over an empty folder)
-    if not (dst.is_dir() and not dst.is_symlink() and (dst / marker).is_file()):
-        raise FileExistsError(
-            f"{dst}: already exists and is not {what}; refusing to replace it, with or without "
-            "--overwrite (remove it yourself, or choose another destination)"
-        )
-    if not overwrite:
-        raise FileExistsError(f"{dst}: already exists (use --overwrite to replace it)")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 __all__ = [

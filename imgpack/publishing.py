@@ -19,12 +19,14 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from imgpack.errors import ConcurrentRunError
+from imgpack.errors import ConcurrentRunError, Interrupted, Terminated
+from imgpack.manifest import MANIFEST_NAME
 
 try:
     import fcntl
@@ -207,3 +209,85 @@ def _recover(dst: Path) -> None:
                 folder,
             )
         shutil.rmtree(folder, ignore_errors=True)
+
+
+#: The suffix of the temp folders outputs are built in beside their destination.
+TEMP_SUFFIX = ".imgpack-tmp"
+#: A conversion's checkpoint in its temp folder: a folder holding one may be resumed, and is
+#: left for ``--resume``; the others a killed run left are removed.
+CHECKPOINT_NAME = ".imgpack-checkpoint.json"
+
+
+def check_destination(
+    dst: Path, overwrite: bool, marker: str = MANIFEST_NAME, what: str = "an imgpack output"
+) -> None:
+    """``dst`` may be written: it does not exist, it is an empty folder, or ``overwrite`` and
+    it is ``what`` (a folder holding the file ``marker``). The same words for every command,
+    local or bucket (:func:`imgpack.storage.output_folder`)."""
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+        return  # an empty folder: filled by the publish (a rename over an empty folder)
+    if not (dst.is_dir() and not dst.is_symlink() and (dst / marker).is_file()):
+        raise FileExistsError(
+            f"{dst}: already exists and is not {what}; refusing to replace it, with or without "
+            "--overwrite (remove it yourself, or choose another destination)"
+        )
+    if not overwrite:
+        raise FileExistsError(f"{dst}: already exists (use --overwrite to replace it)")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def leftovers(dst: Path) -> list[Path]:
+    """Temp dirs of conversions to ``dst`` that were killed before they could clean up."""
+    if not dst.parent.is_dir():
+        return []
+    return sorted(p for p in dst.parent.glob(f".{dst.name}.*{TEMP_SUFFIX}") if p.is_dir())
+
+
+def clear_leftovers(dst: Path) -> None:
+    """Remove the temp dirs beside ``dst`` that nothing can resume (no checkpoint: a killed
+    ``merge`` or ``export``, or a conversion killed before it wrote one). Call it holding DST's
+    lock: no live run is writing them then."""
+    for left in leftovers(dst):
+        if not (left / CHECKPOINT_NAME).exists() and not left.is_symlink():
+            shutil.rmtree(left, ignore_errors=True)
+            log.info("%s: removed, left by a run that was killed and cannot be resumed", left)
+
+
+@contextlib.contextmanager
+def temp_output(
+    dst: Path, existing: Path | None = None, keep: Callable[[Path], str | None] | None = None
+) -> Iterator[Path]:
+    """A temp dir beside ``dst`` (same filesystem, so publishing is a rename), removed on error;
+    ``existing`` is the temp dir of an interrupted conversion being resumed. ``keep``: for a
+    run stopped by SIGTERM or Ctrl-C, the note that says why the dir is kept (a conversion's
+    checkpoint of written samples), or ``None`` to remove it; the note goes into the
+    :class:`~imgpack.errors.Terminated` or :class:`~imgpack.errors.Interrupted` raised."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if existing is not None:
+        tmp = existing
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=TEMP_SUFFIX, dir=dst.parent))
+        os.chmod(
+            tmp, 0o777 & ~_umask()
+        )  # mkdtemp makes it private; an output is an ordinary folder
+    try:
+        yield tmp
+    except (KeyboardInterrupt, Terminated) as exc:
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        note = keep(tmp) if keep is not None else None
+        if note:
+            raise (
+                Interrupted(note) if signum == signal.SIGINT else Terminated(signum, note)
+            ) from None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -18,14 +18,27 @@ from imgpack.executors import LocalExecutor, create
 
 def test_executor_options(tmp_path: Path) -> None:
     assert isinstance(create("local", 2), LocalExecutor)
-    with pytest.raises(OptionError, match="--ray-address is for --executor ray"):
-        create("local", None, "ray://somewhere:10001")
+    assert isinstance(create(None, 2), LocalExecutor)
+    mine = LocalExecutor(1)
+    assert create(mine) is mine
     with pytest.raises(OptionError, match="executor 'spark' is not one of local, ray"):
         create("spark", None)
     result = CliRunner().invoke(
         main, ["convert", "a", "b", "--format", "pt", "--ray-address", "x:1"]
     )
     assert result.exit_code == 2 and "--ray-address is for --executor ray" in result.output
+
+
+def test_ray_specs_name_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'ray', 'ray:ADDRESS' and 'ray://HOST:PORT' (one spec instead of ray_address=)."""
+    from imgpack import executors
+
+    made: list[object] = []
+    monkeypatch.setattr(executors, "import_ray", lambda: None)
+    monkeypatch.setattr(executors, "RayExecutor", lambda address, workers: made.append(address))
+    for spec in ("ray", "ray:auto", "ray:10.0.0.1:6379", "ray://head:10001"):
+        create(spec, 2)
+    assert made == [None, "auto", "10.0.0.1:6379", "ray://head:10001"]
 
 
 def test_without_ray_the_error_says_what_to_install(

@@ -11,7 +11,7 @@ from imgpack import convert, formats, open_dataset
 from imgpack.converters import FORMATS
 from imgpack.errors import ImageError, ImgpackError, ManifestError, OptionError
 from imgpack.manifest import read_manifest, sha256_file
-from imgpack.pipeline import _umask
+from imgpack.publishing import _umask
 
 SHARDED = [fmt for fmt in FORMATS if formats.get(fmt).sharded]
 

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 from imgpack.errors import DataError
 from imgpack.images import Encoded, Encoding, ImagePolicy
-from imgpack.manifest import Manifest, sha256_file
+from imgpack.manifest import Companion, FileEntry, Manifest, sha256_file
 
 #: Files of the engine's own in a temp output dir (the checkpoint), which writers leave alone.
 KEEP_PREFIX = ".imgpack-"
@@ -359,3 +359,18 @@ def _read_fd(fd: int, copy_to: BinaryIO | None = None) -> str:
             copy_to.write(chunk)
         offset += len(chunk)
     return digest.hexdigest()
+
+
+def file_entries(directory: Path, files: list[WrittenFile]) -> list[FileEntry]:
+    """The manifest entries of finished data files in ``directory``: size as it is, sha256 as
+    the writer computed it when it finished the file (else read now)."""
+    return [
+        FileEntry(
+            f.path,
+            (directory / f.path).stat().st_size,
+            f.num_samples,
+            f.sha256 or sha256_file(directory / f.path),
+            [Companion(name, (directory / name).stat().st_size, sha) for name, sha in f.companions],
+        )
+        for f in files
+    ]
