@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import refresh_manifest
+from conftest import build_uniform_folder, refresh_manifest
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from imgpack import convert, formats, open_dataset
 from imgpack.converters import FORMATS
-from imgpack.errors import DataError
+from imgpack.errors import DataError, OptionError
 from imgpack.readers import Batch, ImageDataset, collate
 
 
@@ -135,3 +135,21 @@ def test_corrupt_encoded_record_names_file_and_sample(uniform_folder: Path, tmp_
     unchecked = open_dataset(dst, verify=False)
     with pytest.raises(DataError, match=r"shard-00000.pt: sample 4: cannot decode"):
         unchecked[4]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_read_options_are_one_object_for_every_format(fmt: str, tmp_path: Path) -> None:
+    """ReadOptions gives the common reader options the same way to every format; keywords and
+    options= together are refused."""
+    from imgpack.readers import ReadOptions
+
+    src = build_uniform_folder(tmp_path / "src", count=6, classes=2, size=12)
+    convert(src, tmp_path / "out", fmt, progress=False)
+    options = ReadOptions(size=8, target_transform=lambda t: t + 10, verify=True)
+    ds = open_dataset(tmp_path / "out", options=options)
+    image, label = ds[0]
+    assert tuple(image.shape) == (3, 8, 8) and label == 10 and ds.verify
+    assert ds.options is options
+    assert ds.with_options(size=4).options.size == 4 and ds.options.size == 8
+    with pytest.raises(OptionError, match="give either options= or the keyword"):
+        open_dataset(tmp_path / "out", options=options, size=4)

@@ -23,7 +23,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, overload
 
@@ -35,7 +35,13 @@ from imgpack.checksum import record_crc, record_crcs
 from imgpack.decoding import Decoder
 from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
 from imgpack.decoding import new_batch_tensor as new_batch_tensor
-from imgpack.errors import DataError, ImgpackError, ManifestError, PerformanceWarning
+from imgpack.errors import (
+    DataError,
+    ImgpackError,
+    ManifestError,
+    OptionError,
+    PerformanceWarning,
+)
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.manifest import Manifest, file_problem, read_manifest
@@ -143,6 +149,36 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
     return Handover(images, labels) if in_worker() else (images, labels)
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a reader reads, the same for every format: what :class:`ImageDataset` documents for
+    each. Give ``options=ReadOptions(...)`` to :func:`imgpack.open_dataset` or a reader, or the
+    keywords of the same names (not both)."""
+
+    transform: Callable[[torch.Tensor], Any] | None = None
+    target_transform: Callable[[int], Any] | None = None
+    verify: bool | None = None
+    size: int | tuple[int, int] | str | None = None
+    resize: str = "crop"
+    decode_threads: int | None = None
+    storage_options: dict[str, Any] | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+
+    @classmethod
+    def of(cls, options: ReadOptions | None, **keywords: Any) -> ReadOptions:
+        """``options``, or the options the keywords give (those left at their defaults are
+        not given); both at once is refused."""
+        defaults = cls()
+        given = {k: v for k, v in keywords.items() if v is not getattr(defaults, k)}
+        if options is None:
+            return cls(**given)
+        if given:
+            raise OptionError(
+                f"give either options= or the keyword(s) {', '.join(sorted(given))}, not both"
+            )
+        return options
+
+
 class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     """Base class of the readers: ``ds[i]`` is ``(image, label)`` with a uint8 ``(C, H, W)`` image.
 
@@ -190,9 +226,24 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         decode_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        options: ReadOptions | None = None,
     ) -> None:
+        self.options = ReadOptions.of(
+            options,
+            transform=transform,
+            target_transform=target_transform,
+            verify=verify,
+            size=size,
+            resize=resize,
+            decode_threads=decode_threads,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+        )
+        transform, target_transform = self.options.transform, self.options.target_transform
+        verify, size, resize = self.options.verify, self.options.size, self.options.resize
+        decode_threads = self.options.decode_threads
         if is_url(root):  # an output in a bucket: read from its checked local copy
-            root = fetch_output(str(root), storage_options, cache_dir)
+            root = fetch_output(str(root), self.options.storage_options, self.options.cache_dir)
         self.root = local_path(root)
         # A reader of files imgpack did not write passes a manifest it built itself.
         self.manifest: Manifest = manifest if manifest is not None else read_manifest(self.root)
@@ -504,6 +555,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         (and ``resize``) or ``decode_threads``; what is not given stays."""
         other = copy.copy(self)
         other.__dict__.update(self.__getstate__())  # no handles of this process shared
+        if not isinstance(size, _Keep):
+            other.options = replace(other.options, size=size, resize=resize)
+        if not isinstance(decode_threads, _Keep):
+            other.options = replace(other.options, decode_threads=decode_threads)
         if not isinstance(size, _Keep):
             other.size_policy = (
                 ImagePolicy(size=parse_image_size(size), resize=resize)

@@ -14,7 +14,7 @@ from typing import Any
 
 from imgpack import formats
 from imgpack.errors import ManifestError
-from imgpack.formats.dataset_base import Batch, ImageDataset, collate
+from imgpack.formats.dataset_base import Batch, ImageDataset, ReadOptions, collate
 from imgpack.manifest import MANIFEST_NAME, read_manifest
 from imgpack.publishing import recover
 from imgpack.storage import fetch_output, is_url, local_path
@@ -35,6 +35,7 @@ def open_dataset(
     path: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    options: ReadOptions | None = None,
     **kwargs: Any,
 ) -> ImageDataset:
     """Open the imgpack output at ``path`` with the reader its manifest names.
@@ -43,10 +44,16 @@ def open_dataset(
     fetched into the local cache (``cache_dir``, default the user's cache folder) and read from
     there; ``storage_options`` go to the fsspec filesystem (:mod:`imgpack.storage`).
     ``kwargs`` go to the reader (``transform``, ``target_transform``, ``size``,
-    ``decode_threads`` and format options). An output whose replacement
+    ``decode_threads`` and format options), or ``options`` (a
+    :class:`~imgpack.formats.dataset_base.ReadOptions`) gives the common ones, every format the
+    same. An output whose replacement
     (``convert --overwrite``) was killed midway is put back first
     (:func:`imgpack.publishing.recover`).
     """
+    if options is not None:
+        storage_options = storage_options or options.storage_options
+        cache_dir = cache_dir or options.cache_dir
+        kwargs["options"] = options
     if is_url(path):
         path = fetch_output(str(path), storage_options, cache_dir)
     path = local_path(path)
@@ -92,4 +99,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Batch", "ImageDataset", "collate", "open_dataset", "reader_class", *_readers()]
+__all__ = [
+    "Batch",
+    "ImageDataset",
+    "ReadOptions",
+    "collate",
+    "open_dataset",
+    "reader_class",
+    *_readers(),
+]

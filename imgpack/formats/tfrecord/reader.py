@@ -24,6 +24,7 @@ from imgpack.errors import DataError, ManifestError
 from imgpack.formats.dataset_base import (
     Images,
     PreadDataset,
+    ReadOptions,
     Record,
     byte_rows,
     check_file_order,
@@ -613,20 +614,24 @@ class TFRecordDataset(PreadDataset):
         decode_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        options: ReadOptions | None = None,
     ) -> None:
-        if isinstance(source, str) and is_url(source):  # read from its checked local copy
-            source = fetch_output(source, storage_options, cache_dir)
-        records = Records(source, check_crc if verify is None else verify, label_offset)
-        super().__init__(
-            records.root,
-            transform,
-            target_transform,
-            manifest=records.manifest,
+        options = ReadOptions.of(
+            options,
+            transform=transform,
+            target_transform=target_transform,
             verify=verify,
             size=size,
             resize=resize,
             decode_threads=decode_threads,
+            storage_options=storage_options,
+            cache_dir=cache_dir,
         )
+        verify, decode_threads = options.verify, options.decode_threads
+        if isinstance(source, str) and is_url(source):  # read from its checked local copy
+            source = fetch_output(source, options.storage_options, options.cache_dir)
+        records = Records(source, check_crc if verify is None else verify, label_offset)
+        super().__init__(records.root, manifest=records.manifest, options=options)
         self.records = records
         self.decoder = records.decoder(self.size_policy, decode_threads)
         compressed = [s for s in records.shards if s.compressed]
