@@ -165,10 +165,13 @@ class Plan:
             "origin": self.scan.origin,
         }
         digest.update(json.dumps(head, sort_keys=True).encode())
-        # Files are stat'ed; other sources' contents are in the origin already.
+        # Files are stat'ed (a bucket's copy: the store's size and ETag of each object); other
+        # sources' contents are in the origin already.
         stamp = self.source.stamp
+        stored = storage.store_stamps(self.src) if self.src.is_dir() else None
         for sample in self.scan.samples:
-            line = f"{sample.label}\t{stamp(sample)}\t{sample.path}\n"
+            found = stored.get(sample.path) if stored else None
+            line = f"{sample.label}\t{found or stamp(sample)}\t{sample.path}\n"
             digest.update(line.encode("utf-8", "surrogateescape"))
         return digest.hexdigest()[:OUTPUT_ID_LENGTH]
 

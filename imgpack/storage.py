@@ -451,7 +451,10 @@ def source_folder(
     location: Location, storage_options: dict[str, Any] | None = None
 ) -> Iterator[Path]:
     """A local folder holding what ``location`` holds: itself when local; a scratch copy of a
-    URL's files (removed afterwards) when not."""
+    URL's files (removed afterwards) when not, with what the store says of each object (its
+    size and ETag or version) in :data:`STORE_STAMPS`: a conversion identifies the source by
+    those, not by the copy's modification times, so two conversions of one bucket (and the
+    parts of one) get one output id."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -460,16 +463,39 @@ def source_folder(
     scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
     try:
         try:
-            files = [f for f in fs.find(root) if not f.endswith("/")]
-            if not files:
+            found = {
+                path: info
+                for path, info in fs.find(root, detail=True).items()
+                if not path.endswith("/") and info.get("type", "file") != "directory"
+            }
+            if not found:
                 raise ManifestError(f"{url}: nothing there")
             with ThreadPoolExecutor(TRANSFERS) as pool:
-                list(pool.map(lambda f: _download(fs, f, root, scratch), files))
+                list(pool.map(lambda f: _download(fs, f, root, scratch), sorted(found)))
         except OSError as exc:
             raise _remote_error(url, exc) from None
+        stamps = {
+            path[len(root) :].lstrip("/"): f"{info.get('size')}:{_etag(info)}"
+            for path, info in found.items()
+        }
+        (scratch / STORE_STAMPS).write_text(json.dumps(stamps, sort_keys=True))
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+#: In a scratch copy of a bucket source: ``{relative path: "size:etag"}`` of every object, as the
+#: store listed it (a hidden file: no scan takes it).
+STORE_STAMPS = ".imgpack-store.json"
+
+
+def store_stamps(folder: Path) -> dict[str, str] | None:
+    """The store's stamps of a scratch copy made by :func:`source_folder`, else ``None``."""
+    try:
+        found = json.loads((folder / STORE_STAMPS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _download(fs: Any, remote: str, root: str, scratch: Path) -> None:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -361,3 +362,33 @@ def test_a_bucket_index_file_is_checked_like_the_data(mem: str, src: Path, cache
     fs.pipe_file(path, bytes(data))
     with pytest.raises(ImgpackError, match=rf"{index.path}.*another sha256"):
         open_dataset(url, cache_dir=cache)
+
+
+def test_a_bucket_source_has_one_output_id_and_its_parts_merge(
+    s3: str, src: Path, tmp_path: Path
+) -> None:
+    """The output id comes from what the store says of each object (size, ETag), not from the
+    download's modification times: two conversions of one bucket write the same bytes, and the
+    parts of one merge (they used to differ: 'output_id differ')."""
+    from imgpack import merge
+
+    fs = fsspec.filesystem("s3")
+    fs.put(str(src), "imgpack-test/same", recursive=True)
+    first = convert(f"{s3}/same", tmp_path / "a", "webdataset", progress=False)
+    time.sleep(0.01)  # later downloads, other modification times
+    second = convert(f"{s3}/same", tmp_path / "b", "webdataset", progress=False)
+    assert first.output_id == second.output_id
+    for entry in first.files:
+        assert (tmp_path / "a" / entry.path).read_bytes() == (
+            tmp_path / "b" / entry.path
+        ).read_bytes()
+    parts = [tmp_path / f"p{i}" for i in range(2)]
+    for i, part in enumerate(parts):
+        convert(f"{s3}/same", part, "webdataset", num_parts=2, part=i, progress=False)
+    merged = merge(parts, tmp_path / "merged", progress=False)
+    assert merged.output_id == first.output_id
+    _same_output(open_dataset(tmp_path / "merged"), open_dataset(tmp_path / "a"))
+    other = (src / "class1" / "img0001.png").read_bytes()
+    fs.pipe("imgpack-test/same/class0/img0000.png", other)
+    changed = convert(f"{s3}/same", tmp_path / "c", "webdataset", progress=False)
+    assert changed.output_id != first.output_id  # the store says the object changed
