@@ -256,6 +256,25 @@ main()
 """
 
 
+def pip_install(package: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin package at ``package`` (tests/plugins/...), pip-installed into a folder of
+    its own (put it on PYTHONPATH to use it); built from a copy, since builds leave files
+    beside the sources."""
+    site = tmp_path_factory.mktemp("site")
+    source = tmp_path_factory.mktemp("src") / package.name
+    shutil.copytree(package, source)
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"),
+            *("--no-build-isolation", "--disable-pip-version-check", "--target", str(site)),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return site
+
+
 def start_moto(port: int) -> subprocess.Popen[bytes]:
     """moto's S3 server on 127.0.0.1:``port``, once it answers (the caller stops it)."""
     server = subprocess.Popen(

@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.publishing",
             "imgpack.handover",
             "imgpack.sample",
+            "imgpack.registry",
         ),
     ),
     # The image policy, the decoders, and the image-folder scan (the read side's ImageFolder

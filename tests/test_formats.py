@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import pip_install
 
 from imgpack import convert, formats, open_dataset
 from imgpack.cli import main
@@ -139,19 +139,7 @@ def test_a_missing_dependency_names_the_extra() -> None:
 @pytest.fixture(scope="module")
 def toy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The toy plugin (tests/plugins/imgpack-toy), pip-installed into a folder of its own."""
-    site = tmp_path_factory.mktemp("site")
-    source = tmp_path_factory.mktemp("src") / "imgpack-toy"
-    shutil.copytree(TOY, source)  # builds leave files beside the sources: not in the repository
-    subprocess.run(
-        [
-            *(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"),
-            *("--no-build-isolation", "--disable-pip-version-check", "--target", str(site)),
-            str(source),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return site
+    return pip_install(TOY, tmp_path_factory)
 
 
 def test_installed_plugin_adds_a_format(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import build_uniform_folder, reference_pixels
+from conftest import build_uniform_folder, pip_install, reference_pixels
 
 from imgpack import convert, open_dataset, sources
 from imgpack.cli import main
@@ -339,19 +339,7 @@ def test_source_options_are_checked_for_the_kind(images: Path, tmp_path: Path) -
 @pytest.fixture(scope="module")
 def toy_source_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The toy source plugin (tests/plugins/imgpack-toy-source), pip-installed into a folder."""
-    site = tmp_path_factory.mktemp("site")
-    source = tmp_path_factory.mktemp("src") / "imgpack-toy-source"
-    shutil.copytree(PLUGIN, source)
-    subprocess.run(
-        [
-            *(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"),
-            *("--no-build-isolation", "--disable-pip-version-check", "--target", str(site)),
-            str(source),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return site
+    return pip_install(PLUGIN, tmp_path_factory)
 
 
 def test_an_installed_plugin_adds_a_source_kind(

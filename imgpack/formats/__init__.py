@@ -19,20 +19,16 @@ format library (h5py, lmdb) until a format is used.
 
 from __future__ import annotations
 
-import importlib
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-from imgpack.errors import ManifestError, OptionError
+from imgpack.errors import ManifestError
+from imgpack.registry import Option, Registry, check_options, load_target
 
 if TYPE_CHECKING:
     from imgpack.formats.dataset_base import ImageDataset
     from imgpack.formats.writer_base import Writer
-
-log = logging.getLogger(__name__)
 
 #: imgpack's own formats, in the order the CLI lists them: one line per format.
 BUILTIN = (
@@ -46,32 +42,8 @@ BUILTIN = (
 ENTRY_POINT_GROUP = "imgpack.formats"
 
 
-@dataclass(frozen=True)
-class FormatOption:
-    """One ``-o KEY=VALUE`` option of a format.
-
-    ``parse`` turns a value (a string from the command line, or any Python value) into the
-    setting, raising :class:`~imgpack.errors.OptionError` (or ``ValueError``/``TypeError``) for a
-    bad one; ``choices``, when given, are checked after it.
-    """
-
-    name: str
-    default: Any
-    help: str
-    parse: Callable[[Any], Any] = str
-    choices: tuple[Any, ...] | None = None
-
-    def convert(self, value: Any) -> Any:
-        try:
-            result = self.parse(value)
-        except OptionError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise OptionError(f"invalid {self.name} {value!r}: {exc}") from None
-        if self.choices is not None and result not in self.choices:
-            allowed = ", ".join(map(str, self.choices))
-            raise OptionError(f"invalid {self.name} {value!r}: expected one of {allowed}")
-        return result
+#: One ``-o KEY=VALUE`` option of a format (see :class:`imgpack.registry.Option`).
+FormatOption = Option
 
 
 @dataclass(frozen=True)
@@ -110,119 +82,58 @@ class FormatSpec:
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """The format's settings: the defaults updated with ``options``, parsed and checked."""
-        known = {option.name for option in self.options}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            allowed = ", ".join(option.name for option in self.options) or "none"
-            raise OptionError(
-                f"format {self.name!r} has no option {', '.join(unknown)} (its options: {allowed})"
-            )
-        return {
-            option.name: option.convert(options.get(option.name, option.default))
-            for option in self.options
-        }
+        return check_options(f"format {self.name!r}", self.options, options)
 
     def writer_class(self) -> type[Writer]:
-        cls: type[Writer] = _load_class(self, self.writer)
+        cls: type[Writer] = load_target(
+            f"format {self.name!r}", self.writer, self.requires, self.extra
+        )
         return cls
 
     def reader_class(self) -> type[ImageDataset]:
-        cls: type[ImageDataset] = _load_class(self, self.reader)
+        cls: type[ImageDataset] = load_target(
+            f"format {self.name!r}", self.reader, self.requires, self.extra
+        )
         return cls
 
 
-def _load_class(spec: FormatSpec, target: str) -> Any:
-    module, _, name = target.partition(":")
-    for required in spec.requires:
-        try:
-            importlib.import_module(required)
-        except ImportError:
-            extra = (
-                f"pip install 'imgpack[{spec.extra}]'" if spec.extra else f"pip install {required}"
-            )
-            raise OptionError(
-                f"format {spec.name!r} needs the {required!r} package: {extra}"
-            ) from None
-    return getattr(importlib.import_module(module), name)
-
-
-_registry: dict[str, FormatSpec] = {}
-_loaded = False
+_registry: Registry[FormatSpec] = Registry(
+    "format", FormatSpec, "imgpack.formats", BUILTIN, ENTRY_POINT_GROUP
+)
 
 
 def register(spec: FormatSpec, replace: bool = False) -> FormatSpec:
     """Add ``spec`` to the registry (``replace=True`` to override a format of the same name)."""
-    if not isinstance(spec, FormatSpec):
-        raise TypeError(f"register() takes a FormatSpec, not {type(spec).__name__}")
-    _load()
-    if spec.name in _registry and not replace and _registry[spec.name] is not spec:
-        raise ValueError(f"format {spec.name!r} is registered already (pass replace=True)")
-    _registry[spec.name] = spec
-    return spec
+    return _registry.register(spec, replace)
 
 
 def unregister(name: str) -> None:
     """Remove a format from the registry (for tests and plugins that replace a format)."""
-    _load()
-    _registry.pop(name, None)
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for name in BUILTIN:
-        _registry[name] = importlib.import_module(f"imgpack.formats.{name}").SPEC
-    for point in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            spec = point.load()
-            if callable(spec) and not isinstance(spec, FormatSpec):
-                spec = spec()
-            if not isinstance(spec, FormatSpec):
-                raise TypeError(f"{point.value} is a {type(spec).__name__}, not a FormatSpec")
-        except Exception as exc:  # a broken plugin must not break imgpack
-            log.warning("format plugin %r (%s) not loaded: %s", point.name, point.value, exc)
-            continue
-        if spec.name in _registry:
-            log.warning(
-                "format plugin %r ignored: format %r exists already", point.value, spec.name
-            )
-            continue
-        _registry[spec.name] = spec
+    _registry.unregister(name)
 
 
 def names() -> tuple[str, ...]:
     """The registered format names: imgpack's own first, then plugins."""
-    _load()
-    return tuple(_registry)
+    return _registry.names()
 
 
 def specs() -> list[FormatSpec]:
-    _load()
-    return list(_registry.values())
+    return _registry.specs()
 
 
 def get(name: str) -> FormatSpec:
     """The spec of format ``name``; :class:`~imgpack.errors.OptionError` for an unknown one."""
-    _load()
-    try:
-        return _registry[name]
-    except KeyError:
-        raise OptionError(
-            f"unknown format {name!r}: expected one of {', '.join(_registry)}"
-        ) from None
+    return _registry.get(name)
 
 
 def reader_for(name: str, where: str) -> type[ImageDataset]:
     """The reader of an output whose manifest (at ``where``) names format ``name``."""
-    _load()
-    if name not in _registry:
+    if not _registry.has(name):
         raise ManifestError(
             f"{where}: format {name!r} is not known to this imgpack (known: "
-            f"{', '.join(_registry)}); if a plugin wrote it, install that plugin"
+            f"{', '.join(names())}); if a plugin wrote it, install that plugin"
         )
-    return _registry[name].reader_class()
+    return _registry.get(name).reader_class()
 
 
 def __getattr__(name: str) -> Any:

@@ -19,21 +19,15 @@ that names a :class:`SourceSpec` (or calling :func:`register`)::
 
 from __future__ import annotations
 
-import importlib
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from imgpack.errors import OptionError
-from imgpack.formats import FormatOption
+from imgpack.registry import Option, Registry, check_options, load_target
 
 if TYPE_CHECKING:
     from imgpack.sources.base import Source
-
-log = logging.getLogger(__name__)
 
 #: imgpack's own source kinds, in the order SRC is matched against them.
 BUILTIN = (
@@ -50,7 +44,7 @@ FALLBACK = "folder"
 ENTRY_POINT_GROUP = "imgpack.sources"
 
 #: A source kind's ``-s KEY=VALUE`` options are declared as a format's ``-o`` ones are.
-SourceOption = FormatOption
+SourceOption = Option
 
 
 def optional_text(value: Any) -> str | None:
@@ -76,35 +70,13 @@ class SourceSpec:
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """The kind's settings: the defaults updated with ``options``, parsed and checked."""
-        known = {option.name for option in self.options}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            allowed = ", ".join(option.name for option in self.options) or "none"
-            raise OptionError(
-                f"source {self.name!r} has no option {', '.join(unknown)} (its options: {allowed})"
-            )
-        return {
-            option.name: option.convert(options.get(option.name, option.default))
-            for option in self.options
-        }
+        return check_options(f"source {self.name!r}", self.options, options)
 
     def source_class(self, check_requires: bool = True) -> type[Source]:
         """The kind's class (``check_requires``: refuse, with the install hint, when a module
         it needs is missing; detection does not need them)."""
-        module, _, name = self.source.partition(":")
-        for required in self.requires if check_requires else ():
-            try:
-                importlib.import_module(required)
-            except ImportError:
-                hint = (
-                    f"pip install 'imgpack[{self.extra}]'"
-                    if self.extra
-                    else f"pip install {required}"
-                )
-                raise OptionError(
-                    f"source {self.name!r} needs the {required!r} package: {hint}"
-                ) from None
-        cls: type[Source] = getattr(importlib.import_module(module), name)
+        requires = self.requires if check_requires else ()
+        cls: type[Source] = load_target(f"source {self.name!r}", self.source, requires, self.extra)
         return cls
 
     def open(self, src: Path, options: Mapping[str, Any] | None = None) -> Source:
@@ -112,80 +84,42 @@ class SourceSpec:
         return self.source_class()(src, self.check_options(options or {}))
 
 
-_registry: dict[str, SourceSpec] = {}
-_loaded = False
+_registry: Registry[SourceSpec] = Registry(
+    "source kind", SourceSpec, "imgpack.sources", BUILTIN, ENTRY_POINT_GROUP
+)
 
 
 def register(spec: SourceSpec, replace: bool = False) -> SourceSpec:
     """Add ``spec`` to the registry (``replace=True`` to override a kind of the same name)."""
-    if not isinstance(spec, SourceSpec):
-        raise TypeError(f"register() takes a SourceSpec, not {type(spec).__name__}")
-    _load()
-    if spec.name in _registry and not replace and _registry[spec.name] is not spec:
-        raise ValueError(f"source kind {spec.name!r} is registered already (pass replace=True)")
-    _registry[spec.name] = spec
-    return spec
+    return _registry.register(spec, replace)
 
 
 def unregister(name: str) -> None:
     """Remove a source kind from the registry (for tests and plugins that replace one)."""
-    _load()
-    _registry.pop(name, None)
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for name in BUILTIN:
-        _registry[name] = importlib.import_module(f"imgpack.sources.{name}").SPEC
-    for point in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            spec = point.load()
-            if callable(spec) and not isinstance(spec, SourceSpec):
-                spec = spec()
-            if not isinstance(spec, SourceSpec):
-                raise TypeError(f"{point.value} is a {type(spec).__name__}, not a SourceSpec")
-        except Exception as exc:  # a broken plugin must not break imgpack
-            log.warning("source plugin %r (%s) not loaded: %s", point.name, point.value, exc)
-            continue
-        if spec.name in _registry:
-            log.warning("source plugin %r ignored: kind %r exists already", point.value, spec.name)
-            continue
-        _registry[spec.name] = spec
+    _registry.unregister(name)
 
 
 def names() -> tuple[str, ...]:
     """The registered source kinds: imgpack's own first, then plugins."""
-    _load()
-    return tuple(_registry)
+    return _registry.names()
 
 
 def specs() -> list[SourceSpec]:
-    _load()
-    return list(_registry.values())
+    return _registry.specs()
 
 
 def get(name: str) -> SourceSpec:
     """The spec of kind ``name``; :class:`~imgpack.errors.OptionError` for an unknown one."""
-    _load()
-    try:
-        return _registry[name]
-    except KeyError:
-        raise OptionError(
-            f"unknown source kind {name!r}: expected one of {', '.join(_registry)}"
-        ) from None
+    return _registry.get(name)
 
 
 def detect(src: Path) -> SourceSpec:
     """The kind of ``src``: the first that recognises it, plugins before the fallback."""
-    _load()
-    candidates = [s for s in _registry.values() if s.detected and s.name != FALLBACK]
+    candidates = [s for s in specs() if s.detected and s.name != FALLBACK]
     for spec in candidates:
         if spec.source_class(check_requires=False).detect(src):
             return spec
-    return _registry[FALLBACK]
+    return get(FALLBACK)
 
 
 def resolve(src: Path, kind: str | None = None, options: Mapping[str, Any] | None = None) -> Source:
