@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,3 +312,37 @@ def isolated(script: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     """``script`` run by bash in :data:`NAMESPACES`, loopback up (``kwargs`` to subprocess.run)."""
     command = [*NAMESPACES, "bash", "-c", f"ip link set lo up\n{script}"]
     return subprocess.run(command, capture_output=True, text=True, **kwargs)
+
+
+# -- a real S3 API ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1 and the AWS variables pointing at it (credentials are
+    dummies); yields a bucket URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = start_moto(port)
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec
+
+    try:
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("imgpack-test")
+        yield "s3://imgpack-test"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        fsspec.filesystem("s3").clear_instance_cache()

@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # baseline lists folders too).
     ("images", ("imgpack.images", "imgpack.decoding", "imgpack.sources.folder.scan")),
     # The format registry, object storage and Hugging Face's side of the formats (to_hf).
-    ("registry", ("imgpack.formats", "imgpack.storage", "imgpack.hf")),
+    ("registry", ("imgpack.formats", "imgpack.storage", "imgpack.lazy", "imgpack.hf")),
     # Each format's codec, writer and reader.
     ("formats", ("imgpack.formats.*", "imgpack.converters")),
     # The read side: opening outputs, loading, verifying. It never imports the engine.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder, start_moto
+from conftest import build_uniform_folder
 from torch.utils.data import DataLoader
 
 import imgpack.storage as storage
@@ -59,38 +58,6 @@ def mem() -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(url):
         fs.rm(url, recursive=True)
-
-
-# -- a real S3 API ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1 and the AWS variables pointing at it (credentials are
-    dummies); yields a bucket URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = start_moto(port)
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("imgpack-test")
-        yield "s3://imgpack-test"
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        fsspec.filesystem("s3").clear_instance_cache()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -22,6 +22,7 @@ import stat
 import time
 import warnings
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +45,7 @@ from imgpack.errors import (
 )
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
+from imgpack.lazy import LazyOutput
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.scan import UNLABELLED
 from imgpack.storage import fetch_output, is_url, local_path
@@ -163,6 +165,10 @@ class ReadOptions:
     decode_threads: int | None = None
     storage_options: dict[str, Any] | None = None
     cache_dir: str | os.PathLike[str] | None = None
+    #: An output read from a URL by a reader that fetches its files lazily: the most the cache
+    #: holds beyond the files being read (``"200GB"``; default ``IMGPACK_CACHE_LIMIT``, else
+    #: no limit). See :mod:`imgpack.lazy`.
+    cache_limit: int | str | None = None
 
     @classmethod
     def of(cls, options: ReadOptions | None, **keywords: Any) -> ReadOptions:
@@ -213,6 +219,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     """
 
     format: ClassVar[str]
+    #: Whether the reader reads a bucket's output lazily (:mod:`imgpack.lazy`): data files
+    #: fetched when first used, through :meth:`local_file`; else the whole output is fetched
+    #: into the cache when it is opened.
+    lazy_files: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -227,6 +237,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         options: ReadOptions | None = None,
+        cache_limit: int | str | None = None,
     ) -> None:
         self.options = ReadOptions.of(
             options,
@@ -238,11 +249,22 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             decode_threads=decode_threads,
             storage_options=storage_options,
             cache_dir=cache_dir,
+            cache_limit=cache_limit,
         )
         transform, target_transform = self.options.transform, self.options.target_transform
         verify, size, resize = self.options.verify, self.options.size, self.options.resize
         decode_threads = self.options.decode_threads
-        if is_url(root):  # an output in a bucket: read from its checked local copy
+        self._lazy: LazyOutput | None = None
+        self._pins: tuple[int, OrderedDict[str, int]] = (os.getpid(), OrderedDict())
+        if is_url(root) and self.lazy_files:  # its data files fetched as they are used
+            self._lazy = LazyOutput(
+                str(root),
+                self.options.storage_options,
+                self.options.cache_dir,
+                self.options.cache_limit,
+            )
+            root = self._lazy.root
+        elif is_url(root):  # an output in a bucket: read from its checked local copy
             root = fetch_output(str(root), self.options.storage_options, self.options.cache_dir)
         self.root = local_path(root)
         # A reader of files imgpack did not write passes a manifest it built itself.
@@ -252,8 +274,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "
                 f"(open it with imgpack.open_dataset)"
             )
-        if manifest is None:
-            check_files(self.root, self.manifest)
+        if manifest is None:  # a lazy output's files are checked as they are fetched
+            check_files(self.root, self.manifest, present=self._lazy is None)
         self.verify: bool = self._verify_by_default() if verify is None else bool(verify)
         #: Raw records checked once each (``verify=None`` on a raw output): which ones were,
         #: in memory shared with forked workers (made again in a spawned one).
@@ -355,8 +377,55 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             self._pid = pid
         return self._handles
 
+    # -- files of an output read lazily ------------------------------------------------
+    def local_file(self, name: str) -> Path:
+        """The local path of the output's file ``name``. For an output read lazily from a
+        bucket, the file is fetched on first use and pinned while this reader reads it: the
+        last :data:`PINNED_FILES` files it used in this process; older ones are let go (and
+        their handles closed, :meth:`_release_file`), so the cache may evict them."""
+        if self._lazy is None:
+            return self.root / name
+        pid, pins = self._pins
+        if pid != os.getpid():  # forked: the parent's pins are the parent's
+            for fd in pins.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            pins = OrderedDict()
+            self._pins = (os.getpid(), pins)
+        if name in pins:
+            pins.move_to_end(name)
+            return self.root / name
+        fd = self._lazy.pin(name)  # before the fetch: nothing evicts it in between
+        try:
+            path = self._lazy.file(name)
+        except BaseException:
+            os.close(fd)
+            raise
+        pins[name] = fd
+        while len(pins) > PINNED_FILES:
+            old, old_fd = pins.popitem(last=False)
+            self._release_file(old)
+            os.close(old_fd)
+        return path
+
+    def _release_file(self, name: str) -> None:
+        """Close what this process's handles hold of file ``name`` (a lazily read output lets
+        the file go); formats that keep files open override it."""
+
+    def release_files(self) -> None:
+        """Let every file this reader pinned in this process go (a lazily read output)."""
+        pid, pins = self._pins
+        if pid != os.getpid():
+            return
+        while pins:
+            name, fd = pins.popitem(last=False)
+            self._release_file(name)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        state["_pins"] = (0, OrderedDict())
         state["_handles"] = None
         state["_pid"] = None
         state["_seen"] = None
@@ -373,6 +442,13 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 self._close(handles)
             except Exception:
                 pass
+        pid, pins = self.__dict__.get("_pins", (0, {}))
+        if pid == _getpid():
+            for fd in pins.values():
+                try:  # noqa: SIM105
+                    _close_fd(fd)
+                except Exception:
+                    pass
 
     def _check_output(self, found: Any, where: str) -> None:
         """Refuse a data file that does not carry this reader's output id: the output was
@@ -678,11 +754,33 @@ class PreadDataset(ImageDataset):
             found = tensors[number] = readonly_tensor(np.frombuffer(self._mapped(number), np.uint8))
         return found
 
+    def _local(self, number: int) -> Path:
+        """Shard ``number``'s local path (fetched first, for an output read lazily)."""
+        path = self.shard_files[number]
+        if self._lazy is None:
+            return path
+        return self.local_file(path.relative_to(self.root).as_posix())
+
+    def _release_file(self, name: str) -> None:
+        files = self.handles
+        for number, path in enumerate(self.shard_files):
+            if path.relative_to(self.root).as_posix() != name:
+                continue
+            files.tensors.pop(number, None)
+            mapped = files.maps.pop(number, None)
+            if mapped is not None:
+                with contextlib.suppress(BufferError):  # a batch still views it: it goes later
+                    mapped.close()
+            fd = files.fds.pop(number, None)
+            if fd is not None:
+                os.close(fd)
+
     def _fd(self, number: int) -> int:
         fds = self.handles.fds
         if number not in fds:
+            path = self._local(number)
             try:
-                fd = os.open(self.shard_files[number], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
             except OSError as exc:
                 raise DataError(
                     f"{self.shard_files[number]}: cannot open: {exc.strerror}"
@@ -722,15 +820,23 @@ class Record:
     where: str  # the file (and position) holding it, for messages
 
 
-def check_files(root: Path, manifest: Manifest) -> None:
+#: Files a reader of a lazily read output keeps pinned per process (the cache cannot evict
+#: them): the ones it used last. ShardSampler's default window reads 8 shards at a time.
+PINNED_FILES = 10
+
+_close_fd = os.close
+
+
+def check_files(root: Path, manifest: Manifest, present: bool = True) -> None:
     """Check the files an output's manifest lists before any is opened or mapped: regular files
     (never a FIFO or a device) of exactly the recorded size, and per-file sample counts adding up
     to ``num_samples``. (Reading the manifest already refused names that are not plain names
-    inside the output.)"""
+    inside the output.) ``present=False``: the files are not there yet (a lazily read output,
+    whose files are checked against their size and sha256 as they are fetched): counts only."""
     total = 0
     image_bytes = _raw_image_bytes(manifest)
     for entry in manifest.files:
-        problem = file_problem(root, entry)
+        problem = file_problem(root, entry) if present else None
         if problem is not None:
             raise DataError(
                 f"{root / entry.path}: {problem} (the output is damaged or incomplete; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from imgpack.errors import ManifestError
 from imgpack.formats.dataset_base import Batch, ImageDataset, ReadOptions, collate
 from imgpack.manifest import MANIFEST_NAME, read_manifest
 from imgpack.publishing import recover
-from imgpack.storage import fetch_output, is_url, local_path
+from imgpack.storage import fetch_output, is_url, local_path, read_remote_manifest
 
 #: Readers that are not a format's default reader.
 _OTHERS = {
@@ -53,8 +54,14 @@ def open_dataset(
     if options is not None:
         storage_options = storage_options or options.storage_options
         cache_dir = cache_dir or options.cache_dir
-        kwargs["options"] = options
+        kwargs["options"] = replace(options, storage_options=storage_options, cache_dir=cache_dir)
     if is_url(path):
+        remote = read_remote_manifest(str(path), storage_options)[0]
+        reader = formats.reader_for(remote.format, str(path))
+        if reader.lazy_files:  # it fetches each data file when it first reads it
+            if options is None:
+                kwargs.update(storage_options=storage_options, cache_dir=cache_dir)
+            return reader(str(path), **kwargs)
         path = fetch_output(str(path), storage_options, cache_dir)
     path = local_path(path)
     recover(Path(path))

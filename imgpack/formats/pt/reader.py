@@ -26,6 +26,8 @@ class PTDataset(ImageDataset):
     ``torch.load(path, mmap=True, weights_only=True)`` on first use in each process; a raw batch
     is one ``index_select`` per shard it touches."""
 
+    lazy_files = True
+
     format = "pt"
 
     def __init__(self, root: Any, **kwargs: Any) -> None:
@@ -41,6 +43,12 @@ class PTDataset(ImageDataset):
     def _open(self) -> list[dict[str, Any] | None]:
         return [None] * len(self.manifest.files)
 
+    def _release_file(self, name: str) -> None:
+        shards = self.handles
+        for number, entry in enumerate(self.manifest.files):
+            if entry.path == name:
+                shards[number] = None  # its tensors go when the last batch using them does
+
     def _shard(self, number: int) -> dict[str, Any]:
         shards = self.handles
         shard = shards[number]
@@ -50,7 +58,7 @@ class PTDataset(ImageDataset):
 
     def _load(self, number: int) -> dict[str, Any]:
         entry = self.manifest.files[number]
-        path = self.root / entry.path
+        path = self.local_file(entry.path)
         try:
             shard = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:

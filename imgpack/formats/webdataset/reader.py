@@ -33,6 +33,8 @@ class WebDatasetDataset(PreadDataset):
     sequential streaming with the ``webdataset`` library itself, see ``docs/formats/webdataset.md``.
     """
 
+    lazy_files = True
+
     format = "webdataset"
 
     def __init__(self, root: Any, **kwargs: Any) -> None:
@@ -43,7 +45,8 @@ class WebDatasetDataset(PreadDataset):
         counts = [f.num_samples for f in self.manifest.files]
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
         parts = [
-            self._read_index(path, count) for path, count in zip(self._paths, counts, strict=True)
+            self._read_index(path, entry.num_samples, entry.bytes)
+            for path, entry in zip(self._paths, self.manifest.files, strict=True)
         ]
         table = np.concatenate(parts) if parts else np.empty((0, layout.INDEX_COLUMNS), np.int64)
         self._offsets, self._sizes = table[:, 0].copy(), table[:, 1].copy()
@@ -57,11 +60,12 @@ class WebDatasetDataset(PreadDataset):
             self._npy = layout.npy_header(self._shape)
 
     @staticmethod
-    def _read_index(shard: Any, count: int) -> np.ndarray:
+    def _read_index(shard: Any, count: int, size: int) -> np.ndarray:
+        """The index of ``shard`` (``size`` bytes, as the manifest says and the opening checked,
+        or the fetch will), checked against it."""
         path = layout.index_path(shard)
         try:
             text = path.read_text(encoding="ascii")
-            size = shard.stat().st_size
             table = np.array(text.split(), dtype=np.int64).reshape(-1, layout.INDEX_COLUMNS)
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise DataError(f"{path}: cannot read the sample index: {exc}") from None
@@ -76,9 +80,9 @@ class WebDatasetDataset(PreadDataset):
 
     def _load_paths(self) -> list[str] | None:
         paths: list[str] = []
-        for shard in self._paths:
+        for number, shard in enumerate(self._paths):
             try:
-                with tarfile.open(shard, "r:") as tar:
+                with tarfile.open(self._local(number), "r:") as tar:
                     for member in tar:
                         if member.name.endswith(".json"):
                             data = tar.extractfile(member)

@@ -1,0 +1,185 @@
+"""Reading an output in a bucket lazily, through a bounded cache of its files.
+
+Opening fetches the manifest and the small index files only. A data file (a shard) is fetched
+the first time a reader uses it, checked against the manifest's size and sha256, and read from
+the local copy (memory-mapped, as any local output). The cache is the one of
+:class:`~imgpack.storage.OutputCache` (``CACHE/outputs/<url hash>-<output id>/``), file by file:
+
+- ``.<name>.checked``: the file's size, modification time, sha256 and ETag once checked; its
+  modification time says when the file was last used (eviction order);
+- ``.<name>.lock``: held exclusively while the file is fetched, so processes that need it at
+  once (DataLoader workers, ranks) download it once;
+- ``.<name>.pin``: held shared by every reader using the file — each reader pins the few files
+  it reads now and lets the older ones go — and taken exclusively to evict it.
+
+With a ``limit`` (bytes), fetching a file first evicts least recently used files that no reader
+in any process has pinned, until the cache's data files fit the limit with it: the cache never
+holds more than the limit plus the files being read. A file evicted and needed again is fetched
+again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from imgpack.errors import StorageError
+from imgpack.manifest import MANIFEST_NAME
+from imgpack.storage import (
+    OutputCache,
+    Remote,
+    _fetch_file,
+    _locked,
+    _pin,
+    _remote_files,
+    _safe_dirs,
+    _write_bytes,
+    filesystem,
+    read_remote_manifest,
+)
+from imgpack.units import parse_byte_size
+
+#: The environment variable that gives ``cache_limit`` its default.
+LIMIT_VARIABLE = "IMGPACK_CACHE_LIMIT"
+
+
+def default_limit() -> int | None:
+    value = os.environ.get(LIMIT_VARIABLE)
+    return parse_byte_size(value, LIMIT_VARIABLE) if value else None
+
+
+class LazyOutput:
+    """An output at ``url`` whose data files are fetched into the cache when first used."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        limit: int | str | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.storage_options = storage_options
+        cache = OutputCache(cache_dir)
+        self.cache_dir = cache.directory
+        self.limit = parse_byte_size(limit, "cache_limit") if limit is not None else default_limit()
+        self._fs: Any = None
+        self._fs_pid: int | None = None
+        self.manifest, data = read_remote_manifest(self.url, storage_options)
+        self.root = cache.entry(self.url, self.manifest, data)
+        fs, self._base = filesystem(self.url, storage_options)
+        listed = _remote_files(fs, self._base, self.url, self.manifest)
+        data_files = {entry.path for entry in self.manifest.files}
+        self._remote = {r.path: r for r in listed if r.path in data_files}
+        _safe_dirs(self.cache_dir, self.root)
+        _pin(self.root)  # no whole-entry eviction while this process reads it
+        with _locked(self.root, fcntl.LOCK_EX):  # the index files, then the manifest
+            for remote in listed:
+                if remote.path not in data_files and not self._good(remote):
+                    self._fetch(remote)
+            manifest_path = self.root / MANIFEST_NAME
+            if (
+                manifest_path.is_symlink()
+                or not manifest_path.is_file()
+                or (manifest_path.read_bytes() != data)
+            ):
+                _write_bytes(manifest_path, data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fs"], state["_fs_pid"] = None, None  # each process opens its own filesystem
+        return state
+
+    def file(self, name: str) -> Path:
+        """The checked local copy of data file ``name`` (pin it first: :meth:`pin`)."""
+        remote = self._remote[name]
+        target = self.root / name
+        with _locked(self.root / f".{name}", fcntl.LOCK_EX):
+            if self._good(remote):
+                os.utime(self._marker(name))  # used now: last in the eviction order
+                return target
+            self.make_room(remote.bytes)
+            self._fetch(remote)
+        return target
+
+    def pin(self, name: str) -> int:
+        """A shared lock on data file ``name`` for a reader: no process evicts it while the
+        returned descriptor is open (close it to let the file go)."""
+        fd = os.open(self.root / f".{name}.pin", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    def make_room(self, needed: int) -> None:
+        """Evict least recently used data files no reader has pinned, until the cache's data
+        files and ``needed`` more bytes fit the limit (as far as unpinned files allow)."""
+        if self.limit is None:
+            return
+        files = cached_files(self.cache_dir)
+        total = sum(size for _, _, size in files)
+        for _, path, size in sorted(files):
+            if total + needed <= self.limit:
+                return
+            pin = path.with_name(f".{path.name}.pin")
+            fd = os.open(pin, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a reader uses it
+            try:
+                path.with_name(f".{path.name}.checked").unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
+                total -= size
+            finally:
+                os.close(fd)
+
+    def _marker(self, name: str) -> Path:
+        """What says ``name`` was checked: ``.checked`` for data files (evictable), ``.kept``
+        for index files (read when the output is opened, kept with it)."""
+        return self.root / f".{name}.{'checked' if name in self._remote else 'kept'}"
+
+    def _good(self, remote: Remote) -> bool:
+        try:
+            st = (self.root / remote.path).lstat()
+            found = json.loads(self._marker(remote.path).read_text())
+        except (OSError, ValueError):
+            return False
+        return stat.S_ISREG(st.st_mode) and found == [
+            st.st_size,
+            st.st_mtime_ns,
+            remote.sha256,
+            remote.etag,
+        ]
+
+    def _fetch(self, remote: Remote) -> None:
+        pid = os.getpid()
+        if self._fs is None or self._fs_pid != pid:  # not fork-safe: one per process
+            self._fs = filesystem(self.url, self.storage_options, fresh=True)[0]
+            self._fs_pid = pid
+        try:
+            name, size, mtime = _fetch_file(
+                self._fs, f"{self._base}/{remote.path}", self.root, remote, self.url
+            )
+        except StorageError:
+            raise
+        _write_bytes(
+            self._marker(name), json.dumps([size, mtime, remote.sha256, remote.etag]).encode()
+        )
+
+
+def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:
+    """``(last used, path, bytes)`` of every data file fetched lazily into the cache."""
+    found: list[tuple[float, Path, int]] = []
+    outputs = cache_dir / "outputs"
+    if not outputs.is_dir():
+        return found
+    for marker in outputs.glob("*/.*.checked"):
+        path = marker.with_name(marker.name[1 : -len(".checked")])
+        with contextlib.suppress(OSError):
+            found.append((marker.stat().st_mtime, path, path.stat().st_size))
+    return found

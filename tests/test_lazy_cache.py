@@ -1,0 +1,145 @@
+"""Reading an output larger than the cache from a bucket (moto's S3 server on 127.0.0.1):
+opening fetches no data file, each shard is fetched when first read and checked, the cache
+stays within its limit plus the shards in use, and a shard damaged in the bucket is named at
+first use while one damaged in the cache is fetched again."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import Counter
+from pathlib import Path
+
+import fsspec
+import pytest
+from conftest import build_uniform_folder
+from torch.utils.data import DataLoader
+
+import imgpack.formats.dataset_base as dataset_base
+import imgpack.storage as storage
+from imgpack import convert, open_dataset
+from imgpack.errors import StorageError
+from imgpack.lazy import cached_files
+from imgpack.loading import ShardSampler
+from imgpack.readers import collate
+
+#: 96 images in 16 shards: sharded formats only (lmdb and hdf5 are one file, fetched whole).
+SHARDS = 16
+
+
+def _output(s3: str, tmp_path: Path, fmt: str) -> tuple[str, Path]:
+    src = build_uniform_folder(tmp_path / "src", count=96, classes=4, size=12, seed=3)
+    local = tmp_path / "local"
+    options = {"encoding": "raw", "size": 12} if fmt == "pt" else {}
+    convert(src, local, fmt, progress=False, **options)  # its shard size, to get 16 shards
+    per_shard = sum(f.bytes for f in open_dataset(local).manifest.files) // SHARDS
+    url = f"{s3}/lazy-{fmt}-{tmp_path.name}"
+    convert(src, url, fmt, progress=False, shard_size=per_shard, **options)
+    convert(src, local, fmt, progress=False, shard_size=per_shard, overwrite=True, **options)
+    return url, local
+
+
+def _rows(batches: object) -> Counter[tuple[int, str]]:
+    found: Counter[tuple[int, str]] = Counter()
+    for images, labels in batches:  # type: ignore[attr-defined]
+        for image, label in zip(images, labels, strict=True):
+            found[(int(label), hashlib.sha256(image.numpy().tobytes()).hexdigest())] += 1
+    return found
+
+
+def _data_bytes(cache: Path) -> int:
+    return sum(size for _, _, size in cached_files(cache))
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+def test_an_epoch_through_a_cache_four_times_smaller(
+    s3: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, local = _output(s3, tmp_path, fmt)
+    cache = tmp_path / "cache"
+    files = open_dataset(local).manifest.files
+    assert len(files) == SHARDS
+    total, biggest = sum(f.bytes for f in files), max(f.bytes for f in files)
+    limit = total // 4
+    monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)  # forked workers inherit it
+    before = storage.stats.downloads
+    ds = open_dataset(url, cache_dir=cache, cache_limit=limit)
+    assert storage.stats.downloads - before == (SHARDS if fmt == "webdataset" else 0)  # .idx
+    assert _data_bytes(cache) == 0  # opening fetched no data file
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _data_bytes(cache))
+            done.wait(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        sampler = ShardSampler(ds, seed=1, window=2)
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=collate)
+        got = _rows(loader)
+    finally:
+        done.set()
+        watcher.join()
+    reference = open_dataset(local)
+    want = _rows(DataLoader(reference, batch_size=8, collate_fn=collate))
+    assert got == want  # every sample once, with its label and pixels
+    in_use = 2 * 2 * biggest  # two workers, two pinned shards each
+    assert 0 < peak[0] <= limit + in_use + biggest, (peak[0], limit, in_use)
+    assert _data_bytes(cache) <= limit + in_use
+
+
+def test_two_ranks_read_every_sample_once(s3: str, tmp_path: Path) -> None:
+    url, local = _output(s3, tmp_path, "webdataset")
+    cache = tmp_path / "cache"
+    counts, seen = [], Counter[tuple[int, str]]()
+    for rank in range(2):
+        ds = open_dataset(url, cache_dir=cache, cache_limit="30KB")
+        sampler = ShardSampler(ds, seed=5, window=2, num_replicas=2, rank=rank)
+        rows = _rows(
+            DataLoader(ds, batch_size=5, sampler=sampler, num_workers=2, collate_fn=collate)
+        )
+        counts.append(sum(rows.values()))
+        seen.update(rows)
+    assert counts == [48, 48]
+    assert seen == _rows(DataLoader(open_dataset(local), batch_size=8, collate_fn=collate))
+
+
+def test_a_shard_damaged_in_the_bucket_is_named_at_first_use(s3: str, tmp_path: Path) -> None:
+    url, _ = _output(s3, tmp_path, "pt")
+    fs = fsspec.filesystem("s3")
+    key = f"{url.removeprefix('s3://')}/shard-00003.pt"
+    data = bytearray(fs.cat_file(key))
+    data[-20] ^= 0xFF
+    fs.pipe(key, bytes(data))
+    ds = open_dataset(url, cache_dir=tmp_path / "cache")  # opens: the manifest is fine
+    assert ds[0][1] in range(4)  # shard 0 reads
+    bad = sum(f.num_samples for f in ds.manifest.files[:3])
+    with pytest.raises(StorageError, match=r"shard-00003.pt: the stored file is not what"):
+        ds[bad]
+
+
+def test_a_shard_damaged_in_the_cache_is_fetched_again(s3: str, tmp_path: Path) -> None:
+    url, local = _output(s3, tmp_path, "webdataset")
+    cache = tmp_path / "cache"
+    first = open_dataset(url, cache_dir=cache)
+    want = first[10]
+    first.release_files()
+    shard = first.root / first.manifest.files[0].path
+    for path in first.root.glob("data-*.tar"):
+        if path.is_file():
+            shard = path
+            break
+    data = bytearray(shard.read_bytes())
+    data[600] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    refetched = storage.stats.refetched
+    again = open_dataset(url, cache_dir=cache)
+    got = [again[i] for i in range(len(again))]
+    assert storage.stats.refetched == refetched + 1
+    reference = open_dataset(local)
+    for i, (image, label) in enumerate(got):
+        assert label == reference[i][1] and bool((image == reference[i][0]).all()), i
+    assert bool((got[10][0] == want[0]).all())
