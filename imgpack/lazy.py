@@ -21,6 +21,7 @@ again.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -28,13 +29,13 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from imgpack import storage
 from imgpack.errors import StorageError
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.storage import (
     OutputCache,
     Remote,
     _fetch_file,
-    _locked,
     _pin,
     _remote_files,
     _safe_dirs,
@@ -76,19 +77,23 @@ class LazyOutput:
         listed = _remote_files(fs, self._base, self.url, self.manifest)
         data_files = {entry.path for entry in self.manifest.files}
         self._remote = {r.path: r for r in listed if r.path in data_files}
-        _safe_dirs(self.cache_dir, self.root)
-        _pin(self.root)  # no whole-entry eviction while this process reads it
-        with _locked(self.root, fcntl.LOCK_EX):  # the index files, then the manifest
-            for remote in listed:
-                if remote.path not in data_files and not self._good(remote):
-                    self._fetch(remote)
-            manifest_path = self.root / MANIFEST_NAME
-            if (
-                manifest_path.is_symlink()
-                or not manifest_path.is_file()
-                or (manifest_path.read_bytes() != data)
-            ):
-                _write_bytes(manifest_path, data)
+        index_files = [r for r in listed if r.path not in data_files]
+        manifest_path = self.root / MANIFEST_NAME
+        try:
+            _safe_dirs(self.cache_dir, self.root)
+            with storage._locked(self.root, fcntl.LOCK_EX):  # index files, then the manifest
+                _pin(self.root)  # no whole-entry eviction while this process reads it
+                _remove_stale_parts(self.root)
+                for remote in index_files:
+                    if not self._good(remote):
+                        self._fetch(remote)
+                if not _same(manifest_path, data):
+                    _write_bytes(manifest_path, data)
+        except StorageError:
+            raise
+        except OSError as exc:
+            complete = all(self._good(r) for r in index_files) and _same(manifest_path, data)
+            self._read_only(exc, complete)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -99,20 +104,44 @@ class LazyOutput:
         """The checked local copy of data file ``name`` (pin it first: :meth:`pin`)."""
         remote = self._remote[name]
         target = self.root / name
-        with _locked(self.root / f".{name}", fcntl.LOCK_EX):
-            if self._good(remote):
-                os.utime(self._marker(name))  # used now: last in the eviction order
-                return target
-            self.make_room(remote.bytes)
-            self._fetch(remote)
+        try:
+            with storage._locked(self.root / f".{name}", fcntl.LOCK_EX):
+                if self._good(remote):
+                    os.utime(self._marker(name))  # used now: last in the eviction order
+                    return target
+                self.make_room(remote.bytes)
+                self._fetch(remote)
+        except StorageError:
+            raise
+        except OSError as exc:
+            self._read_only(exc, self._good(remote))
         return target
 
-    def pin(self, name: str) -> int:
+    def pin(self, name: str) -> int | None:
         """A shared lock on data file ``name`` for a reader: no process evicts it while the
-        returned descriptor is open (close it to let the file go)."""
-        fd = os.open(self.root / f".{name}.pin", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        returned descriptor is open (close it to let the file go); ``None`` in a cache this
+        user cannot write (nothing evicts from it either)."""
+        try:
+            fd = os.open(self.root / f".{name}.pin", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY:
+                return None
+            raise StorageError(f"{self.root}: cannot use the cache entry: {exc.strerror}") from None
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd
+
+    def _read_only(self, exc: OSError, complete: bool) -> None:
+        """A cache this user cannot write: what is there and checked is read; else one
+        error that says what to do."""
+        if exc.errno in _READ_ONLY:
+            if complete:
+                return
+            raise StorageError(
+                f"{self.cache_dir}: the cache folder cannot be written ({exc.strerror}) and "
+                f"holds no checked copy of what {self.url} needs; set IMGPACK_CACHE_DIR (or "
+                "cache_dir=) to a writable folder"
+            ) from None
+        raise StorageError(f"{self.root}: cannot use the cache entry: {exc.strerror}") from None
 
     def make_room(self, needed: int) -> None:
         """Evict least recently used data files no reader has pinned, until the cache's data
@@ -170,6 +199,29 @@ class LazyOutput:
         _write_bytes(
             self._marker(name), json.dumps([size, mtime, remote.sha256, remote.etag]).encode()
         )
+
+
+_READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _same(path: Path, data: bytes) -> bool:
+    try:
+        return not path.is_symlink() and path.read_bytes() == data
+    except OSError:
+        return False
+
+
+def _remove_stale_parts(entry: Path) -> None:
+    """Remove the temporary files of fetches whose process is gone (killed mid-download);
+    those of live processes are theirs (``.<name>.<pid>.<thread>.part``)."""
+    for part in entry.glob(".*.part"):
+        try:
+            pid = int(part.name.rsplit(".", 3)[-3])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            part.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
 
 
 def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:

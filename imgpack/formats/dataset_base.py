@@ -255,7 +255,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         verify, size, resize = self.options.verify, self.options.size, self.options.resize
         decode_threads = self.options.decode_threads
         self._lazy: LazyOutput | None = None
-        self._pins: tuple[int, OrderedDict[str, int]] = (os.getpid(), OrderedDict())
+        self._pins: tuple[int, OrderedDict[str, int | None]] = (os.getpid(), OrderedDict())
         if is_url(root) and self.lazy_files:  # its data files fetched as they are used
             self._lazy = LazyOutput(
                 str(root),
@@ -388,8 +388,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         pid, pins = self._pins
         if pid != os.getpid():  # forked: the parent's pins are the parent's
             for fd in pins.values():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                _unpin(fd)
             pins = OrderedDict()
             self._pins = (os.getpid(), pins)
         if name in pins:
@@ -399,13 +398,13 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         try:
             path = self._lazy.file(name)
         except BaseException:
-            os.close(fd)
+            _unpin(fd)
             raise
         pins[name] = fd
         while len(pins) > PINNED_FILES:
             old, old_fd = pins.popitem(last=False)
             self._release_file(old)
-            os.close(old_fd)
+            _unpin(old_fd)
         return path
 
     def _release_file(self, name: str) -> None:
@@ -420,8 +419,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         while pins:
             name, fd = pins.popitem(last=False)
             self._release_file(name)
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            _unpin(fd)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -446,7 +444,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if pid == _getpid():
             for fd in pins.values():
                 try:  # noqa: SIM105
-                    _close_fd(fd)
+                    _unpin(fd)
                 except Exception:
                     pass
 
@@ -824,7 +822,12 @@ class Record:
 #: them): the ones it used last. ShardSampler's default window reads 8 shards at a time.
 PINNED_FILES = 10
 
-_close_fd = os.close
+
+def _unpin(fd: int | None, _close: Callable[[int], None] = os.close) -> None:
+    """Let a pinned file go (``None``: a read-only cache, nothing was pinned)."""
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            _close(fd)
 
 
 def check_files(root: Path, manifest: Manifest, present: bool = True) -> None:

@@ -54,7 +54,9 @@ def open_dataset(
     if options is not None:
         storage_options = storage_options or options.storage_options
         cache_dir = cache_dir or options.cache_dir
-        kwargs["options"] = replace(options, storage_options=storage_options, cache_dir=cache_dir)
+        if (storage_options, cache_dir) != (options.storage_options, options.cache_dir):
+            options = replace(options, storage_options=storage_options, cache_dir=cache_dir)
+        kwargs["options"] = options
     if is_url(path):
         remote = read_remote_manifest(str(path), storage_options)[0]
         reader = formats.reader_for(remote.format, str(path))
