@@ -24,8 +24,12 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import stat
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,8 @@ from imgpack.storage import (
     read_remote_manifest,
 )
 from imgpack.units import parse_byte_size
+
+log = logging.getLogger(__name__)
 
 #: The environment variable that gives ``cache_limit`` its default.
 LIMIT_VARIABLE = "IMGPACK_CACHE_LIMIT"
@@ -235,3 +241,75 @@ def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:
         with contextlib.suppress(OSError):
             found.append((marker.stat().st_mtime, path, path.stat().st_size))
     return found
+
+
+class Prefetcher:
+    """Fetches the files a reader will read next, in a background thread of this process.
+
+    :meth:`want` names them in the order they will be read (a sampler knows it); at most
+    ``depth`` of them are fetched ahead and pinned until a later :meth:`want` no longer names
+    them. Another process that needs a file being fetched waits for it (the file's lock), so no
+    file is fetched twice. A file that cannot be fetched is left to the reader, which names it.
+    """
+
+    def __init__(self, lazy: LazyOutput, depth: int) -> None:
+        self.lazy, self.depth = lazy, depth
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: deque[str] = deque()
+        self._pins: OrderedDict[str, int | None] = OrderedDict()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def want(self, names: Sequence[str]) -> None:
+        """The next files to be read, in order: the first ``depth`` are fetched and pinned."""
+        wanted = list(dict.fromkeys(names))[: self.depth]
+        with self._lock:
+            for name in [n for n in self._pins if n not in wanted]:
+                unpin(self._pins.pop(name))
+            self._queue = deque(n for n in wanted if n not in self._pins)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="imgpack-prefetch", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            while self._pins:
+                unpin(self._pins.popitem()[1])
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                name = self._queue.popleft()
+            fd = self.lazy.pin(name)
+            try:
+                self.lazy.file(name)
+            except Exception as exc:  # the reader meets it again and says what is wrong
+                unpin(fd)
+                log.debug("prefetch of %s failed: %s", name, exc)
+                continue
+            with self._lock:
+                if self._closed or name in self._pins:
+                    unpin(fd)
+                    continue
+                self._pins[name] = fd
+                while len(self._pins) > self.depth:
+                    unpin(self._pins.popitem(last=False)[1])
+
+
+def unpin(fd: int | None, _close: Any = os.close) -> None:
+    """Let a pinned file go (``None``: a read-only cache, nothing was pinned). ``os.close`` is
+    bound at definition: readers still alive at interpreter exit call it late."""
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            _close(fd)

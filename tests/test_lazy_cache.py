@@ -143,3 +143,28 @@ def test_a_shard_damaged_in_the_cache_is_fetched_again(s3: str, tmp_path: Path) 
     for i, (image, label) in enumerate(got):
         assert label == reference[i][1] and bool((image == reference[i][0]).all()), i
     assert bool((got[10][0] == want[0]).all())
+
+
+def test_the_sampler_has_the_next_shards_fetched_ahead(s3: str, tmp_path: Path) -> None:
+    """While shard k is read, the next shards in the sampler's order are fetched in the
+    background (ReadOptions.prefetch of them), before the reader asks."""
+    import time
+
+    url, _ = _output(s3, tmp_path, "webdataset")
+    cache = tmp_path / "cache"
+    ds = open_dataset(url, cache_dir=cache, prefetch=3)
+    sampler = ShardSampler(ds, shuffle=False)
+    positions = iter(sampler)
+    first = next(positions)  # the sampler is at shard 0: shards 1, 2, 3 are named
+    assert first == 0
+    deadline = time.monotonic() + 20
+    names = {f.path for f in ds.manifest.files[1:4]}
+    while time.monotonic() < deadline:
+        fetched = {path.name for _, path, _ in cached_files(cache)}
+        if names <= fetched:
+            break
+        time.sleep(0.05)
+    assert fetched == names  # fetched ahead, nothing else (shard 0 is read when asked for)
+    ds[first]
+    assert ds.manifest.files[0].path in {path.name for _, path, _ in cached_files(cache)}
+    ds.release_files()

@@ -45,7 +45,7 @@ from imgpack.errors import (
 )
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
-from imgpack.lazy import LazyOutput
+from imgpack.lazy import LazyOutput, Prefetcher, unpin
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.scan import UNLABELLED
 from imgpack.storage import fetch_output, is_url, local_path
@@ -169,6 +169,9 @@ class ReadOptions:
     #: holds beyond the files being read (``"200GB"``; default ``IMGPACK_CACHE_LIMIT``, else
     #: no limit). See :mod:`imgpack.lazy`.
     cache_limit: int | str | None = None
+    #: An output read lazily from a URL: shards fetched ahead in the background, in the order
+    #: a sampler that gives hints (:class:`~imgpack.loading.ShardSampler`) will read them.
+    prefetch: int = 2
 
     @classmethod
     def of(cls, options: ReadOptions | None, **keywords: Any) -> ReadOptions:
@@ -238,6 +241,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         cache_dir: str | os.PathLike[str] | None = None,
         options: ReadOptions | None = None,
         cache_limit: int | str | None = None,
+        prefetch: int = 2,
     ) -> None:
         self.options = ReadOptions.of(
             options,
@@ -250,12 +254,14 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             storage_options=storage_options,
             cache_dir=cache_dir,
             cache_limit=cache_limit,
+            prefetch=prefetch,
         )
         transform, target_transform = self.options.transform, self.options.target_transform
         verify, size, resize = self.options.verify, self.options.size, self.options.resize
         decode_threads = self.options.decode_threads
         self._lazy: LazyOutput | None = None
         self._pins: tuple[int, OrderedDict[str, int | None]] = (os.getpid(), OrderedDict())
+        self._prefetcher: tuple[int, Prefetcher] | None = None
         if is_url(root) and self.lazy_files:  # its data files fetched as they are used
             self._lazy = LazyOutput(
                 str(root),
@@ -388,7 +394,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         pid, pins = self._pins
         if pid != os.getpid():  # forked: the parent's pins are the parent's
             for fd in pins.values():
-                _unpin(fd)
+                unpin(fd)
             pins = OrderedDict()
             self._pins = (os.getpid(), pins)
         if name in pins:
@@ -398,32 +404,47 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         try:
             path = self._lazy.file(name)
         except BaseException:
-            _unpin(fd)
+            unpin(fd)
             raise
         pins[name] = fd
         while len(pins) > PINNED_FILES:
             old, old_fd = pins.popitem(last=False)
             self._release_file(old)
-            _unpin(old_fd)
+            unpin(old_fd)
         return path
 
     def _release_file(self, name: str) -> None:
         """Close what this process's handles hold of file ``name`` (a lazily read output lets
         the file go); formats that keep files open override it."""
 
+    def prefetch(self, shards: Sequence[int]) -> None:
+        """Shards (by number) about to be read, in order: for an output read lazily, the next
+        ``options.prefetch`` of them are fetched in the background of this process (a sampler
+        calls it; nothing happens for a local output)."""
+        if self._lazy is None or self.options.prefetch < 1:
+            return
+        if self._prefetcher is None or self._prefetcher[0] != os.getpid():
+            self._prefetcher = (os.getpid(), Prefetcher(self._lazy, self.options.prefetch))
+        files = self.manifest.files
+        self._prefetcher[1].want([files[k].path for k in shards if 0 <= k < len(files)])
+
     def release_files(self) -> None:
         """Let every file this reader pinned in this process go (a lazily read output)."""
+        if self._prefetcher is not None and self._prefetcher[0] == os.getpid():
+            self._prefetcher[1].close()
+            self._prefetcher = None
         pid, pins = self._pins
         if pid != os.getpid():
             return
         while pins:
             name, fd = pins.popitem(last=False)
             self._release_file(name)
-            _unpin(fd)
+            unpin(fd)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pins"] = (0, OrderedDict())
+        state["_prefetcher"] = None
         state["_handles"] = None
         state["_pid"] = None
         state["_seen"] = None
@@ -444,7 +465,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if pid == _getpid():
             for fd in pins.values():
                 try:  # noqa: SIM105
-                    _unpin(fd)
+                    unpin(fd)
                 except Exception:
                     pass
 
@@ -821,13 +842,6 @@ class Record:
 #: Files a reader of a lazily read output keeps pinned per process (the cache cannot evict
 #: them): the ones it used last. ShardSampler's default window reads 8 shards at a time.
 PINNED_FILES = 10
-
-
-def _unpin(fd: int | None, _close: Callable[[int], None] = os.close) -> None:
-    """Let a pinned file go (``None``: a read-only cache, nothing was pinned)."""
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            _close(fd)
 
 
 def check_files(root: Path, manifest: Manifest, present: bool = True) -> None:

@@ -41,6 +41,8 @@ from imgpack.errors import OptionError
 BLOCK_SIZE = 1024
 #: Shards (or blocks) whose samples are shuffled together.
 WINDOW = 8
+#: Upcoming shards named to a reader that fetches ahead (it fetches as many as it is set to).
+HINTED = 8
 STATE_VERSION = 1
 
 
@@ -164,6 +166,22 @@ class ShardSampler(Sampler[int]):
         self._yielded = 0
         return _Positions(self, self._rank_part(order, self._start).tolist())
 
+    def _hints(self, indices: list[int]) -> dict[int, list[int]]:
+        """For a reader that fetches ahead (an output read lazily from a bucket): at the
+        position where each shard is first read, the shards first read after it, in order.
+        Empty for readers without ``prefetch`` and for outputs read by blocks."""
+        files = getattr(getattr(self.dataset, "manifest", None), "files", None)
+        if not callable(getattr(self.dataset, "prefetch", None)) or not indices:
+            return {}
+        if files is None or len(files) != len(self._sizes) or len(files) < 2:
+            return {}
+        starts = np.cumsum(self._sizes, dtype=np.int64)
+        shards = np.searchsorted(starts, np.asarray(indices, np.int64), side="right")
+        firsts, positions = np.unique(shards, return_index=True)
+        by_position = np.argsort(positions, kind="stable")
+        sequence, at = firsts[by_position].tolist(), positions[by_position].tolist()
+        return {at[i]: sequence[i + 1 : i + 1 + HINTED] for i in range(len(at))}
+
     @property
     def _total(self) -> int:
         """Positions in an epoch's global order (a :class:`Mix`: its samples per epoch), known
@@ -236,6 +254,7 @@ class _Positions(Iterator[int]):
 
     def __init__(self, sampler: ShardSampler, indices: list[int]) -> None:
         self.sampler, self.indices, self.at = sampler, indices, 0
+        self.hints = sampler._hints(indices)
 
     def __iter__(self) -> Iterator[int]:
         return self
@@ -243,6 +262,10 @@ class _Positions(Iterator[int]):
     def __next__(self) -> int:
         if self.at >= len(self.indices):
             raise StopIteration
+        if self.hints:
+            upcoming = self.hints.get(self.at)
+            if upcoming is not None:
+                self.sampler.dataset.prefetch(upcoming)  # type: ignore[attr-defined]
         self.at += 1
         self.sampler._yielded = self.at
         return self.indices[self.at - 1]
@@ -254,7 +277,7 @@ class _Positions(Iterator[int]):
         self.sampler.load_state_dict(state)
         fresh = iter(self.sampler)
         assert isinstance(fresh, _Positions)
-        self.indices, self.at = fresh.indices, 0
+        self.indices, self.at, self.hints = fresh.indices, 0, fresh.hints
 
 
 class Mix(Dataset[tuple[Any, Any]]):
