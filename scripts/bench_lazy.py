@@ -1,0 +1,180 @@
+"""Reading an output from a bucket lazily, through a bounded cache (moto's S3 server, started
+here on 127.0.0.1): the first (cold) epoch against a warm one.
+
+For each output (raw 32x32 images in `pt`; photo-like 500x375 JPEGs in `webdataset`), measured
+side by side in one run, best of --repeats rounds:
+  - cold: open from the bucket with an empty cache and read one epoch with
+    `ShardSampler(ds, seed=...)` (shards fetched when first read, the next `prefetch` fetched
+    ahead in the background); and the same with `cache_limit` a quarter of the output, with
+    the peak size of the cache's data files during that epoch;
+  - warm: a second epoch from the same reader (every shard cached);
+  - local: the same sampler over the local output (the read itself, no storage);
+  - download only: every shard fetched with one GET after the other (the store's rate, the
+    physical limit of a first epoch that must bring every byte over).
+Reads: DataLoader(batch_size=256, sampler=ShardSampler, collate_fn=collate), num_workers=0.
+
+    python scripts/bench_lazy.py [--data bench-data] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from bench_storage import start_moto
+from benchlib import machine, make_jpeg_folder, make_png_folder, print_table, save_json
+from torch.utils.data import DataLoader
+
+from imgpack import convert, open_dataset
+from imgpack.lazy import cached_files
+from imgpack.loading import ShardSampler
+from imgpack.readers import collate
+
+
+def epoch_count(ds: Any, seed: int) -> int:
+    """One epoch through a ShardSampler: the samples read."""
+    loader = DataLoader(ds, batch_size=256, sampler=ShardSampler(ds, seed=seed), collate_fn=collate)
+    return sum(len(labels) for _, labels in loader)
+
+
+def epoch(ds: Any, seed: int) -> float:
+    """Samples per second of one epoch through a ShardSampler."""
+    start = time.perf_counter()
+    count = epoch_count(ds, seed)
+    return count / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", default="bench-data")
+    parser.add_argument("--raw-count", type=int, default=50_000)
+    parser.add_argument("--jpeg-count", type=int, default=4_000)
+    parser.add_argument("--shards", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    data = Path(args.data)
+    sets = {
+        "pt raw 32x32": (
+            make_png_folder(data / f"png32-{args.raw_count}", args.raw_count, 32, 10),
+            "pt",
+            {"encoding": "raw", "size": 32},
+        ),
+        "webdataset jpeg": (
+            make_jpeg_folder(data / f"jpeg500-{args.jpeg_count}", args.jpeg_count),
+            "webdataset",
+            {},
+        ),
+    }
+    server = start_moto()
+    fsspec.filesystem("s3").mkdir("bench")
+    print(f"machine: {machine()}")
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for name, (src, fmt, options) in sets.items():
+            local = data / f"lazy-{fmt}"
+            shutil.rmtree(local, ignore_errors=True)
+            convert(src, local, fmt, progress=False, **options)
+            total = sum(f.bytes for f in open_dataset(local).manifest.files)
+            shard = max(1, total // args.shards)
+            convert(src, local, fmt, progress=False, overwrite=True, shard_size=shard, **options)
+            url = f"s3://bench/lazy-{fmt}"
+            convert(src, url, fmt, progress=False, overwrite=True, shard_size=shard, **options)
+            limit = total // 4
+            fs = fsspec.filesystem("s3")
+            keys = [f"bench/lazy-{fmt}/{f.path}" for f in open_dataset(local).manifest.files]
+            scratch = Path(tempfile.mkdtemp(prefix="imgpack-bench-get-"))
+            start = time.perf_counter()
+            for key in keys:  # the store's own rate: every shard, one after the other
+                fs.get_file(key, str(scratch / Path(key).name))
+            download_s = time.perf_counter() - start
+            shutil.rmtree(scratch, ignore_errors=True)
+            cold, bounded, warm, plain, peaks = [], [], [], [], []
+            for round_ in range(args.repeats):
+                # A cache a quarter of the output, from empty: its peak size, and the epoch.
+                cache = Path(tempfile.mkdtemp(prefix="imgpack-bench-lazy-"))
+                peak, done = [0], threading.Event()
+
+                def watch(cache: Path = cache, peak: list[int] = peak, done: Any = done) -> None:
+                    while not done.is_set():
+                        peak[0] = max(peak[0], sum(s for _, _, s in cached_files(cache)))
+                        done.wait(0.01)
+
+                watcher = threading.Thread(target=watch)
+                watcher.start()
+                start = time.perf_counter()
+                ds = open_dataset(url, cache_dir=cache, cache_limit=limit)
+                n = epoch_count(ds, round_)
+                bounded.append(n / (time.perf_counter() - start))
+                done.set()
+                watcher.join()
+                peaks.append(peak[0])
+                ds.release_files()
+                shutil.rmtree(cache, ignore_errors=True)
+                # An unbounded cache: the first epoch from empty, then a warm one.
+                cache = Path(tempfile.mkdtemp(prefix="imgpack-bench-lazy-"))
+                start = time.perf_counter()
+                ds = open_dataset(url, cache_dir=cache)
+                cold.append(epoch_count(ds, round_) / (time.perf_counter() - start))
+                warm.append(epoch(ds, round_))
+                plain.append(epoch(open_dataset(local), round_))
+                ds.release_files()
+                shutil.rmtree(cache, ignore_errors=True)
+            row = {
+                "samples": float(n),
+                "output_bytes": float(total),
+                "cache_limit": float(limit),
+                "peak_cache_bytes": float(max(peaks)),
+                "local": max(plain),
+                "warm": max(warm),
+                "cold": max(cold),
+                "cold_quarter_cache": max(bounded),
+                "download_only": n / download_s,
+            }
+            results[name] = row
+            print_table(
+                f"{name} ({n} samples, {args.shards} shards, {total / 2**20:.1f} MiB)",
+                [
+                    ("local output", f"{row['local']:>12,.0f} samples/s"),
+                    (
+                        "download only (GET every shard)",
+                        f"{row['download_only']:>12,.0f} samples/s  "
+                        f"({total / 2**20 / download_s:.0f} MiB/s)",
+                    ),
+                    (
+                        "bucket, warm epoch",
+                        f"{row['warm']:>12,.0f} samples/s  {row['warm'] / row['local']:.2f}x local",
+                    ),
+                    (
+                        "bucket, first (cold) epoch",
+                        f"{row['cold']:>12,.0f} samples/s  {row['cold'] / row['warm']:.2f}x warm, "
+                        f"{row['cold'] / row['download_only']:.2f}x download only",
+                    ),
+                    (
+                        "  with cache_limit = output / 4",
+                        f"{row['cold_quarter_cache']:>12,.0f} samples/s  "
+                        f"{row['cold_quarter_cache'] / row['warm']:.2f}x warm",
+                    ),
+                    (
+                        "  peak cache / limit",
+                        f"{row['peak_cache_bytes'] / 2**20:.1f} / {limit / 2**20:.1f} MiB "
+                        f"(output {total / 2**20:.1f} MiB)",
+                    ),
+                ],
+            )
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    save_json(args.json, {"machine": machine(), "results": results})
+
+
+if __name__ == "__main__":
+    main()
