@@ -26,6 +26,6 @@ echo "== ruff format --check" >&2
 ruff format --check imgpack tests scripts
 echo "== mypy imgpack" >&2
 mypy imgpack
-echo "== pytest: about 13 minutes on 2 CPUs (Ray, the docs pages and the killed-process tests" \
+echo "== pytest: about 16 minutes on 2 CPUs (Ray, the docs pages and the killed-process tests" \
     "take most of it); -x stops at the first failure, -k NAME runs some" >&2
 python -m pytest -q "$@"
