@@ -18,7 +18,6 @@ Reads: DataLoader(batch_size=256, sampler=ShardSampler, collate_fn=collate), num
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import threading
@@ -27,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from bench_storage import start_moto
-from benchlib import machine, make_jpeg_folder, make_png_folder, print_table, save_json
+from bench_storage import arguments, output_sets, start_moto
+from benchlib import machine, print_table, save_json
 from torch.utils.data import DataLoader
 
 from imgpack import convert, open_dataset
@@ -51,29 +50,9 @@ def epoch(ds: Any, seed: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data", default="bench-data")
-    parser.add_argument("--raw-count", type=int, default=50_000)
-    parser.add_argument("--jpeg-count", type=int, default=4_000)
-    parser.add_argument("--shards", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = arguments(__doc__ or "", repeats=2, shards=True)
     data = Path(args.data)
-    sets = {
-        "pt raw 32x32": (
-            make_png_folder(data / f"png32-{args.raw_count}", args.raw_count, 32, 10),
-            "pt",
-            {"encoding": "raw", "size": 32},
-        ),
-        "webdataset jpeg": (
-            make_jpeg_folder(data / f"jpeg500-{args.jpeg_count}", args.jpeg_count),
-            "webdataset",
-            {},
-        ),
-    }
+    sets = output_sets(args, "webdataset")
     server = start_moto()
     fsspec.filesystem("s3").mkdir("bench")
     print(f"machine: {machine()}")

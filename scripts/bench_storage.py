@@ -23,7 +23,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import fsspec
 from benchlib import machine, make_jpeg_folder, make_png_folder, print_table, save_json
 from torch.utils.data import DataLoader
 
@@ -57,32 +59,47 @@ def start_moto() -> subprocess.Popen[bytes]:
     raise SystemExit("moto's server did not start")
 
 
-def main() -> None:
+def arguments(doc: str, repeats: int, shards: bool = False) -> argparse.Namespace:
+    """The options of the object-storage benchmarks (this one and bench_lazy.py; ``shards``:
+    the outputs are written in ``--shards`` shards)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data", default="bench-data")
     parser.add_argument("--raw-count", type=int, default=50_000)
     parser.add_argument("--jpeg-count", type=int, default=4_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    if shards:
+        parser.add_argument("--shards", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def output_sets(
+    args: argparse.Namespace, jpeg_format: str
+) -> dict[str, tuple[Path, str, dict[str, Any]]]:
+    """The two outputs measured: raw 32x32 images in ``pt``, photo-like JPEGs in
+    ``jpeg_format``: ``{name: (image folder, format, convert options)}``."""
     data = Path(args.data)
-    sets = {
+    return {
         "pt raw 32x32": (
             make_png_folder(data / f"png32-{args.raw_count}", args.raw_count, 32, 10),
             "pt",
             {"encoding": "raw", "size": 32},
         ),
-        "tfrecord jpeg": (
+        f"{jpeg_format} jpeg": (
             make_jpeg_folder(data / f"jpeg500-{args.jpeg_count}", args.jpeg_count),
-            "tfrecord",
+            jpeg_format,
             {},
         ),
     }
-    server = start_moto()
-    import fsspec
 
+
+def main() -> None:
+    args = arguments(__doc__ or "", repeats=3)
+    data = Path(args.data)
+    sets = output_sets(args, "tfrecord")
+    server = start_moto()
     fsspec.filesystem("s3").mkdir("bench")
     print(f"machine: {machine()}")
     results: dict[str, dict[str, float]] = {}

@@ -417,11 +417,16 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """Close what this process's handles hold of file ``name`` (a lazily read output lets
         the file go); formats that keep files open override it."""
 
+    @property
+    def fetches_ahead(self) -> bool:
+        """Whether :meth:`prefetch` does anything: an output read lazily, with ``prefetch``."""
+        return self._lazy is not None and self.options.prefetch > 0
+
     def prefetch(self, shards: Sequence[int]) -> None:
         """Shards (by number) about to be read, in order: for an output read lazily, the next
         ``options.prefetch`` of them are fetched in the background of this process (a sampler
         calls it; nothing happens for a local output)."""
-        if self._lazy is None or self.options.prefetch < 1:
+        if not self.fetches_ahead or self._lazy is None:
             return
         if self._prefetcher is None or self._prefetcher[0] != os.getpid():
             self._prefetcher = (os.getpid(), Prefetcher(self._lazy, self.options.prefetch))

@@ -171,8 +171,8 @@ class ShardSampler(Sampler[int]):
         position where each shard is first read, the shards first read after it, in order.
         Empty for readers without ``prefetch`` and for outputs read by blocks."""
         files = getattr(getattr(self.dataset, "manifest", None), "files", None)
-        if not callable(getattr(self.dataset, "prefetch", None)) or not indices:
-            return {}
+        if not getattr(self.dataset, "fetches_ahead", False) or not indices:
+            return {}  # a local output: nothing to fetch, no work per epoch
         if files is None or len(files) != len(self._sizes) or len(files) < 2:
             return {}
         starts = np.cumsum(self._sizes, dtype=np.int64)

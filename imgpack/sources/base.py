@@ -16,7 +16,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,27 @@ def file_stamp(path: str | os.PathLike[str]) -> str:
     except OSError:
         return "-"
     return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def files_identity(paths: Sequence[Path]) -> str:
+    """Files' paths, sizes and modification times as a digest (a file that cannot be stat'ed
+    is recorded as such: it fails when it is read)."""
+    out: list[list[Any]] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            out.append([str(path), None])
+            continue
+        out.append([str(path), st.st_size, st.st_mtime_ns])
+    return digest(out)
+
+
+def has_subfolders(src: Path) -> bool:
+    """Whether ``src`` is a folder with non-hidden folders in it (class folders: an image
+    folder, whatever else lies beside them). Files of another kind beside them do not make
+    it that kind."""
+    return src.is_dir() and any(p.is_dir() for p in src.iterdir() if not p.name.startswith("."))
 
 
 def digest(value: Any) -> str:

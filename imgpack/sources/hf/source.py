@@ -13,7 +13,6 @@ none).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 from imgpack.errors import ImageError, ScanError
 from imgpack.hf import dict_splits, import_datasets, is_dataset_dict_folder
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
+from imgpack.manifest import sha256_file
 from imgpack.scan import Sample, Scan
 from imgpack.sources.base import (
     Fetcher,
@@ -132,7 +132,7 @@ def load(root: Path, image_column: str | None) -> tuple[Any, str]:
 def state_sha256(root: Path) -> str:
     """What identifies a saved dataset's contents: the sha256 of its ``state.json`` (which
     lists its arrow files and their fingerprint)."""
-    return hashlib.sha256((root / "state.json").read_bytes()).hexdigest()
+    return sha256_file(root / "state.json")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any
 
 from imgpack.errors import ImageError, OptionError, ScanError
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
+from imgpack.manifest import sha256_file
 from imgpack.scan import Sample, Scan
 from imgpack.sources.base import (
     Fetcher,
@@ -86,7 +87,7 @@ class LabelListSource(Source):
         origin = {
             "format": "labels",
             "file": str(self.list_file.resolve()),
-            "sha256": _sha256(self.list_file),
+            "sha256": sha256_file(self.list_file),
         }
         return Scan(
             classes=classes,
@@ -225,12 +226,6 @@ def _json_row(text: str) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(value, dict):
         return None, f"not a JSON object (a {type(value).__name__})"
     return value, None
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @dataclass(frozen=True)

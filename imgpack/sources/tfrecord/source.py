@@ -21,7 +21,8 @@ from imgpack.sources.base import (
     ScanRequest,
     Source,
     changed_source,
-    digest,
+    files_identity,
+    has_subfolders,
     opened,
 )
 from imgpack.sources.output.source import scan_reader
@@ -39,12 +40,6 @@ def tfrecord_files(src: str | os.PathLike[str]) -> list[Path] | None:
         return files_of(src)
     except FileNotFoundError:
         return None
-
-
-def has_subfolders(src: Path) -> bool:
-    """Whether ``src`` is a folder with non-hidden folders in it (class folders: an image
-    folder, whatever else lies beside them)."""
-    return src.is_dir() and any(p.is_dir() for p in src.iterdir() if not p.name.startswith("."))
 
 
 class TFRecordSource(Source):
@@ -72,15 +67,7 @@ class TFRecordSource(Source):
 
 def stat_identity(src: str | os.PathLike[str]) -> str:
     """The TFRecord files' paths, sizes and modification times, as a digest."""
-    out: list[list[Any]] = []
-    for path in tfrecord_files(src) or []:
-        try:
-            st = path.stat()
-        except OSError:
-            out.append([str(path), None])  # the file fails when it is read
-            continue
-        out.append([str(path), st.st_size, st.st_mtime_ns])
-    return digest(out)
+    return files_identity(tfrecord_files(src) or [])
 
 
 @dataclass(frozen=True)

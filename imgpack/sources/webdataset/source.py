@@ -28,12 +28,12 @@ from imgpack.sources.base import (
     ScanRequest,
     Source,
     changed_source,
-    digest,
     empty_classes,
+    files_identity,
+    has_subfolders,
     label_map,
     opened,
 )
-from imgpack.sources.tfrecord.source import has_subfolders
 
 #: Member extensions (lower case) taken for a sample's image.
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm")
@@ -108,7 +108,7 @@ class WebDatasetSource(Source):
         )
 
     def identity(self, scan: Scan) -> str:
-        return stat_identity(self.files())
+        return files_identity(self.files())
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         return TarFetcher(tuple(str(p) for p in self.files()), self.identity(scan), run)
@@ -187,17 +187,6 @@ def _label(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> tuple[A
     return None, 'no label (.cls, or a .json with a "label")'
 
 
-def stat_identity(files: list[Path]) -> str:
-    out: list[list[Any]] = []
-    for path in files:
-        try:
-            st = path.stat()
-            out.append([str(path), st.st_size, st.st_mtime_ns])
-        except OSError:
-            out.append([str(path), None])
-    return digest(out)
-
-
 @dataclass(frozen=True)
 class TarFetcher(Fetcher):
     """One sample's image member, read at its offset, through the image policy."""
@@ -226,7 +215,7 @@ class TarFetcher(Fetcher):
     def _open(self) -> dict[str, tuple[str, dict[str, tuple[int, int]]]]:
         """Each tar's path and where its members' data are: read once per worker and run."""
         files = [Path(p) for p in self.paths]
-        if self.identity and stat_identity(files) != self.identity:
+        if self.identity and files_identity(files) != self.identity:
             raise changed_source(str(files[0].parent))
         index = {}
         for path in files:
