@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -25,6 +25,9 @@ from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES
 from imgpack.options import ON_ERROR, ConvertOptions
 from imgpack.units import format_bytes
 from imgpack.version import __version__
+
+if TYPE_CHECKING:
+    from imgpack.formats.dataset_base import ReadOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 #: Skipped files the convert summary lists by name (the manifest lists them all).
@@ -66,6 +69,37 @@ def storage_options(func: F) -> F:
         "~/.cache/imgpack].",
     )(func)
     return storage_option_only(func)
+
+
+def cache_limit_option(func: F) -> F:
+    """``--cache-limit SIZE`` for commands that read an output from a URL lazily."""
+    return click.option(
+        "--cache-limit",
+        default=None,
+        metavar="SIZE",
+        help="The most the cache holds beyond the files being read, e.g. 200GB (outputs read "
+        "from a URL; pt and webdataset shards are fetched when first read and the least "
+        "recently used evicted) [default: IMGPACK_CACHE_LIMIT, else no limit].",
+    )(func)
+
+
+def reading_options(func: F) -> F:
+    """``--storage-option``, ``--cache-dir`` and ``--cache-limit``: commands that read an
+    output (a folder or a URL) the way training does."""
+    return storage_options(cache_limit_option(func))
+
+
+def _read_options(
+    storage_option: tuple[str, ...], cache_dir: str | None, cache_limit: str | None
+) -> ReadOptions:
+    from imgpack.formats.dataset_base import ReadOptions
+    from imgpack.units import parse_byte_size
+
+    return ReadOptions(
+        storage_options=_storage(storage_option),
+        cache_dir=cache_dir,
+        cache_limit=parse_byte_size(cache_limit, "--cache-limit") if cache_limit else None,
+    )
 
 
 def storage_option_only(func: F) -> F:
@@ -579,7 +613,7 @@ def merge(
 )
 @click.option("--overwrite", is_flag=True, help="Replace FOLDER if it is an earlier export.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@storage_options
+@reading_options
 @friendly_errors
 def export(
     output: str,
@@ -589,6 +623,7 @@ def export(
     quiet: bool,
     storage_option: tuple[str, ...],
     cache_dir: str | None,
+    cache_limit: str | None,
 ) -> None:
     """Write the imgpack output OUTPUT back as an image folder FOLDER/<class>/<image>: the stored
     JPEG/PNG bytes as they are (an original output gives back the source files), else lossless
@@ -602,8 +637,7 @@ def export(
         on_error=on_error,
         overwrite=overwrite,
         progress=not quiet,
-        storage_options=_storage(storage_option),
-        cache_dir=cache_dir,
+        options=_read_options(storage_option, cache_dir, cache_limit),
     )
     click.echo(
         f"{folder}: {done.files} files ({done.kept} stored JPEG/PNG bytes as they are, "
@@ -732,6 +766,7 @@ def _parse_workers(value: str) -> list[int]:
     default=None,
     help="Also draw the table as a chart into this image file (.png, .svg; needs imgpack[plot]).",
 )
+@reading_options
 @friendly_errors
 def bench(
     paths: tuple[str, ...],
@@ -740,6 +775,9 @@ def bench(
     samples: int,
     json_path: Path | None,
     plot_path: Path | None,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
+    cache_limit: str | None,
 ) -> None:
     """Read throughput of image folders and imgpack outputs (folders or URLs), side by side
     through a DataLoader."""
@@ -751,7 +789,8 @@ def bench(
             raise click.BadParameter(f"{path!r} does not exist", param_hint="PATHS")
     if plot_path is not None:
         pyplot()  # before measuring: a missing matplotlib fails at once
-    results = run_bench(paths, _parse_workers(workers), batch_size, samples)
+    read = _read_options(storage_option, cache_dir, cache_limit)
+    results = run_bench(paths, _parse_workers(workers), batch_size, samples, read)
     width = max(len(r.name) for r in results)
     click.echo(f"{'loader':<{width}}  {'workers':>7}  {'samples/s':>11}  path")
     for r in results:
@@ -780,9 +819,17 @@ def bench(
     help="num_workers candidates to try, e.g. 0,2,4 [default: 0, 1, 2, 4, ... up to 2x the CPUs].",
 )
 @json_option("table")
+@reading_options
 @friendly_errors
 def tune(
-    dst: str, batch_size: int, batches: int, workers: str | None, json_path: Path | None
+    dst: str,
+    batch_size: int,
+    batches: int,
+    workers: str | None,
+    json_path: Path | None,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
+    cache_limit: str | None,
 ) -> None:
     """Recommend DataLoader settings for OUTPUT, then measure candidates and name the one to use
     (the fastest, unless the recommended one is within the machine's noise of it)."""
@@ -794,7 +841,7 @@ def tune(
     )
     from imgpack.readers import open_dataset
 
-    dataset = open_dataset(dst)
+    dataset = open_dataset(dst, options=_read_options(storage_option, cache_dir, cache_limit))
     advice = recommend_loader_settings(dataset)
     click.echo("starting point (from the CPUs, the GPU and the format):")
     for key, value in advice.kwargs().items():
@@ -861,9 +908,18 @@ def tune(
     help="Simulated training step per batch (your step's time).",
 )
 @json_option("report")
+@reading_options
 @friendly_errors
 def profile(
-    dst: str, workers: int, batch_size: int, batches: int, step_ms: float, json_path: Path | None
+    dst: str,
+    workers: int,
+    batch_size: int,
+    batches: int,
+    step_ms: float,
+    json_path: Path | None,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
+    cache_limit: str | None,
 ) -> None:
     """Profile a short pass over OUTPUT: per-sample fetch times (workers included) and how long
     the training loop waits for each batch."""
@@ -872,7 +928,8 @@ def profile(
     from imgpack.loading.profiling import LoaderProfiler, TimedDataset, verdict
     from imgpack.readers import collate, open_dataset
 
-    timed = TimedDataset(open_dataset(dst))
+    read = _read_options(storage_option, cache_dir, cache_limit)
+    timed = TimedDataset(open_dataset(dst, options=read))
     loader = DataLoader(
         timed,
         batch_size=batch_size,

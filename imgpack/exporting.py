@@ -19,7 +19,7 @@ import errno
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from imgpack.errors import DataError, ImgpackError, OptionError
-from imgpack.formats.dataset_base import ImageDataset
+from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.images import Encoded, Kind, encode_pixels
 from imgpack.options import ON_ERROR
 from imgpack.publishing import (
@@ -40,7 +40,7 @@ from imgpack.publishing import (
     temp_output,
 )
 from imgpack.readers import open_dataset
-from imgpack.storage import is_url, local_path, open_location, output_folder
+from imgpack.storage import is_url, local_path, output_folder
 
 #: The marker an export leaves in its folder (hidden: the scan ignores it).
 EXPORT_MARKER = ".imgpack-export.json"
@@ -69,24 +69,28 @@ def export(
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    options: ReadOptions | None = None,
 ) -> Exported:
     """Write the imgpack output ``output`` as an image folder at ``folder``; see the module doc.
 
     ``on_error``: ``fail`` stops at the first damaged record (nothing is written); ``skip``
     leaves it out and lists it in the result (and in the marker file). Either may be a URL
-    (``s3://...``): the output is read through the local cache, a folder in a bucket written in
-    a scratch folder and uploaded, its marker last (:mod:`imgpack.storage`).
+    (``s3://...``): the output is read through the local cache (``options``: a
+    :class:`~imgpack.formats.dataset_base.ReadOptions` with the storage options, the cache
+    folder and its ``cache_limit``; the shards of ``pt`` and ``webdataset`` outputs are fetched
+    as the export reaches them), a folder in a bucket written in a scratch folder and uploaded,
+    its marker last (:mod:`imgpack.storage`).
     """
     if on_error not in ON_ERROR:
         raise OptionError(f"invalid on_error {on_error!r}: expected one of {', '.join(ON_ERROR)}")
+    options = ReadOptions.of(options, storage_options=storage_options, cache_dir=cache_dir)
     if is_url(folder):
-        with output_folder(folder, storage_options, overwrite, EXPORT_MARKER) as local:
-            done = export(output, local, on_error=on_error, progress=progress,
-                          storage_options=storage_options, cache_dir=cache_dir)  # fmt: skip
+        with output_folder(folder, options.storage_options, overwrite, EXPORT_MARKER) as local:
+            done = export(output, local, on_error=on_error, progress=progress, options=options)
         done.folder = folder  # type: ignore[assignment]
         return done
-    source, target = open_location(output, storage_options, cache_dir), local_path(folder)
-    ds = open_dataset(source, verify=True)
+    ds = open_dataset(output, options=replace(options, verify=True))
+    source, target = ds.root, local_path(folder)
     if inside(target, source):
         raise OptionError(f"{target}: must not be the output or inside it")
     if inside(source, target):
@@ -100,8 +104,9 @@ def export(
         check_destination(target, overwrite, EXPORT_MARKER, "an imgpack export")
         with temp_output(target) as tmp:
             result = _write(ds, tmp, on_error, progress)
+            ds.release_files()  # the shards it pinned (an output read lazily)
             marker = {
-                "from": str(source.resolve()),
+                "from": str(output).rstrip("/") if is_url(output) else str(source.resolve()),
                 "output_id": ds.manifest.output_id,
                 "files": result.files,
                 "skipped": result.skipped,

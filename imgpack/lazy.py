@@ -243,37 +243,46 @@ def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:
     return found
 
 
+#: GETs a reader's prefetcher runs at once (object stores serve parallel GETs of one client
+#: far faster than one after the other).
+FETCH_THREADS = 4
+
+
 class Prefetcher:
-    """Fetches the files a reader will read next, in a background thread of this process.
+    """Fetches the files a reader will read next, in background threads of this process.
 
     :meth:`want` names them in the order they will be read (a sampler knows it); at most
-    ``depth`` of them are fetched ahead and pinned until a later :meth:`want` no longer names
-    them. Another process that needs a file being fetched waits for it (the file's lock), so no
-    file is fetched twice. A file that cannot be fetched is left to the reader, which names it.
+    ``depth`` of them are fetched ahead, up to ``threads`` at once, nearest first, and pinned
+    until a later :meth:`want` no longer names them. Another process that needs a file being
+    fetched waits for it (the file's lock), so no file is fetched twice. A file that cannot be
+    fetched is left to the reader, which names it.
     """
 
-    def __init__(self, lazy: LazyOutput, depth: int) -> None:
+    def __init__(self, lazy: LazyOutput, depth: int, threads: int = FETCH_THREADS) -> None:
         self.lazy, self.depth = lazy, depth
+        self.threads = max(1, min(threads, depth))
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: deque[str] = deque()
+        self._busy: set[str] = set()
+        self._wanted: list[str] = []
         self._pins: OrderedDict[str, int | None] = OrderedDict()
-        self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
         self._closed = False
 
     def want(self, names: Sequence[str]) -> None:
         """The next files to be read, in order: the first ``depth`` are fetched and pinned."""
         wanted = list(dict.fromkeys(names))[: self.depth]
         with self._lock:
+            self._wanted = wanted
             for name in [n for n in self._pins if n not in wanted]:
                 unpin(self._pins.pop(name))
-            self._queue = deque(n for n in wanted if n not in self._pins)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="imgpack-prefetch", daemon=True
-                )
-                self._thread.start()
-            self._wake.notify()
+            self._queue = deque(n for n in wanted if n not in self._pins and n not in self._busy)
+            while len(self._workers) < min(self.threads, len(self._queue)):
+                worker = threading.Thread(target=self._run, name="imgpack-prefetch", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+            self._wake.notify_all()
 
     def close(self) -> None:
         with self._lock:
@@ -281,7 +290,7 @@ class Prefetcher:
             self._queue.clear()
             while self._pins:
                 unpin(self._pins.popitem()[1])
-            self._wake.notify()
+            self._wake.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -291,20 +300,22 @@ class Prefetcher:
                 if self._closed:
                     return
                 name = self._queue.popleft()
+                self._busy.add(name)
             fd = self.lazy.pin(name)
             try:
                 self.lazy.file(name)
             except Exception as exc:  # the reader meets it again and says what is wrong
                 unpin(fd)
                 log.debug("prefetch of %s failed: %s", name, exc)
+                with self._lock:
+                    self._busy.discard(name)
                 continue
             with self._lock:
-                if self._closed or name in self._pins:
-                    unpin(fd)
+                self._busy.discard(name)
+                if self._closed or name in self._pins or name not in self._wanted:
+                    unpin(fd)  # no longer wanted while it was fetched: the cache may evict it
                     continue
                 self._pins[name] = fd
-                while len(self._pins) > self.depth:
-                    unpin(self._pins.popitem(last=False)[1])
 
 
 def unpin(fd: int | None, _close: Any = os.close) -> None:

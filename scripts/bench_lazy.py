@@ -8,7 +8,8 @@ side by side in one run, best of --repeats rounds:
     ahead in the background); and the same with `cache_limit` a quarter of the output, with
     the peak size of the cache's data files during that epoch;
   - warm: a second epoch from the same reader (every shard cached);
-  - local: the same sampler over the local output (the read itself, no storage);
+  - local: the same sampler over the local output (the read itself, no storage), and
+    `shuffle=True` (torch's RandomSampler) over it: the sampler's cost or gain;
   - download only: every shard fetched with one GET after the other (the store's rate, the
     physical limit of a first epoch that must bring every byte over).
 Reads: DataLoader(batch_size=256, sampler=ShardSampler, collate_fn=collate), num_workers=0.
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import torch
 from bench_storage import arguments, output_sets, start_moto
 from benchlib import machine, print_table, save_json
 from torch.utils.data import DataLoader
@@ -46,6 +48,20 @@ def epoch(ds: Any, seed: int) -> float:
     """Samples per second of one epoch through a ShardSampler."""
     start = time.perf_counter()
     count = epoch_count(ds, seed)
+    return count / (time.perf_counter() - start)
+
+
+def shuffled_epoch(ds: Any, seed: int) -> float:
+    """Samples per second of one epoch with ``shuffle=True`` (a full shuffle)."""
+    loader = DataLoader(
+        ds,
+        batch_size=256,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        collate_fn=collate,
+    )
+    start = time.perf_counter()
+    count = sum(len(labels) for _, labels in loader)
     return count / (time.perf_counter() - start)
 
 
@@ -76,7 +92,7 @@ def main() -> None:
                 fs.get_file(key, str(scratch / Path(key).name))
             download_s = time.perf_counter() - start
             shutil.rmtree(scratch, ignore_errors=True)
-            cold, bounded, warm, plain, peaks = [], [], [], [], []
+            cold, bounded, warm, plain, shuffled, peaks = [], [], [], [], [], []
             for round_ in range(args.repeats):
                 # A cache a quarter of the output, from empty: its peak size, and the epoch.
                 cache = Path(tempfile.mkdtemp(prefix="imgpack-bench-lazy-"))
@@ -105,6 +121,7 @@ def main() -> None:
                 cold.append(epoch_count(ds, round_) / (time.perf_counter() - start))
                 warm.append(epoch(ds, round_))
                 plain.append(epoch(open_dataset(local), round_))
+                shuffled.append(shuffled_epoch(open_dataset(local), round_))
                 ds.release_files()
                 shutil.rmtree(cache, ignore_errors=True)
             row = {
@@ -113,6 +130,7 @@ def main() -> None:
                 "cache_limit": float(limit),
                 "peak_cache_bytes": float(max(peaks)),
                 "local": max(plain),
+                "local_shuffle": max(shuffled),
                 "warm": max(warm),
                 "cold": max(cold),
                 "cold_quarter_cache": max(bounded),
@@ -122,7 +140,12 @@ def main() -> None:
             print_table(
                 f"{name} ({n} samples, {args.shards} shards, {total / 2**20:.1f} MiB)",
                 [
-                    ("local output", f"{row['local']:>12,.0f} samples/s"),
+                    (
+                        "local output, ShardSampler",
+                        f"{row['local']:>12,.0f} samples/s  "
+                        f"{row['local'] / row['local_shuffle']:.2f}x shuffle=True",
+                    ),
+                    ("local output, shuffle=True", f"{row['local_shuffle']:>12,.0f} samples/s"),
                     (
                         "download only (GET every shard)",
                         f"{row['download_only']:>12,.0f} samples/s  "

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from click.testing import CliRunner
 from conftest import build_uniform_folder
 from torch.utils.data import DataLoader
 
 import imgpack.formats.dataset_base as dataset_base
 import imgpack.storage as storage
 from imgpack import convert, open_dataset
+from imgpack.cli import main
 from imgpack.errors import StorageError
 from imgpack.lazy import cached_files
 from imgpack.loading import ShardSampler
@@ -63,7 +65,7 @@ def test_an_epoch_through_a_cache_four_times_smaller(
     limit = total // 4
     monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)  # forked workers inherit it
     before = storage.stats.downloads
-    ds = open_dataset(url, cache_dir=cache, cache_limit=limit)
+    ds = open_dataset(url, cache_dir=cache, cache_limit=limit, prefetch=2)
     assert storage.stats.downloads - before == (SHARDS if fmt == "webdataset" else 0)  # .idx
     assert _data_bytes(cache) == 0  # opening fetched no data file
     peak = [0]
@@ -86,7 +88,7 @@ def test_an_epoch_through_a_cache_four_times_smaller(
     reference = open_dataset(local)
     want = _rows(DataLoader(reference, batch_size=8, collate_fn=collate))
     assert got == want  # every sample once, with its label and pixels
-    in_use = 2 * 2 * biggest  # two workers, two pinned shards each
+    in_use = 2 * (2 + 2) * biggest  # two workers, two shards pinned and two fetched ahead each
     assert 0 < peak[0] <= limit + in_use + biggest, (peak[0], limit, in_use)
     assert _data_bytes(cache) <= limit + in_use
 
@@ -166,3 +168,32 @@ def test_the_sampler_has_the_next_shards_fetched_ahead(s3: str, tmp_path: Path) 
     ds[first]
     assert ds.manifest.files[0].path in {path.name for _, path, _ in cached_files(cache)}
     ds.release_files()
+
+
+def test_export_reads_through_a_bounded_cache(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``imgpack export URL FOLDER --cache-limit``: the shards are fetched as the export
+    reaches them and the cache stays within the limit plus the shards the reader pins."""
+    url, local = _output(s3, tmp_path, "pt")
+    files = open_dataset(local).manifest.files
+    total, biggest = sum(f.bytes for f in files), max(f.bytes for f in files)
+    monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)
+    cache = tmp_path / "cache"
+    runner = CliRunner()
+    bad = runner.invoke(main, ["export", url, str(tmp_path / "x"), "--cache-limit", "lots"])
+    assert bad.exit_code == 2 and "invalid --cache-limit 'lots'" in bad.output
+    args = ["export", url, str(tmp_path / "bucket-export"), "-q", "--cache-dir", str(cache)]
+    done = runner.invoke(main, [*args, "--cache-limit", str(total // 4)])
+    assert done.exit_code == 0, done.output
+    assert 0 < _data_bytes(cache) <= total // 4 + 2 * biggest
+    assert (
+        runner.invoke(main, ["export", str(local), str(tmp_path / "local-export"), "-q"]).exit_code
+        == 0
+    )
+
+    def tree(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.png"))}
+
+    assert tree(tmp_path / "bucket-export") == tree(tmp_path / "local-export")
+    assert len(tree(tmp_path / "local-export")) == 96

@@ -169,9 +169,11 @@ class ReadOptions:
     #: holds beyond the files being read (``"200GB"``; default ``IMGPACK_CACHE_LIMIT``, else
     #: no limit). See :mod:`imgpack.lazy`.
     cache_limit: int | str | None = None
-    #: An output read lazily from a URL: shards fetched ahead in the background, in the order
-    #: a sampler that gives hints (:class:`~imgpack.loading.ShardSampler`) will read them.
-    prefetch: int = 2
+    #: An output read lazily from a URL: shards fetched ahead in the background (up to
+    #: :data:`~imgpack.lazy.FETCH_THREADS` at once), in the order a sampler that gives hints
+    #: (:class:`~imgpack.loading.ShardSampler`) will read them. The default, 8, is the
+    #: sampler's default window: the next window arrives while this one is read.
+    prefetch: int = 8
 
     @classmethod
     def of(cls, options: ReadOptions | None, **keywords: Any) -> ReadOptions:
@@ -241,7 +243,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         cache_dir: str | os.PathLike[str] | None = None,
         options: ReadOptions | None = None,
         cache_limit: int | str | None = None,
-        prefetch: int = 2,
+        prefetch: int = 8,
     ) -> None:
         self.options = ReadOptions.of(
             options,

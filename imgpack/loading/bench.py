@@ -20,7 +20,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from imgpack.errors import OptionError
-from imgpack.formats.dataset_base import collate
+from imgpack.formats.dataset_base import ReadOptions, collate
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset
 from imgpack.sources.folder.scan import scan_folder
@@ -64,10 +64,13 @@ class BenchResult:
         return {**asdict(self), "samples_per_s": round(self.rate, 1)}
 
 
-def open_for_bench(path: str | os.PathLike[str]) -> tuple[str, Dataset[Any]]:
-    """An imgpack output opens with its reader; any other folder as the ImageFolder baseline."""
+def open_for_bench(
+    path: str | os.PathLike[str], read: ReadOptions | None = None
+) -> tuple[str, Dataset[Any]]:
+    """An imgpack output opens with its reader (with ``read``'s options); any other folder as
+    the ImageFolder baseline."""
     if is_url(path) or (Path(path) / MANIFEST_NAME).is_file():
-        ds = open_dataset(path)
+        ds = open_dataset(path, options=read)
         return f"{ds.manifest.format}/{ds.manifest.encoding}", ds
     return "folder (Pillow)", FolderDataset(path)
 
@@ -120,11 +123,13 @@ def run_bench(
     workers: Sequence[int] = (0, 2),
     batch_size: int = 256,
     max_samples: int | None = 20_000,
+    read: ReadOptions | None = None,
 ) -> list[BenchResult]:
-    """Measure every path at every worker count, side by side in one run."""
+    """Measure every path at every worker count, side by side in one run (``read``: how the
+    outputs are opened: storage options, cache folder and limit)."""
     results = []
     for path in paths:
-        name, dataset = open_for_bench(path)
+        name, dataset = open_for_bench(path, read)
         for w in workers:
             count, seconds = measure(dataset, w, batch_size, max_samples)
             results.append(BenchResult(name, str(path), w, batch_size, count, seconds))
