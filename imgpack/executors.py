@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 import multiprocessing
 import os
 import signal
@@ -36,6 +37,8 @@ from imgpack.errors import ImageError, ImgpackError, OptionError, first_line
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.scan import Sample
 from imgpack.system import usable_cpus
+
+log = logging.getLogger(__name__)
 
 #: Chunks in flight per worker: enough to keep every worker busy, few enough to bound memory.
 WINDOW_PER_WORKER = 4
@@ -142,8 +145,22 @@ def chunks(items: Sequence[Any], largest: int) -> Iterator[Sequence[Any]]:
         size = min(size * 2, largest)
 
 
+#: Why a sample is skipped (or the run stops) when the worker converting it dies every time.
+WORKER_DIED = (
+    "the conversion worker reading it died (killed by a signal: a crash in a decoder, or out "
+    "of memory)"
+)
+
+
 class LocalExecutor:
-    """A process pool of ``workers`` processes (``1``: in this process, no pool)."""
+    """A process pool of ``workers`` processes (``1``: in this process, no pool).
+
+    A worker that dies (a decoder that crashes on one file, the kernel's OOM killer) breaks the
+    pool: the chunks that were in flight are converted again one file at a time, each in a
+    process of its own, so the file that kills its worker is found and becomes a
+    :class:`Failure` (named, or skipped with ``--on-error skip``); the rest of the run goes on
+    in a new pool, and the outcomes stay in scan order.
+    """
 
     def __init__(self, workers: int) -> None:
         if workers < 1:
@@ -157,34 +174,80 @@ class LocalExecutor:
                 yield from process_chunk(job, [sample])
             return
         largest = max(1, min(MAX_CHUNK, len(samples) // (workers * 8)))
-        window: deque[Future[list[Outcome]]] = deque()
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns about fork() in a multi-threaded process; see _pool_context.
-            warnings.filterwarnings(
-                "ignore",
-                message=r".*use of fork\(\) may lead to deadlocks",
-                category=DeprecationWarning,
-            )
-            pool = ProcessPoolExecutor(
-                workers,
-                mp_context=_pool_context(),
-                initializer=_worker_init,
-                initargs=(os.getpid(),),
-            )
-            first = pool.submit(process_chunk, job, [])  # starts the workers
+        window: deque[tuple[Sequence[Sample], Future[list[Outcome]]]] = deque()
+        parts = chunks(samples, largest)
+        pool = _new_pool(workers)
         try:
-            first.result()
-            for part in chunks(samples, largest):
-                window.append(pool.submit(process_chunk, job, part))
-                if len(window) >= workers * WINDOW_PER_WORKER:
-                    yield from window.popleft().result()
-            while window:
-                yield from window.popleft().result()
+            pool.submit(process_chunk, job, []).result()  # starts the workers
+            while True:
+                while len(window) < workers * WINDOW_PER_WORKER:
+                    part = next(parts, None)
+                    if part is None:
+                        break
+                    window.append((part, _submit(pool, job, part)))
+                if not window:
+                    return
+                part, future = window.popleft()
+                try:
+                    done = future.result()
+                except BrokenProcessPool:  # every chunk in flight is lost with the pool
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    lost = [part, *(p for p, _ in window)]
+                    window.clear()
+                    for part in lost:
+                        yield from _one_by_one(job, part)
+                    pool = _new_pool(workers)
+                    continue
+                yield from done
         except BrokenProcessPool:
             raise ImgpackError(
                 "a conversion worker died unexpectedly (out of memory?); try fewer --workers"
             ) from None
         finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _submit(pool: ProcessPoolExecutor, job: Job, part: Sequence[Sample]) -> Future[list[Outcome]]:
+    """``part`` sent to ``pool``; a pool broken already gives a future that says so."""
+    try:
+        return pool.submit(process_chunk, job, part)
+    except BrokenProcessPool as exc:
+        lost: Future[list[Outcome]] = Future()
+        lost.set_exception(exc)
+        return lost
+
+
+def _new_pool(workers: int) -> ProcessPoolExecutor:
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork() in a multi-threaded process; see _pool_context.
+        warnings.filterwarnings(
+            "ignore",
+            message=r".*use of fork\(\) may lead to deadlocks",
+            category=DeprecationWarning,
+        )
+        return ProcessPoolExecutor(
+            workers, mp_context=_pool_context(), initializer=_worker_init, initargs=(os.getpid(),)
+        )
+
+
+def _one_by_one(job: Job, part: Sequence[Sample]) -> Iterator[Outcome]:
+    """The outcomes of ``part``, each sample converted alone in a one-process pool: a sample
+    whose worker dies becomes a :class:`Failure` (a new process takes the next)."""
+    pool: ProcessPoolExecutor | None = None
+    try:
+        for sample in part:
+            if pool is None:
+                pool = _new_pool(1)
+            try:
+                outcome = pool.submit(process_chunk, job, [sample]).result()
+            except BrokenProcessPool:
+                pool.shutdown(wait=True, cancel_futures=True)
+                pool = None
+                log.warning("%s: %s", sample.path, WORKER_DIED)
+                outcome = [Failure(sample.path, WORKER_DIED)]
+            yield from outcome
+    finally:
+        if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -211,27 +274,60 @@ class RayExecutor:
         started = not ray.is_initialized()
         if started:
             connect_ray(ray, self.address or os.environ.get("RAY_ADDRESS") or None, self.workers)
-        window: deque[Any] = deque()
+        window: deque[tuple[list[Sample], Any]] = deque()
         try:
             cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
             task = ray.remote(num_cpus=1, max_retries=RAY_TASK_RETRIES)(process_chunk)
             job_ref = ray.put(job)
             largest = max(1, min(MAX_CHUNK, len(samples) // (cpus * 8)))
             for part in chunks(samples, largest):
-                window.append(task.remote(job_ref, list(part)))
+                window.append((list(part), task.remote(job_ref, list(part))))
                 if len(window) >= cpus * WINDOW_PER_WORKER:
-                    yield from ray.get(window.popleft())
+                    yield from _ray_outcomes(ray, job_ref, *window.popleft())
             while window:
-                yield from ray.get(window.popleft())
+                yield from _ray_outcomes(ray, job_ref, *window.popleft())
         except ray.exceptions.RayError as exc:
             raise ImgpackError(
                 f"the Ray cluster failed the conversion: {first_line(exc)}"
             ) from None
         finally:
-            for ref in window:
+            for _, ref in window:
                 ray.cancel(ref, force=True)
             if started:
                 ray.shutdown()
+
+
+def _ray_outcomes(ray: Any, job_ref: Any, part: list[Sample], ref: Any) -> list[Outcome]:
+    """The outcomes of the Ray task ``ref`` (chunk ``part``). A Python error in the task is
+    raised as itself (an imgpack error) or with its type and message, not Ray's wrapper; a chunk
+    whose worker died on every retry is converted again one sample per task, to find the file
+    that kills it (a :class:`Failure`)."""
+    try:
+        return list(ray.get(ref))
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, ImgpackError):
+            raise cause from None
+        what = f"{type(cause).__name__}: {first_line(cause)}" if cause else first_line(exc)
+        raise ImgpackError(f"a conversion task failed on the Ray cluster: {what}") from None
+    except _worker_lost(ray):
+        pass
+    single = ray.remote(num_cpus=1, max_retries=1)(process_chunk)
+    refs = [single.remote(job_ref, [sample]) for sample in part]
+    found: list[Outcome] = []
+    for sample, one in zip(part, refs, strict=True):
+        try:
+            found.extend(ray.get(one))
+        except _worker_lost(ray):
+            log.warning("%s: %s", sample.path, WORKER_DIED)
+            found.append(Failure(sample.path, WORKER_DIED))
+    return found
+
+
+def _worker_lost(ray: Any) -> tuple[type[BaseException], ...]:
+    """Ray's errors for a task whose worker process died (every retry)."""
+    names = ("WorkerCrashedError", "OutOfMemoryError")
+    return tuple(getattr(ray.exceptions, n) for n in names if hasattr(ray.exceptions, n))
 
 
 #: Seconds to wait for a Ray cluster's port to answer before saying it cannot be reached.

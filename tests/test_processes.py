@@ -15,10 +15,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import build_uniform_folder, slow_cli
 
-from imgpack import convert, open_dataset, publishing
+from imgpack import convert, executors, open_dataset, publishing
 from imgpack.cli import main
 from imgpack.errors import ConcurrentRunError
 from imgpack.pipeline import leftovers
+from imgpack.scan import Sample
 
 SLOW_CLI = slow_cli(0.02)
 
@@ -247,3 +248,37 @@ def test_readers_and_convert_recover_a_parked_output(tmp_path: Path) -> None:
     os.rename(out, parked / "out")
     _overwrite(build_uniform_folder(tmp_path / "new", count=9), out)  # recovers, then replaces
     assert len(open_dataset(out)) == 9 and publishing.parked_outputs(out) == []
+
+
+_process_chunk = executors.process_chunk
+
+
+def _poisoned(job: executors.Job, items: list[Sample]) -> list[executors.Outcome]:
+    """process_chunk, except that a chunk holding ``poison.png`` kills its worker (as a decoder
+    that crashes on one file would), on every try."""
+    if any(sample.path.endswith("poison.png") for sample in items):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _process_chunk(job, items)
+
+
+def test_a_file_that_kills_its_worker_is_named_or_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = build_uniform_folder(tmp_path / "src", count=60, classes=3)
+    clean = convert(src, tmp_path / "clean", "pt", workers=2, progress=False)
+    (src / "class1" / "poison.png").write_bytes((src / "class1" / "img0001.png").read_bytes())
+    monkeypatch.setattr(executors, "process_chunk", _poisoned)
+    runner = CliRunner()
+    failed = runner.invoke(
+        main,
+        ["convert", str(src), str(tmp_path / "fail"), "--format", "pt", "--workers", "2", "-q"],
+    )
+    assert failed.exit_code == 1
+    assert "class1/poison.png: the conversion worker reading it died" in failed.output
+    assert not (tmp_path / "fail").exists()
+    done = convert(src, tmp_path / "skip", "pt", workers=2, on_error="skip", progress=False)
+    assert done.skipped == [{"path": "class1/poison.png", "reason": executors.WORKER_DIED}]
+    got, want = open_dataset(tmp_path / "skip"), open_dataset(tmp_path / "clean")
+    assert len(got) == len(want) == clean.num_samples == 60  # every other file, in order
+    for i in range(len(want)):
+        assert got[i][1] == want[i][1] and bool((got[i][0] == want[i][0]).all()), i

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import can_isolate, isolated
 
+from imgpack.executors import WORKER_DIED
+
 SUPPORT = Path(__file__).resolve().parent / "ray_support"
 
 
@@ -65,6 +67,22 @@ def test_a_bad_file_is_named_as_locally(results: dict[str, object]) -> None:
     assert results["bad_ray"] == results["bad_local"]
     assert "class1/zz-broken.png" in str(results["bad_ray"])
     assert results["skip_same"] is True  # --on-error skip: the same skipped list and bytes
+
+
+def test_a_file_that_kills_its_worker_every_try_is_named_or_skipped(
+    results: dict[str, object],
+) -> None:
+    """Ray retries the chunk, then converts it one file per task to find the poison."""
+    assert "class1/poison.png: the conversion worker reading it died" in str(results["poison_fail"])
+    assert results["poison_left"] is False
+    assert results["poison_skipped"] == [{"path": "class1/poison.png", "reason": WORKER_DIED}]
+    assert results["poison_rest"] is True
+
+
+def test_a_python_error_in_a_task_shows_its_cause(results: dict[str, object]) -> None:
+    assert results["bug"] == (
+        "a conversion task failed on the Ray cluster: RuntimeError: a bug in a decoder"
+    )
 
 
 def test_cluster_connection_problems_are_one_line(tmp_path: Path) -> None:

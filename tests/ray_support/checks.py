@@ -1,7 +1,8 @@
 """The Ray checks, run by tests/test_ray.py in a network namespace of their own (loopback only):
 a local Ray and a 2-node ray.cluster_utils.Cluster convert every format to the same bytes as the
 local engine, a Ray worker killed mid-task is retried to the same bytes, and a bad file is named
-as locally. Prints one JSON object of results."""
+as locally, and a file that kills its worker on every try is named, or skipped with the rest
+written. Prints one JSON object of results."""
 
 from __future__ import annotations
 
@@ -90,6 +91,27 @@ def main(work: Path) -> None:
     )
     results["skip_same"] = skip_local == skip_ray and files(work / "skip-local") == files(
         work / "skip-ray"
+    )
+
+    poison = work / "poison"
+    shutil.copytree(src, poison)
+    shutil.copy(poison / "class1" / "img0001.png", poison / "class1" / "poison.png")
+    results["poison_fail"] = error_of(
+        lambda: convert(poison, work / "poison-fail", "pt", executor="ray", progress=False)
+    )
+    results["poison_left"] = (work / "poison-fail").exists()
+    buggy = work / "bug"
+    shutil.copytree(src, buggy)
+    shutil.copy(buggy / "class1" / "img0001.png", buggy / "class1" / "bug.png")
+    results["bug"] = error_of(
+        lambda: convert(buggy, work / "bug-out", "pt", executor="ray", progress=False)
+    )
+    skipped = convert(
+        poison, work / "poison-skip", "webdataset", executor="ray", on_error="skip", progress=False
+    )
+    results["poison_skipped"] = skipped.skipped
+    results["poison_rest"] = skipped.num_samples == 120 and files(work / "skip-local").keys() == (
+        files(work / "poison-skip").keys()
     )
 
     flag = Path(os.environ["IMGPACK_TEST_SLOW"])
