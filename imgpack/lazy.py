@@ -30,6 +30,7 @@ import stat
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 
 #: The environment variable that gives ``cache_limit`` its default.
 LIMIT_VARIABLE = "IMGPACK_CACHE_LIMIT"
+
+#: GETs at once: a reader's prefetcher, and the index files fetched when an output is opened
+#: (object stores serve parallel GETs of one client far faster than one after the other).
+FETCH_THREADS = 4
 
 
 def default_limit() -> int | None:
@@ -90,9 +95,11 @@ class LazyOutput:
             with storage._locked(self.root, fcntl.LOCK_EX):  # index files, then the manifest
                 _pin(self.root)  # no whole-entry eviction while this process reads it
                 _remove_stale_parts(self.root)
-                for remote in index_files:
-                    if not self._good(remote):
-                        self._fetch(remote)
+                missing = [r for r in index_files if not self._good(r)]
+                if missing:
+                    self._filesystem()
+                    with ThreadPoolExecutor(FETCH_THREADS) as pool:
+                        list(pool.map(self._fetch, missing))
                 if not _same(manifest_path, data):
                     _write_bytes(manifest_path, data)
         except StorageError:
@@ -191,17 +198,18 @@ class LazyOutput:
             remote.etag,
         ]
 
-    def _fetch(self, remote: Remote) -> None:
+    def _filesystem(self) -> Any:
+        """This process's filesystem (fsspec's are not fork-safe: one per process)."""
         pid = os.getpid()
-        if self._fs is None or self._fs_pid != pid:  # not fork-safe: one per process
+        if self._fs is None or self._fs_pid != pid:
             self._fs = filesystem(self.url, self.storage_options, fresh=True)[0]
             self._fs_pid = pid
-        try:
-            name, size, mtime = _fetch_file(
-                self._fs, f"{self._base}/{remote.path}", self.root, remote, self.url
-            )
-        except StorageError:
-            raise
+        return self._fs
+
+    def _fetch(self, remote: Remote) -> None:
+        name, size, mtime = _fetch_file(
+            self._filesystem(), f"{self._base}/{remote.path}", self.root, remote, self.url
+        )
         _write_bytes(
             self._marker(name), json.dumps([size, mtime, remote.sha256, remote.etag]).encode()
         )
@@ -243,17 +251,12 @@ def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:
     return found
 
 
-#: GETs a reader's prefetcher runs at once (object stores serve parallel GETs of one client
-#: far faster than one after the other).
-FETCH_THREADS = 4
-
-
 class Prefetcher:
     """Fetches the files a reader will read next, in background threads of this process.
 
     :meth:`want` names them in the order they will be read (a sampler knows it); at most
-    ``depth`` of them are fetched ahead, up to ``threads`` at once, nearest first, and pinned
-    until a later :meth:`want` no longer names them. Another process that needs a file being
+    ``depth`` of them wait to be fetched, up to ``threads`` at once, nearest first; each is
+    pinned until ``2 * depth`` newer ones are fetched. Another process that needs a file being
     fetched waits for it (the file's lock), so no file is fetched twice. A file that cannot be
     fetched is left to the reader, which names it.
     """
@@ -265,24 +268,30 @@ class Prefetcher:
         self._wake = threading.Condition(self._lock)
         self._queue: deque[str] = deque()
         self._busy: set[str] = set()
-        self._wanted: list[str] = []
         self._pins: OrderedDict[str, int | None] = OrderedDict()
         self._workers: list[threading.Thread] = []
         self._closed = False
 
     def want(self, names: Sequence[str]) -> None:
-        """The next files to be read, in order: the first ``depth`` are fetched and pinned."""
+        """The next files to be read, in order: the first ``depth`` are fetched. A sampler names
+        them as it hands out positions, a batch or more before the reads: files named earlier
+        and not fetched yet are nearer in the reading order and go first. The files fetched
+        stay pinned until ``2 * depth`` newer ones are (the reads lag the naming)."""
         wanted = list(dict.fromkeys(names))[: self.depth]
         with self._lock:
-            self._wanted = wanted
-            for name in [n for n in self._pins if n not in wanted]:
-                unpin(self._pins.pop(name))
-            self._queue = deque(n for n in wanted if n not in self._pins and n not in self._busy)
+            known = {*self._queue, *self._busy, *self._pins}
+            self._queue.extend(n for n in wanted if n not in known)
             while len(self._workers) < min(self.threads, len(self._queue)):
                 worker = threading.Thread(target=self._run, name="imgpack-prefetch", daemon=True)
                 worker.start()
                 self._workers.append(worker)
             self._wake.notify_all()
+
+    def taken(self, name: str) -> None:
+        """A reader of this process pinned ``name`` itself: the prefetch pin goes."""
+        with self._lock:
+            if name in self._pins:
+                unpin(self._pins.pop(name))
 
     def close(self) -> None:
         with self._lock:
@@ -312,10 +321,12 @@ class Prefetcher:
                 continue
             with self._lock:
                 self._busy.discard(name)
-                if self._closed or name in self._pins or name not in self._wanted:
-                    unpin(fd)  # no longer wanted while it was fetched: the cache may evict it
+                if self._closed or name in self._pins:
+                    unpin(fd)
                     continue
                 self._pins[name] = fd
+                while len(self._pins) > 2 * self.depth:  # read by now: the cache may evict it
+                    unpin(self._pins.popitem(last=False)[1])
 
 
 def unpin(fd: int | None, _close: Any = os.close) -> None:

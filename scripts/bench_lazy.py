@@ -13,12 +13,16 @@ side by side in one run, best of --repeats rounds:
   - download only: every shard fetched with one GET after the other (the store's rate, the
     physical limit of a first epoch that must bring every byte over).
 Reads: DataLoader(batch_size=256, sampler=ShardSampler, collate_fn=collate), num_workers=0.
+The CPU seconds this process and moto's server used (download only, the cold epoch, the warm
+one) say what the first epoch costs beyond the read and the transfer on this machine, where the
+store runs on the reader's CPUs.
 
     python scripts/bench_lazy.py [--data bench-data] [--repeats 2]
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -49,6 +53,12 @@ def epoch(ds: Any, seed: int) -> float:
     start = time.perf_counter()
     count = epoch_count(ds, seed)
     return count / (time.perf_counter() - start)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def shuffled_epoch(ds: Any, seed: int) -> float:
@@ -87,10 +97,11 @@ def main() -> None:
             fs = fsspec.filesystem("s3")
             keys = [f"bench/lazy-{fmt}/{f.path}" for f in open_dataset(local).manifest.files]
             scratch = Path(tempfile.mkdtemp(prefix="imgpack-bench-get-"))
-            start = time.perf_counter()
+            start, mine, its = time.perf_counter(), time.process_time(), cpu_s(server.pid)
             for key in keys:  # the store's own rate: every shard, one after the other
                 fs.get_file(key, str(scratch / Path(key).name))
             download_s = time.perf_counter() - start
+            cpu = {"download": (time.process_time() - mine, cpu_s(server.pid) - its)}
             shutil.rmtree(scratch, ignore_errors=True)
             cold, bounded, warm, plain, shuffled, peaks = [], [], [], [], [], []
             for round_ in range(args.repeats):
@@ -116,10 +127,13 @@ def main() -> None:
                 shutil.rmtree(cache, ignore_errors=True)
                 # An unbounded cache: the first epoch from empty, then a warm one.
                 cache = Path(tempfile.mkdtemp(prefix="imgpack-bench-lazy-"))
-                start = time.perf_counter()
+                start, mine, its = time.perf_counter(), time.process_time(), cpu_s(server.pid)
                 ds = open_dataset(url, cache_dir=cache)
                 cold.append(epoch_count(ds, round_) / (time.perf_counter() - start))
+                cpu["cold"] = (time.process_time() - mine, cpu_s(server.pid) - its)
+                mine = time.process_time()
                 warm.append(epoch(ds, round_))
+                cpu["warm"] = (time.process_time() - mine, 0.0)
                 plain.append(epoch(open_dataset(local), round_))
                 shuffled.append(shuffled_epoch(open_dataset(local), round_))
                 ds.release_files()
@@ -135,6 +149,8 @@ def main() -> None:
                 "cold": max(cold),
                 "cold_quarter_cache": max(bounded),
                 "download_only": n / download_s,
+                **{f"cpu_s_{k}_reader": v[0] for k, v in cpu.items()},
+                **{f"cpu_s_{k}_store": v[1] for k, v in cpu.items()},
             }
             results[name] = row
             print_table(
@@ -164,6 +180,10 @@ def main() -> None:
                         "  with cache_limit = output / 4",
                         f"{row['cold_quarter_cache']:>12,.0f} samples/s  "
                         f"{row['cold_quarter_cache'] / row['warm']:.2f}x warm",
+                    ),
+                    (
+                        "CPU seconds (reader / moto)",
+                        "  ".join(f"{k} {v[0]:.2f} / {v[1]:.2f}" for k, v in cpu.items()),
                     ),
                     (
                         "  peak cache / limit",

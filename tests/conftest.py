@@ -309,8 +309,12 @@ def can_isolate() -> bool:
 
 
 def isolated(script: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """``script`` run by bash in :data:`NAMESPACES`, loopback up (``kwargs`` to subprocess.run)."""
-    command = [*NAMESPACES, "bash", "-c", f"ip link set lo up\n{script}"]
+    """``script`` run by bash in :data:`NAMESPACES`, loopback up (``kwargs`` to subprocess.run).
+
+    The script runs in a subshell, so that bash stays the namespace's PID 1 and reaps the
+    processes orphaned there (a Python PID 1 would not: Ray's client server then finds its
+    own children as zombies and fails to start)."""
+    command = [*NAMESPACES, "bash", "-c", f"ip link set lo up\n(\n{script}\n)"]
     return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 

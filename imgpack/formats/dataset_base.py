@@ -409,6 +409,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             unpin(fd)
             raise
         pins[name] = fd
+        if self._prefetcher is not None and self._prefetcher[0] == os.getpid():
+            self._prefetcher[1].taken(name)
         while len(pins) > PINNED_FILES:
             old, old_fd = pins.popitem(last=False)
             self._release_file(old)
