@@ -50,8 +50,10 @@ from imgpack.errors import (
 from imgpack.executors import Executor, Failure, Job, Outcome
 from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile, file_entries
 from imgpack.manifest import (
+    MANIFEST_NAME,
     OUTPUT_ID_LENGTH,
     Manifest,
+    read_manifest,
     write_manifest,
 )
 from imgpack.options import ConvertOptions
@@ -180,7 +182,11 @@ class Plan:
         """What the output depends on: the source, its scan and the options (not the workers);
         a source file changed since an interrupted run started makes it differ."""
         digest = hashlib.sha256()
-        head = {"output": self.output_id, "source": str(self.src.resolve()), "part": self.part}
+        # A bucket SRC's scratch copy has a new path every run: the store's stamps of every
+        # object (in the output id) identify it.
+        copied = self.src.is_dir() and storage.store_stamps(self.src) is not None
+        source = "a bucket's copy" if copied else str(self.src.resolve())
+        head = {"output": self.output_id, "source": source, "part": self.part}
         digest.update(json.dumps(head, sort_keys=True).encode())
         return digest.hexdigest()
 
@@ -269,10 +275,20 @@ class Written:
 
 def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: ConvertOptions) -> Plan:
     """Resolve SRC's kind, check the paths and scan the source (options are already valid)."""
+    return _plan(src, dst, options, check_dst=True)
+
+
+def _plan(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    options: ConvertOptions,
+    check_dst: bool,
+) -> Plan:
     src_path, dst_path = Path(src), Path(dst)
     source = sources.resolve(src_path, options.source, options.source_options)
     source.check()
-    _check_paths(src_path, dst_path, options.overwrite)
+    if check_dst:
+        _check_paths(src_path, dst_path, options.overwrite)
     classes = read_class_list(options.classes_from) if options.classes_from is not None else None
     if options.classes is not None:
         classes = list(options.classes)
@@ -502,34 +518,53 @@ def convert(
 
     SRC and DST are resolved once — a URL source fetched (an output through the cache,
     anything else to a scratch folder), a ``datasets.Dataset`` saved beside DST, a URL DST built
-    in a scratch folder and uploaded with its manifest last — and the engine runs once.
+    in its build folder of the cache (kept for ``resume`` when the run stops) and uploaded with
+    its manifest last — and the engine runs once.
     """
     options = _options(format, options, kwargs)
-    if storage.is_url(dst) and options.resume:
-        raise OptionError(
-            f"{dst}: --resume needs a local DST (a bucket output is built in a scratch folder)"
-        )
     runner = executors.create(executor, options.workers)
+    # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
+    build = storage.build_folder(str(dst), cache_dir) if storage.is_url(dst) else None
     with ExitStack() as stack:
-        if hf.is_dataset_object(src):  # saved beside where the output is built
-            local_dst = stack.enter_context(
-                storage.output_folder(dst, storage_options, overwrite=options.overwrite)
+
+        def destination(overwrite: bool = options.overwrite, resume: bool = options.resume) -> Path:
+            folder = storage.output_folder(
+                dst, storage_options, overwrite, build=build, resume=resume
             )
-            local_src = stack.enter_context(_saved_dataset(src, Path(local_dst)))
+            return Path(stack.enter_context(folder))
+
+        if hf.is_dataset_object(src):  # saved beside where the output is built
+            local_dst = destination()
+            local_src = stack.enter_context(_saved_dataset(src, local_dst))
         else:
             local_src = stack.enter_context(
                 storage.source_location(src, storage_options, cache_dir)
             )
-            local_dst = stack.enter_context(
-                storage.output_folder(dst, storage_options, overwrite=options.overwrite)
-            )
-        if storage.is_url(dst):  # the bucket's output was checked; the scratch folder is new
+            local_dst = destination()
+        if storage.is_url(dst):  # the bucket's output was checked; the build is this run's
             options = replace(options, overwrite=False)
-        manifest = _convert_local(Path(local_src), Path(local_dst), options, runner)
+        if build is not None and options.resume and (local_dst / MANIFEST_NAME).is_file():
+            manifest = _built(Path(local_src), local_dst, options)  # stopped while uploading
+        else:
+            manifest = _convert_local(Path(local_src), local_dst, options, runner)
         if storage.is_url(src):  # the source as the user named it, not the scratch copy
             manifest.source["path"] = str(src).rstrip("/")
             write_manifest(Path(local_dst), manifest)
         return manifest
+
+
+def _built(src: Path, dst: Path, options: ConvertOptions) -> Manifest:
+    """The complete output a run to a bucket built in ``dst`` before it was stopped while
+    uploading: resumed by uploading it again, if it is this conversion's (the same output id)."""
+    with locked(dst):
+        manifest = read_manifest(dst)
+        if manifest.output_id != _plan(src, dst, options, check_dst=False).output_id:
+            raise OptionError(
+                f"{dst}: holds a complete output of another conversion (another source or "
+                "other options), so it cannot be resumed with these; remove it, or convert "
+                "without --resume"
+            )
+    return manifest
 
 
 def _options(format: str, options: ConvertOptions | None, kwargs: dict[str, Any]) -> ConvertOptions:

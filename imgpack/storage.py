@@ -9,10 +9,12 @@ anything else to the filesystem.
 - **Reading an output** goes through a local cache (:class:`OutputCache`): its files are
   fetched once, checked against the manifest's size and sha256, and then read as local files,
   memory-mapped as any output is, so every fast path stays.
-- **Writing an output** builds it in a local scratch folder with the usual engine, then uploads
-  its files concurrently, the manifest last: an object store has no rename, so ``imgpack.json``
-  is the commit point. A reader opens only an output whose manifest exists, and the manifest
-  names exactly the files that belong; a conversion killed midway leaves none.
+- **Writing an output** builds it in a local folder with the usual engine (a conversion: its
+  build folder in the cache, :func:`build_folder`, kept for ``--resume`` when the run stops),
+  then uploads its files concurrently, the manifest last: an object store has no rename, so
+  ``imgpack.json`` is the commit point. A reader opens only an output whose manifest exists,
+  and the manifest names exactly the files that belong; a conversion killed midway leaves
+  none.
 - **Reading a source folder** (an ImageFolder, TFRecord files) downloads it into a scratch
   folder first, so listing, ordering and the image policy are exactly those of a local folder.
 """
@@ -38,6 +40,7 @@ from typing import Any
 
 from imgpack.errors import ImgpackError, ManifestError, OptionError, StorageError, first_line
 from imgpack.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
+from imgpack.publishing import leftovers
 from imgpack.units import parse_byte_size
 
 log = logging.getLogger(__name__)
@@ -506,34 +509,68 @@ def _download(fs: Any, remote: str, root: str, scratch: Path) -> None:
     stats.downloads += 1
 
 
+#: Where conversions to a bucket are built, under the cache folder: one folder per DST URL.
+BUILDS = "builds"
+
+
+def build_folder(url: str, cache_dir: Location | None = None) -> Path:
+    """Where a conversion to the bucket ``url`` builds its output before the upload:
+    ``<cache>/builds/<hash of the URL>/``. A run that stops keeps it (``--resume`` continues
+    there); it is removed once the output is uploaded."""
+    key = hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
+    return OutputCache(cache_dir).directory / BUILDS / key
+
+
 @contextlib.contextmanager
 def output_folder(
     location: Location,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
     marker: str = MANIFEST_NAME,
+    build: Path | None = None,
+    resume: bool = False,
 ) -> Iterator[Path]:
     """Where a command writes ``location``: itself when local; for a URL a scratch path, whose
     files are uploaded when the block ends without an error (the manifest last, so the output
     appears whole or not at all). ``overwrite``: an output already at the URL is withdrawn (its
     manifest removed first: readers see no output rather than a mixed one) and replaced.
     ``marker``: the file that says what the destination holds and is written last
-    (``imgpack.json``, or an export's marker)."""
+    (``imgpack.json``, or an export's marker).
+
+    ``build``: the scratch folder to use (:func:`build_folder`), kept when the block fails so
+    that a ``resume`` can continue in it; a ``resume`` whose build is complete (a run stopped
+    while uploading) may replace the files that upload left at the URL."""
     if not is_url(location):
         yield local_path(location)
         return
     url = str(location).rstrip("/")
     fs, root = filesystem(url, storage_options)
-    _check_remote_destination(fs, root, url, overwrite, marker)
-    scratch = Path(tempfile.mkdtemp(prefix="imgpack-dst-"))
+    uploading = build is not None and resume and (build / "out" / marker).is_file()
+    _check_remote_destination(fs, root, url, overwrite, marker, partial_ok=uploading)
+    if build is None:
+        scratch = Path(tempfile.mkdtemp(prefix="imgpack-dst-"))
+    else:
+        build.mkdir(parents=True, exist_ok=True)
+        scratch = build
     try:
         yield scratch / "out"
         upload(scratch / "out", url, storage_options, marker)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    except BaseException:
+        if build is None or not _resumable_build(scratch / "out", marker):
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _check_remote_destination(fs: Any, root: str, url: str, overwrite: bool, marker: str) -> None:
+def _resumable_build(out: Path, marker: str) -> bool:
+    """Whether a build folder holds something ``--resume`` continues from: a complete output
+    (stopped while uploading) or the temp dir of an interrupted conversion."""
+    return (out / marker).is_file() or bool(leftovers(out))
+
+
+def _check_remote_destination(
+    fs: Any, root: str, url: str, overwrite: bool, marker: str, partial_ok: bool = False
+) -> None:
     try:
         present = [f for f in fs.find(root) if not f.endswith("/")]
     except FileNotFoundError:
@@ -543,6 +580,8 @@ def _check_remote_destination(fs: Any, root: str, url: str, overwrite: bool, mar
     if not present:
         return
     names = {p[len(root) :].lstrip("/") for p in present}
+    if marker not in names and partial_ok:  # the files of an upload that was stopped
+        return
     if marker not in names:
         raise FileExistsError(
             f"{url}: already exists and holds no {marker}; refusing to replace it, with or "

@@ -171,3 +171,72 @@ def test_resume_after_a_kill_before_the_writer_started(many: Path, tmp_path: Pat
     assert manifest.num_samples == reference.num_samples
     assert not early.exists()
     assert _files(out)["shard-00000.pt"] == _files(tmp_path / "ref")["shard-00000.pt"]
+
+
+def _bucket_files(url: str) -> dict[str, bytes]:
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    root = url.removeprefix("s3://")
+    return {path[len(root) + 1 :]: fs.cat_file(path) for path in sorted(fs.find(root))}
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "lmdb"])
+def test_a_killed_conversion_to_a_bucket_resumes_to_the_same_bytes(
+    fmt: str, many: Path, tmp_path: Path, s3: str
+) -> None:
+    """The driver of a conversion to a bucket is SIGKILLed mid-run: the bucket holds nothing
+    that looks like an output, the build folder in the cache keeps the checkpoint, and
+    ``--resume`` finishes it with the bytes of an uninterrupted run."""
+    import imgpack.storage as storage
+
+    reference = f"{s3}/resume-{fmt}-reference"
+    done = convert(many, reference, fmt, progress=False, encoding="png", shard_size=SHARD.get(fmt))
+    url = f"{s3}/resume-{fmt}"
+    cache = tmp_path / "cache"
+    build = storage.build_folder(url, cache) / "out"
+    args = [*_args(fmt), "--cache-dir", str(cache)]
+    target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
+    reached = _kill_at(_convert(many, url, *args), build, target)  # type: ignore[arg-type]
+    assert 0 < reached < COUNT
+    assert _bucket_files(url) == {}  # nothing uploaded: no half output in the bucket
+    resumed = subprocess.run(
+        [sys.executable, "-m", "imgpack.cli", "convert", str(many), url, "-q", "--resume", *args],
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert _bucket_files(url) == _bucket_files(reference)
+    assert open_dataset(url, cache_dir=cache).manifest.output_id == done.output_id
+    assert not build.parent.exists()  # uploaded: the build folder is gone
+
+
+def test_a_conversion_stopped_while_uploading_resumes_by_uploading(
+    many: Path, tmp_path: Path, s3: str
+) -> None:
+    """A run to a bucket stopped after its output was built, part of it uploaded (no manifest
+    there yet): ``--resume`` checks the build is this conversion's and uploads it."""
+    import fsspec
+
+    import imgpack.storage as storage
+
+    url, cache = f"{s3}/uploading", tmp_path / "cache"
+    local = tmp_path / "local"
+    done = convert(many, local, "webdataset", progress=False, shard_size="80KB")
+    build = storage.build_folder(url, cache) / "out"
+    build.parent.mkdir(parents=True)
+    build.mkdir()
+    for path in local.iterdir():
+        (build / path.name).write_bytes(path.read_bytes())
+    shard = sorted(p.name for p in local.iterdir() if p.suffix == ".tar")[0]
+    fsspec.filesystem("s3").pipe(f"{url.removeprefix('s3://')}/{shard}", b"half")
+    args = ["--format", "webdataset", "--shard-size", "80KB", "--cache-dir", str(cache), "-q"]
+    again = [sys.executable, "-m", "imgpack.cli", "convert", str(many), url, *args]
+    refused = subprocess.run(again, capture_output=True, text=True)
+    assert refused.returncode == 1 and "holds no imgpack.json" in refused.stderr
+    other = subprocess.run([*again, "--resume", "--size", "8"], capture_output=True, text=True)
+    assert other.returncode == 2 and "another conversion" in other.stderr
+    resumed = subprocess.run([*again, "--resume"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _bucket_files(url) == {p.name: p.read_bytes() for p in sorted(local.iterdir())}
+    assert open_dataset(url, cache_dir=cache).manifest.output_id == done.output_id
