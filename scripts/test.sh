@@ -26,13 +26,16 @@ echo "== ruff format --check" >&2
 ruff format --check imgpack tests scripts
 echo "== mypy imgpack" >&2
 mypy imgpack
-echo "== pytest: about 16 minutes on 2 CPUs (Ray, the docs pages and the killed-process tests" \
-    "take most of it); -x stops at the first failure, -k NAME runs some" >&2
+# Two pytest processes (pytest-xdist), each test module in one of them: the docs pages (one
+# module, about 6 minutes) run beside the rest. -n 0 runs everything in one process.
+echo "== pytest: about 12 minutes on 2 CPUs in 2 processes (the docs pages, Ray and the" \
+    "killed-process tests take most of it); -x stops at the first failure, -k NAME runs some" >&2
 # As root (CI), the suite runs in a network namespace of its own with only loopback: the S3
 # server, the Ray clusters and everything else the tests start can reach no other address.
 if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null &&
     unshare -n true 2>/dev/null; then
     echo "   (in a network namespace with only loopback)" >&2
-    exec unshare -n bash -c 'ip link set lo up && python -m pytest -q "$@"' pytest "$@"
+    exec unshare -n bash -c 'ip link set lo up && python -m pytest -q -n 2 --dist loadfile "$@"' \
+        pytest "$@"
 fi
-python -m pytest -q "$@"
+python -m pytest -q -n 2 --dist loadfile "$@"
