@@ -262,7 +262,8 @@ class RayExecutor:
     ``address``: a running cluster (``ray://...`` or ``host:port``); default ``RAY_ADDRESS``, else
     a local Ray started for the run and stopped after it (``workers`` CPUs, default all). When
     Ray is already initialised in this process, that cluster is used and left running. Every node
-    must see SRC at the same path (shared storage) and have imgpack installed.
+    must see SRC at the same path (shared storage), or read it from its bucket (an image folder
+    at a URL is read in place), and have imgpack installed.
     """
 
     def __init__(self, address: str | None = None, workers: int | None = None) -> None:

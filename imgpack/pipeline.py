@@ -29,7 +29,7 @@ import sys
 import tempfile
 import uuid
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
@@ -101,6 +101,12 @@ class Plan:
     def run(self) -> str:
         """A token unique to this run: the readers workers open for it belong to it."""
         return uuid.uuid4().hex
+
+    @property
+    def where(self) -> str:
+        """SRC in messages: a bucket read in place by its URL, not the folder of its listing."""
+        remote = storage.remote_source(self.src) if self.src.is_dir() else None
+        return remote[0] if remote is not None else str(self.src)
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -349,7 +355,7 @@ def write(
             if isinstance(outcome, Failure):
                 if opts.on_error == "fail":
                     raise ImageError(
-                        f"{plan.src}/{outcome.path}",
+                        f"{plan.where}/{outcome.path}",
                         f"{outcome.reason} (use --on-error skip to skip such files)",
                     )
                 log.info("skipped %s: %s", outcome.path, outcome.reason)  # summary lists them
@@ -377,7 +383,7 @@ def write(
                 saved = writer.durable
         if count == 0 and plan.part is None:
             raise ImgpackError(
-                f"{plan.src}: every one of the {total} image files was skipped; nothing to write "
+                f"{plan.where}: every one of the {total} image files was skipped; nothing to write "
                 f"(first: {skipped[0]['path']}: {skipped[0]['reason']})"
             )
     return Written(writer.close(), count, skipped)
@@ -538,7 +544,7 @@ def convert(
             local_src = stack.enter_context(_saved_dataset(src, local_dst))
         else:
             local_src = stack.enter_context(
-                storage.source_location(src, storage_options, cache_dir)
+                storage.source_location(src, storage_options, cache_dir, _in_place(options))
             )
             local_dst = destination()
         if storage.is_url(dst):  # the bucket's output was checked; the build is this run's
@@ -551,6 +557,18 @@ def convert(
             manifest.source["path"] = str(src).rstrip("/")
             write_manifest(Path(local_dst), manifest)
         return manifest
+
+
+def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
+    """For a bucket SRC, given its objects' paths: whether the workers read them where they are
+    (nothing downloaded first). So for an image folder: the kind asked for, or the one detection
+    picks when no object sits at SRC's top level (every other built-in kind needs a file there)
+    and no plugin adds a kind that could claim it."""
+    if options.source == sources.FALLBACK:
+        return lambda paths: True
+    if options.source is not None or set(sources.names()) - set(sources.BUILTIN):
+        return None
+    return lambda paths: all("/" in path or path.startswith(".") for path in paths)
 
 
 def _built(src: Path, dst: Path, options: ConvertOptions) -> Manifest:

@@ -32,7 +32,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -451,13 +451,20 @@ def fetch_output(
 # -- sources and destinations ------------------------------------------------------------------
 @contextlib.contextmanager
 def source_folder(
-    location: Location, storage_options: dict[str, Any] | None = None
+    location: Location,
+    storage_options: dict[str, Any] | None = None,
+    listing_only: Callable[[list[str]], bool] | None = None,
 ) -> Iterator[Path]:
     """A local folder holding what ``location`` holds: itself when local; a scratch copy of a
     URL's files (removed afterwards) when not, with what the store says of each object (its
     size and ETag or version) in :data:`STORE_STAMPS`: a conversion identifies the source by
     those, not by the copy's modification times, so two conversions of one bucket (and the
-    parts of one) get one output id."""
+    parts of one) get one output id.
+
+    ``listing_only``: given the objects' relative paths, whether to download nothing: the
+    scratch folder then holds the listing only (:data:`STORE_STAMPS`, and the URL in
+    :data:`STORE_REMOTE`), and the conversion's workers read each object from the bucket
+    (:func:`remote_source`)."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -473,14 +480,18 @@ def source_folder(
             }
             if not found:
                 raise ManifestError(f"{url}: nothing there")
-            with ThreadPoolExecutor(TRANSFERS) as pool:
-                list(pool.map(lambda f: _download(fs, f, root, scratch), sorted(found)))
+            stamps = {
+                path[len(root) :].lstrip("/"): f"{info.get('size')}:{_etag(info)}"
+                for path, info in found.items()
+            }
+            if listing_only is not None and listing_only(sorted(stamps)):
+                remote = {"url": url, "storage_options": storage_options or {}}
+                (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
+            else:
+                with ThreadPoolExecutor(TRANSFERS) as pool:
+                    list(pool.map(lambda f: _download(fs, f, root, scratch), sorted(found)))
         except OSError as exc:
             raise _remote_error(url, exc) from None
-        stamps = {
-            path[len(root) :].lstrip("/"): f"{info.get('size')}:{_etag(info)}"
-            for path, info in found.items()
-        }
         (scratch / STORE_STAMPS).write_text(json.dumps(stamps, sort_keys=True))
         yield scratch
     finally:
@@ -490,6 +501,18 @@ def source_folder(
 #: In a scratch copy of a bucket source: ``{relative path: "size:etag"}`` of every object, as the
 #: store listed it (a hidden file: no scan takes it).
 STORE_STAMPS = ".imgpack-store.json"
+#: In a scratch folder that holds a bucket source's listing only: its URL and storage options.
+STORE_REMOTE = ".imgpack-remote.json"
+
+
+def remote_source(folder: Path) -> tuple[str, dict[str, Any]] | None:
+    """``(url, storage options)`` of the bucket source whose listing only ``folder`` holds
+    (:func:`source_folder` with ``listing_only``), else ``None``."""
+    try:
+        found = json.loads((folder / STORE_REMOTE).read_text(encoding="utf-8"))
+        return str(found["url"]), dict(found["storage_options"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def store_stamps(folder: Path) -> dict[str, str] | None:
@@ -552,6 +575,10 @@ def output_folder(
     else:
         build.mkdir(parents=True, exist_ok=True)
         scratch = build
+        if not resume and (build / "out" / marker).is_file():  # an upload that was stopped
+            log.warning("%s: a complete build of %s whose upload was stopped; building "
+                        "again (--resume would upload it)", build / "out", url)  # fmt: skip
+            shutil.rmtree(build / "out")
     try:
         yield scratch / "out"
         upload(scratch / "out", url, storage_options, marker)
@@ -655,9 +682,11 @@ def source_location(
     location: Location,
     storage_options: dict[str, Any] | None = None,
     cache_dir: Location | None = None,
+    listing_only: Callable[[list[str]], bool] | None = None,
 ) -> Iterator[Path]:
     """A local path holding the conversion source ``location``: an output in a bucket through
-    the cache, any other URL (an image folder, TFRecord files) downloaded to a scratch folder."""
+    the cache, any other URL (an image folder, TFRecord files) downloaded to a scratch folder,
+    or only listed there when ``listing_only`` says so (:func:`source_folder`)."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -670,5 +699,5 @@ def source_location(
     if is_output:
         yield fetch_output(url, storage_options, cache_dir)
         return
-    with source_folder(url, storage_options) as folder:
+    with source_folder(url, storage_options, listing_only) as folder:
         yield folder

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +23,11 @@ from PIL import Image, ImageOps
 # Nothing a test does may reach the network: Hugging Face datasets stay offline.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Nor the user's cache: outputs read from buckets and conversions to buckets (their build
+# folders) go to a cache of this test process, removed when it ends (subprocesses inherit it).
+_CACHE = tempfile.mkdtemp(prefix="imgpack-test-cache-")
+os.environ["IMGPACK_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 BACKGROUND = (255, 255, 255)
 

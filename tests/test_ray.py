@@ -58,6 +58,13 @@ def test_a_two_node_cluster_writes_the_same_bytes(results: dict[str, object]) ->
     assert results["cluster"] == dict.fromkeys(results["cluster"], True)  # type: ignore[arg-type]
 
 
+def test_a_bucket_source_is_read_by_the_tasks_on_every_node(results: dict[str, object]) -> None:
+    """A 2-node cluster converts an image folder in a bucket to the bytes the local pool writes
+    from it: every task reads its objects from the bucket (nothing was downloaded to the
+    driver, so a task handed a driver's path could not read it)."""
+    assert results["bucket_src"] == {"pt": True, "webdataset": True}
+
+
 def test_a_killed_ray_worker_is_retried(results: dict[str, object]) -> None:
     assert results["killed_worker"] is True
     assert results["killed_same"] is True

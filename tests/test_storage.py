@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import imgpack.storage as storage
 from imgpack import convert, export, merge, open_dataset, verify
 from imgpack.cli import main
-from imgpack.errors import ImgpackError, ManifestError, OptionError
+from imgpack.errors import ImageError, ImgpackError, ManifestError, OptionError
 from imgpack.readers import TFRecordStream, collate
 
 FORMATS = ("pt", "lmdb", "hdf5", "tfrecord", "webdataset")
@@ -359,3 +359,66 @@ def test_a_bucket_source_has_one_output_id_and_its_parts_merge(
     fs.pipe("imgpack-test/same/class0/img0000.png", other)
     changed = convert(f"{s3}/same", tmp_path / "c", "webdataset", progress=False)
     assert changed.output_id != first.output_id  # the store says the object changed
+
+
+@pytest.mark.parametrize("fmt", ["pt", "tfrecord", "webdataset", "lmdb"])
+def test_a_bucket_folder_is_read_in_place_by_the_workers(
+    s3: str, src: Path, tmp_path: Path, fmt: str
+) -> None:
+    """An image folder in a bucket is listed, not downloaded: the pool workers read each object
+    from the bucket, and the output equals a local conversion of the same images (pixels,
+    labels, order, paths) in every format."""
+    fs = fsspec.filesystem("s3")
+    fs.put(str(src), f"imgpack-test/inplace-{fmt}", recursive=True)
+    before = storage.stats.downloads
+    got = convert(f"{s3}/inplace-{fmt}", tmp_path / "a", fmt, workers=2, progress=False)
+    assert storage.stats.downloads == before  # the driver fetched no image
+    want = convert(src, tmp_path / "b", fmt, progress=False)
+    assert got.num_samples == want.num_samples == 40 and got.classes == want.classes
+    a, b = open_dataset(tmp_path / "a"), open_dataset(tmp_path / "b")
+    assert a.stored_paths() == b.stored_paths()
+    _same_output(a, b)
+
+
+def test_each_part_of_a_bucket_folder_reads_only_its_objects(
+    s3: str, src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K parts of one bucket conversion GET their own objects only, and merge into the output
+    of one conversion whatever K."""
+    import s3fs
+
+    fs = fsspec.filesystem("s3")
+    fs.put(str(src), "imgpack-test/parted", recursive=True)
+    whole = convert(f"{s3}/parted", tmp_path / "whole", "webdataset", progress=False)
+    read: list[str] = []
+    real = s3fs.S3FileSystem.cat_file
+
+    def counted(self: object, path: str, *args: object, **kwargs: object) -> bytes:
+        read.append(path.split("/parted/", 1)[1])
+        return real(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "cat_file", counted)
+    for count in (2, 3):
+        parts = []
+        for i in range(count):
+            read.clear()
+            part = tmp_path / f"k{count}-{i}"
+            done = convert(f"{s3}/parted", part, "webdataset", num_parts=count, part=i,
+                           workers=1, progress=False)  # fmt: skip
+            assert done.num_samples == len(read)
+            assert sorted(read) == sorted(open_dataset(part).stored_paths() or [])  # its own
+            parts.append(part)
+        merged = merge(parts, tmp_path / f"merged-{count}", progress=False)
+        assert merged.output_id == whole.output_id
+        _same_output(open_dataset(tmp_path / f"merged-{count}"), open_dataset(tmp_path / "whole"))
+
+
+def test_a_bad_object_is_named_by_its_url(s3: str, src: Path, tmp_path: Path) -> None:
+    fs = fsspec.filesystem("s3")
+    fs.put(str(src), "imgpack-test/badobj", recursive=True)
+    fs.pipe("imgpack-test/badobj/class1/zz-broken.png", b"\x89PNG\r\n\x1a\n" + bytes(30))
+    with pytest.raises(ImageError, match=rf"{s3}/badobj/class1/zz-broken.png: "):
+        convert(f"{s3}/badobj", tmp_path / "a", "pt", workers=2, progress=False)
+    done = convert(f"{s3}/badobj", tmp_path / "b", "pt", on_error="skip", progress=False)
+    assert [s["path"] for s in done.skipped] == ["class1/zz-broken.png"]
+    assert done.num_samples == 40

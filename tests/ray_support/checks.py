@@ -10,22 +10,30 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
+import fsspec
 import ray
 from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import build_uniform_folder
+from conftest import build_uniform_folder, start_moto
 
 from imgpack import convert
 from imgpack.converters import FORMATS
 from imgpack.errors import ImgpackError
 
 SHARDS = {"pt": "8KB", "tfrecord": "8KB", "webdataset": "8KB"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def files(out: Path) -> dict[str, bytes]:
@@ -129,14 +137,40 @@ def main(work: Path) -> None:
     )
     ray.shutdown()
 
+    # A bucket SRC (moto on 127.0.0.1, started before the cluster: its nodes inherit the AWS
+    # variables): the tasks read each object from the bucket, no path of the driver's.
+    port = free_port()
+    server = start_moto(port)
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    fs = fsspec.filesystem("s3")
+    fs.mkdir("bucket")
+    fs.put(str(src), "bucket/images", recursive=True)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     cluster.wait_for_nodes()
     results["nodes"] = len([n for n in ray.nodes() if n["Alive"]])
     results["cluster"] = same_as_local(src, work, "two", FORMATS)
+    bucket_src = {}
+    for fmt in ("pt", "webdataset"):
+        shard = {"shard_size": SHARDS[fmt]}
+        local = convert("s3://bucket/images", work / f"b-{fmt}-local", fmt, workers=2,
+                        progress=False, **shard)  # fmt: skip
+        remote = convert("s3://bucket/images", work / f"b-{fmt}-ray", fmt, executor="ray",
+                         progress=False, **shard)  # fmt: skip
+        bucket_src[fmt] = (
+            files(work / f"b-{fmt}-local") == files(work / f"b-{fmt}-ray")
+            and remote.num_samples == local.num_samples == 120
+        )
+    results["bucket_src"] = bucket_src
     ray.shutdown()
     cluster.shutdown()
+    server.terminate()
     print("RESULTS " + json.dumps(results))
 
 

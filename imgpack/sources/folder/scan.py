@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from imgpack.errors import ManifestError, ScanError
@@ -206,6 +207,60 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
     if not root.is_dir():
         raise ScanError(f"{root}: not a folder (expected an image folder {root}/<class>/<image>)")
     folders = find_classes(root)
+    unreadable: list[dict[str, str]] = []
+    return _scan(
+        str(root), folders, classes, lambda name: walk_images(root, name, unreadable), unreadable
+    )
+
+
+def listed_classes(paths: Iterable[str]) -> dict[str, list[str]]:
+    """The files of an image folder known by its listing (relative POSIX paths, as a bucket
+    lists them) by class folder: hidden names at any depth and top-level files left out, as
+    :func:`scan_folder` leaves them."""
+    by_class: dict[str, list[str]] = {}
+    for path in paths:
+        parts = path.split("/")
+        if len(parts) < 2 or any(not part or _hidden(part) for part in parts):
+            continue
+        by_class.setdefault(parts[0], []).append(path)
+    return by_class
+
+
+def scan_listing(where: str, paths: Iterable[str], classes: list[str] | None = None) -> Scan:
+    """The scan of an image folder known by its listing (a bucket's objects, relative paths):
+    the classes, samples and order :func:`scan_folder` gives for the same tree. ``where`` names
+    it in messages."""
+    by_class = listed_classes(paths)
+    folders = sorted(by_class)
+    if not folders:
+        raise ScanError(
+            f"{where}: no class folders found. imgpack expects one folder per class: "
+            f"{where}/<class>/<image>"
+        )
+
+    def walk(name: str) -> tuple[list[str], int]:
+        found, ignored = [], 0
+        for path in by_class.get(name, []):
+            folder, _, file = path.rpartition("/")
+            if file.lower().endswith(IMAGE_EXTENSIONS):
+                found.append((folder, file))
+            else:
+                ignored += 1
+        found.sort()  # walk_images's order: folders by path, files by name
+        return [_join(d, n) for d, n in found], ignored
+
+    return _scan(where, folders, classes, walk, [])
+
+
+def _scan(
+    root: str,
+    folders: list[str],
+    classes: list[str] | None,
+    walk: Callable[[str], tuple[list[str], int]],
+    unreadable: list[dict[str, str]],
+) -> Scan:
+    """A scan from the class folders and a walk of each (its image paths, in order, and the
+    other files passed over); the folders that could not be taken go into ``unreadable``."""
     if classes is None:
         classes = folders
     else:
@@ -218,14 +273,13 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
             )
     samples: list[Sample] = []
     empty: list[str] = []
-    unreadable: list[dict[str, str]] = []
     ignored = 0
     present = set(folders)
     for label, name in enumerate(classes):
         if name not in present:
             empty.append(name)
             continue
-        paths, skipped = walk_images(root, name, unreadable)
+        paths, skipped = walk(name)
         ignored += skipped
         if not paths:
             empty.append(name)

@@ -3,14 +3,25 @@ reads each file under the root."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from imgpack.errors import OptionError, ScanError
-from imgpack.images import Encoded, Encoding, ImagePolicy, process_file
+from imgpack import storage
+from imgpack.errors import ImageError, OptionError, ScanError
+from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, process_file
 from imgpack.scan import Sample, Scan
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
-from imgpack.sources.folder.scan import find_classes, find_splits, printable, scan_folder
+from imgpack.sources.folder.scan import (
+    SPLIT_NAMES,
+    find_classes,
+    listed_classes,
+    printable,
+    scan_folder,
+    scan_listing,
+)
 
 
 @dataclass(frozen=True)
@@ -23,10 +34,45 @@ class FileFetcher(Fetcher):
         return process_file(self.root, sample.path, sample.label, policy, encoding)
 
 
+@dataclass(frozen=True)
+class ObjectFetcher(Fetcher):
+    """Reads ``url/<sample.path>`` from object storage, in the worker (a pool process or a Ray
+    task on any node): a bucket folder is never copied to the driver."""
+
+    url: str
+    #: The fsspec storage options, as JSON (the fetcher stays small and hashable).
+    storage_options: str
+
+    def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
+        fs, root = _filesystem(self.url, self.storage_options)
+        try:
+            data = fs.cat_file(f"{root}/{sample.path}")
+        except (OSError, ValueError) as exc:
+            raise ImageError(sample.path, f"cannot read {self.url}/{sample.path}: {exc}") from None
+        return process_bytes(bytes(data), sample.path, sample.label, policy, encoding)
+
+
+_FILESYSTEMS: dict[tuple[str, str, int], tuple[Any, str]] = {}
+
+
+def _filesystem(url: str, options: str) -> tuple[Any, str]:
+    """This process's filesystem for ``url`` (fsspec's are not fork-safe: one per process)."""
+    key = (url, options, os.getpid())
+    if key not in _FILESYSTEMS:
+        _FILESYSTEMS[key] = storage.filesystem(url, json.loads(options) or None, fresh=True)
+    return _FILESYSTEMS[key]
+
+
 class FolderSource(Source):
     @classmethod
     def detect(cls, src: Path) -> bool:
         return src.is_dir()
+
+    @property
+    def remote(self) -> tuple[str, dict[str, Any]] | None:
+        """A bucket folder whose listing only SRC holds (:func:`imgpack.storage.source_folder`):
+        its URL and storage options."""
+        return storage.remote_source(self.src) if self.src.is_dir() else None
 
     def check(self) -> None:
         if not self.src.exists():
@@ -37,6 +83,12 @@ class FolderSource(Source):
             )
 
     def scan(self, request: ScanRequest) -> Scan:
+        remote = self.remote
+        if remote is not None:
+            listing = storage.store_stamps(self.src) or {}
+            if not request.allow_split_names:
+                refuse_splits(remote[0], sorted(listed_classes(listing)))
+            return scan_listing(remote[0], sorted(listing), request.classes)
         if not request.allow_split_names:
             refuse_split_folders(self.src)
         scan = scan_folder(self.src, request.classes)
@@ -44,6 +96,9 @@ class FolderSource(Source):
         return scan
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
+        remote = self.remote
+        if remote is not None:
+            return ObjectFetcher(remote[0], json.dumps(remote[1], sort_keys=True))
         return FileFetcher(str(self.src))
 
     def stamp(self, sample: Sample) -> str:
@@ -68,7 +123,12 @@ def refuse_split_folders(src: Path) -> None:
         folders = find_classes(src)
     except (OSError, ScanError):
         return  # the scan reports it
-    splits = find_splits(src)
+    refuse_splits(str(src), folders)
+
+
+def refuse_splits(src: str, folders: list[str]) -> None:
+    """Refuse class folders that are all split names (see :func:`refuse_split_folders`)."""
+    splits = [name for name in folders if name.lower() in SPLIT_NAMES]
     if splits and len(splits) == len(folders):
         raise ScanError(
             f"{src}: its folders ({', '.join(splits)}) are dataset splits, not classes: use "
