@@ -76,6 +76,9 @@ class Executor(Protocol):
 def process_chunk(job: Job, items: Sequence[Sample]) -> list[Outcome]:
     """Read, validate and encode ``items`` (in a worker); a bad file becomes a :class:`Failure`."""
     out: list[Outcome] = []
+    prefetch = getattr(job.fetch, "prefetch", None)
+    if prefetch is not None:
+        prefetch(items)
     for sample in items:
         try:
             out.append(job.fetch(sample, job.policy, job.encoding))

@@ -35,14 +35,16 @@ from imgpack.loading.bench import measure
 from imgpack.readers import TFRecordStream, collate
 
 
-def start_moto() -> subprocess.Popen[bytes]:
+def start_moto(log: Path | None = None) -> subprocess.Popen[bytes]:
+    """moto's S3 server on 127.0.0.1 and the AWS variables pointing at it; ``log``: a file for
+    its request log (one line per request)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=log.open("wb") if log is not None else subprocess.DEVNULL,
     )
     os.environ.update(
         AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",

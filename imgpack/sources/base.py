@@ -53,6 +53,11 @@ class Fetcher(ABC):
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         """The sample, read, validated and encoded."""
 
+    def prefetch(self, samples: Sequence[Sample]) -> None:
+        """Called with each chunk of samples before they are read one by one: a fetcher whose
+        reads wait on a round trip (object storage) starts them all here. Default: nothing."""
+        return None
+
 
 class Source(ABC):
     """One source kind: how SRC is recognised, scanned and read.

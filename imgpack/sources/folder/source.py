@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,34 @@ class ObjectFetcher(Fetcher):
     #: The fsspec storage options, as JSON (the fetcher stays small and hashable).
     storage_options: str
 
+    def prefetch(self, samples: Sequence[Sample]) -> None:
+        """GET the objects of a chunk of samples at once (one GET after the other would wait
+        a round trip per image): each ``__call__`` then takes its bytes from memory."""
+        if len(samples) < 2:
+            return
+        fs, root = _filesystem(self.url, self.storage_options)
+        paths = [f"{root}/{sample.path}" for sample in samples]
+        try:
+            found = fs.cat(paths, on_error="return")
+        except (OSError, ValueError):
+            return  # each sample is read, and named, on its own
+        _FETCHED.clear()
+        _FETCHED.update(found)
+
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         fs, root = _filesystem(self.url, self.storage_options)
+        path = f"{root}/{sample.path}"
+        data = _FETCHED.pop(path, None)
         try:
-            data = fs.cat_file(f"{root}/{sample.path}")
+            if not isinstance(data, bytes):
+                data = fs.cat_file(path)
         except (OSError, ValueError) as exc:
             raise ImageError(sample.path, f"cannot read {self.url}/{sample.path}: {exc}") from None
         return process_bytes(bytes(data), sample.path, sample.label, policy, encoding)
+
+
+#: Objects of the chunk being converted in this process (:meth:`ObjectFetcher.prefetch`).
+_FETCHED: dict[str, Any] = {}
 
 
 _FILESYSTEMS: dict[tuple[str, str, int], tuple[Any, str]] = {}
