@@ -493,6 +493,10 @@ def source_folder(
         except OSError as exc:
             raise _remote_error(url, exc) from None
         (scratch / STORE_STAMPS).write_text(json.dumps(stamps, sort_keys=True))
+        # The listing is on disk now: none of it stays in memory while the conversion runs
+        # (this frame lives as long as it does), nor in the filesystem's listing cache.
+        del found, stamps
+        fs.invalidate_cache(root)
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
