@@ -254,9 +254,10 @@ def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:
 class Prefetcher:
     """Fetches the files a reader will read next, in background threads of this process.
 
-    :meth:`want` names them in the order they will be read (a sampler knows it); at most
-    ``depth`` of them wait to be fetched, up to ``threads`` at once, nearest first; each is
-    pinned until ``2 * depth`` newer ones are fetched. Another process that needs a file being
+    :meth:`want` names them in the order they will be read (a sampler knows it): the first
+    ``depth`` of each naming are queued, and fetched up to ``threads`` at once, earliest named
+    first; each is pinned until ``2 * depth`` newer ones are fetched or this process's reader
+    pins it itself (:meth:`taken`). Another process that needs a file being
     fetched waits for it (the file's lock), so no file is fetched twice. A file that cannot be
     fetched is left to the reader, which names it.
     """

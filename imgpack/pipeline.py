@@ -190,7 +190,7 @@ class Plan:
         digest = hashlib.sha256()
         # A bucket SRC's scratch copy has a new path every run: the store's stamps of every
         # object (in the output id) identify it.
-        copied = self.src.is_dir() and storage.store_stamps(self.src) is not None
+        copied = (self.src / storage.STORE_STAMPS).is_file()
         source = "a bucket's copy" if copied else str(self.src.resolve())
         head = {"output": self.output_id, "source": source, "part": self.part}
         digest.update(json.dumps(head, sort_keys=True).encode())
@@ -531,22 +531,18 @@ def convert(
     runner = executors.create(executor, options.workers)
     # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
     build = storage.build_folder(str(dst), cache_dir) if storage.is_url(dst) else None
+    destination = storage.output_folder(
+        dst, storage_options, options.overwrite, build=build, resume=options.resume
+    )
     with ExitStack() as stack:
-
-        def destination(overwrite: bool = options.overwrite, resume: bool = options.resume) -> Path:
-            folder = storage.output_folder(
-                dst, storage_options, overwrite, build=build, resume=resume
-            )
-            return Path(stack.enter_context(folder))
-
         if hf.is_dataset_object(src):  # saved beside where the output is built
-            local_dst = destination()
+            local_dst = Path(stack.enter_context(destination))
             local_src = stack.enter_context(_saved_dataset(src, local_dst))
         else:
             local_src = stack.enter_context(
                 storage.source_location(src, storage_options, cache_dir, _in_place(options))
             )
-            local_dst = destination()
+            local_dst = Path(stack.enter_context(destination))
         if storage.is_url(dst):  # the bucket's output was checked; the build is this run's
             options = replace(options, overwrite=False)
         if build is not None and options.resume and (local_dst / MANIFEST_NAME).is_file():

@@ -15,8 +15,10 @@ anything else to the filesystem.
   ``imgpack.json`` is the commit point. A reader opens only an output whose manifest exists,
   and the manifest names exactly the files that belong; a conversion killed midway leaves
   none.
-- **Reading a source folder** (an ImageFolder, TFRecord files) downloads it into a scratch
-  folder first, so listing, ordering and the image policy are exactly those of a local folder.
+- **Reading a source** in a bucket: an image folder is listed, not downloaded (the workers GET
+  each sample's object, :func:`source_folder` with ``listing_only``); other kinds (TFRecord or
+  WebDataset files, a label list) are downloaded into a scratch folder first. Either way the
+  scan's classes and order are those of a local copy of the same tree.
 """
 
 from __future__ import annotations
@@ -572,14 +574,14 @@ def output_folder(
         return
     url = str(location).rstrip("/")
     fs, root = filesystem(url, storage_options)
-    uploading = build is not None and resume and (build / "out" / marker).is_file()
-    _check_remote_destination(fs, root, url, overwrite, marker, partial_ok=uploading)
+    built = build is not None and (build / "out" / marker).is_file()  # an upload was stopped
+    _check_remote_destination(fs, root, url, overwrite, marker, partial_ok=built and resume)
     if build is None:
         scratch = Path(tempfile.mkdtemp(prefix="imgpack-dst-"))
     else:
         build.mkdir(parents=True, exist_ok=True)
         scratch = build
-        if not resume and (build / "out" / marker).is_file():  # an upload that was stopped
+        if built and not resume:
             log.warning("%s: a complete build of %s whose upload was stopped; building "
                         "again (--resume would upload it)", build / "out", url)  # fmt: skip
             shutil.rmtree(build / "out")
@@ -611,9 +613,9 @@ def _check_remote_destination(
     if not present:
         return
     names = {p[len(root) :].lstrip("/") for p in present}
-    if marker not in names and partial_ok:  # the files of an upload that was stopped
-        return
     if marker not in names:
+        if partial_ok:  # the files of an upload that was stopped
+            return
         raise FileExistsError(
             f"{url}: already exists and holds no {marker}; refusing to replace it, with or "
             "without --overwrite (remove it yourself, or choose another destination; a run "

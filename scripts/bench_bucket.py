@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from bench_storage import start_moto
+from bench_storage import bucket
 from benchlib import machine, make_png_folder, print_table, save_json
 
 #: Run in the conversion's own process: the time to the first outcome and the peak RSS.
@@ -123,12 +123,10 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     log = Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log"
-    server = start_moto(log)
-    fs = fsspec.filesystem("s3")
-    fs.mkdir("bench")
     print(f"machine: {machine()}")
     results: dict[str, dict[str, float]] = {}
-    try:
+    with bucket(log):
+        fs = fsspec.filesystem("s3")  # the server's address is set now
         for count in counts:
             folder = make_png_folder(Path(args.data) / f"png32-{count}", count, 32, 10)
             fs.put(str(folder), f"bench/src-{count}", recursive=True)
@@ -180,9 +178,6 @@ def main() -> None:
             slope = (large["rss_kib"] - small["rss_kib"]) * 1024 / (counts[-1] - counts[0])
             print(f"\ndriver RSS growth: {slope:.0f} B per image ({counts[0]} -> {counts[-1]})")
             results["rss_bytes_per_image"] = {"value": slope}
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
     save_json(args.json, {"machine": machine(), "results": results})
 
 

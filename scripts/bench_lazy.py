@@ -32,7 +32,7 @@ from typing import Any
 
 import fsspec
 import torch
-from bench_storage import arguments, output_sets, start_moto
+from bench_storage import arguments, bucket, fresh_output, output_sets
 from benchlib import machine, print_table, save_json
 from torch.utils.data import DataLoader
 
@@ -79,15 +79,11 @@ def main() -> None:
     args = arguments(__doc__ or "", repeats=2, shards=True)
     data = Path(args.data)
     sets = output_sets(args, "webdataset")
-    server = start_moto()
-    fsspec.filesystem("s3").mkdir("bench")
     print(f"machine: {machine()}")
     results: dict[str, dict[str, float]] = {}
-    try:
+    with bucket() as server:
         for name, (src, fmt, options) in sets.items():
-            local = data / f"lazy-{fmt}"
-            shutil.rmtree(local, ignore_errors=True)
-            convert(src, local, fmt, progress=False, **options)
+            local = fresh_output(src, data / f"lazy-{fmt}", fmt, **options)
             total = sum(f.bytes for f in open_dataset(local).manifest.files)
             shard = max(1, total // args.shards)
             convert(src, local, fmt, progress=False, overwrite=True, shard_size=shard, **options)
@@ -192,9 +188,6 @@ def main() -> None:
                     ),
                 ],
             )
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
     save_json(args.json, {"machine": machine(), "results": results})
 
 

@@ -15,6 +15,7 @@ turn, best of --repeats rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,26 @@ def start_moto(log: Path | None = None) -> subprocess.Popen[bytes]:
         except OSError:
             time.sleep(0.2)
     raise SystemExit("moto's server did not start")
+
+
+@contextlib.contextmanager
+def bucket(log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """moto's S3 server (:func:`start_moto`) holding an empty bucket ``bench``, stopped when the
+    block ends."""
+    server = start_moto(log)
+    try:
+        fsspec.filesystem("s3").mkdir("bench")
+        yield server
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def fresh_output(src: Path, local: Path, fmt: str, **options: Any) -> Path:
+    """``src`` converted into the local output ``local`` (replacing what a last run left)."""
+    shutil.rmtree(local, ignore_errors=True)
+    convert(src, local, fmt, progress=False, **options)
+    return local
 
 
 def arguments(doc: str, repeats: int, shards: bool = False) -> argparse.Namespace:
@@ -101,15 +123,11 @@ def main() -> None:
     args = arguments(__doc__ or "", repeats=3)
     data = Path(args.data)
     sets = output_sets(args, "tfrecord")
-    server = start_moto()
-    fsspec.filesystem("s3").mkdir("bench")
     print(f"machine: {machine()}")
     results: dict[str, dict[str, float]] = {}
-    try:
+    with bucket():
         for name, (src, fmt, options) in sets.items():
-            local = data / f"storage-{fmt}"
-            shutil.rmtree(local, ignore_errors=True)
-            convert(src, local, fmt, progress=False, **options)
+            local = fresh_output(src, data / f"storage-{fmt}", fmt, **options)
             url = f"s3://bench/{fmt}"
             start = time.perf_counter()
             convert(src, url, fmt, progress=False, overwrite=True, **options)
@@ -164,9 +182,6 @@ def main() -> None:
                 )
             print_table(f"{name} ({n} samples)", rows)
         print(f"\ndownloads this run: {storage.stats.downloads} files")
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
     save_json(args.json, {"machine": machine(), "results": results})
 
 

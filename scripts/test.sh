@@ -32,10 +32,10 @@ echo "== pytest: about 12 minutes on 2 CPUs in 2 processes (the docs pages, Ray 
     "killed-process tests take most of it); -x stops at the first failure, -k NAME runs some" >&2
 # As root (CI), the suite runs in a network namespace of its own with only loopback: the S3
 # server, the Ray clusters and everything else the tests start can reach no other address.
+pytest=(python -m pytest -q -n 2 --dist loadfile "$@")
 if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null &&
     unshare -n true 2>/dev/null; then
     echo "   (in a network namespace with only loopback)" >&2
-    exec unshare -n bash -c 'ip link set lo up && python -m pytest -q -n 2 --dist loadfile "$@"' \
-        pytest "$@"
+    exec unshare -n bash -c 'ip link set lo up && exec "$@"' bash "${pytest[@]}"
 fi
-python -m pytest -q -n 2 --dist loadfile "$@"
+exec "${pytest[@]}"

@@ -42,7 +42,7 @@ def _args(fmt: str) -> list[str]:
     return ["--format", fmt, "--encoding", "png", *(["--shard-size", shard] if shard else [])]
 
 
-def _convert(src: Path, dst: Path, *args: str) -> subprocess.Popen[bytes]:
+def _convert(src: Path, dst: Path | str, *args: str) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "imgpack.cli", "convert", str(src), str(dst), "-q", *args]
     # A session of its own, so the test can kill the conversion with its pool workers.
     return subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
@@ -197,7 +197,7 @@ def test_a_killed_conversion_to_a_bucket_resumes_to_the_same_bytes(
     build = storage.build_folder(url, cache) / "out"
     args = [*_args(fmt), "--cache-dir", str(cache)]
     target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
-    reached = _kill_at(_convert(many, url, *args), build, target)  # type: ignore[arg-type]
+    reached = _kill_at(_convert(many, url, *args), build, target)
     assert 0 < reached < COUNT
     assert _bucket_files(url) == {}  # nothing uploaded: no half output in the bucket
     resumed = subprocess.run(

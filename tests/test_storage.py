@@ -398,6 +398,7 @@ def test_each_part_of_a_bucket_folder_reads_only_its_objects(
         return real(self, path, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(s3fs.S3FileSystem, "cat_file", counted)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances made before mirror the unpatched one
     for count in (2, 3):
         parts = []
         for i in range(count):

@@ -41,8 +41,6 @@ from imgpack.errors import OptionError
 BLOCK_SIZE = 1024
 #: Shards (or blocks) whose samples are shuffled together.
 WINDOW = 8
-#: Upcoming shards named to a reader that fetches ahead (it fetches as many as it is set to).
-HINTED = 8
 STATE_VERSION = 1
 
 
@@ -168,8 +166,9 @@ class ShardSampler(Sampler[int]):
 
     def _hints(self, indices: list[int]) -> dict[int, list[int]]:
         """For a reader that fetches ahead (an output read lazily from a bucket): at the
-        position where each shard is first read, the shards first read after it, in order.
-        Empty for readers without ``prefetch`` and for outputs read by blocks."""
+        position where each shard is first read, the next shards first read after it, in
+        order, as many as the reader fetches ahead (its ``options.prefetch``). Empty for
+        readers without ``prefetch`` and for outputs read by blocks."""
         files = getattr(getattr(self.dataset, "manifest", None), "files", None)
         if not getattr(self.dataset, "fetches_ahead", False) or not indices:
             return {}  # a local output: nothing to fetch, no work per epoch
@@ -180,7 +179,8 @@ class ShardSampler(Sampler[int]):
         firsts, positions = np.unique(shards, return_index=True)
         by_position = np.argsort(positions, kind="stable")
         sequence, at = firsts[by_position].tolist(), positions[by_position].tolist()
-        return {at[i]: sequence[i + 1 : i + 1 + HINTED] for i in range(len(at))}
+        ahead = int(self.dataset.options.prefetch)  # type: ignore[attr-defined]
+        return {at[i]: sequence[i + 1 : i + 1 + ahead] for i in range(len(at))}
 
     @property
     def _total(self) -> int:

@@ -4,7 +4,6 @@ reads each file under the root."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,15 +73,10 @@ class ObjectFetcher(Fetcher):
 _FETCHED: dict[str, Any] = {}
 
 
-_FILESYSTEMS: dict[tuple[str, str, int], tuple[Any, str]] = {}
-
-
 def _filesystem(url: str, options: str) -> tuple[Any, str]:
-    """This process's filesystem for ``url`` (fsspec's are not fork-safe: one per process)."""
-    key = (url, options, os.getpid())
-    if key not in _FILESYSTEMS:
-        _FILESYSTEMS[key] = storage.filesystem(url, json.loads(options) or None, fresh=True)
-    return _FILESYSTEMS[key]
+    """The filesystem of ``url`` in this process: fsspec's instance cache starts afresh in a
+    forked process, so a pool worker never uses the driver's."""
+    return storage.filesystem(url, json.loads(options) or None)
 
 
 class FolderSource(Source):
