@@ -78,8 +78,8 @@ def cache_limit_option(func: F) -> F:
         default=None,
         metavar="SIZE",
         help="The most the cache holds beyond the files being read, e.g. 200GB (outputs read "
-        "from a URL; pt and webdataset shards are fetched when first read and the least "
-        "recently used evicted) [default: IMGPACK_CACHE_LIMIT, else no limit].",
+        "from a URL; pt, tfrecord and webdataset shards are fetched when first read and the "
+        "least recently used evicted) [default: IMGPACK_CACHE_LIMIT, else no limit].",
     )(func)
 
 

@@ -77,7 +77,7 @@ def export(
     leaves it out and lists it in the result (and in the marker file). Either may be a URL
     (``s3://...``): the output is read through the local cache (``options``: a
     :class:`~imgpack.formats.dataset_base.ReadOptions` with the storage options, the cache
-    folder and its ``cache_limit``; the shards of ``pt`` and ``webdataset`` outputs are fetched
+    folder and its ``cache_limit``; the shards of ``pt``, ``tfrecord`` and ``webdataset`` outputs are fetched
     as the export reaches them), a folder in a bucket written in a scratch folder and uploaded,
     its marker last (:mod:`imgpack.storage`).
     """

@@ -53,7 +53,7 @@ def _data_bytes(cache: Path) -> int:
     return sum(size for _, _, size in cached_files(cache))
 
 
-@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
 def test_an_epoch_through_a_cache_four_times_smaller(
     s3: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,7 +66,8 @@ def test_an_epoch_through_a_cache_four_times_smaller(
     monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)  # forked workers inherit it
     before = storage.stats.downloads
     ds = open_dataset(url, cache_dir=cache, cache_limit=limit, prefetch=2)
-    assert storage.stats.downloads - before == (SHARDS if fmt == "webdataset" else 0)  # .idx
+    indexed = fmt != "pt"  # webdataset and tfrecord shards have an .idx each, fetched at open
+    assert storage.stats.downloads - before == (SHARDS if indexed else 0)
     assert _data_bytes(cache) == 0  # opening fetched no data file
     peak = [0]
     done = threading.Event()
@@ -109,17 +110,21 @@ def test_two_ranks_read_every_sample_once(s3: str, tmp_path: Path) -> None:
     assert seen == _rows(DataLoader(open_dataset(local), batch_size=8, collate_fn=collate))
 
 
-def test_a_shard_damaged_in_the_bucket_is_named_at_first_use(s3: str, tmp_path: Path) -> None:
-    url, _ = _output(s3, tmp_path, "pt")
+@pytest.mark.parametrize("fmt", ["pt", "tfrecord"])
+def test_a_shard_damaged_in_the_bucket_is_named_at_first_use(
+    s3: str, tmp_path: Path, fmt: str
+) -> None:
+    url, local = _output(s3, tmp_path, fmt)
+    name = open_dataset(local).manifest.files[3].path
     fs = fsspec.filesystem("s3")
-    key = f"{url.removeprefix('s3://')}/shard-00003.pt"
+    key = f"{url.removeprefix('s3://')}/{name}"
     data = bytearray(fs.cat_file(key))
     data[-20] ^= 0xFF
     fs.pipe(key, bytes(data))
     ds = open_dataset(url, cache_dir=tmp_path / "cache")  # opens: the manifest is fine
     assert ds[0][1] in range(4)  # shard 0 reads
     bad = sum(f.num_samples for f in ds.manifest.files[:3])
-    with pytest.raises(StorageError, match=r"shard-00003.pt: the stored file is not what"):
+    with pytest.raises(StorageError, match=rf"{name}: the stored file is not what"):
         ds[bad]
 
 

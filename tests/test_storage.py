@@ -87,21 +87,24 @@ def test_the_cache_downloads_once_and_fetches_a_damaged_shard_again(
     convert(src, url, "tfrecord", progress=False, shard_size=3000)
     before = storage.stats.downloads
     first = open_dataset(url, cache_dir=cache)
-    files = 2 * len(first.manifest.files)  # each shard and its .idx
-    assert storage.stats.downloads - before == files
-    second = open_dataset(url, cache_dir=cache)  # another process would find the same
-    assert storage.stats.downloads - before == files  # nothing new downloaded
-    _same_output(second, first)
+    shards = len(first.manifest.files)
+    assert storage.stats.downloads - before == shards  # the .idx files; shards when read
     expected = _read_all(first)
+    assert storage.stats.downloads - before == 2 * shards
+    second = open_dataset(url, cache_dir=cache)  # another process would find the same
+    _same_output(second, first)
+    assert storage.stats.downloads - before == 2 * shards  # nothing new downloaded
+    first.release_files()
+    second.release_files()
     shard = first.root / first.manifest.files[1].path
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
     refetched = storage.stats.refetched
     third = open_dataset(url, cache_dir=cache)
-    assert storage.stats.refetched == refetched + 1
-    assert storage.stats.downloads - before == files + 1  # that shard only
     got = _read_all(third)
+    assert storage.stats.refetched == refetched + 1
+    assert storage.stats.downloads - before == 2 * shards + 1  # that shard only
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -208,7 +211,7 @@ def test_ranks_on_one_machine_download_each_shard_once(s3: str, src: Path, cache
         import imgpack.storage as storage
         from imgpack import open_dataset
         ds = open_dataset({url!r}, cache_dir={str(cache)!r})
-        assert len(ds) == 40
+        assert len(ds) == 40 and len([ds[i] for i in range(40)]) == 40  # every shard read
         print(storage.stats.downloads)
         """
     )

@@ -36,9 +36,10 @@ from imgpack.formats.dataset_base import (
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
+from imgpack.lazy import LazyOutput, unpin
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
 from imgpack.scan import valid_label
-from imgpack.storage import fetch_output, filesystem, is_url, read_remote_manifest
+from imgpack.storage import filesystem, is_url, read_remote_manifest
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
 
@@ -71,8 +72,12 @@ class Records:
         check_crc: bool = True,
         label_offset: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        lazy: LazyOutput | None = None,
     ) -> None:
         self.check_crc = check_crc
+        #: An output in a bucket read lazily (``source`` is its cache entry): shards are
+        #: found through their ``.idx`` files and fetched when first read.
+        self.lazy = lazy
         # An output streamed from a bucket: its URL, and the filesystem this process opened
         # for it (fsspec's async filesystems are not fork-safe: each process opens its own).
         self._url: str | None = None
@@ -90,13 +95,16 @@ class Records:
                 raise ManifestError(
                     f"{self.root}: holds format {self.manifest.format!r}, not 'tfrecord'"
                 )
-            check_files(self.root, self.manifest)
+            check_files(self.root, self.manifest, present=lazy is None)
             prefix = str(self.manifest.options.get("prefix", "data"))
             check_file_order(
                 self.root, self.manifest, lambda k, n: framing.shard_file_name(prefix, k, n)
             )
             self.foreign = False
-            self.shards = [self._shard(self.root / f.path) for f in self.manifest.files]
+            self.shards = [
+                self._shard(self.root / f.path) if lazy is None else self._indexed(f)
+                for f in self.manifest.files
+            ]
             for entry, shard in zip(self.manifest.files, self.shards, strict=True):
                 if len(shard) != entry.num_samples and not shard.compressed:
                     raise DataError(
@@ -180,6 +188,13 @@ class Records:
     def open(self, shard: Shard) -> BinaryIO:
         """``shard`` as a sequential stream of frames (decompressed; from the bucket when the
         output is streamed from one)."""
+        if self.lazy is not None:  # fetched (once), then read from the cache
+            name = Path(shard.path).relative_to(self.root).as_posix()
+            fd = self.lazy.pin(name)
+            try:  # an open file reads on even if the cache evicts it meanwhile
+                return framing.open_records(self.lazy.file(name))
+            finally:
+                unpin(fd)
         if self._url is None:
             return framing.open_records(shard.path)
         raw = self.remote()[0].open(shard.path, "rb", block_size=8 << 20)
@@ -195,6 +210,28 @@ class Records:
         index = framing.read_index(path)
         if index is None:
             index = framing.build_index(path)
+        array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
+        return Shard(path, array[:, 0].copy(), array[:, 1].copy())
+
+    def _indexed(self, entry: FileEntry) -> Shard:
+        """Shard ``entry`` of an output read lazily, from its ``.idx`` (checked against the
+        manifest's size; the file itself is checked when fetched). Without one, the shard is
+        fetched now to index it."""
+        path = self.root / entry.path
+        index_file = framing.index_path(path)
+        if not index_file.is_file():
+            assert self.lazy is not None
+            fd = self.lazy.pin(entry.path)
+            try:
+                return self._shard(self.lazy.file(entry.path))
+            finally:
+                unpin(fd)
+        try:
+            text = index_file.read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{index_file}: unreadable index: {exc}") from None
+        index = framing.parse_index(text, str(index_file))
+        framing.check_index(path, index, entry.bytes)
         array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
         return Shard(path, array[:, 0].copy(), array[:, 1].copy())
 
@@ -596,10 +633,13 @@ class TFRecordDataset(PreadDataset):
     images go through imgpack's image policy (RGB, EXIF applied, alpha composited). CRCs are
     checked unless ``check_crc=False`` (``verify=True`` checks them whatever ``check_crc``
     says); a bad CRC or a truncated record raises :class:`~imgpack.errors.DataError` naming the
-    file and offset.
+    file and offset. An imgpack output at a URL is read lazily (:mod:`imgpack.lazy`): opening
+    fetches its manifest and ``.idx`` files, each shard is fetched into the cache when first
+    read.
     """
 
     format = "tfrecord"
+    lazy_files = True
 
     def __init__(
         self,
@@ -615,6 +655,8 @@ class TFRecordDataset(PreadDataset):
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         options: ReadOptions | None = None,
+        cache_limit: int | str | None = None,
+        prefetch: int = 8,
     ) -> None:
         options = ReadOptions.of(
             options,
@@ -626,12 +668,19 @@ class TFRecordDataset(PreadDataset):
             decode_threads=decode_threads,
             storage_options=storage_options,
             cache_dir=cache_dir,
+            cache_limit=cache_limit,
+            prefetch=prefetch,
         )
         verify, decode_threads = options.verify, options.decode_threads
-        if isinstance(source, str) and is_url(source):  # read from its checked local copy
-            source = fetch_output(source, options.storage_options, options.cache_dir)
-        records = Records(source, check_crc if verify is None else verify, label_offset)
+        lazy = None
+        if isinstance(source, str) and is_url(source):  # shards fetched as they are read
+            lazy = LazyOutput(
+                source, options.storage_options, options.cache_dir, options.cache_limit
+            )
+            source = lazy.root
+        records = Records(source, check_crc if verify is None else verify, label_offset, lazy=lazy)
         super().__init__(records.root, manifest=records.manifest, options=options)
+        self._lazy = lazy
         self.records = records
         self.decoder = records.decoder(self.size_policy, decode_threads)
         compressed = [s for s in records.shards if s.compressed]
