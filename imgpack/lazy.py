@@ -199,10 +199,12 @@ class LazyOutput:
         ]
 
     def _filesystem(self) -> Any:
-        """This process's filesystem (fsspec's are not fork-safe: one per process)."""
+        """This process's filesystem: fsspec's instance for the URL, which every reader of
+        the process shares (one client and its connections; fsspec makes a new one in a
+        forked process, whose inherited instance is not usable)."""
         pid = os.getpid()
         if self._fs is None or self._fs_pid != pid:
-            self._fs = filesystem(self.url, self.storage_options, fresh=True)[0]
+            self._fs = filesystem(self.url, self.storage_options)[0]
             self._fs_pid = pid
         return self._fs
 

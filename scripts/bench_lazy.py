@@ -1,7 +1,8 @@
 """Reading an output from a bucket lazily, through a bounded cache (moto's S3 server, started
 here on 127.0.0.1): the first (cold) epoch against a warm one.
 
-For each output (raw 32x32 images in `pt`; photo-like 500x375 JPEGs in `webdataset`), measured
+For each output (raw 32x32 images in `pt`; photo-like 500x375 JPEGs in `webdataset` and in
+`tfrecord`), measured
 side by side in one run, best of --repeats rounds:
   - cold: open from the bucket with an empty cache and read one epoch with
     `ShardSampler(ds, seed=...)` (shards fetched when first read, the next `prefetch` fetched
@@ -79,6 +80,8 @@ def main() -> None:
     args = arguments(__doc__ or "", repeats=2, shards=True)
     data = Path(args.data)
     sets = output_sets(args, "webdataset")
+    src, _, options = sets["webdataset jpeg"]
+    sets["tfrecord jpeg"] = (src, "tfrecord", options)  # the same photos, TFRecord framing
     print(f"machine: {machine()}")
     results: dict[str, dict[str, float]] = {}
     with bucket() as server:

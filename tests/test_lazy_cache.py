@@ -94,6 +94,35 @@ def test_an_epoch_through_a_cache_four_times_smaller(
     assert _data_bytes(cache) <= limit + in_use
 
 
+def test_a_batch_fetches_and_opens_each_of_its_shards_once(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that touches more shards than a reader keeps pinned (ShardSampler's batches
+    that span two windows do) holds them all until it is gathered: the raw checks and the
+    gather do not fetch and open them twice; older ones are let go after the batch."""
+    url, local = _output(s3, tmp_path, "pt")
+    monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)
+    ds = open_dataset(url, cache_dir=tmp_path / "cache", prefetch=0)
+    loads: Counter[int] = Counter()
+    real = type(ds)._load
+
+    def counted(self: object, number: int) -> object:
+        loads[number] += 1
+        return real(self, number)
+
+    monkeypatch.setattr(type(ds), "_load", counted)
+    counts = [f.num_samples for f in ds.manifest.files]
+    firsts = [sum(counts[:k]) for k in range(6)]  # one sample of each of 6 shards
+    before = storage.stats.downloads
+    images, labels = collate(ds.__getitems__(firsts))  # checks each record once, then gathers
+    assert loads == Counter(range(6)) and storage.stats.downloads - before == 6
+    assert len(ds._pins[1]) == 2  # the batch is read: the older shards are let go
+    reference = open_dataset(local)
+    for row, index in enumerate(firsts):
+        assert labels[row] == reference[index][1]
+        assert bool((images[row] == reference[index][0]).all())
+
+
 def test_two_ranks_read_every_sample_once(s3: str, tmp_path: Path) -> None:
     url, local = _output(s3, tmp_path, "webdataset")
     cache = tmp_path / "cache"

@@ -264,6 +264,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         self._lazy: LazyOutput | None = None
         self._pins: tuple[int, OrderedDict[str, int | None]] = (os.getpid(), OrderedDict())
         self._prefetcher: tuple[int, Prefetcher] | None = None
+        self._batch_depth = 0  # batches being gathered now (their files stay pinned)
         if is_url(root) and self.lazy_files:  # its data files fetched as they are used
             self._lazy = LazyOutput(
                 str(root),
@@ -389,8 +390,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def local_file(self, name: str) -> Path:
         """The local path of the output's file ``name``. For an output read lazily from a
         bucket, the file is fetched on first use and pinned while this reader reads it: the
-        last :data:`PINNED_FILES` files it used in this process; older ones are let go (and
-        their handles closed, :meth:`_release_file`), so the cache may evict them."""
+        last :data:`PINNED_FILES` files it used in this process, and every file of a batch
+        being gathered; older ones are let go (and their handles closed,
+        :meth:`_release_file`), so the cache may evict them."""
         if self._lazy is None:
             return self.root / name
         pid, pins = self._pins
@@ -411,11 +413,19 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         pins[name] = fd
         if self._prefetcher is not None and self._prefetcher[0] == os.getpid():
             self._prefetcher[1].taken(name)
+        if not self._batch_depth:  # a batch keeps every file it touches until it is read
+            self._trim_pins()
+        return path
+
+    def _trim_pins(self) -> None:
+        """Let the files this process used longest ago go, beyond :data:`PINNED_FILES`."""
+        pid, pins = self._pins
+        if pid != os.getpid():
+            return
         while len(pins) > PINNED_FILES:
             old, old_fd = pins.popitem(last=False)
             self._release_file(old)
             unpin(old_fd)
-        return path
 
     def _release_file(self, name: str) -> None:
         """Close what this process's handles hold of file ``name`` (a lazily read output lets
@@ -453,6 +463,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pins"] = (0, OrderedDict())
+        state["_batch_depth"] = 0
         state["_prefetcher"] = None
         state["_handles"] = None
         state["_pid"] = None
@@ -703,7 +714,16 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """:meth:`_gather`, resized to ``size`` where the reader has one and the stored images
         are another size (raw outputs; encoded ones are resized as they are decoded)."""
         start = time.perf_counter()
-        images, labels = self._gather(indices)
+        # The files of a batch stay pinned and open until it is gathered: a batch that spans
+        # two windows of ShardSampler touches more of them than PINNED_FILES, and letting the
+        # first go while the last are read would fetch and open them again.
+        self._batch_depth += 1
+        try:
+            images, labels = self._gather(indices)
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth and self._lazy is not None:
+                self._trim_pins()
         pid, count = self._fetches
         count = count + 1 if pid == os.getpid() else 1
         self._fetches = (os.getpid(), count)
