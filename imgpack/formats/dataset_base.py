@@ -391,8 +391,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """The local path of the output's file ``name``. For an output read lazily from a
         bucket, the file is fetched on first use and pinned while this reader reads it: the
         last :data:`PINNED_FILES` files it used in this process, and every file of a batch
-        being gathered; older ones are let go (and their handles closed,
-        :meth:`_release_file`), so the cache may evict them."""
+        being gathered; older ones are let go, so the cache may evict them (with a cache
+        limit their handles are closed too: :meth:`_trim_pins`)."""
         if self._lazy is None:
             return self.root / name
         pid, pins = self._pins
@@ -418,13 +418,19 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         return path
 
     def _trim_pins(self) -> None:
-        """Let the files this process used longest ago go, beyond :data:`PINNED_FILES`."""
+        """Let the files this process used longest ago go, beyond :data:`PINNED_FILES`. A
+        reader with a cache limit closes them too, so that the cache may evict them and their
+        space comes back; one without keeps them open and mapped, as a reader of a local
+        output does (no re-opening every epoch; a file another process evicts meanwhile is
+        still read from the open copy, which was checked)."""
         pid, pins = self._pins
         if pid != os.getpid():
             return
+        bounded = self._lazy is not None and self._lazy.limit is not None
         while len(pins) > PINNED_FILES:
             old, old_fd = pins.popitem(last=False)
-            self._release_file(old)
+            if bounded:
+                self._release_file(old)
             unpin(old_fd)
 
     def _release_file(self, name: str) -> None:
