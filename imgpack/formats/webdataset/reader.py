@@ -17,6 +17,7 @@ from imgpack.formats.dataset_base import (
     Images,
     PreadDataset,
     Record,
+    byte_rows,
     check_file_order,
     check_labels,
     check_output_id,
@@ -58,6 +59,7 @@ class WebDatasetDataset(PreadDataset):
             image = self.manifest.image
             self._shape = (int(image["height"]), int(image["width"]), self.channels)
             self._npy = layout.npy_header(self._shape)
+            self._member_size = len(self._npy) + int(np.prod(self._shape))
 
     @staticmethod
     def _read_index(shard: Any, count: int, size: int) -> np.ndarray:
@@ -132,10 +134,6 @@ class WebDatasetDataset(PreadDataset):
             )
         return data
 
-    def _verify_by_default(self) -> bool:
-        # Every read is a pread per sample already: checking costs nothing measurable, raw too.
-        return True
-
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         for index in indices.tolist():
             number = int(np.searchsorted(self._starts, index, side="right") - 1)
@@ -144,6 +142,11 @@ class WebDatasetDataset(PreadDataset):
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
+        if self._raw:
+            self._check_raw(indices)
+            gathered = self._gather_raw(indices)
+            if gathered is not None:
+                return gathered, labels
         records = self._records(indices)
         if self.verify:
             records = self._checked(records)
@@ -162,6 +165,54 @@ class WebDatasetDataset(PreadDataset):
                 )
             rows[k] = np.frombuffer(data, np.uint8, offset=head)
         return out.permute(0, 3, 1, 2), labels
+
+    def _members(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Shard numbers and member offsets of raw samples ``indices``, or ``None`` when one
+        of their ``.npy`` members is not the size the output's image shape gives (the record
+        path then names it)."""
+        if not len(indices) or (self._sizes[indices] != self._member_size).any():
+            return None
+        return np.searchsorted(self._starts, indices, side="right") - 1, self._offsets[indices]
+
+    def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The whole ``.npy`` members of raw samples ``indices`` (what each checksum covers),
+        gathered from the memory-mapped shards."""
+        found = self._members(indices)
+        if found is None:
+            return None
+        shard_of, offsets = found
+        rows = np.empty((len(indices), self._member_size), np.uint8)
+        for number in np.unique(shard_of).tolist():
+            mine = np.flatnonzero(shard_of == number)
+            rows[mine] = byte_rows(self._mapped_tensor(number), offsets[mine], self._member_size)
+        return rows, self._labels[indices], self._crcs[indices]
+
+    def _gather_raw(self, indices: np.ndarray) -> torch.Tensor | None:
+        """A raw batch gathered from the memory-mapped shards: each member's ``.npy`` header
+        compared with the output's (one gather of the headers per shard), the pixels copied
+        straight into the batch. ``None`` when a member is not the output's ``.npy`` array:
+        the record path names it."""
+        found = self._members(indices)
+        if found is None:
+            return None
+        shard_of, offsets = found
+        head, size = len(self._npy), self._member_size - len(self._npy)
+        out = new_batch_tensor((len(indices), *self._shape))
+        rows = out.numpy().reshape(len(indices), size)
+        expected = np.frombuffer(self._npy, np.uint8)
+        numbers = np.unique(shard_of).tolist()
+        for number in numbers:
+            mine = np.flatnonzero(shard_of == number)
+            data = self._mapped_tensor(number)
+            if not (byte_rows(data, offsets[mine], head) == expected).all():
+                return None
+            starts = offsets[mine] + head
+            if len(numbers) == 1:  # one shard: straight into the batch
+                windows = data.as_strided((len(data) - size + 1, size), (1, 1))
+                torch.index_select(windows, 0, torch.from_numpy(starts), out=out.view(-1, size))
+            else:
+                rows[mine] = byte_rows(data, starts, size)
+        return out.permute(0, 3, 1, 2)
 
     def _stored_bytes(self, record: Record) -> bytes:
         data = bytes(record.payload)
