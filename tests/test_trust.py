@@ -186,7 +186,7 @@ def test_a_webdataset_index_is_checked_against_the_tar(
 
 
 # -- raw checksums by default ----------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["pt", "hdf5", "lmdb"])
+@pytest.mark.parametrize("fmt", ["pt", "hdf5", "lmdb", "webdataset", "tfrecord"])
 def test_a_flipped_raw_byte_is_caught_by_default(src: Path, tmp_path: Path, fmt: str) -> None:
     out = tmp_path / "out"
     convert(src, out, format=fmt, encoding="raw", size=16, progress=False)
@@ -200,14 +200,16 @@ def test_a_flipped_raw_byte_is_caught_by_default(src: Path, tmp_path: Path, fmt:
     path.write_bytes(bytes(data))
     refresh_manifest(out)
     loader = DataLoader(open_dataset(out), batch_size=8, num_workers=2, collate_fn=collate)
-    with pytest.raises(Exception, match="checksum mismatch"):
+    with pytest.raises(
+        Exception, match=r"sample 7 .*checksum mismatch|data CRC mismatch .*\(sample 7\)"
+    ):
         for _ in loader:
             pass
     del loader, ds
     import gc
 
     gc.collect()  # LMDB opens an environment once per process
-    with pytest.raises(ImgpackError, match="checksum mismatch"):
+    with pytest.raises(ImgpackError, match=r"(checksum|data CRC) mismatch"):
         convert(out, tmp_path / "again", format="pt", progress=False)  # carried over: checked
     assert not (tmp_path / "again").exists()
 
@@ -228,6 +230,29 @@ def test_raw_records_are_checked_once_per_reader(src: Path, tmp_path: Path) -> N
         for _ in DataLoader(ds, batch_size=5, shuffle=True, collate_fn=collate):
             pass
     assert sorted(calls) == list(range(len(ds)))
+
+
+@pytest.mark.parametrize("verify", [None, True])
+def test_tfrecord_raw_crcs_are_checked_once_per_reader_by_default(
+    src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool | None
+) -> None:
+    import imgpack.formats.tfrecord.reader as tfrecord_reader
+
+    out = tmp_path / "out"
+    convert(src, out, format="tfrecord", encoding="raw", size=16, progress=False)
+    checked: list[int] = []
+    real = tfrecord_reader.data_crcs_match
+
+    def counting(mapped, data, offsets, sizes):  # type: ignore[no-untyped-def]
+        checked.append(len(offsets))
+        return real(mapped, data, offsets, sizes)
+
+    monkeypatch.setattr(tfrecord_reader, "data_crcs_match", counting)
+    ds = open_dataset(out, verify=verify)
+    for _ in range(2):
+        for _ in DataLoader(ds, batch_size=5, shuffle=True, collate_fn=collate):
+            pass
+    assert sum(checked) == len(ds) * (2 if verify else 1)
 
 
 # -- checkpoints -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ CRCs checked by default) and :class:`~imgpack.formats.framing.stream.TFRecordStr
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -632,7 +633,9 @@ class TFRecordDataset(PreadDataset):
     Records are found through the ``.idx`` beside each file, or an index built in memory. Foreign
     images go through imgpack's image policy (RGB, EXIF applied, alpha composited). CRCs are
     checked unless ``check_crc=False`` (``verify=True`` checks them whatever ``check_crc``
-    says); a bad CRC or a truncated record raises :class:`~imgpack.errors.DataError` naming the
+    says): on every read, but for the raw records of an imgpack output, which are checked the
+    first time this reader reads them unless ``verify=True`` (as every format's raw records
+    are: :class:`~imgpack.formats.dataset_base.ImageDataset`); a bad CRC or a truncated record raises :class:`~imgpack.errors.DataError` naming the
     file and offset. An imgpack output at a URL is read lazily (:mod:`imgpack.lazy`): opening
     fetches its manifest and ``.idx`` files, each shard is fetched into the cache when first
     read.
@@ -721,7 +724,7 @@ class TFRecordDataset(PreadDataset):
             offsets, sizes = self._offsets[indices[mine]], self._sizes[indices[mine]]
             ok, found, starts = layout.match(data, offsets, sizes)
             if self.records.check_crc and ok.any():
-                ok[ok] = data_crcs_match(mapped, data, offsets[ok], sizes[ok])
+                self._check_crcs(indices[mine], ok, mapped, data, offsets, sizes)
             labels[mine] = found
             if ok.all() and len(mine) == len(indices):  # one shard: straight into the batch
                 windows = data.as_strided((len(data) - size + 1, size), (1, 1))
@@ -735,6 +738,33 @@ class TFRecordDataset(PreadDataset):
                     raise DataError(f"{where}: not a raw {layout.shape} image as the manifest says")
                 rows[pos] = image.reshape(size)
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
+
+    def _check_crcs(
+        self,
+        indices: np.ndarray,
+        ok: np.ndarray,
+        mapped: Any,
+        data: torch.Tensor,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+    ) -> None:
+        """Check the data CRCs of the raw records ``indices`` that matched the layout (``ok``,
+        cleared where a CRC does not match: the generic path then names the record). By
+        default (``verify=None``) each record is checked the first time this reader reads it,
+        as the other formats' raw records are; with ``verify=True``, on every read."""
+        need = ok.copy()
+        seen = None
+        if self._check_once:
+            if self._seen is None:  # a spawned worker: a bitmap of its own
+                self._seen = mmap.mmap(-1, max(1, len(self)))
+            seen = np.frombuffer(self._seen, np.uint8)
+            need &= seen[indices] == 0
+        if not need.any():
+            return
+        good = data_crcs_match(mapped, data, offsets[need], sizes[need])
+        ok[need] = good
+        if seen is not None:
+            seen[indices[need][good]] = 1
 
     def record(self, index: int) -> tuple[dict[str, example.FeatureValue], str]:
         """Record ``index``'s parsed features (frame CRCs and output id checked) and where it is."""
