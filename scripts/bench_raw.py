@@ -10,7 +10,9 @@ num_workers=0, in three ways:
   - unchecked: a reader with `verify=False`.
 The limit is a bare `index_select` of the same shuffled batches from one in-RAM uint8 tensor
 of all the images (no file, no label, no check): what any loader of these bytes can do at most
-on this machine. Every figure is the best of --repeats rounds, the formats measured in turn
+on this machine. Beside it, the DataLoader's own cost: a dataset that returns one prepared
+batch each time, through `shuffle=True` and through a batch sampler that yields index arrays.
+Every figure is the best of --repeats rounds, the formats measured in turn
 within each round, the limit at the start of each.
 
     python scripts/bench_raw.py [--count 50000] [--formats pt,lmdb] [--repeats 3]
@@ -20,17 +22,64 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from benchlib import index_select_limit, machine, make_png_folder, print_table, save_json
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imgpack import convert, open_dataset
 from imgpack.loading.bench import measure
-from imgpack.readers import collate
+from imgpack.readers import Batch, collate
 
 FORMATS = ("pt", "lmdb", "hdf5", "tfrecord", "webdataset")
+
+
+class PreparedBatch(Dataset[Any]):
+    """The DataLoader's own cost: every batch is the same prepared one, read nowhere."""
+
+    def __init__(self, count: int, batch: Batch) -> None:
+        self.count, self.batch = count, batch
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        return self.batch
+
+    def __getitem__(self, index: int) -> Any:
+        raise NotImplementedError
+
+
+class ArrayBatches(Sampler[np.ndarray]):
+    """Shuffled batches of indices as arrays (no Python int per sample)."""
+
+    def __init__(self, count: int, batch_size: int, seed: int) -> None:
+        self.count, self.batch_size, self.seed = count, batch_size, seed
+
+    def __len__(self) -> int:
+        return -(-self.count // self.batch_size)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        order = np.random.default_rng(self.seed).permutation(self.count)
+        return iter(np.array_split(order, range(self.batch_size, self.count, self.batch_size)))
+
+
+def floor(count: int, batch: Batch, sampler: Sampler[np.ndarray] | None) -> float:
+    """Samples/s of one epoch of :class:`PreparedBatch` through ``DataLoader(batch_size=256,
+    shuffle=True)``, or through ``batch_sampler=sampler``."""
+    ds = PreparedBatch(count, batch)
+    if sampler is None:
+        loader = DataLoader(ds, batch_size=256, shuffle=True, collate_fn=collate)
+    else:
+        loader = DataLoader(ds, batch_sampler=sampler, collate_fn=collate)
+    start = time.perf_counter()
+    seen = sum(len(labels) for _, labels in loader)
+    return seen / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -60,10 +109,13 @@ def main() -> None:
     n = len(in_ram)
     del images, reference
     best: dict[str, dict[str, float]] = {f: {} for f in formats}
-    limits = []
+    limits, floors, array_floors = [], [], []
+    prepared = Batch(in_ram[:256].permute(0, 3, 1, 2), torch.zeros(256, dtype=torch.int64))
     for round_ in range(args.repeats):
         count, seconds = index_select_limit(in_ram, 256, n, seed=round_)
         limits.append(count / seconds)
+        floors.append(floor(n, prepared, None))
+        array_floors.append(floor(n, prepared, ArrayBatches(n, 256, round_)))
         for fmt in formats:
             rates = {}
             ds = open_dataset(outputs[fmt])
@@ -75,7 +127,14 @@ def main() -> None:
             for key, value in rates.items():
                 best[fmt][key] = max(best[fmt].get(key, 0.0), value)
     limit = max(limits)
-    rows = [("in-RAM index_select (the limit)", f"{limit:>12,.0f} samples/s")]
+    rows = [
+        ("in-RAM index_select (the limit)", f"{limit:>12,.0f} samples/s"),
+        (
+            "DataLoader alone, shuffle=True",
+            f"{max(floors):>12,.0f} samples/s (a prepared batch each time: its own cost)",
+        ),
+        ("DataLoader alone, array batches", f"{max(array_floors):>12,.0f} samples/s"),
+    ]
     for fmt in formats:
         r = best[fmt]
         rows.append(
@@ -90,7 +149,15 @@ def main() -> None:
     print_table(f"raw 32x32, {n} samples, batch 256, shuffle=True, num_workers=0", rows)
     save_json(
         args.json,
-        {"machine": machine(), "count": n, "limit": limit, "limits": limits, "formats": best},
+        {
+            "machine": machine(),
+            "count": n,
+            "limit": limit,
+            "limits": limits,
+            "dataloader_floor": max(floors),
+            "dataloader_floor_array_batches": max(array_floors),
+            "formats": best,
+        },
     )
 
 
