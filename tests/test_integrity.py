@@ -273,3 +273,27 @@ def test_only_formats_with_index_files_list_companions(
         convert(uniform_folder, tmp_path / fmt, fmt, progress=False)
         manifest = json.loads((tmp_path / fmt / "imgpack.json").read_text())
         assert all("companions" not in entry for entry in manifest["files"])
+
+
+def test_record_crcs_match_the_documented_checksum() -> None:
+    """The batch checksum (rows checksummed where they are) is the documented one: CRC-32C of
+    the payload then the label as int64 LE, what any CRC-32C library computes."""
+    import google_crc32c
+    import numpy as np
+
+    from imgpack.checksum import record_crcs
+
+    rows = np.random.default_rng(0).integers(0, 256, (9, 40), dtype=np.uint8)
+    labels = [0, 1, -1, 7, 2**40, 3, 3, 5, 1]
+    expected = [
+        google_crc32c.value(row.tobytes() + struct.pack("<q", label))
+        for row, label in zip(rows, labels, strict=True)
+    ]
+    assert record_crcs(rows, labels) == expected  # contiguous rows: no copy each
+    assert record_crcs(list(rows), labels) == expected
+    assert record_crcs([row.tobytes() for row in rows], labels) == expected
+    strided = np.ascontiguousarray(np.concatenate([rows, rows], axis=1))[:, ::2]
+    assert record_crcs(strided, labels) == [
+        google_crc32c.value(row.tobytes() + struct.pack("<q", label))
+        for row, label in zip(strided, labels, strict=True)
+    ]
