@@ -20,6 +20,7 @@ Every reader decodes through here:
 from __future__ import annotations
 
 import io
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -339,7 +340,7 @@ def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> 
         leased = lease(shape, dtype)
         if leased is not None:
             return leased
-        if in_worker() and int(np.prod(shape)) * dtype.itemsize > POOL_MAX_BYTES:
+        if in_worker() and math.prod(shape) * dtype.itemsize > POOL_MAX_BYTES:
             return shared_tensor(shape, dtype)
         return torch.empty(tuple(shape), dtype=dtype)
     except (RuntimeError, MemoryError) as exc:

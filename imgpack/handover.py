@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import threading
 import weakref
@@ -180,12 +181,12 @@ def lease(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tenso
     :data:`POOL_MAX_BYTES` are lent (private buffers): a new allocation that large is fresh
     pages, which the kernel zeroes and maps one by one on first touch, about 0.35 ms per
     500x375 image, as much as half its JPEG decode; smaller ones malloc recycles itself."""
-    np_dtype = _numpy_dtype(dtype)
-    if np_dtype is None:
-        return None
-    nbytes = int(np.prod(shape)) * np_dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     worker = in_worker()
     if not worker and nbytes <= POOL_MAX_BYTES:
+        return None
+    np_dtype = _numpy_dtype(dtype)
+    if np_dtype is None:
         return None
     pool = _pool_of(shared=worker)
     taken = pool.take(nbytes)

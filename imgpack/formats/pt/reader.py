@@ -120,6 +120,8 @@ class PTDataset(ImageDataset):
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._raw:
             self._check_raw(indices)
+            if len(self._starts) == 2:  # one shard: the indices are its rows
+                return self._gather_one(0, torch.from_numpy(indices))
             shard_of = np.searchsorted(self._starts, indices, side="right") - 1
             return self._gather_raw(shard_of, torch.from_numpy(indices - self._starts[shard_of]))
         records = self._records(indices)
@@ -153,18 +155,25 @@ class PTDataset(ImageDataset):
         return pixels, labels, crcs
 
     def _gather_raw(self, shard_of: np.ndarray, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
-        image = self.manifest.image
-        out = new_batch_tensor((len(local), image["height"], image["width"], self.channels))
         first = int(shard_of[0]) if len(shard_of) else 0
         if len(shard_of) == 0 or (shard_of == first).all():
-            shard = self._shard(first)
-            torch.index_select(shard["images"], 0, local, out=out)
-            labels = torch.index_select(shard["labels"], 0, local)
-        else:
-            labels = torch.empty(len(local), dtype=torch.int64)
-            for number in np.unique(shard_of).tolist():
-                rows = torch.from_numpy(np.flatnonzero(shard_of == number))
-                shard = self._shard(number)
-                out[rows] = torch.index_select(shard["images"], 0, local[rows])
-                labels[rows] = torch.index_select(shard["labels"], 0, local[rows])
+            return self._gather_one(first, local)
+        out = self._batch(len(local))
+        labels = torch.empty(len(local), dtype=torch.int64)
+        for number in np.unique(shard_of).tolist():
+            rows = torch.from_numpy(np.flatnonzero(shard_of == number))
+            shard = self._shard(number)
+            out[rows] = torch.index_select(shard["images"], 0, local[rows])
+            labels[rows] = torch.index_select(shard["labels"], 0, local[rows])
         return out.permute(0, 3, 1, 2), labels
+
+    def _gather_one(self, number: int, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
+        """Rows ``local`` of shard ``number``, straight into the batch."""
+        out = self._batch(len(local))
+        shard = self._shard(number)
+        torch.index_select(shard["images"], 0, local, out=out)
+        return out.permute(0, 3, 1, 2), torch.index_select(shard["labels"], 0, local)
+
+    def _batch(self, count: int) -> torch.Tensor:
+        image = self.manifest.image
+        return new_batch_tensor((count, image["height"], image["width"], self.channels))
