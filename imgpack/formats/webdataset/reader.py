@@ -188,30 +188,34 @@ class WebDatasetDataset(PreadDataset):
         return rows, self._labels[indices], self._crcs[indices]
 
     def _gather_raw(self, indices: np.ndarray) -> torch.Tensor | None:
-        """A raw batch gathered from the memory-mapped shards: each member's ``.npy`` header
-        compared with the output's (one gather of the headers per shard), the pixels copied
-        straight into the batch. ``None`` when a member is not the output's ``.npy`` array:
-        the record path names it."""
+        """A raw batch gathered from the memory-mapped shards, the pixels copied straight into
+        the batch. Each member's ``.npy`` header is compared with the output's (one gather of
+        the headers per shard) unless its checksum, which covers the header, was checked (by
+        default, the first time this reader read it; ``verify=True``: just now). ``None`` when
+        a member is not the output's ``.npy`` array: the record path names it."""
         found = self._members(indices)
         if found is None:
             return None
         shard_of, offsets = found
         head, size = len(self._npy), self._member_size - len(self._npy)
         out = new_batch_tensor((len(indices), *self._shape))
-        rows = out.numpy().reshape(len(indices), size)
+        flat = out.view(-1, size)
+        rows = flat.numpy()
+        checked = self.verify or self._check_once  # _check_raw ran its checksums
         expected = np.frombuffer(self._npy, np.uint8)
-        numbers = np.unique(shard_of).tolist()
+        numbers = [int(shard_of[0])] if (shard_of == shard_of[0]).all() else np.unique(shard_of)
         for number in numbers:
-            mine = np.flatnonzero(shard_of == number)
-            data = self._mapped_tensor(number)
-            if not (byte_rows(data, offsets[mine], head) == expected).all():
+            mine = np.flatnonzero(shard_of == number) if len(numbers) > 1 else None
+            starts = offsets if mine is None else offsets[mine]
+            data = self._mapped_tensor(int(number))
+            if not checked and not (byte_rows(data, starts, head) == expected).all():
                 return None
-            starts = offsets[mine] + head
-            if len(numbers) == 1:  # one shard: straight into the batch
-                windows = data.as_strided((len(data) - size + 1, size), (1, 1))
-                torch.index_select(windows, 0, torch.from_numpy(starts), out=out.view(-1, size))
+            windows = data.as_strided((len(data) - size + 1, size), (1, 1))
+            at = torch.from_numpy(starts + head)
+            if mine is None:  # one shard: straight into the batch
+                torch.index_select(windows, 0, at, out=flat)
             else:
-                rows[mine] = byte_rows(data, starts, size)
+                rows[mine] = torch.index_select(windows, 0, at).numpy()  # numpy: no index_put_
         return out.permute(0, 3, 1, 2)
 
     def _stored_bytes(self, record: Record) -> bytes:
