@@ -153,3 +153,38 @@ def test_read_options_are_one_object_for_every_format(fmt: str, tmp_path: Path) 
     assert ds.with_options(size=4).options.size == 4 and ds.options.size == 8
     with pytest.raises(OptionError, match="give either options= or the keyword"):
         open_dataset(tmp_path / "out", options=options, size=4)
+
+
+#: Shard sizes that give a raw 8x8 output a few samples per shard, or dozens.
+SHARD_SIZES = {("pt", "few"): "2KB", ("pt", "many"): "16KB"}
+SHARD_SIZES |= {("webdataset", "few"): "12KB", ("webdataset", "many"): "160KB"}
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+@pytest.mark.parametrize("per_shard", ["few", "many"])
+@pytest.mark.parametrize("verify", [None, False])
+def test_raw_batches_across_many_shards_equal_a_one_shard_output(
+    fmt: str, per_shard: str, verify: bool | None, tmp_path: Path
+) -> None:
+    """A raw batch that touches several shards (a few rows of each, or dozens: gathered in
+    different ways) holds the same pixels and labels, in batch order, as the same batch read
+    from a one-shard output of the same images."""
+    import numpy as np
+
+    shard_size = SHARD_SIZES[(fmt, per_shard)]
+
+    src = build_uniform_folder(tmp_path / "src", count=120, classes=3, size=8)
+    options = {"encoding": "raw", "size": 8, "progress": False}
+    convert(src, tmp_path / "many", fmt, shard_size=shard_size, **options)  # type: ignore[arg-type]
+    convert(src, tmp_path / "one", fmt, **options)  # type: ignore[arg-type]
+    many = open_dataset(tmp_path / "many", verify=verify)
+    one = open_dataset(tmp_path / "one", verify=verify)
+    counts = [f.num_samples for f in many.manifest.files]
+    assert len(counts) > 1 and len(one.manifest.files) == 1
+    assert max(counts) >= 32 if per_shard == "many" else max(counts) < 32, counts
+    rng = np.random.default_rng(1)
+    order = rng.permutation(120).tolist()
+    for batch in (order[:64], order[64:], list(range(50, 110)), [7, 7, 119, 0, 7], [3]):
+        got = collate(many.__getitems__(batch))
+        want = collate(one.__getitems__(batch))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), batch

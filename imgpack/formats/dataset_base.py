@@ -107,6 +107,19 @@ def _rebuild_batch(images: Images | list[Any], labels: np.ndarray | list[Any]) -
     return Batch(images, torch.from_numpy(labels) if isinstance(labels, np.ndarray) else labels)
 
 
+def shard_runs(shard_of: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """A batch's positions grouped by the shard holding each (``shard_of``): ``order`` (the
+    positions sorted by shard, in batch order within one) and ``(shard, start, stop)`` of each
+    shard's run in it. A reader gathers each run with one call into a contiguous slice, then
+    puts the rows in batch order with one assignment, whatever the number of shards."""
+    order = np.argsort(shard_of, kind="stable")
+    ordered = shard_of[order]
+    cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
+    starts, stops = [0, *cuts], [*cuts, len(ordered)]
+    numbers = ordered[starts].tolist() if len(ordered) else []
+    return order, list(zip(numbers, starts, stops, strict=True))
+
+
 def byte_rows(data: torch.Tensor, start: np.ndarray, width: int) -> np.ndarray:
     """``(len(start), width)`` uint8: ``data[s : s + width]`` (``data``: 1-D uint8) for each
     ``s`` of ``start``, in one gather (``index_select`` over a sliding-window view of ``data``,
@@ -808,6 +821,19 @@ class PreadDataset(ImageDataset):
             found = tensors[number] = readonly_tensor(np.frombuffer(self._mapped(number), np.uint8))
         return found
 
+    def _row_windows(self, number: int, width: int) -> np.ndarray:
+        """Shard ``number``'s bytes as a read-only ``(size - width + 1, width)`` view: row
+        ``s`` is the ``width`` bytes at offset ``s`` (no copy; numpy's fancy indexing of it
+        gathers rows at any offsets in one call)."""
+        windows = self.handles.windows
+        found = windows.get((number, width))
+        if found is None:
+            data = np.frombuffer(self._mapped(number), np.uint8)
+            found = windows[(number, width)] = np.lib.stride_tricks.as_strided(
+                data, (len(data) - width + 1, width), (1, 1), writeable=False
+            )
+        return found
+
     def _local(self, number: int) -> Path:
         """Shard ``number``'s local path (fetched first, for an output read lazily)."""
         path = self.shard_files[number]
@@ -821,6 +847,8 @@ class PreadDataset(ImageDataset):
             if path.relative_to(self.root).as_posix() != name:
                 continue
             files.tensors.pop(number, None)
+            for key in [k for k in files.windows if k[0] == number]:
+                del files.windows[key]
             mapped = files.maps.pop(number, None)
             if mapped is not None:
                 with contextlib.suppress(BufferError):  # a batch still views it: it goes later
@@ -861,6 +889,7 @@ class ShardFiles:
     fds: dict[int, int] = field(default_factory=dict)
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes, for torch
+    windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,13 @@ from imgpack.formats.dataset_base import (
     check_labels,
     check_output_id,
     new_batch_tensor,
+    shard_runs,
 )
 from imgpack.formats.webdataset import layout
+
+#: Rows of one shard in a batch below which numpy gathers them (fewer µs per call than torch,
+#: more per row).
+FEW_ROWS = 32
 
 
 class WebDatasetDataset(PreadDataset):
@@ -199,23 +204,35 @@ class WebDatasetDataset(PreadDataset):
         shard_of, offsets = found
         head, size = len(self._npy), self._member_size - len(self._npy)
         out = new_batch_tensor((len(indices), *self._shape))
-        flat = out.view(-1, size)
-        rows = flat.numpy()
         checked = self.verify or self._check_once  # _check_raw ran its checksums
         expected = np.frombuffer(self._npy, np.uint8)
-        numbers = [int(shard_of[0])] if (shard_of == shard_of[0]).all() else np.unique(shard_of)
-        for number in numbers:
-            mine = np.flatnonzero(shard_of == number) if len(numbers) > 1 else None
-            starts = offsets if mine is None else offsets[mine]
-            data = self._mapped_tensor(int(number))
+        one = bool((shard_of == shard_of[0]).all())
+        # Several shards: each shard's rows into a contiguous run of a scratch batch (one
+        # gather per shard), then into batch order with one assignment.
+        order, runs = (None, [(int(shard_of[0]), 0, len(indices))]) if one else shard_runs(shard_of)
+        starts = offsets if order is None else offsets[order]
+        if order is None:  # one shard: one gather straight into the batch
+            data = self._mapped_tensor(runs[0][0])
             if not checked and not (byte_rows(data, starts, head) == expected).all():
                 return None
             windows = data.as_strided((len(data) - size + 1, size), (1, 1))
             at = torch.from_numpy(starts + head)
-            if mine is None:  # one shard: straight into the batch
-                torch.index_select(windows, 0, at, out=flat)
-            else:
-                rows[mine] = torch.index_select(windows, 0, at).numpy()  # numpy: no index_put_
+            torch.index_select(windows, 0, at, out=out.view(-1, size))
+            return out.permute(0, 3, 1, 2)
+        grouped = torch.empty((len(indices), size), dtype=torch.uint8)
+        rows = grouped.numpy()
+        for number, start, stop in runs:
+            run = starts[start:stop]
+            if not checked and not (self._row_windows(number, head)[run] == expected).all():
+                return None
+            if stop - start < FEW_ROWS:  # numpy's fancy indexing: a few µs a call
+                rows[start:stop] = self._row_windows(number, size)[run + head]
+            else:  # torch's gather: faster per row
+                data = self._mapped_tensor(number)
+                windows = data.as_strided((len(data) - size + 1, size), (1, 1))
+                at = torch.from_numpy(run + head)
+                torch.index_select(windows, 0, at, out=grouped[start:stop])
+        out.numpy().reshape(len(indices), size)[order] = rows
         return out.permute(0, 3, 1, 2)
 
     def _stored_bytes(self, record: Record) -> bytes:
