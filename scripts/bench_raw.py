@@ -8,7 +8,8 @@ num_workers=0, in three ways:
     checksum the first time it reads it;
   - later epoch: the same reader again (checked records only looked up in its bitmap);
   - unchecked: a reader with `verify=False`.
-The limit is a bare `index_select` of the same shuffled batches from one in-RAM uint8 tensor
+The pt and webdataset outputs are read again written in --many-shards shards (a shuffled
+batch then touches most of them). The limit is a bare `index_select` of the same shuffled batches from one in-RAM uint8 tensor
 of all the images (no file, no label, no check): what any loader of these bytes can do at most
 on this machine. Beside it, the DataLoader's own cost: a dataset that returns one prepared
 batch each time, through `shuffle=True` and through a batch sampler that yields index arrays.
@@ -90,6 +91,12 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--data", default="bench-data")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--many-shards",
+        type=int,
+        default=64,
+        help="also read pt and webdataset outputs of about this many shards (0: not)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
@@ -103,12 +110,21 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             convert(src, out, fmt, encoding="raw", size=32, progress=False)
         outputs[fmt] = out
+    for fmt in [f for f in ("pt", "webdataset") if f in formats and args.many_shards > 1]:
+        out = data / f"raw-{fmt}-{args.count}-{args.many_shards}-shards"
+        if not (out / "imgpack.json").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            total = sum(f.bytes for f in open_dataset(outputs[fmt]).manifest.files)
+            size = total // args.many_shards
+            convert(src, out, fmt, encoding="raw", size=32, progress=False, shard_size=size)
+        shards = len(open_dataset(out).manifest.files)
+        outputs[f"{fmt}, {shards} shards"] = out
     reference = open_dataset(outputs[formats[0]])
     images, _ = collate(reference.__getitems__(list(range(len(reference)))))
     in_ram = images.permute(0, 2, 3, 1).contiguous()  # (N, H, W, C), as the files hold them
     n = len(in_ram)
     del images, reference
-    best: dict[str, dict[str, float]] = {f: {} for f in formats}
+    best: dict[str, dict[str, float]] = {name: {} for name in outputs}
     limits, floors, array_floors = [], [], []
     prepared = Batch(in_ram[:256].permute(0, 3, 1, 2), torch.zeros(256, dtype=torch.int64))
     for round_ in range(args.repeats):
@@ -116,7 +132,7 @@ def main() -> None:
         limits.append(count / seconds)
         floors.append(floor(n, prepared, None))
         array_floors.append(floor(n, prepared, ArrayBatches(n, 256, round_)))
-        for fmt in formats:
+        for fmt in outputs:
             rates = {}
             ds = open_dataset(outputs[fmt])
             rates["first"] = _rate(measure(ds, 0, 256, n, collate, seed=round_))
@@ -135,7 +151,7 @@ def main() -> None:
         ),
         ("DataLoader alone, array batches", f"{max(array_floors):>12,.0f} samples/s"),
     ]
-    for fmt in formats:
+    for fmt in outputs:
         r = best[fmt]
         rows.append(
             (
