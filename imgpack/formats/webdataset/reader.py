@@ -187,9 +187,14 @@ class WebDatasetDataset(PreadDataset):
             return None
         shard_of, offsets = found
         rows = np.empty((len(indices), self._member_size), np.uint8)
-        for number in np.unique(shard_of).tolist():
-            mine = np.flatnonzero(shard_of == number)
-            rows[mine] = byte_rows(self._mapped_tensor(number), offsets[mine], self._member_size)
+        order, runs = shard_runs(shard_of)
+        for number, start, stop in runs:  # one gather per shard (the batch grouped once)
+            mine = order[start:stop]
+            if stop - start < FEW_ROWS:
+                rows[mine] = self._row_windows(number, self._member_size)[offsets[mine]]
+            else:
+                data = self._mapped_tensor(number)
+                rows[mine] = byte_rows(data, offsets[mine], self._member_size)
         return rows, self._labels[indices], self._crcs[indices]
 
     def _gather_raw(self, indices: np.ndarray) -> torch.Tensor | None:
