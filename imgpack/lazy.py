@@ -130,6 +130,16 @@ class LazyOutput:
             self._read_only(exc, self._good(remote))
         return target
 
+    def local(self, name: str) -> Path:
+        """The checked local copy of data file ``name``, pinned only while it is fetched: for
+        a reader that opens it at once and reads it through (an open file reads on even if
+        the cache evicts it meanwhile)."""
+        fd = self.pin(name)
+        try:
+            return self.file(name)
+        finally:
+            unpin(fd)
+
     def pin(self, name: str) -> int | None:
         """A shared lock on data file ``name`` for a reader: no process evicts it while the
         returned descriptor is open (close it to let the file go); ``None`` in a cache this

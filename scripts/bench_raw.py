@@ -34,10 +34,9 @@ from benchlib import index_select_limit, machine, make_png_folder, print_table, 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imgpack import convert, open_dataset
+from imgpack.converters import FORMATS
 from imgpack.loading.bench import measure
 from imgpack.readers import Batch, collate
-
-FORMATS = ("pt", "lmdb", "hdf5", "tfrecord", "webdataset")
 
 
 class PreparedBatch(Dataset[Any]):

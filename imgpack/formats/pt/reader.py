@@ -10,6 +10,7 @@ import torch
 
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
+    FEW_ROWS,
     ImageDataset,
     Images,
     Record,
@@ -20,10 +21,6 @@ from imgpack.formats.dataset_base import (
     shard_runs,
 )
 from imgpack.formats.writer_base import default_shard_name
-
-#: Rows of one shard in a batch below which numpy gathers them (fewer µs per call than torch,
-#: more per row).
-FEW_ROWS = 32
 
 
 class PTDataset(ImageDataset):

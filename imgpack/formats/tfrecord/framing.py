@@ -286,8 +286,9 @@ def write_index(path: Path, index: list[tuple[int, int]]) -> Path:
     return target
 
 
-def read_index(path: Path) -> list[tuple[int, int]] | None:
-    """The ``.idx`` of ``path`` if there is one (``None`` otherwise)."""
+def read_index(path: Path, file_size: int | None = None) -> list[tuple[int, int]] | None:
+    """The ``.idx`` of ``path`` if there is one (``None`` otherwise), checked against the
+    framing and ``path``'s size (``file_size``: the size it has, for a file not fetched yet)."""
     target = index_path(path)
     if not target.is_file():
         return None
@@ -296,7 +297,7 @@ def read_index(path: Path) -> list[tuple[int, int]] | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{target}: unreadable index: {exc}") from None
     index = parse_index(text, str(target))
-    check_index(path, index)
+    check_index(path, index, file_size)
     return index
 
 

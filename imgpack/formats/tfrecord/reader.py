@@ -9,7 +9,6 @@ CRCs checked by default) and :class:`~imgpack.formats.framing.stream.TFRecordStr
 from __future__ import annotations
 
 import glob
-import mmap
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from imgpack.formats.dataset_base import (
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
-from imgpack.lazy import LazyOutput, unpin
+from imgpack.lazy import LazyOutput
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
 from imgpack.scan import valid_label
 from imgpack.storage import filesystem, is_url, read_remote_manifest
@@ -54,6 +53,12 @@ class Shard:
     offsets: np.ndarray
     sizes: np.ndarray
     compression: str | None = None
+
+    @classmethod
+    def indexed(cls, path: Path, index: list[tuple[int, int]]) -> Shard:
+        """An uncompressed file and its ``(offset, size)`` index."""
+        array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
+        return cls(path, array[:, 0].copy(), array[:, 1].copy())
 
     @property
     def compressed(self) -> bool:
@@ -191,11 +196,7 @@ class Records:
         output is streamed from one)."""
         if self.lazy is not None:  # fetched (once), then read from the cache
             name = Path(shard.path).relative_to(self.root).as_posix()
-            fd = self.lazy.pin(name)
-            try:  # an open file reads on even if the cache evicts it meanwhile
-                return framing.open_records(self.lazy.file(name))
-            finally:
-                unpin(fd)
+            return framing.open_records(self.lazy.local(name))
         if self._url is None:
             return framing.open_records(shard.path)
         raw = self.remote()[0].open(shard.path, "rb", block_size=8 << 20)
@@ -209,32 +210,20 @@ class Records:
         if kind is not None:
             return Shard(path, np.empty(0, np.int64), np.empty(0, np.int64), compression=kind)
         index = framing.read_index(path)
-        if index is None:
-            index = framing.build_index(path)
-        array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
-        return Shard(path, array[:, 0].copy(), array[:, 1].copy())
+        return Shard.indexed(path, framing.build_index(path) if index is None else index)
 
     def _indexed(self, entry: FileEntry) -> Shard:
         """Shard ``entry`` of an output read lazily, from its ``.idx`` (checked against the
         manifest's size; the file itself is checked when fetched). Without one, the shard is
         fetched now to index it."""
+        assert self.lazy is not None
         path = self.root / entry.path
-        index_file = framing.index_path(path)
-        if not index_file.is_file():
-            assert self.lazy is not None
-            fd = self.lazy.pin(entry.path)
-            try:
-                return self._shard(self.lazy.file(entry.path))
-            finally:
-                unpin(fd)
-        try:
-            text = index_file.read_text(encoding="ascii")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(f"{index_file}: unreadable index: {exc}") from None
-        index = framing.parse_index(text, str(index_file))
-        framing.check_index(path, index, entry.bytes)
-        array = np.asarray(index, dtype=np.int64).reshape(-1, 2)
-        return Shard(path, array[:, 0].copy(), array[:, 1].copy())
+        index = framing.read_index(path, entry.bytes)
+        return (
+            self._shard(self.lazy.local(entry.path))
+            if index is None
+            else Shard.indexed(path, index)
+        )
 
     def _scan_foreign(self) -> tuple[Manifest, list[int], list[str] | None]:
         """One pass over foreign files: count records (compressed ones too), build the label map and
@@ -635,8 +624,8 @@ class TFRecordDataset(PreadDataset):
     checked unless ``check_crc=False`` (``verify=True`` checks them whatever ``check_crc``
     says): on every read, but for the raw records of an imgpack output, which are checked the
     first time this reader reads them unless ``verify=True`` (as every format's raw records
-    are: :class:`~imgpack.formats.dataset_base.ImageDataset`); a bad CRC or a truncated record raises :class:`~imgpack.errors.DataError` naming the
-    file and offset. An imgpack output at a URL is read lazily (:mod:`imgpack.lazy`): opening
+    are: :class:`~imgpack.formats.dataset_base.ImageDataset`); a bad CRC or a truncated record
+    raises :class:`~imgpack.errors.DataError` naming the file and offset. An imgpack output at a URL is read lazily (:mod:`imgpack.lazy`): opening
     fetches its manifest and ``.idx`` files, each shard is fetched into the cache when first
     read.
     """
@@ -677,9 +666,7 @@ class TFRecordDataset(PreadDataset):
         verify, decode_threads = options.verify, options.decode_threads
         lazy = None
         if isinstance(source, str) and is_url(source):  # shards fetched as they are read
-            lazy = LazyOutput(
-                source, options.storage_options, options.cache_dir, options.cache_limit
-            )
+            lazy = options.lazy_output(source)
             source = lazy.root
         records = Records(source, check_crc if verify is None else verify, label_offset, lazy=lazy)
         super().__init__(records.root, manifest=records.manifest, options=options)
@@ -753,11 +740,8 @@ class TFRecordDataset(PreadDataset):
         default (``verify=None``) each record is checked the first time this reader reads it,
         as the other formats' raw records are; with ``verify=True``, on every read."""
         need = ok.copy()
-        seen = None
-        if self._check_once:
-            if self._seen is None:  # a spawned worker: a bitmap of its own
-                self._seen = mmap.mmap(-1, max(1, len(self)))
-            seen = np.frombuffer(self._seen, np.uint8)
+        seen = self._checked_marks()
+        if seen is not None:
             need &= seen[indices] == 0
         if not need.any():
             return

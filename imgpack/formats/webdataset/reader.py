@@ -17,18 +17,12 @@ from imgpack.formats.dataset_base import (
     Images,
     PreadDataset,
     Record,
-    byte_rows,
     check_file_order,
     check_labels,
     check_output_id,
     new_batch_tensor,
-    shard_runs,
 )
 from imgpack.formats.webdataset import layout
-
-#: Rows of one shard in a batch below which numpy gathers them (fewer µs per call than torch,
-#: more per row).
-FEW_ROWS = 32
 
 
 class WebDatasetDataset(PreadDataset):
@@ -185,59 +179,28 @@ class WebDatasetDataset(PreadDataset):
         found = self._members(indices)
         if found is None:
             return None
-        shard_of, offsets = found
-        rows = np.empty((len(indices), self._member_size), np.uint8)
-        order, runs = shard_runs(shard_of)
-        for number, start, stop in runs:  # one gather per shard (the batch grouped once)
-            mine = order[start:stop]
-            if stop - start < FEW_ROWS:
-                rows[mine] = self._row_windows(number, self._member_size)[offsets[mine]]
-            else:
-                data = self._mapped_tensor(number)
-                rows[mine] = byte_rows(data, offsets[mine], self._member_size)
-        return rows, self._labels[indices], self._crcs[indices]
+        rows = torch.empty((len(indices), self._member_size), dtype=torch.uint8)
+        self._gather_rows(*found, rows)
+        return rows.numpy(), self._labels[indices], self._crcs[indices]
 
     def _gather_raw(self, indices: np.ndarray) -> torch.Tensor | None:
         """A raw batch gathered from the memory-mapped shards, the pixels copied straight into
-        the batch. Each member's ``.npy`` header is compared with the output's (one gather of
-        the headers per shard) unless its checksum, which covers the header, was checked (by
-        default, the first time this reader read it; ``verify=True``: just now). ``None`` when
-        a member is not the output's ``.npy`` array: the record path names it."""
+        the batch. The members' ``.npy`` headers are compared with the output's unless their
+        checksums, which cover the headers, were checked (by default the first time this
+        reader read each; ``verify=True``: just now). ``None`` when a member is not the
+        output's ``.npy`` array: the record path names it."""
         found = self._members(indices)
         if found is None:
             return None
         shard_of, offsets = found
-        head, size = len(self._npy), self._member_size - len(self._npy)
+        head = len(self._npy)
+        if not (self.verify or self._check_once):  # no checksum covered the headers
+            heads = torch.empty((len(indices), head), dtype=torch.uint8)
+            self._gather_rows(shard_of, offsets, heads)
+            if not (heads.numpy() == np.frombuffer(self._npy, np.uint8)).all():
+                return None
         out = new_batch_tensor((len(indices), *self._shape))
-        checked = self.verify or self._check_once  # _check_raw ran its checksums
-        expected = np.frombuffer(self._npy, np.uint8)
-        one = bool((shard_of == shard_of[0]).all())
-        # Several shards: each shard's rows into a contiguous run of a scratch batch (one
-        # gather per shard), then into batch order with one assignment.
-        order, runs = (None, [(int(shard_of[0]), 0, len(indices))]) if one else shard_runs(shard_of)
-        starts = offsets if order is None else offsets[order]
-        if order is None:  # one shard: one gather straight into the batch
-            data = self._mapped_tensor(runs[0][0])
-            if not checked and not (byte_rows(data, starts, head) == expected).all():
-                return None
-            windows = data.as_strided((len(data) - size + 1, size), (1, 1))
-            at = torch.from_numpy(starts + head)
-            torch.index_select(windows, 0, at, out=out.view(-1, size))
-            return out.permute(0, 3, 1, 2)
-        grouped = torch.empty((len(indices), size), dtype=torch.uint8)
-        rows = grouped.numpy()
-        for number, start, stop in runs:
-            run = starts[start:stop]
-            if not checked and not (self._row_windows(number, head)[run] == expected).all():
-                return None
-            if stop - start < FEW_ROWS:  # numpy's fancy indexing: a few µs a call
-                rows[start:stop] = self._row_windows(number, size)[run + head]
-            else:  # torch's gather: faster per row
-                data = self._mapped_tensor(number)
-                windows = data.as_strided((len(data) - size + 1, size), (1, 1))
-                at = torch.from_numpy(run + head)
-                torch.index_select(windows, 0, at, out=grouped[start:stop])
-        out.numpy().reshape(len(indices), size)[order] = rows
+        self._gather_rows(shard_of, offsets + head, out.view(len(indices), -1))
         return out.permute(0, 3, 1, 2)
 
     def _stored_bytes(self, record: Record) -> bytes:
