@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,6 +71,30 @@ class Job:
 class Executor(Protocol):
     def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
         """One outcome per sample of ``samples``, in that order."""
+        ...
+
+
+@dataclass(frozen=True)
+class TaskDied:
+    """What :meth:`LocalExecutor.tasks` gives for a task whose worker died on every try (killed
+    by a signal: a decoder's crash, the OOM killer), alone in its process."""
+
+
+class TaskExecutor(Executor, Protocol):
+    """An executor that also runs whole tasks (a shard written by a worker: :mod:`imgpack.direct`)
+    and converts samples one per process to find the one that kills its worker."""
+
+    def tasks(
+        self, function: Callable[[Any], Any], items: Sequence[Any]
+    ) -> Iterator[tuple[Any, Any]]:
+        """``(item, function(item))`` for every item, in the items' order, a bounded window of
+        them in flight; :class:`TaskDied` in place of the result when the task's worker died on
+        every try. A Python error in a task is raised (with its type and message)."""
+        ...
+
+    def alone(self, job: Job, samples: Sequence[Sample]) -> list[Outcome]:
+        """The outcomes of ``samples``, each converted in a process of its own: a sample whose
+        worker dies is a :class:`Failure` (:data:`WORKER_DIED`)."""
         ...
 
 
@@ -209,6 +234,71 @@ class LocalExecutor:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
+    def tasks(
+        self, function: Callable[[Any], Any], items: Sequence[Any]
+    ) -> Iterator[tuple[Any, Any]]:
+        """See :meth:`TaskExecutor.tasks`. A worker that dies breaks the pool: each task that was
+        in flight is run again alone, in a process of its own, so only the one that kills its
+        worker is :class:`TaskDied`; the rest go on in a new pool."""
+        if self.workers == 1:
+            for item in items:
+                yield item, function(item)
+            return
+        window: deque[tuple[Any, Future[Any]]] = deque()
+        pending = iter(items)
+        pool = _new_pool(self.workers)
+        try:
+            while True:
+                while len(window) < self.workers * TASKS_PER_WORKER:
+                    item = next(pending, _END)
+                    if item is _END:
+                        break
+                    window.append((item, _submit_task(pool, function, item)))
+                if not window:
+                    return
+                item, future = window.popleft()
+                try:
+                    yield item, future.result()
+                except BrokenProcessPool:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    lost = [item, *(i for i, _ in window)]
+                    window.clear()
+                    for again in lost:
+                        yield again, _alone(function, again)
+                    pool = _new_pool(self.workers)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def alone(self, job: Job, samples: Sequence[Sample]) -> list[Outcome]:
+        return list(_one_by_one(job, samples))
+
+
+#: Whole tasks (shards) in flight per worker: one running, one waiting.
+TASKS_PER_WORKER = 2
+_END = object()
+
+
+def _submit_task(
+    pool: ProcessPoolExecutor, function: Callable[[Any], Any], item: Any
+) -> Future[Any]:
+    try:
+        return pool.submit(function, item)
+    except BrokenProcessPool as exc:
+        lost: Future[Any] = Future()
+        lost.set_exception(exc)
+        return lost
+
+
+def _alone(function: Callable[[Any], Any], item: Any) -> Any:
+    """``function(item)`` in a one-process pool of its own; :class:`TaskDied` when it dies."""
+    pool = _new_pool(1)
+    try:
+        return pool.submit(function, item).result()
+    except BrokenProcessPool:
+        return TaskDied()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
 
 def _submit(pool: ProcessPoolExecutor, job: Job, part: Sequence[Sample]) -> Future[list[Outcome]]:
     """``part`` sent to ``pool``; a pool broken already gives a future that says so."""
@@ -300,14 +390,57 @@ class RayExecutor:
             if started:
                 ray.shutdown()
 
+    def tasks(
+        self, function: Callable[[Any], Any], items: Sequence[Any]
+    ) -> Iterator[tuple[Any, Any]]:
+        """See :meth:`TaskExecutor.tasks`: each item a Ray task (retried when its worker dies),
+        at most ``TASKS_PER_WORKER`` per cluster CPU in flight."""
+        with self._session() as ray:
+            task = ray.remote(num_cpus=1, max_retries=RAY_TASK_RETRIES)(function)
+            cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            window: deque[tuple[Any, Any]] = deque()
+            try:
+                for item in items:
+                    window.append((item, task.remote(item)))
+                    if len(window) >= cpus * TASKS_PER_WORKER:
+                        item, ref = window.popleft()
+                        yield item, _ray_result(ray, ref)
+                while window:
+                    item, ref = window.popleft()
+                    yield item, _ray_result(ray, ref)
+            finally:
+                for _, ref in window:
+                    ray.cancel(ref, force=True)
 
-def _ray_outcomes(ray: Any, job_ref: Any, part: list[Sample], ref: Any) -> list[Outcome]:
-    """The outcomes of the Ray task ``ref`` (chunk ``part``). A Python error in the task is
-    raised as itself (an imgpack error) or with its type and message, not Ray's wrapper; a chunk
-    whose worker died on every retry is converted again one sample per task, to find the file
-    that kills it (a :class:`Failure`)."""
+    def alone(self, job: Job, samples: Sequence[Sample]) -> list[Outcome]:
+        with self._session() as ray:
+            return _ray_alone(ray, ray.put(job), samples)
+
+    @contextmanager
+    def _session(self) -> Iterator[Any]:
+        """Ray, connected for as long as the block runs (a local Ray started for it, or the
+        cluster already initialised in this process, left running)."""
+        ray = import_ray()
+        started = not ray.is_initialized()
+        if started:
+            connect_ray(ray, self.address or os.environ.get("RAY_ADDRESS") or None, self.workers)
+        try:
+            yield ray
+        except ray.exceptions.RayError as exc:
+            raise ImgpackError(
+                f"the Ray cluster failed the conversion: {first_line(exc)}"
+            ) from None
+        finally:
+            if started:
+                ray.shutdown()
+
+
+def _ray_result(ray: Any, ref: Any) -> Any:
+    """``ray.get(ref)``: a Python error in the task raised as itself (an imgpack error) or with
+    its type and message, not Ray's wrapper; :class:`TaskDied` when its worker died on every
+    retry."""
     try:
-        return list(ray.get(ref))
+        return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, ImgpackError):
@@ -315,7 +448,23 @@ def _ray_outcomes(ray: Any, job_ref: Any, part: list[Sample], ref: Any) -> list[
         what = f"{type(cause).__name__}: {first_line(cause)}" if cause else first_line(exc)
         raise ImgpackError(f"a conversion task failed on the Ray cluster: {what}") from None
     except _worker_lost(ray):
-        pass
+        return TaskDied()
+
+
+def _ray_outcomes(ray: Any, job_ref: Any, part: list[Sample], ref: Any) -> list[Outcome]:
+    """The outcomes of the Ray task ``ref`` (chunk ``part``). A Python error in the task is
+    raised as itself (an imgpack error) or with its type and message, not Ray's wrapper; a chunk
+    whose worker died on every retry is converted again one sample per task, to find the file
+    that kills it (a :class:`Failure`)."""
+    found = _ray_result(ray, ref)
+    if not isinstance(found, TaskDied):
+        return list(found)
+    return _ray_alone(ray, job_ref, part)
+
+
+def _ray_alone(ray: Any, job_ref: Any, part: Sequence[Sample]) -> list[Outcome]:
+    """The outcomes of ``part``, one sample per Ray task: a sample whose worker dies on every
+    try is a :class:`Failure` (:data:`WORKER_DIED`)."""
     single = ray.remote(num_cpus=1, max_retries=1)(process_chunk)
     refs = [single.remote(job_ref, [sample]) for sample in part]
     found: list[Outcome] = []

@@ -240,12 +240,16 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     return Manifest.from_json(data, where=str(path))
 
 
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """``imgpack.json``'s bytes for ``manifest``."""
+    return (json.dumps(manifest.to_json(), indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write ``imgpack.json`` durably (temp file, fsync, rename)."""
     tmp = directory / (MANIFEST_NAME + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(manifest.to_json(), fh, indent=1, ensure_ascii=False)
-        fh.write("\n")
+    with open(tmp, "wb") as fh:
+        fh.write(manifest_bytes(manifest))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, directory / MANIFEST_NAME)

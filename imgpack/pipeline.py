@@ -38,7 +38,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import executors, hf, sources, storage
+from imgpack import direct, executors, hf, sources, storage
 from imgpack.errors import (
     DataError,
     ImageError,
@@ -52,6 +52,7 @@ from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, Writt
 from imgpack.manifest import (
     MANIFEST_NAME,
     OUTPUT_ID_LENGTH,
+    FileEntry,
     Manifest,
     read_manifest,
     write_manifest,
@@ -91,6 +92,9 @@ class Plan:
     scan: Scan
     #: What SRC is and how its samples are read (:mod:`imgpack.sources`).
     source: Source
+    #: ``"shards"`` when shard tasks write the output by a shard plan (:mod:`imgpack.direct`):
+    #: other shard boundaries than one writer's, so another output id.
+    layout: str = ""
 
     @property
     def job(self) -> Job:
@@ -171,6 +175,7 @@ class Plan:
             "image": opts.policy.describe(),
             "classes": self.scan.classes,
             "origin": self.scan.origin,
+            **({"layout": self.layout} if self.layout else {}),
         }
         digest.update(json.dumps(head, sort_keys=True).encode())
         # Files are stat'ed (a bucket's copy: the store's size and ETag of each object); other
@@ -396,14 +401,22 @@ def _can_checkpoint(writer: Writer) -> bool:
 
 def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
     """The manifest of the finished files in ``directory``."""
+    files = file_entries(directory, written.files)
+    return manifest_for(plan, files, written.count, written.skipped)
+
+
+def manifest_for(
+    plan: Plan, files: list[FileEntry], count: int, skipped: list[dict[str, str]]
+) -> Manifest:
+    """The manifest of ``plan``'s output made of ``files``, holding ``count`` samples."""
     opts, scan = plan.options, plan.scan
     return Manifest(
         format=opts.format,
-        num_samples=written.count,
+        num_samples=count,
         classes=scan.classes,
         encoding=opts.encoding,
         image=opts.policy.describe(),
-        files=file_entries(directory, written.files),
+        files=files,
         options=opts.recorded(),
         source={
             "path": str(plan.src.resolve()),
@@ -413,7 +426,7 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
             "classes_from": opts.classes_from,
             **_chain(scan),
         },
-        skipped=written.skipped,
+        skipped=skipped,
         created_by=f"imgpack {__version__}",
         output_id=plan.output_id,
         part=plan.part,
@@ -542,6 +555,13 @@ def convert(
             local_src = stack.enter_context(
                 storage.source_location(src, storage_options, cache_dir, _in_place(options))
             )
+            source = sources.resolve(Path(local_src), options.source, options.source_options)
+            if direct.applies(options, dst, source, runner):  # shard tasks write to the bucket
+                source.check()
+                the_plan = replace(
+                    _plan(local_src, dst, options, check_dst=False), layout=direct.LAYOUT
+                )
+                return direct.convert_to_bucket(the_plan, str(dst), storage_options, runner)
             local_dst = Path(stack.enter_context(destination))
         if storage.is_url(dst):  # the bucket's output was checked; the build is this run's
             options = replace(options, overwrite=False)

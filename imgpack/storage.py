@@ -106,7 +106,7 @@ def parse_storage_options(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return options
 
 
-def _remote_error(url: str, exc: BaseException) -> ImgpackError:
+def remote_error(url: str, exc: BaseException) -> ImgpackError:
     if isinstance(exc, FileNotFoundError):
         return ManifestError(
             f"{url}: not found (no such bucket or object; check the name, and the endpoint "
@@ -132,7 +132,7 @@ def read_remote_manifest(
             "still uploading or killed midway, which leaves none)"
         ) from None
     except OSError as exc:
-        raise _remote_error(url, exc) from None
+        raise remote_error(url, exc) from None
     try:
         parsed = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -289,7 +289,7 @@ def _remote_files(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remo
     try:
         found = fs.find(root, detail=True)
     except OSError as exc:
-        raise _remote_error(url, exc) from None
+        raise remote_error(url, exc) from None
     tags = {}
     extra = []
     for path, info in sorted(found.items()):
@@ -425,7 +425,7 @@ def _fetch_file(fs: Any, remote: str, local: Path, entry: Remote, url: str) -> t
         fs.get_file(remote, str(tmp))
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise _remote_error(f"{url}/{entry.path}", exc) from None
+        raise remote_error(f"{url}/{entry.path}", exc) from None
     size = tmp.stat().st_size
     if size != entry.bytes or (entry.sha256 and sha256_file(tmp) != entry.sha256):
         tmp.unlink(missing_ok=True)
@@ -493,7 +493,7 @@ def source_folder(
                 with ThreadPoolExecutor(TRANSFERS) as pool:
                     list(pool.map(lambda f: _download(fs, f, root, scratch), sorted(found)))
         except OSError as exc:
-            raise _remote_error(url, exc) from None
+            raise remote_error(url, exc) from None
         (scratch / STORE_STAMPS).write_text(json.dumps(stamps, sort_keys=True))
         # The listing is on disk now: none of it stays in memory while the conversion runs
         # (this frame lives as long as it does), nor in the filesystem's listing cache.
@@ -609,7 +609,7 @@ def _check_remote_destination(
     except FileNotFoundError:
         present = []
     except OSError as exc:
-        raise _remote_error(url, exc) from None
+        raise remote_error(url, exc) from None
     if not present:
         return
     names = {p[len(root) :].lstrip("/") for p in present}
@@ -661,7 +661,7 @@ def upload(
         for stale in sorted(before - names):
             fs.rm_file(f"{root}/{stale}")
     except OSError as exc:
-        raise _remote_error(url, exc) from None
+        raise remote_error(url, exc) from None
 
 
 def manifest_of(location: Location, storage_options: dict[str, Any] | None = None) -> Manifest:
@@ -701,7 +701,7 @@ def source_location(
     try:
         is_output = fs.exists(f"{root}/{MANIFEST_NAME}")
     except OSError as exc:
-        raise _remote_error(url, exc) from None
+        raise remote_error(url, exc) from None
     if is_output:
         yield fetch_output(url, storage_options, cache_dir)
         return

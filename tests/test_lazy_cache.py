@@ -36,8 +36,9 @@ def _output(s3: str, tmp_path: Path, fmt: str) -> tuple[str, Path]:
     convert(src, local, fmt, progress=False, **options)  # its shard size, to get 16 shards
     per_shard = sum(f.bytes for f in open_dataset(local).manifest.files) // SHARDS
     url = f"{s3}/lazy-{fmt}-{tmp_path.name}"
-    convert(src, url, fmt, progress=False, shard_size=per_shard, **options)
+    # Uploaded as it is: a conversion to the bucket cuts its shards by the source's bytes.
     convert(src, local, fmt, progress=False, shard_size=per_shard, overwrite=True, **options)
+    fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
     return url, local
 
 

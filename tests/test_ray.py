@@ -65,6 +65,27 @@ def test_a_bucket_source_is_read_by_the_tasks_on_every_node(results: dict[str, o
     assert results["bucket_src"] == {"pt": True, "webdataset": True}
 
 
+def test_bucket_to_bucket_shard_tasks_on_two_nodes(results: dict[str, object]) -> None:
+    """Shard tasks on a 2-node cluster read a bucket SRC and write whole shards to a bucket DST:
+    the bytes of the local pool's run, every image converted."""
+    assert results["bucket_to_bucket"] == {"pt": True, "tfrecord": True, "webdataset": True}
+
+
+def test_a_shard_task_that_kills_its_worker_every_try_is_named_or_skipped(
+    results: dict[str, object],
+) -> None:
+    """Ray retries the shard task, then each of its images alone finds the poison: named, or
+    skipped with every other image written; a Python error shows its cause."""
+    assert "class1/poison.png: the conversion worker reading it died" in str(
+        results["shard_poison_fail"]
+    )
+    assert results["shard_poison_skipped"] == [{"path": "class1/poison.png", "reason": WORKER_DIED}]
+    assert results["shard_poison_rest"] is True
+    assert results["shard_bug"] == (
+        "a conversion task failed on the Ray cluster: RuntimeError: a bug in a decoder"
+    )
+
+
 def test_a_killed_ray_worker_is_retried(results: dict[str, object]) -> None:
     assert results["killed_worker"] is True
     assert results["killed_same"] is True

@@ -181,12 +181,13 @@ def _bucket_files(url: str) -> dict[str, bytes]:
     return {path[len(root) + 1 :]: fs.cat_file(path) for path in sorted(fs.find(root))}
 
 
-@pytest.mark.parametrize("fmt", ["webdataset", "lmdb"])
+@pytest.mark.parametrize("fmt", ["hdf5", "lmdb"])
 def test_a_killed_conversion_to_a_bucket_resumes_to_the_same_bytes(
     fmt: str, many: Path, tmp_path: Path, s3: str
 ) -> None:
-    """The driver of a conversion to a bucket is SIGKILLed mid-run: the bucket holds nothing
-    that looks like an output, the build folder in the cache keeps the checkpoint, and
+    """The driver of a one-file conversion to a bucket (built in the cache, then uploaded;
+    the sharded formats write shards straight to the bucket: tests/test_bucket_shards.py) is
+    SIGKILLed mid-run: the bucket holds nothing that looks like an output, the build folder in the cache keeps the checkpoint, and
     ``--resume`` finishes it with the bytes of an uninterrupted run."""
     import imgpack.storage as storage
 
@@ -222,15 +223,15 @@ def test_a_conversion_stopped_while_uploading_resumes_by_uploading(
 
     url, cache = f"{s3}/uploading", tmp_path / "cache"
     local = tmp_path / "local"
-    done = convert(many, local, "webdataset", progress=False, shard_size="80KB")
+    done = convert(many, local, "hdf5", progress=False)
     build = storage.build_folder(url, cache) / "out"
     build.parent.mkdir(parents=True)
     build.mkdir()
     for path in local.iterdir():
         (build / path.name).write_bytes(path.read_bytes())
-    shard = sorted(p.name for p in local.iterdir() if p.suffix == ".tar")[0]
+    shard = sorted(p.name for p in local.iterdir() if p.suffix == ".h5")[0]
     fsspec.filesystem("s3").pipe(f"{url.removeprefix('s3://')}/{shard}", b"half")
-    args = ["--format", "webdataset", "--shard-size", "80KB", "--cache-dir", str(cache), "-q"]
+    args = ["--format", "hdf5", "--cache-dir", str(cache), "-q"]
     again = [sys.executable, "-m", "imgpack.cli", "convert", str(many), url, *args]
     refused = subprocess.run(again, capture_output=True, text=True)
     assert refused.returncode == 1 and "holds no imgpack.json" in refused.stderr

@@ -168,13 +168,18 @@ class ShardedWriter(Writer):
         size = len(sample.payload)
         if self._open and self._shard_bytes + size > self.config.shard_size:
             self._roll()
+        self.open_shard()
+        self._shard_bytes += self._append(sample)
+        self._shard_count += 1
+
+    def open_shard(self) -> None:
+        """Start the next shard unless one is open: a shard written by a task of a shard plan
+        (:mod:`imgpack.direct`) exists even when every one of its samples was skipped."""
         if not self._open:
             self._start_shard(self.directory / self.shard_name(len(self._shards)))
             self._open = True
             self._shard_bytes = 0
             self._shard_count = 0
-        self._shard_bytes += self._append(sample)
-        self._shard_count += 1
 
     def _roll(self) -> None:
         self._end_shard()

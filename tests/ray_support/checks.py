@@ -40,6 +40,11 @@ def files(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "lock.mdb"}
 
 
+def bucket_files(fs, root: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+    fs.invalidate_cache()
+    return {p[len(root) :]: fs.cat_file(p) for p in sorted(fs.find(root))}
+
+
 def same_as_local(src: Path, work: Path, tag: str, formats: tuple[str, ...]) -> dict[str, bool]:
     same = {}
     for fmt in formats:
@@ -168,6 +173,45 @@ def main(work: Path) -> None:
             and remote.num_samples == local.num_samples == 120
         )
     results["bucket_src"] = bucket_src
+
+    # Bucket to bucket by shard tasks: the tasks on both nodes read SRC's objects and write
+    # whole shards to DST; the driver gets receipts. The same bytes as the local pool's.
+    to_bucket = {}
+    for fmt in ("pt", "tfrecord", "webdataset"):
+        pool = convert("s3://bucket/images", f"s3://bucket/pool-{fmt}", fmt, workers=2,
+                       shard_size="8KB", progress=False)  # fmt: skip
+        on_ray = convert("s3://bucket/images", f"s3://bucket/ray-{fmt}", fmt, executor="ray",
+                         shard_size="8KB", progress=False)  # fmt: skip
+        to_bucket[fmt] = (
+            bucket_files(fs, f"bucket/pool-{fmt}") == bucket_files(fs, f"bucket/ray-{fmt}")
+            and pool == on_ray
+            and on_ray.num_samples == 120
+            and len(on_ray.files) > 2
+        )
+    results["bucket_to_bucket"] = to_bucket
+    fs.put(str(src), "bucket/poison", recursive=True)
+    fs.pipe("bucket/poison/class1/poison.png", (src / "class1" / "img0001.png").read_bytes())
+    results["shard_poison_fail"] = error_of(
+        lambda: convert(
+            "s3://bucket/poison",
+            "s3://bucket/poison-fail",
+            "webdataset",
+            executor="ray",
+            shard_size="8KB",
+            progress=False,
+        )
+    )
+    skipped = convert("s3://bucket/poison", "s3://bucket/poison-skip", "webdataset",
+                      executor="ray", shard_size="8KB", on_error="skip", progress=False)  # fmt: skip
+    results["shard_poison_skipped"] = skipped.skipped
+    results["shard_poison_rest"] = skipped.num_samples == 120
+    fs.put(str(src), "bucket/bug", recursive=True)
+    fs.pipe("bucket/bug/class1/bug.png", (src / "class1" / "img0001.png").read_bytes())
+    results["shard_bug"] = error_of(
+        lambda: convert(
+            "s3://bucket/bug", "s3://bucket/bug-out", "pt", executor="ray", progress=False
+        )
+    )
     ray.shutdown()
     cluster.shutdown()
     server.terminate()

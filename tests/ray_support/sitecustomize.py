@@ -5,7 +5,7 @@ through PYTHONPATH):
   that a test can kill a Ray worker mid-task;
 - a chunk holding a file named ``poison.png`` kills the worker converting it (SIGKILL), on
   every try, as a decoder that crashes on one file would; one holding ``bug.png`` raises a
-  Python error (a bug, not a bad file)."""
+  Python error (a bug, not a bad file); so does reading such a file in a shard task."""
 
 import os
 import signal
@@ -28,3 +28,19 @@ if _FLAG:
         return _real(job, items)
 
     _executors.process_chunk = process_chunk
+
+    # Shard tasks (imgpack.direct) read through the source's fetcher: the same two files there.
+    from imgpack.sources.folder import source as _source
+
+    def _poisoned(real):  # type: ignore[no-untyped-def]
+        def reading(self, sample, policy, encoding):  # type: ignore[no-untyped-def]
+            if sample.path.endswith("poison.png"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if sample.path.endswith("bug.png"):
+                raise RuntimeError("a bug in a decoder")
+            return real(self, sample, policy, encoding)
+
+        return reading
+
+    for _fetcher in (_source.ObjectFetcher, _source.FileFetcher):
+        _fetcher.__call__ = _poisoned(_fetcher.__call__)

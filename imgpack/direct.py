@@ -1,0 +1,458 @@
+"""Conversion to a bucket by shards: workers write whole shards straight to DST.
+
+For the sharded formats (``pt``, ``tfrecord``, ``webdataset``) with DST in object storage::
+
+    plan     the scan, then a shard plan cut from it before any image is read: shard k holds
+             scan positions bounds[k] to bounds[k+1], cut at --shard-size by each sample's
+             source bytes as listed (raw: the record's fixed size), so every shard's final name
+             is known before it is written (TFRecord's -of-N too)
+    tasks    one task per shard (a pool process, a Ray task on any node) reads its samples
+             from SRC, writes the shard with the format's own writer in a temp folder of its
+             machine, uploads it under its final name, then its receipt (count, bytes,
+             sha256, skipped files) under DST/.imgpack-work/<output id>/
+    commit   once every shard has a receipt, the manifest is made from the receipts and
+             written last (readers see the output whole or not at all); the work folder is
+             removed
+
+A shard's bytes depend only on the plan and its own sources, so the executor, the worker
+count, retries, resumes and the number of parts (``--num-parts K --part I``: part I writes
+shards ``S*I//K`` to ``S*(I+1)//K`` of the one plan, and whichever part finishes last commits)
+never change the output. Only receipts (a few hundred bytes per shard) come back to the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from imgpack import storage
+from imgpack.errors import ImageError, ImgpackError
+from imgpack.executors import WORKER_DIED, Executor, Failure, Job, TaskDied
+from imgpack.formats import get as format_spec
+from imgpack.formats.writer_base import ShardedWriter, WriterConfig
+from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
+from imgpack.scan import Sample
+
+log = logging.getLogger(__name__)
+
+#: :attr:`imgpack.pipeline.Plan.layout` of a conversion by shard tasks.
+LAYOUT = "shards"
+#: The folder under DST that holds an unfinished conversion's plan and receipts.
+WORK = ".imgpack-work"
+#: Samples whose objects a shard task GETs at once (bounded memory, round trips overlapped).
+FETCH_GROUP = 32
+
+
+def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
+    """Whether a conversion is written by shard tasks: a sharded format, DST in object storage
+    that every process writes to (not fsspec's per-process ``memory://``), an image folder (a
+    bucket's or a shared path: its listing gives each sample's bytes) and an executor that runs
+    tasks."""
+    from imgpack.sources.folder.source import FolderSource
+
+    return (
+        options.spec.sharded
+        and storage.is_url(dst)
+        and not str(dst).startswith("memory://")
+        and isinstance(source, FolderSource)
+        and hasattr(executor, "tasks")
+        and issubclass(options.spec.writer_class(), ShardedWriter)
+    )
+
+
+def cut(sizes: Iterator[int], limit: int) -> list[int]:
+    """Shard boundaries for samples of ``sizes`` bytes: a shard takes samples while it stays
+    within ``limit`` bytes, and at least one (as the writers roll over). ``[0, b1, ..., n]``."""
+    bounds, total = [0], 0
+    position = 0
+    for position, size in enumerate(sizes):
+        if position > bounds[-1] and total + size > limit:
+            bounds.append(position)
+            total = 0
+        total += size
+    else:
+        if total or position:
+            bounds.append(position + 1)
+    return bounds
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """Everything a worker needs to write one shard (pickled to it: a Ray task on any node)."""
+
+    job: Job
+    config: WriterConfig
+    number: int
+    total: int
+    start: int
+    samples: list[Sample]
+    url: str
+    #: The fsspec storage options, as JSON.
+    storage_options: str
+    #: The receipt's path under DST.
+    receipt: str
+    on_error: str = "fail"
+    #: Samples not to read, with why: the ones that kill their worker (found by the driver).
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.samples)
+
+
+def write_shard(task: ShardTask) -> dict[str, Any]:
+    """Read, convert and write one shard, upload it under its final name, then its receipt:
+    ``{"shard", "start", "stop", "count", "skipped", "file"}`` (``file``: its manifest entry).
+    With ``--on-error fail``, the first bad file is returned as ``{"failed": {...}}`` and
+    nothing is uploaded."""
+    fs, root = storage.filesystem(task.url, json.loads(task.storage_options) or None)
+    fetch = task.job.fetch
+    prefetch = getattr(fetch, "prefetch", None)
+    skipped: list[dict[str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="imgpack-shard-") as tmp:
+        writer = format_spec(task.config.format).writer_class()(Path(tmp), task.config)
+        assert isinstance(writer, ShardedWriter)
+        with writer:
+            writer.open_shard()
+            for at in range(0, len(task.samples), FETCH_GROUP):
+                group = task.samples[at : at + FETCH_GROUP]
+                if prefetch is not None:
+                    prefetch([s for s in group if s.path not in task.excluded])
+                for sample in group:
+                    reason = task.excluded.get(sample.path)
+                    path = sample.path
+                    if reason is None:
+                        try:
+                            writer.add(fetch(sample, task.job.policy, task.job.encoding))
+                            continue
+                        except ImageError as exc:
+                            path, reason = exc.path, exc.reason
+                    if task.on_error == "fail":
+                        return {"failed": {"path": path, "reason": reason}}
+                    skipped.append({"path": path, "reason": reason})
+        (written,) = writer.close()
+        local = Path(tmp) / written.path
+        target = Path(tmp) / writer.final_name(task.number, task.total)
+        companions = []
+        for (name, digest), old, new in zip(
+            written.companions, writer.companions_of(local), writer.companions_of(target),
+            strict=True,
+        ):  # fmt: skip
+            assert old.name == name
+            fs.put_file(str(old), f"{root}/{new.name}")
+            companions.append(Companion(new.name, old.stat().st_size, digest))
+        fs.put_file(str(local), f"{root}/{target.name}")
+        entry = FileEntry(
+            target.name, local.stat().st_size, written.num_samples, written.sha256, companions
+        )
+    receipt = {
+        "shard": task.number,
+        "start": task.start,
+        "stop": task.stop,
+        "count": written.num_samples,
+        "skipped": skipped,
+        "file": asdict(entry),
+    }
+    fs.pipe_file(f"{root}/{task.receipt}", json.dumps(receipt, sort_keys=True).encode())
+    return receipt
+
+
+def _entry(data: dict[str, Any]) -> FileEntry:
+    companions = [Companion(**c) for c in data.get("companions", [])]
+    return FileEntry(data["path"], data["bytes"], data["num_samples"], data["sha256"], companions)
+
+
+@dataclass
+class Destination:
+    """DST as the store lists it when a run starts: its files (relative path -> size)."""
+
+    url: str
+    fs: Any
+    root: str
+    files: dict[str, int]
+
+    @classmethod
+    def list(cls, url: str, storage_options: dict[str, Any] | None) -> Destination:
+        fs, root = storage.filesystem(url, storage_options)
+        try:
+            found = fs.find(root, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except OSError as exc:
+            raise storage.remote_error(url, exc) from None
+        files = {
+            path[len(root) :].lstrip("/"): int(info.get("size") or 0)
+            for path, info in found.items()
+            if not path.endswith("/") and info.get("type", "file") != "directory"
+        }
+        return cls(url, fs, root, files)
+
+    def work(self, output_id: str) -> str:
+        return f"{WORK}/{output_id}"
+
+
+def convert_to_bucket(
+    plan: Any, url: str, storage_options: dict[str, Any] | None, executor: Any
+) -> Manifest:
+    """Run a planned conversion (:class:`imgpack.pipeline.Plan`, its layout ``"shards"``) with
+    shard tasks writing straight to the bucket ``url``; the manifest once every shard is
+    written (this run's, or with ``--num-parts`` the last part's), else this part's summary."""
+    options = plan.options
+    url = url.rstrip("/")
+    bounds = cut(sample_sizes(plan), options.shard_size or sys.maxsize)
+    total = len(bounds) - 1
+    first, last = (
+        total * options.part // options.num_parts,
+        total * (options.part + 1) // options.num_parts,
+    )
+    dest = Destination.list(url, storage_options)
+    work = dest.work(plan.output_id)
+    committed = _check_destination(dest, plan, work)
+    if committed is not None:
+        return committed
+    plan_file = {"output_id": plan.output_id, "format": options.format, "shards": total}
+    dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
+    done = _receipts(dest, work, total) if options.resume else {}
+    config = replace(plan.writer_config(), shard_size=sys.maxsize)
+    todo = [
+        ShardTask(
+            plan.job,
+            replace(config, first_index=bounds[k]),
+            k,
+            total,
+            bounds[k],
+            plan.scan.samples[bounds[k] : bounds[k + 1]],
+            url,
+            json.dumps(storage_options or {}, sort_keys=True),
+            f"{work}/{receipt_name(k)}",
+            options.on_error,
+        )
+        for k in range(first, last)
+        if k not in done
+    ]
+    mine = bounds[last] - bounds[first]
+    bar = tqdm(
+        total=mine,
+        initial=mine - sum(len(t.samples) for t in todo),
+        unit="img",
+        desc=options.format,
+        file=sys.stderr,
+        disable=not options.progress,
+        dynamic_ncols=True,
+    )
+    with bar:
+        for task, result in executor.tasks(write_shard, todo):
+            receipt = result
+            if isinstance(result, TaskDied):
+                receipt = _without_killers(plan, executor, task)
+            if "failed" in receipt:
+                failed = receipt["failed"]
+                raise ImageError(
+                    f"{plan.where}/{failed['path']}",
+                    f"{failed['reason']} (use --on-error skip to skip such files; the shards "
+                    "written so far are kept: --resume continues)",
+                )
+            done[task.number] = receipt
+            bar.update(len(task.samples))
+    receipts = _receipts(dest, work, total)
+    if len(receipts) < total:
+        return _part_summary(plan, receipts, first, last, url)
+    return commit(plan, dest, work, [receipts[k] for k in range(total)])
+
+
+def receipt_name(number: int) -> str:
+    return f"shard-{number:05d}.json"
+
+
+def _without_killers(plan: Any, executor: Any, task: ShardTask) -> dict[str, Any]:
+    """The receipt of a shard whose task died on every try: each of its samples converted
+    alone finds the ones that kill their worker; with ``--on-error skip`` the shard is written
+    again without them (they are recorded as skipped), else the first stops the run."""
+    outcomes = executor.alone(plan.job, task.samples)
+    killers = {
+        o.path: o.reason for o in outcomes if isinstance(o, Failure) and o.reason == WORKER_DIED
+    }
+    if not killers:
+        raise ImgpackError(
+            f"the task writing shard {task.number} of {plan.where} died on every try, though "
+            "none of its images kills a worker alone (out of memory? try fewer --workers or a "
+            "smaller --shard-size)"
+        )
+    if task.on_error == "fail":
+        path = next(iter(killers))
+        return {"failed": {"path": path, "reason": killers[path]}}
+    for path in killers:
+        log.warning("%s: %s", path, WORKER_DIED)
+    again = replace(task, excluded={**task.excluded, **killers})
+    ((_, receipt),) = list(executor.tasks(write_shard, [again]))
+    if isinstance(receipt, TaskDied):
+        raise ImgpackError(
+            f"the task writing shard {task.number} of {plan.where} died again without "
+            f"{', '.join(killers)}; stopping"
+        )
+    return dict(receipt)
+
+
+def sample_sizes(plan: Any) -> Iterator[int]:
+    """The bytes the shard plan counts for each sample, in scan order: a raw record's fixed
+    size, else the source file's size as the store lists it (or as the file system says)."""
+    opts = plan.options
+    if opts.encoding_spec.name == "raw":
+        height, width = opts.policy.size
+        record = height * width * opts.policy.channels
+        for _ in plan.scan.samples:
+            yield record
+        return
+    stamps = storage.store_stamps(plan.src) if plan.src.is_dir() else None
+    for sample in plan.scan.samples:
+        if stamps is not None:
+            yield int(stamps[sample.path].split(":", 1)[0])
+        else:
+            try:
+                yield os.stat(plan.src / sample.path).st_size
+            except OSError:
+                yield 0  # the task names it
+
+
+def _check_destination(dest: Destination, plan: Any, work: str) -> Manifest | None:
+    """Refuse a DST that holds something else; withdraw an output being replaced
+    (``--overwrite``: its manifest removed first); the manifest of this very conversion when it
+    was committed already (a part or a ``--resume`` run after the last part finished)."""
+    options = plan.options
+    others = sorted(
+        {p.split("/")[1] for p in dest.files if p.count("/") >= 2 and p.startswith(f"{WORK}/")}
+        - {plan.output_id}
+    )
+    if others and not options.overwrite:
+        raise FileExistsError(
+            f"{dest.url}: holds the unfinished work of another conversion ({WORK}/{others[0]}: "
+            "another source or other options); finish it with its own command and --resume, "
+            "or replace it with --overwrite"
+        )
+    for other in others:  # replaced: its shards are overwritten, or removed at the commit
+        dest.fs.rm(f"{dest.root}/{WORK}/{other}", recursive=True)
+    if MANIFEST_NAME in dest.files:
+        manifest = _read_manifest(dest)
+        if manifest.output_id == plan.output_id and (options.resume or options.num_parts > 1):
+            return manifest
+        if not options.overwrite:
+            raise FileExistsError(f"{dest.url}: already exists (use --overwrite to replace it)")
+        dest.fs.rm_file(f"{dest.root}/{MANIFEST_NAME}")  # withdrawn: no reader opens it now
+        return None
+    ours = any(p.startswith(f"{work}/") for p in dest.files)
+    if dest.files and not ours and not others:
+        raise FileExistsError(
+            f"{dest.url}: already exists and holds no {MANIFEST_NAME}; refusing to replace it, "
+            "with or without --overwrite (remove it yourself, or choose another destination)"
+        )
+    return None
+
+
+def _read_manifest(dest: Destination) -> Manifest:
+    data = json.loads(dest.fs.cat_file(f"{dest.root}/{MANIFEST_NAME}"))
+    return Manifest.from_json(data, f"{dest.url}/{MANIFEST_NAME}")
+
+
+def _receipts(dest: Destination, work: str, total: int) -> dict[int, dict[str, Any]]:
+    """The receipts under ``work`` whose shard is in the bucket as they describe it (its size
+    and its index files'), by shard number; the store is listed again (other parts write too)."""
+    fresh = _relist(dest)
+    names = [p for p in fresh.files if p.startswith(f"{work}/shard-") and p.endswith(".json")]
+    found: dict[int, dict[str, Any]] = {}
+    if not names:
+        return found
+    blobs = dest.fs.cat([f"{dest.root}/{p}" for p in names], on_error="return")
+    for blob in blobs.values():
+        try:
+            receipt = json.loads(blob)
+            number = int(receipt["shard"])
+            entry = _entry(receipt["file"])
+        except (TypeError, ValueError, KeyError):
+            continue
+        wanted = [(entry.path, entry.bytes), *((c.path, c.bytes) for c in entry.companions)]
+        if 0 <= number < total and all(fresh.files.get(p) == size for p, size in wanted):
+            found[number] = receipt
+    return found
+
+
+def _relist(dest: Destination) -> Destination:
+    dest.fs.invalidate_cache(dest.root)
+    fs, root = dest.fs, dest.root
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        found = {}
+    files = {
+        path[len(root) :].lstrip("/"): int(info.get("size") or 0)
+        for path, info in found.items()
+        if not path.endswith("/") and info.get("type", "file") != "directory"
+    }
+    return Destination(dest.url, fs, root, files)
+
+
+def _manifest(plan: Any, receipts: Sequence[dict[str, Any]], url: str) -> Manifest:
+    from imgpack.pipeline import manifest_for
+
+    files = [_entry(r["file"]) for r in receipts]
+    skipped = [*plan.scan.unreadable, *(s for r in receipts for s in r["skipped"])]
+    manifest = manifest_for(plan, files, sum(r["count"] for r in receipts), skipped)
+    if storage.remote_source(plan.src) is not None:  # the bucket, not the listing's folder
+        manifest.source["path"] = plan.where
+    return manifest
+
+
+def commit(plan: Any, dest: Destination, work: str, receipts: Sequence[dict[str, Any]]) -> Manifest:
+    """Write the manifest of the whole output from its shards' receipts, last; remove what an
+    output replaced left and the work folder."""
+    manifest = _manifest(plan, receipts, dest.url)
+    manifest.part = None
+    if not manifest.num_samples:
+        first = manifest.skipped[0] if manifest.skipped else {"path": "?", "reason": "?"}
+        raise ImgpackError(
+            f"{plan.where}: every one of the {len(plan.scan.samples)} image files was skipped; "
+            f"nothing to write (first: {first['path']}: {first['reason']})"
+        )
+    keep = {MANIFEST_NAME, *(f.path for f in manifest.files)}
+    keep |= {c.path for f in manifest.files for c in f.companions}
+    listed = _relist(dest)
+    for stale in sorted(p for p in listed.files if p not in keep and not p.startswith(f"{WORK}/")):
+        dest.fs.rm_file(f"{dest.root}/{stale}")
+    dest.fs.pipe_file(f"{dest.root}/{MANIFEST_NAME}", manifest_bytes(manifest))  # the commit
+    with contextlib.suppress(FileNotFoundError):
+        dest.fs.rm(f"{dest.root}/{work}", recursive=True)
+    return manifest
+
+
+def _part_summary(
+    plan: Any, receipts: dict[int, dict[str, Any]], first: int, last: int, url: str
+) -> Manifest:
+    """What a part that did not finish the output returns: its own shards' manifest entries
+    (nothing is written: the last part to finish commits the whole output)."""
+    mine = [receipts[k] for k in range(first, last) if k in receipts]
+    manifest = _manifest(plan, mine, url)
+    start = mine[0]["start"] if mine else 0
+    stop = mine[-1]["stop"] if mine else 0
+    manifest.part = {
+        "index": plan.options.part,
+        "count": plan.options.num_parts,
+        "start": start,
+        "stop": stop,
+    }
+    log.info(
+        "%s: part %d of %d written (%d shards); the output is committed by the last part to "
+        "finish", url, plan.options.part, plan.options.num_parts, last - first,
+    )  # fmt: skip
+    return manifest
+
+
+__all__ = ["WORK", "ShardTask", "applies", "commit", "convert_to_bucket", "cut", "write_shard"]

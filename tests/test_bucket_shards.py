@@ -1,0 +1,260 @@
+"""Conversion to a bucket by shard tasks (imgpack.direct): the workers read SRC from the bucket and
+write whole shards straight to DST, the driver keeps receipts and writes the manifest last.
+A real S3 API: moto's server on 127.0.0.1 (the ``s3`` fixture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import build_uniform_folder
+
+import imgpack.direct as direct
+import imgpack.storage as storage
+from imgpack import convert, open_dataset, verify
+from imgpack.cli import main
+from imgpack.errors import ImageError
+from imgpack.executors import WORKER_DIED
+from imgpack.readers import collate
+from imgpack.sources.folder.source import ObjectFetcher
+
+SHARDED = ("pt", "tfrecord", "webdataset")
+BUCKET = "imgpack-test"
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_uniform_folder(tmp_path_factory.mktemp("src") / "src", count=48, classes=4)
+
+
+@pytest.fixture(scope="module")
+def src_url(s3: str, images: Path) -> str:
+    fsspec.filesystem("s3").put(str(images), f"{BUCKET}/shard-src", recursive=True)
+    return f"{s3}/shard-src"
+
+
+def _bucket(url: str) -> dict[str, bytes]:
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    root = url.removeprefix("s3://")
+    return {path[len(root) + 1 :]: fs.cat_file(path) for path in sorted(fs.find(root))}
+
+
+def _read(ds: object) -> tuple[torch.Tensor, torch.Tensor]:
+    return collate(ds.__getitems__(list(range(len(ds)))))  # type: ignore[attr-defined]
+
+
+def _same_samples(url: str, local: Path, cache: Path) -> None:
+    remote, here = open_dataset(url, cache_dir=cache), open_dataset(local)
+    (a, la), (b, lb) = _read(remote), _read(here)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert remote.classes == here.classes and remote.stored_paths() == here.stored_paths()
+
+
+@pytest.mark.parametrize("fmt", SHARDED)
+def test_bucket_to_bucket_equals_a_local_conversion(
+    s3: str, src_url: str, images: Path, tmp_path: Path, fmt: str
+) -> None:
+    """Pixels, labels, order and paths of a local conversion of the same images; the driver
+    downloads no image and builds nothing: the workers wrote the shards, and the bucket holds
+    the output's files only (the work folder is gone)."""
+    url = f"{s3}/b2b-{fmt}"
+    before = storage.stats.downloads
+    manifest = convert(src_url, url, fmt, shard_size="4KB", workers=2, progress=False,
+                       cache_dir=tmp_path / "cache")  # fmt: skip
+    assert storage.stats.downloads == before
+    assert not (tmp_path / "cache" / storage.BUILDS).exists()
+    assert manifest.num_samples == 48 and len(manifest.files) > 4
+    assert manifest.source["path"] == src_url
+    convert(images, tmp_path / "local", fmt, progress=False)
+    _same_samples(url, tmp_path / "local", tmp_path / "cache")
+    listed = {"imgpack.json", *(f.path for f in manifest.files)}
+    listed |= {c.path for f in manifest.files for c in f.companions}
+    assert set(_bucket(url)) == listed
+    assert verify(url).ok
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "tfrecord"])
+def test_runs_and_any_number_of_parts_write_the_same_bytes(
+    s3: str, src_url: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs (2 workers, 1 worker) and K = 1, 2, 3 parts written into one DST: byte for
+    byte the same output. Each part GETs only its own objects; the last part to finish
+    commits the manifest, and a part run again after that returns it."""
+    import s3fs
+
+    args = {"shard_size": "3KB", "progress": False}
+    whole = convert(src_url, f"{s3}/same-{fmt}-a", fmt, workers=2, **args)
+    convert(src_url, f"{s3}/same-{fmt}-b", fmt, workers=1, **args)
+    reference = _bucket(f"{s3}/same-{fmt}-a")
+    assert _bucket(f"{s3}/same-{fmt}-b") == reference
+    read: list[str] = []
+    real = s3fs.S3FileSystem._cat_file
+
+    async def counted(self: object, path: str, *a: object, **k: object) -> bytes:
+        if "/shard-src/" in path:
+            read.append(path.split("/shard-src/", 1)[1])
+        return await real(self, path, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    for count in (1, 2, 3):
+        url = f"{s3}/same-{fmt}-k{count}"
+        seen: set[str] = set()
+        for i in range(count):
+            read.clear()
+            done = convert(src_url, url, fmt, workers=1, num_parts=count, part=i, **args)
+            if i < count - 1:
+                assert done.part is not None and "imgpack.json" not in _bucket(url)
+                assert sorted(read) == sorted({s for s in read})  # each object once
+            assert not seen & set(read)  # no object of another part
+            seen |= set(read)
+        assert len(seen) == 48
+        assert done.output_id == whole.output_id and done.part is None
+        assert _bucket(url) == reference
+        if count > 1:
+            again = convert(src_url, url, fmt, workers=1, num_parts=count, part=0, **args)
+            assert again == done  # committed already: nothing is written again
+
+
+def test_a_shard_whose_images_are_all_skipped_is_empty_and_reads(
+    s3: str, images: Path, tmp_path: Path
+) -> None:
+    """A shard's name is fixed by the plan before it is written: one whose every image is bad
+    is written with no sample, and every format reads the output."""
+    src = tmp_path / "src"
+    build_uniform_folder(src, count=12, classes=2)
+    bad = sorted((src / "class1").iterdir())[2]
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(30))
+    for fmt in SHARDED:
+        url = f"{s3}/empty-{fmt}"
+        size = (src / "class0" / "img0000.png").stat().st_size
+        done = convert(src, url, fmt, shard_size=size, on_error="skip", progress=False)
+        assert [s["path"] for s in done.skipped] == [f"class1/{bad.name}"]
+        assert 0 in [f.num_samples for f in done.files] and done.num_samples == 11
+        ds = open_dataset(url, cache_dir=tmp_path / f"cache-{fmt}")
+        assert len(ds) == 11 and len(_read(ds)[1]) == 11
+        assert verify(url).ok
+
+
+def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file named poison.png kills the process reading it (a decoder that crashes)."""
+    real = ObjectFetcher.__call__
+
+    def reading(self: ObjectFetcher, sample, policy, encoding):  # type: ignore[no-untyped-def]
+        if sample.path.endswith("poison.png"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, sample, policy, encoding)
+
+    monkeypatch.setattr(ObjectFetcher, "__call__", reading)
+
+
+def test_a_file_that_kills_its_worker_is_named_or_skipped(
+    s3: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard task that dies on every try: each of its images converted alone finds the file;
+    it stops the run by name (the shards written are kept) or, with --on-error skip, is
+    recorded as skipped and everything else is written."""
+    fs = fsspec.filesystem("s3")
+    fs.put(str(images), f"{BUCKET}/poison", recursive=True)
+    fs.pipe(f"{BUCKET}/poison/class2/poison.png", (images / "class2" / "img0002.png").read_bytes())
+    _poisoned(monkeypatch)
+    url = f"{s3}/poison-out"
+    with pytest.raises(ImageError, match=r"class2/poison\.png: the conversion worker reading it"):
+        convert(f"{s3}/poison", url, "webdataset", shard_size="4KB", workers=2, progress=False)
+    left = _bucket(url)
+    assert "imgpack.json" not in left and any(n.endswith(".tar") for n in left)
+    with pytest.raises(FileExistsError, match="unfinished work of another conversion"):
+        convert(f"{s3}/poison", url, "webdataset", shard_size="4KB", on_error="skip",
+                progress=False)  # fmt: skip
+    done = convert(f"{s3}/poison", url, "webdataset", shard_size="4KB", workers=2,
+                   on_error="skip", progress=False, overwrite=True)  # fmt: skip
+    assert done.skipped == [{"path": "class2/poison.png", "reason": WORKER_DIED}]
+    assert done.num_samples == 48
+    assert not any(name.startswith(".imgpack-work") for name in _bucket(url))
+
+
+def test_a_bad_image_is_named_by_its_url_and_nothing_is_committed(
+    s3: str, images: Path, tmp_path: Path
+) -> None:
+    fs = fsspec.filesystem("s3")
+    fs.put(str(images), f"{BUCKET}/badsrc", recursive=True)
+    fs.pipe(f"{BUCKET}/badsrc/class1/zz-broken.png", b"\x89PNG\r\n\x1a\n" + bytes(30))
+    with pytest.raises(ImageError, match=rf"{s3}/badsrc/class1/zz-broken\.png: "):
+        convert(f"{s3}/badsrc", f"{s3}/bad-out", "pt", shard_size="4KB", progress=False)
+    assert "imgpack.json" not in _bucket(f"{s3}/bad-out")
+
+
+def test_a_killed_driver_resumes_to_the_same_bytes(
+    s3: str, src_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver is SIGKILLed once some shards have receipts: the bucket holds no manifest,
+    and --resume writes only the shards without a receipt, to the bytes of a run that was not
+    interrupted."""
+    args = ["--format", "pt", "--shard-size", "2KB", "--workers", "2"]
+    reference = f"{s3}/killed-ref"
+    run = CliRunner().invoke(main, ["convert", src_url, reference, "-q", *args])
+    assert run.exit_code == 0, run.output
+    url = f"{s3}/killed"
+    env = {**os.environ, "IMGPACK_TEST_SLOW_SHARDS": "1"}
+    slow = "import time, imgpack.direct as d; w = d.write_shard\n" \
+        "def slow(t):\n    time.sleep(0.3); return w(t)\nd.write_shard = slow\n"  # fmt: skip
+    script = f"{slow}from imgpack.cli import main\nmain()"
+    command = [sys.executable, "-c", script, "convert", src_url, url, "-q", *args]
+    process = subprocess.Popen(command, start_new_session=True, env=env, stderr=subprocess.PIPE)
+    fs = fsspec.filesystem("s3")
+    root = url.removeprefix("s3://")
+    deadline = time.monotonic() + 120
+    receipts: list[str] = []
+    while time.monotonic() < deadline and len(receipts) < 3:
+        fs.invalidate_cache()
+        receipts = [p for p in fs.find(root) if "/.imgpack-work/" in p and "/shard-" in p]
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    left = _bucket(url)
+    assert "imgpack.json" not in left
+    total = len(open_dataset(reference, cache_dir=tmp_path / "c").manifest.files)
+    written: list[int] = []
+    real = direct.write_shard
+
+    def counting(task: direct.ShardTask) -> dict[str, object]:
+        written.append(task.number)
+        return real(task)
+
+    monkeypatch.setattr(direct, "write_shard", counting)
+    refused = CliRunner().invoke(main, ["convert", src_url, url, "-q", "--format", "lmdb"])
+    assert refused.exit_code != 0 and "holds no imgpack.json" in refused.output
+    done = CliRunner().invoke(main, ["convert", src_url, url, "-q", "--resume", *args[:-2],
+                                     "--workers", "1"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert 0 < len(written) <= total - 3
+    assert _bucket(url) == _bucket(reference)
+
+
+def test_what_a_bucket_destination_holds_is_checked(s3: str, src_url: str, images: Path) -> None:
+    url = f"{s3}/held"
+    fs = fsspec.filesystem("s3")
+    fs.pipe(f"{BUCKET}/held/notes.txt", b"mine")
+    with pytest.raises(FileExistsError, match=r"holds no imgpack\.json"):
+        convert(src_url, url, "webdataset", progress=False)
+    fs.rm_file(f"{BUCKET}/held/notes.txt")
+    first = convert(src_url, url, "webdataset", shard_size="3KB", progress=False)
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(src_url, url, "webdataset", progress=False)
+    second = convert(images, url, "webdataset", progress=False, overwrite=True)  # one shard
+    assert len(second.files) == 1 < len(first.files)
+    assert set(_bucket(url)) == {"imgpack.json", "data-000000.tar", "data-000000.idx"}
+    work = f"{BUCKET}/other/.imgpack-work/0123456789abcdef/plan.json"
+    fs.pipe(work, json.dumps({"output_id": "0123456789abcdef"}).encode())
+    with pytest.raises(FileExistsError, match=r"unfinished work of another conversion"):
+        convert(src_url, f"{s3}/other", "pt", progress=False)
