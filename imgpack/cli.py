@@ -558,6 +558,14 @@ def _summary(dst: str, manifest: Any, seconds: float) -> None:
         f"{format_bytes(manifest.total_bytes)} in {len(manifest.files)} file(s), {seconds:.1f} s",
         err=True,
     )
+    pending = (manifest.part or {}).get("pending")
+    if pending:
+        click.echo(
+            f"  part {manifest.part['index']} of {manifest.part['count']}: its shards are in "
+            f"{dst}; {pending} shard(s) of the other parts are still to be written, and the "
+            "last part to finish writes imgpack.json (docs/scale.md)",
+            err=True,
+        )
     for skip in manifest.skipped[:SHOW_SKIPPED]:
         click.echo(f"  skipped {skip['path']}: {skip['reason']}", err=True)
     if len(manifest.skipped) > SHOW_SKIPPED:

@@ -41,7 +41,7 @@ from imgpack.executors import WORKER_DIED, Executor, Failure, Job, TaskDied
 from imgpack.formats import get as format_spec
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
-from imgpack.scan import Sample
+from imgpack.scan import Sample, SampleTable
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ def convert_to_bucket(
             bar.update(len(task.samples))
     receipts = _receipts(dest, work, total)
     if len(receipts) < total:
-        return _part_summary(plan, receipts, first, last, url)
+        return _part_summary(plan, receipts, first, last, url, total)
     return commit(plan, dest, work, [receipts[k] for k in range(total)])
 
 
@@ -313,15 +313,15 @@ def sample_sizes(plan: Any) -> Iterator[int]:
         for _ in plan.scan.samples:
             yield record
         return
-    stamps = storage.store_stamps(plan.src) if plan.src.is_dir() else None
-    for sample in plan.scan.samples:
-        if stamps is not None:
-            yield int(stamps[sample.path].split(":", 1)[0])
-        else:
+    samples = plan.scan.samples
+    for index in range(len(samples)):
+        size = samples.size(index) if isinstance(samples, SampleTable) else -1
+        if size < 0:
             try:
-                yield os.stat(plan.src / sample.path).st_size
+                size = os.stat(plan.src / samples[index].path).st_size
             except OSError:
-                yield 0  # the task names it
+                size = 0  # the task names it
+        yield size
 
 
 def _check_destination(dest: Destination, plan: Any, work: str) -> Manifest | None:
@@ -434,7 +434,7 @@ def commit(plan: Any, dest: Destination, work: str, receipts: Sequence[dict[str,
 
 
 def _part_summary(
-    plan: Any, receipts: dict[int, dict[str, Any]], first: int, last: int, url: str
+    plan: Any, receipts: dict[int, dict[str, Any]], first: int, last: int, url: str, total: int
 ) -> Manifest:
     """What a part that did not finish the output returns: its own shards' manifest entries
     (nothing is written: the last part to finish commits the whole output)."""
@@ -447,6 +447,7 @@ def _part_summary(
         "count": plan.options.num_parts,
         "start": start,
         "stop": stop,
+        "pending": total - len(receipts),  # shards of other parts without a receipt yet
     }
     log.info(
         "%s: part %d of %d written (%d shards); the output is committed by the last part to "

@@ -120,7 +120,7 @@ class Plan:
         return total * part // parts, total * (part + 1) // parts
 
     @property
-    def samples(self) -> list[Sample]:
+    def samples(self) -> Sequence[Sample]:
         """The samples this conversion converts, in scan order."""
         start, stop = self.bounds
         return self.scan.samples[start:stop]
@@ -177,14 +177,16 @@ class Plan:
             "origin": self.scan.origin,
             **({"layout": self.layout} if self.layout else {}),
         }
+        # A bucket's objects are known by what the store says of each (its listing: sizes and
+        # ETags), files by their stat; other sources' contents are in the origin already.
+        listing = storage.listing_digest(self.src) if self.src.is_dir() else None
+        if listing is not None:
+            head["listing"] = listing
         digest.update(json.dumps(head, sort_keys=True).encode())
-        # Files are stat'ed (a bucket's copy: the store's size and ETag of each object); other
-        # sources' contents are in the origin already.
         stamp = self.source.stamp
-        stored = storage.store_stamps(self.src) if self.src.is_dir() else None
         for sample in self.scan.samples:
-            found = stored.get(sample.path) if stored else None
-            line = f"{sample.label}\t{found or stamp(sample)}\t{sample.path}\n"
+            found = "" if listing is not None else stamp(sample)
+            line = f"{sample.label}\t{found}\t{sample.path}\n"
             digest.update(line.encode("utf-8", "surrogateescape"))
         return digest.hexdigest()[:OUTPUT_ID_LENGTH]
 
@@ -195,7 +197,7 @@ class Plan:
         digest = hashlib.sha256()
         # A bucket SRC's scratch copy has a new path every run: the store's stamps of every
         # object (in the output id) identify it.
-        copied = (self.src / storage.STORE_STAMPS).is_file()
+        copied = (self.src / storage.STORE_LISTING).is_file()
         source = "a bucket's copy" if copied else str(self.src.resolve())
         head = {"output": self.output_id, "source": source, "part": self.part}
         digest.update(json.dumps(head, sort_keys=True).encode())

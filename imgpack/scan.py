@@ -3,8 +3,10 @@ the engine and the executors, which all pass them around)."""
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 #: The label of a sample that has none (an unlabelled source: ``classes == []``).
 UNLABELLED = -1
@@ -22,12 +24,66 @@ class Sample:
     index: int = -1
 
 
+class SampleTable(Sequence[Sample]):
+    """An image folder's samples, packed: their paths in one buffer, their labels and source
+    sizes in arrays — about 40 bytes per sample where :class:`Sample` objects take a few
+    hundred — so that a driver holds the scan of millions of images. Indexing gives
+    :class:`Sample` objects (a slice: a list of them)."""
+
+    def __init__(self) -> None:
+        self._paths = bytearray()
+        self._ends = array("q")
+        self._labels = array("i")
+        self._sizes = array("q")
+
+    def extend(self, paths: Iterable[str], label: int, sizes: Iterable[int] | None = None) -> None:
+        """Append ``paths`` with ``label`` (and their source sizes in bytes, else unknown)."""
+        sizes = iter(sizes) if sizes is not None else None
+        for path in paths:
+            self._paths += path.encode("utf-8", "surrogateescape")
+            self._ends.append(len(self._paths))
+            self._labels.append(label)
+            self._sizes.append(next(sizes) if sizes is not None else -1)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    @overload
+    def __getitem__(self, index: int) -> Sample: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Sample]: ...
+
+    def __getitem__(self, index: int | slice) -> Sample | list[Sample]:
+        if isinstance(index, slice):
+            return [self._sample(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("sample index out of range")
+        return self._sample(index)
+
+    def _sample(self, i: int) -> Sample:
+        start = self._ends[i - 1] if i else 0
+        path = self._paths[start : self._ends[i]].decode("utf-8", "surrogateescape")
+        return Sample(path, self._labels[i])
+
+    def size(self, index: int) -> int:
+        """The source size in bytes of sample ``index`` as listed, ``-1`` when not known."""
+        return self._sizes[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass
 class Scan:
     """What a source's scan found, in the order the output keeps."""
 
     classes: list[str]
-    samples: list[Sample]
+    samples: Sequence[Sample]
     empty_classes: list[str] = field(default_factory=list)
     ignored_files: int = 0
     #: What the scan could not take (folders it could not list, bad rows of a label list):

@@ -23,6 +23,7 @@ anything else to the filesystem.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -34,7 +35,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -459,14 +460,16 @@ def source_folder(
 ) -> Iterator[Path]:
     """A local folder holding what ``location`` holds: itself when local; a scratch copy of a
     URL's files (removed afterwards) when not, with what the store says of each object (its
-    size and ETag or version) in :data:`STORE_STAMPS`: a conversion identifies the source by
+    size and ETag or version) in :data:`STORE_LISTING`: a conversion identifies the source by
     those, not by the copy's modification times, so two conversions of one bucket (and the
     parts of one) get one output id.
 
-    ``listing_only``: given the objects' relative paths, whether to download nothing: the
-    scratch folder then holds the listing only (:data:`STORE_STAMPS`, and the URL in
-    :data:`STORE_REMOTE`), and the conversion's workers read each object from the bucket
-    (:func:`remote_source`)."""
+    ``listing_only``: given SRC's top-level entries (folders as ``name/``, objects as ``name``),
+    whether to download nothing: the scratch folder then holds the listing only
+    (:data:`STORE_LISTING`, :data:`STORE_FOLDERS`, and the URL in :data:`STORE_REMOTE`), and the
+    conversion's workers read each object from the bucket (:func:`remote_source`). The listing
+    is taken one top-level folder at a time (several at once) and written to disk as it comes:
+    the driver never holds the whole of it."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -475,38 +478,104 @@ def source_folder(
     scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
     try:
         try:
-            found = {
-                path: info
-                for path, info in fs.find(root, detail=True).items()
-                if not path.endswith("/") and info.get("type", "file") != "directory"
-            }
-            if not found:
+            try:
+                top = fs.ls(root, detail=True)  # one delimiter listing: folders and objects
+            except FileNotFoundError:
+                top = []
+            folders = sorted(
+                _relative(info["name"], root) for info in top if info.get("type") == "directory"
+            )
+            files = sorted(
+                (info["name"], info) for info in top if info.get("type") != "directory"
+            )
+            if not folders and not files:
                 raise ManifestError(f"{url}: nothing there")
-            stamps = {
-                path[len(root) :].lstrip("/"): f"{info.get('size')}:{_etag(info)}"
-                for path, info in found.items()
-            }
-            if listing_only is not None and listing_only(sorted(stamps)):
+            names = [f"{name}/" for name in folders] + [_relative(n, root) for n, _ in files]
+            if listing_only is not None and listing_only(sorted(names)):
+                groups = [("", files), *_folder_listings(fs, root, folders)]
+                _write_listing(scratch, root, groups)
                 remote = {"url": url, "storage_options": storage_options or {}}
                 (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
             else:
+                found = sorted(
+                    (path, info)
+                    for path, info in fs.find(root, detail=True).items()
+                    if not path.endswith("/") and info.get("type", "file") != "directory"
+                )
+                _write_listing(scratch, root, [("", found)])
                 with ThreadPoolExecutor(TRANSFERS) as pool:
-                    list(pool.map(lambda f: _download(fs, f, root, scratch), sorted(found)))
+                    list(pool.map(lambda f: _download(fs, f[0], root, scratch), found))
+                del found
         except OSError as exc:
             raise remote_error(url, exc) from None
-        (scratch / STORE_STAMPS).write_text(json.dumps(stamps, sort_keys=True))
-        # The listing is on disk now: none of it stays in memory while the conversion runs
-        # (this frame lives as long as it does), nor in the filesystem's listing cache.
-        del found, stamps
         fs.invalidate_cache(root)
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-#: In a scratch copy of a bucket source: ``{relative path: "size:etag"}`` of every object, as the
-#: store listed it (a hidden file: no scan takes it).
-STORE_STAMPS = ".imgpack-store.json"
+def _relative(path: str, root: str) -> str:
+    return path.rstrip("/")[len(root) :].lstrip("/")
+
+
+def _folder_listings(
+    fs: Any, root: str, folders: list[str]
+) -> Iterator[tuple[str, list[tuple[str, dict[str, Any]]]]]:
+    """``(folder, its objects)`` for each top-level folder in order, listed ``TRANSFERS`` at
+    a time; at most twice that many folders' listings are held."""
+
+    def listing(name: str) -> list[tuple[str, dict[str, Any]]]:
+        found = fs.find(f"{root}/{name}", detail=True)
+        fs.invalidate_cache(f"{root}/{name}")
+        return sorted(
+            (path, info)
+            for path, info in found.items()
+            if not path.endswith("/") and info.get("type", "file") != "directory"
+        )
+
+    with ThreadPoolExecutor(TRANSFERS) as pool:
+        window: collections.deque[tuple[str, Any]] = collections.deque()
+        pending = iter(folders)
+        while True:
+            while len(window) < 2 * TRANSFERS:
+                name = next(pending, None)
+                if name is None:
+                    break
+                window.append((name, pool.submit(listing, name)))
+            if not window:
+                return
+            name, future = window.popleft()
+            yield name, future.result()
+
+
+def _write_listing(
+    scratch: Path, root: str, groups: Iterable[tuple[str, list[tuple[str, dict[str, Any]]]]]
+) -> None:
+    """:data:`STORE_LISTING` and :data:`STORE_FOLDERS` from ``(folder, objects)`` groups."""
+    from imgpack.sources.folder.scan import visible
+
+    index: dict[str, list[int]] = {}
+    with open(scratch / STORE_LISTING, "wb") as out:
+        for folder, objects in groups:
+            start, shown = out.tell(), 0
+            for path, info in objects:
+                relative = path[len(root) :].lstrip("/")
+                shown += visible(relative)
+                line = json.dumps([relative, int(info.get("size") or 0), _etag(info)])
+                out.write(line.encode("ascii") + b"\n")
+            if objects:
+                index[folder] = [start, out.tell(), shown]
+    (scratch / STORE_FOLDERS).write_text(json.dumps(index, sort_keys=True))
+
+
+#: In a scratch folder of a bucket source: one JSON line ``[relative path, size, "etag"]`` per
+#: object as the store listed it (an ETag, version or generation: what identifies its content),
+#: top-level objects first, then each top-level folder's, folders in sorted order (a hidden
+#: file: no scan takes it).
+STORE_LISTING = ".imgpack-store.jsonl"
+#: Beside it: ``{folder: [first byte, end byte, visible objects]}`` of each top-level folder's
+#: lines in :data:`STORE_LISTING` (``""``: the top-level objects).
+STORE_FOLDERS = ".imgpack-store-folders.json"
 #: In a scratch folder that holds a bucket source's listing only: its URL and storage options.
 STORE_REMOTE = ".imgpack-remote.json"
 
@@ -521,13 +590,33 @@ def remote_source(folder: Path) -> tuple[str, dict[str, Any]] | None:
         return None
 
 
-def store_stamps(folder: Path) -> dict[str, str] | None:
-    """The store's stamps of a scratch copy made by :func:`source_folder`, else ``None``."""
+def store_folders(folder: Path) -> dict[str, list[int]] | None:
+    """The index of a bucket source's listing (:data:`STORE_FOLDERS`), else ``None``."""
     try:
-        found = json.loads((folder / STORE_STAMPS).read_text(encoding="utf-8"))
+        found = json.loads((folder / STORE_FOLDERS).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return found if isinstance(found, dict) else None
+
+
+def store_objects(folder: Path, top: str) -> Iterator[tuple[str, int]]:
+    """``(relative path, size)`` of the objects under the top-level folder ``top`` of a bucket
+    source's listing, read from :data:`STORE_LISTING`."""
+    start, end, _ = (store_folders(folder) or {}).get(top, (0, 0, 0))
+    with open(folder / STORE_LISTING, "rb") as listing:
+        listing.seek(start)
+        for line in listing.read(end - start).splitlines():
+            path, size, _ = json.loads(line)
+            yield path, size
+
+
+def listing_digest(folder: Path) -> str | None:
+    """The sha256 of a bucket source's listing (what the store says of every object), else
+    ``None``."""
+    try:
+        return sha256_file(folder / STORE_LISTING)
+    except OSError:
+        return None
 
 
 def _download(fs: Any, remote: str, root: str, scratch: Path) -> None:

@@ -1,20 +1,23 @@
 """Bucket to bucket: what a conversion's driver holds and reads when SRC and DST are in a bucket
 (moto's S3 server, started here on 127.0.0.1, on the same CPUs).
 
-For each --counts N (small 32x32 PNGs in 10 class folders, uploaded once), one conversion
-`imgpack convert s3://bench/src-N s3://bench/dst-N --format webdataset` in a process of its own
-(the local pool, --workers 2), measured from outside and inside it:
-  - listing: the time fs.find takes over SRC (what the scan waits for);
-  - first encoded image: from the start of the conversion to the first outcome the writer
-    receives (listing, scan and the first chunk);
-  - the driver's peak RSS (VmHWM) and its growth per image between the two largest N;
-  - the driver's peak local disk for SRC (scratch folders imgpack-src-*) and for DST (the
-    build folder in the cache), sampled every 50 ms;
+For each --counts N (small 32x32 PNGs in 10 class folders, uploaded once) and each --executors
+(the local pool of 2 workers; Ray: a local Ray of 2 CPUs started by the run — run the script in
+a loopback-only network namespace then, see docs/scale.md), one conversion
+`imgpack convert s3://bench/src-N s3://bench/dst-N --format webdataset --shard-size 256KB` in a
+process of its own (shard tasks write the shards straight to the bucket), measured from outside
+and inside it:
+  - plan ready: from the start of convert() to the shard plan (listing + scan + plan: no image
+    is read before it), against the listing alone (fs.find over SRC from another process);
+  - first shard written: the first receipt the driver gets;
+  - the driver's peak RSS (VmHWM) and its growth per image between the smallest and largest N;
+  - this machine's peak scratch disk (the driver's listing folder and the local workers' shard
+    folders: everything under the run's TMPDIR) and the cache's build folder, every 50 ms;
+  - bytes that come back to the driver from the tasks (pickled receipts), against the output;
   - GET requests for SRC objects, counted in moto's request log: all of them, and those of
-    part 0 of --num-parts 2 (its own objects only?);
-  - the output's bytes, which still pass through the driver's single writer (every format).
+    part 0 of --num-parts 2 (its own objects only).
 
-    python scripts/bench_bucket.py [--counts 4000,16000] [--data bench-data]
+    python scripts/bench_bucket.py [--counts 4000,16000,64000] [--executors local,ray]
 """
 
 from __future__ import annotations
@@ -37,27 +40,38 @@ import fsspec
 from bench_storage import bucket
 from benchlib import machine, make_png_folder, print_table, save_json
 
-#: Run in the conversion's own process: the time to the first outcome and the peak RSS.
+#: Run in the conversion's own process: when the plan was ready, the first receipt, the bytes
+#: the tasks sent back and the peak RSS.
 DRIVER = """
-import json, sys, time
-import imgpack.pipeline as pipeline
+import json, pickle, sys, time
+import imgpack.direct as direct
+import imgpack.executors as executors
 from imgpack import convert
-real, first = pipeline.write, []
-def write(plan, directory, outcomes, resume=None):
-    def timed():
-        for outcome in outcomes:
-            if not first:
-                first.append(time.perf_counter())
-            yield outcome
-    return real(plan, directory, timed(), resume)
-pipeline.write = write
-src, dst, parts, part = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+marks, returned = {}, [0]
+real_plan = direct.convert_to_bucket
+def convert_to_bucket(*args, **kwargs):
+    marks["plan"] = time.perf_counter()
+    return real_plan(*args, **kwargs)
+direct.convert_to_bucket = convert_to_bucket
+def counted(real):
+    def tasks(self, function, items):
+        for item, result in real(self, function, items):
+            marks.setdefault("first", time.perf_counter())
+            returned[0] += len(pickle.dumps(result))
+            yield item, result
+    return tasks
+for name in ("LocalExecutor", "RayExecutor"):
+    cls = getattr(executors, name)
+    cls.tasks = counted(cls.tasks)
+src, dst, executor, parts, part = sys.argv[1:6]
 start = time.perf_counter()
-manifest = convert(src, dst, "webdataset", workers=2, progress=False, num_parts=parts, part=part)
+manifest = convert(src, dst, "webdataset", workers=2, progress=False, shard_size="256KB",
+                   executor=executor, num_parts=int(parts), part=int(part))
 done = time.perf_counter()
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
-print("RESULT " + json.dumps({"first_s": first[0] - start, "total_s": done - start,
-      "rss_kib": hwm, "samples": manifest.num_samples, "bytes": manifest.total_bytes}))
+print("RESULT " + json.dumps({"plan_s": marks["plan"] - start, "first_s": marks["first"] - start,
+      "total_s": done - start, "rss_kib": hwm, "samples": manifest.num_samples,
+      "bytes": manifest.total_bytes, "shards": len(manifest.files), "returned": returned[0]}))
 """
 
 
@@ -71,24 +85,27 @@ def tree_bytes(paths: list[Path]) -> int:
     return total
 
 
-def run_driver(src: str, dst: str, cache: Path, parts: int = 1, part: int = 0) -> dict[str, Any]:
-    """One conversion in a process of its own, its scratch and build folders sampled."""
+def run_driver(
+    src: str, dst: str, cache: Path, executor: str, parts: int = 1, part: int = 0
+) -> dict[str, Any]:
+    """One conversion in a process of its own, this machine's scratch and the cache's build
+    folder sampled."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-tmp-"))
     env = {**os.environ, "TMPDIR": str(scratch), "IMGPACK_CACHE_DIR": str(cache)}
-    peaks = {"src": 0, "dst": 0}
+    peaks = {"scratch": 0, "build": 0}
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            peaks["src"] = max(peaks["src"], tree_bytes(list(scratch.glob("imgpack-src-*"))))
-            peaks["dst"] = max(peaks["dst"], tree_bytes([cache / "builds"]))
+            peaks["scratch"] = max(peaks["scratch"], tree_bytes([scratch]))
+            peaks["build"] = max(peaks["build"], tree_bytes([cache / "builds"]))
             done.wait(0.05)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
         run = subprocess.run(
-            [sys.executable, "-c", DRIVER, src, dst, str(parts), str(part)],
+            [sys.executable, "-c", DRIVER, src, dst, executor, str(parts), str(part)],
             env=env,
             capture_output=True,
             text=True,
@@ -100,11 +117,7 @@ def run_driver(src: str, dst: str, cache: Path, parts: int = 1, part: int = 0) -
     if run.returncode != 0:
         raise SystemExit(run.stderr[-3000:])
     line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
-    return {
-        **json.loads(line[len("RESULT ") :]),
-        "peak_src": peaks["src"],
-        "peak_dst": peaks["dst"],
-    }
+    return {**json.loads(line[len("RESULT ") :]), **peaks}
 
 
 def gets(log: Path, prefix: str, start: int) -> int:
@@ -118,10 +131,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data", default="bench-data")
-    parser.add_argument("--counts", default="4000,16000")
+    parser.add_argument("--counts", default="4000,16000,64000")
+    parser.add_argument("--executors", default="local,ray")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
+    executors = args.executors.split(",")
     log = Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log"
     print(f"machine: {machine()}")
     results: dict[str, dict[str, float]] = {}
@@ -129,55 +144,72 @@ def main() -> None:
         fs = fsspec.filesystem("s3")  # the server's address is set now
         for count in counts:
             folder = make_png_folder(Path(args.data) / f"png32-{count}", count, 32, 10)
+            start = time.perf_counter()
             fs.put(str(folder), f"bench/src-{count}", recursive=True)
+            upload_s = time.perf_counter() - start
             fs.rm_file(f"bench/src-{count}/.complete")
             start = time.perf_counter()
             listed = len(fs.find(f"bench/src-{count}", refresh=True))
             listing_s = time.perf_counter() - start
-            cache = Path(tempfile.mkdtemp(prefix="bench-cache-"))
-            at = log.stat().st_size
-            whole = run_driver(f"s3://bench/src-{count}", f"s3://bench/dst-{count}", cache)
-            whole_gets = gets(log, f"src-{count}", at)
-            at = log.stat().st_size
-            half = run_driver(f"s3://bench/src-{count}", f"s3://bench/p0-{count}", cache, 2, 0)
-            part_gets = gets(log, f"src-{count}", at)
-            shutil.rmtree(cache, ignore_errors=True)
-            row = {
-                "images": float(listed),
-                "listing_s": listing_s,
-                "first_image_s": whole["first_s"],
-                "total_s": whole["total_s"],
-                "rss_kib": float(whole["rss_kib"]),
-                "peak_src_scratch": float(whole["peak_src"]),
-                "peak_dst_build": float(whole["peak_dst"]),
-                "output_bytes": float(whole["bytes"]),
-                "gets": float(whole_gets),
-                "part0_samples": float(half["samples"]),
-                "part0_gets": float(part_gets),
-            }
-            results[str(count)] = row
-            print_table(
-                f"{count} images, bucket -> bucket, webdataset, local pool (2 workers)",
-                [
-                    ("listing (fs.find)", f"{listing_s:.2f} s for {listed} objects"),
-                    ("first encoded image", f"{whole['first_s']:.2f} s after the start"),
-                    ("whole conversion", f"{whole['total_s']:.1f} s"),
-                    ("driver peak RSS", f"{whole['rss_kib'] / 1024:.0f} MiB"),
-                    ("driver scratch for SRC", f"{whole['peak_src'] / 2**20:.2f} MiB (peak)"),
-                    (
-                        "driver build folder for DST",
-                        f"{whole['peak_dst'] / 2**20:.1f} MiB (peak; output "
-                        f"{whole['bytes'] / 2**20:.1f} MiB)",
-                    ),
-                    ("GETs of SRC objects", f"{whole_gets} for {whole['samples']} samples"),
-                    ("part 0 of 2: GETs", f"{part_gets} for its {half['samples']} samples"),
-                ],
-            )
-        if len(counts) > 1:
-            small, large = results[str(counts[0])], results[str(counts[-1])]
-            slope = (large["rss_kib"] - small["rss_kib"]) * 1024 / (counts[-1] - counts[0])
-            print(f"\ndriver RSS growth: {slope:.0f} B per image ({counts[0]} -> {counts[-1]})")
-            results["rss_bytes_per_image"] = {"value": slope}
+            for executor in executors:
+                cache = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+                at = log.stat().st_size
+                src, dst = f"s3://bench/src-{count}", f"s3://bench/{executor}-{count}"
+                whole = run_driver(src, dst, cache, executor)
+                whole_gets = gets(log, f"src-{count}", at)
+                at = log.stat().st_size
+                half = run_driver(src, f"s3://bench/{executor}-p-{count}", cache, executor, 2, 0)
+                part_gets = gets(log, f"src-{count}", at)
+                shutil.rmtree(cache, ignore_errors=True)
+                row = {
+                    "images": float(listed),
+                    "listing_s": listing_s,
+                    "plan_s": whole["plan_s"],
+                    "first_shard_s": whole["first_s"],
+                    "total_s": whole["total_s"],
+                    "rss_kib": float(whole["rss_kib"]),
+                    "peak_scratch": float(whole["scratch"]),
+                    "peak_build": float(whole["build"]),
+                    "output_bytes": float(whole["bytes"]),
+                    "shards": float(whole["shards"]),
+                    "returned_bytes": float(whole["returned"]),
+                    "gets": float(whole_gets),
+                    "part0_samples": float(half["samples"]),
+                    "part0_gets": float(part_gets),
+                }
+                results[f"{executor}-{count}"] = row
+                out_mib = whole["bytes"] / 2**20
+                print_table(
+                    f"{count} images, bucket -> bucket, webdataset, {executor} (2 workers), "
+                    f"{upload_s:.0f} s to upload",
+                    [
+                        ("listing alone (fs.find)", f"{listing_s:.2f} s for {listed} objects"),
+                        ("plan ready (listing, scan, plan)", f"{whole['plan_s']:.2f} s"),
+                        ("first shard written", f"{whole['first_s']:.2f} s after the start"),
+                        ("whole conversion", f"{whole['total_s']:.1f} s"),
+                        ("driver peak RSS", f"{whole['rss_kib'] / 1024:.0f} MiB"),
+                        (
+                            "peak scratch (driver + local workers)",
+                            f"{whole['scratch'] / 2**20:.2f} MiB; build folder "
+                            f"{whole['build'] / 2**20:.2f} MiB; output {out_mib:.1f} MiB in "
+                            f"{whole['shards']} shards",
+                        ),
+                        (
+                            "bytes back to the driver",
+                            f"{whole['returned']:,} ({100 * whole['returned'] / whole['bytes']:.2f}"
+                            "% of the output)",
+                        ),
+                        ("GETs of SRC objects", f"{whole_gets} for {whole['samples']} samples"),
+                        ("part 0 of 2: GETs", f"{part_gets} for its {half['samples']} samples"),
+                    ],
+                )
+        for executor in executors:
+            small, large = results[f"{executor}-{counts[0]}"], results[f"{executor}-{counts[-1]}"]
+            if len(counts) > 1:
+                slope = (large["rss_kib"] - small["rss_kib"]) * 1024 / (counts[-1] - counts[0])
+                print(f"\n{executor}: driver RSS growth {slope:.0f} B per image "
+                      f"({counts[0]} -> {counts[-1]})")  # fmt: skip
+                results[f"{executor}-rss_bytes_per_image"] = {"value": slope}
     save_json(args.json, {"machine": machine(), "results": results})
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from imgpack.errors import ManifestError, ScanError
-from imgpack.scan import Sample, Scan
+from imgpack.scan import SampleTable, Scan
 
 log = logging.getLogger(__name__)
 
@@ -209,58 +209,65 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
     folders = find_classes(root)
     unreadable: list[dict[str, str]] = []
     return _scan(
-        str(root), folders, classes, lambda name: walk_images(root, name, unreadable), unreadable
+        str(root),
+        folders,
+        classes,
+        lambda name: (*walk_images(root, name, unreadable), None),
+        unreadable,
     )
 
 
-def listed_classes(paths: Iterable[str]) -> dict[str, list[str]]:
-    """The files of an image folder known by its listing (relative POSIX paths, as a bucket
-    lists them) by class folder: hidden names at any depth and top-level files left out, as
-    :func:`scan_folder` leaves them."""
-    by_class: dict[str, list[str]] = {}
-    for path in paths:
-        parts = path.split("/")
-        if len(parts) < 2 or any(not part or _hidden(part) for part in parts):
-            continue
-        by_class.setdefault(parts[0], []).append(path)
-    return by_class
+def visible(path: str) -> bool:
+    """Whether a listed object (a relative POSIX path) is a file of a class folder as
+    :func:`scan_folder` sees it: under a top-level folder, no hidden name at any depth."""
+    parts = path.split("/")
+    return len(parts) >= 2 and all(part and not _hidden(part) for part in parts)
 
 
-def scan_listing(where: str, paths: Iterable[str], classes: list[str] | None = None) -> Scan:
-    """The scan of an image folder known by its listing (a bucket's objects, relative paths):
-    the classes, samples and order :func:`scan_folder` gives for the same tree. ``where`` names
-    it in messages."""
-    by_class = listed_classes(paths)
-    folders = sorted(by_class)
+def scan_listing(
+    where: str,
+    folders: list[str],
+    objects: Callable[[str], Iterable[tuple[str, int]]],
+    classes: list[str] | None = None,
+) -> Scan:
+    """The scan of an image folder known by its listing (a bucket's objects): the classes,
+    samples and order :func:`scan_folder` gives for the same tree, each sample with the size the
+    store lists. ``folders``: the class folders (top-level folders holding a visible object);
+    ``objects(folder)``: that folder's objects, ``(relative path, size)``, in any order (read
+    one folder at a time: the driver never holds the whole listing). ``where`` names it in
+    messages."""
     if not folders:
         raise ScanError(
             f"{where}: no class folders found. imgpack expects one folder per class: "
             f"{where}/<class>/<image>"
         )
 
-    def walk(name: str) -> tuple[list[str], int]:
+    def walk(name: str) -> tuple[list[str], int, list[int]]:
         found, ignored = [], 0
-        for path in by_class.get(name, []):
+        for path, size in objects(name):
+            if not visible(path):
+                continue
             folder, _, file = path.rpartition("/")
             if file.lower().endswith(IMAGE_EXTENSIONS):
-                found.append((folder, file))
+                found.append((folder, file, size))
             else:
                 ignored += 1
         found.sort()  # walk_images's order: folders by path, files by name
-        return [_join(d, n) for d, n in found], ignored
+        return [_join(d, n) for d, n, _ in found], ignored, [size for _, _, size in found]
 
-    return _scan(where, folders, classes, walk, [])
+    return _scan(where, sorted(folders), classes, walk, [])
 
 
 def _scan(
     root: str,
     folders: list[str],
     classes: list[str] | None,
-    walk: Callable[[str], tuple[list[str], int]],
+    walk: Callable[[str], tuple[list[str], int, list[int] | None]],
     unreadable: list[dict[str, str]],
 ) -> Scan:
-    """A scan from the class folders and a walk of each (its image paths, in order, and the
-    other files passed over); the folders that could not be taken go into ``unreadable``."""
+    """A scan from the class folders and a walk of each (its image paths, in order, the other
+    files passed over, and the images' sizes when the walk knows them); the folders that could
+    not be taken go into ``unreadable``."""
     if classes is None:
         classes = folders
     else:
@@ -271,7 +278,7 @@ def _scan(
                 f"label map ({len(classes)} classes: {', '.join(classes[:10])}"
                 f"{', ...' if len(classes) > 10 else ''})"
             )
-    samples: list[Sample] = []
+    samples = SampleTable()
     empty: list[str] = []
     ignored = 0
     present = set(folders)
@@ -279,11 +286,11 @@ def _scan(
         if name not in present:
             empty.append(name)
             continue
-        paths, skipped = walk(name)
+        paths, skipped, sizes = walk(name)
         ignored += skipped
         if not paths:
             empty.append(name)
-        samples.extend(Sample(path, label) for path in paths)
+        samples.extend(paths, label, sizes)
     if not samples and not unreadable:
         raise ScanError(
             f"{root}: found no image files in {len(folders)} class folder(s). Images are recognised "

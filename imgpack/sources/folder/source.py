@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import (
     SPLIT_NAMES,
     find_classes,
-    listed_classes,
     printable,
     scan_folder,
     scan_listing,
@@ -101,10 +101,12 @@ class FolderSource(Source):
     def scan(self, request: ScanRequest) -> Scan:
         remote = self.remote
         if remote is not None:
-            listing = storage.store_stamps(self.src) or {}
+            index = storage.store_folders(self.src) or {}
+            folders = sorted(name for name, (_, _, shown) in index.items() if name and shown)
             if not request.allow_split_names:
-                refuse_splits(remote[0], sorted(listed_classes(listing)))
-            return scan_listing(remote[0], sorted(listing), request.classes)
+                refuse_splits(remote[0], folders)
+            objects = partial(storage.store_objects, self.src)
+            return scan_listing(remote[0], folders, objects, request.classes)
         if not request.allow_split_names:
             refuse_split_folders(self.src)
         scan = scan_folder(self.src, request.classes)
