@@ -485,9 +485,7 @@ def source_folder(
             folders = sorted(
                 _relative(info["name"], root) for info in top if info.get("type") == "directory"
             )
-            files = sorted(
-                (info["name"], info) for info in top if info.get("type") != "directory"
-            )
+            files = sorted((info["name"], info) for info in top if info.get("type") != "directory")
             if not folders and not files:
                 raise ManifestError(f"{url}: nothing there")
             names = [f"{name}/" for name in folders] + [_relative(n, root) for n, _ in files]
