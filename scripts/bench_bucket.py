@@ -133,6 +133,9 @@ def main() -> None:
     parser.add_argument("--data", default="bench-data")
     parser.add_argument("--counts", default="4000,16000,64000")
     parser.add_argument("--executors", default="local,ray")
+    parser.add_argument(
+        "--parts-up-to", type=int, default=None, help="measure part 0 of 2 up to this N only"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
@@ -157,9 +160,12 @@ def main() -> None:
                 src, dst = f"s3://bench/src-{count}", f"s3://bench/{executor}-{count}"
                 whole = run_driver(src, dst, cache, executor)
                 whole_gets = gets(log, f"src-{count}", at)
-                at = log.stat().st_size
-                half = run_driver(src, f"s3://bench/{executor}-p-{count}", cache, executor, 2, 0)
-                part_gets = gets(log, f"src-{count}", at)
+                half, part_gets = {"samples": 0}, 0
+                if args.parts_up_to is None or count <= args.parts_up_to:
+                    at = log.stat().st_size
+                    part = f"s3://bench/{executor}-p-{count}"
+                    half = run_driver(src, part, cache, executor, 2, 0)
+                    part_gets = gets(log, f"src-{count}", at)
                 shutil.rmtree(cache, ignore_errors=True)
                 row = {
                     "images": float(listed),
