@@ -224,26 +224,27 @@ def convert_to_bucket(
     dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
     done = _receipts(dest, work, total) if options.resume else {}
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
-    todo = [
-        ShardTask(
-            plan.job,
-            replace(config, first_index=bounds[k]),
-            k,
-            total,
-            bounds[k],
-            plan.scan.samples[bounds[k] : bounds[k + 1]],
-            url,
-            json.dumps(storage_options or {}, sort_keys=True),
-            f"{work}/{receipt_name(k)}",
-            options.on_error,
-        )
-        for k in range(first, last)
-        if k not in done
-    ]
+    numbers = [k for k in range(first, last) if k not in done]
+
+    def tasks() -> Iterator[ShardTask]:  # made as they are sent: one shard's samples at a time
+        for k in numbers:
+            yield ShardTask(
+                plan.job,
+                replace(config, first_index=bounds[k]),
+                k,
+                total,
+                bounds[k],
+                plan.scan.samples[bounds[k] : bounds[k + 1]],
+                url,
+                json.dumps(storage_options or {}, sort_keys=True),
+                f"{work}/{receipt_name(k)}",
+                options.on_error,
+            )
+
     mine = bounds[last] - bounds[first]
     bar = tqdm(
         total=mine,
-        initial=mine - sum(len(t.samples) for t in todo),
+        initial=mine - sum(bounds[k + 1] - bounds[k] for k in numbers),
         unit="img",
         desc=options.format,
         file=sys.stderr,
@@ -251,7 +252,7 @@ def convert_to_bucket(
         dynamic_ncols=True,
     )
     with bar:
-        for task, result in executor.tasks(write_shard, todo):
+        for task, result in executor.tasks(write_shard, tasks()):
             receipt = result
             if isinstance(result, TaskDied):
                 receipt = _without_killers(plan, executor, task)

@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -85,11 +85,12 @@ class TaskExecutor(Executor, Protocol):
     and converts samples one per process to find the one that kills its worker."""
 
     def tasks(
-        self, function: Callable[[Any], Any], items: Sequence[Any]
+        self, function: Callable[[Any], Any], items: Iterable[Any]
     ) -> Iterator[tuple[Any, Any]]:
         """``(item, function(item))`` for every item, in the items' order, a bounded window of
         them in flight; :class:`TaskDied` in place of the result when the task's worker died on
-        every try. A Python error in a task is raised (with its type and message)."""
+        every try. ``items`` is iterated as tasks are sent (a generator keeps memory bounded).
+        A Python error in a task is raised (with its type and message)."""
         ...
 
     def alone(self, job: Job, samples: Sequence[Sample]) -> list[Outcome]:
@@ -235,7 +236,7 @@ class LocalExecutor:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def tasks(
-        self, function: Callable[[Any], Any], items: Sequence[Any]
+        self, function: Callable[[Any], Any], items: Iterable[Any]
     ) -> Iterator[tuple[Any, Any]]:
         """See :meth:`TaskExecutor.tasks`. A worker that dies breaks the pool: each task that was
         in flight is run again alone, in a process of its own, so only the one that kills its
@@ -391,7 +392,7 @@ class RayExecutor:
                 ray.shutdown()
 
     def tasks(
-        self, function: Callable[[Any], Any], items: Sequence[Any]
+        self, function: Callable[[Any], Any], items: Iterable[Any]
     ) -> Iterator[tuple[Any, Any]]:
         """See :meth:`TaskExecutor.tasks`: each item a Ray task (retried when its worker dies),
         at most ``TASKS_PER_WORKER`` per cluster CPU in flight."""
