@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -42,6 +42,9 @@ from imgpack.formats import get as format_spec
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
 from imgpack.scan import Sample, SampleTable
+
+if TYPE_CHECKING:
+    from imgpack.pipeline import Plan
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +177,7 @@ def _entry(data: dict[str, Any]) -> FileEntry:
 
 @dataclass
 class Destination:
-    """DST as the store lists it when a run starts: its files (relative path -> size)."""
+    """DST as the store lists it: its files (relative path -> size)."""
 
     url: str
     fs: Any
@@ -184,25 +187,30 @@ class Destination:
     @classmethod
     def list(cls, url: str, storage_options: dict[str, Any] | None) -> Destination:
         fs, root = storage.filesystem(url, storage_options)
-        try:
-            found = fs.find(root, detail=True)
-        except FileNotFoundError:
-            found = {}
-        except OSError as exc:
-            raise storage.remote_error(url, exc) from None
-        files = {
-            path[len(root) :].lstrip("/"): int(info.get("size") or 0)
-            for path, info in found.items()
-            if not path.endswith("/") and info.get("type", "file") != "directory"
-        }
-        return cls(url, fs, root, files)
+        return cls(url, fs, root, _files(fs, root, url))
 
-    def work(self, output_id: str) -> str:
-        return f"{WORK}/{output_id}"
+    def relisted(self) -> Destination:
+        """DST listed again (other parts and tasks write to it too)."""
+        self.fs.invalidate_cache(self.root)
+        return Destination(self.url, self.fs, self.root, _files(self.fs, self.root, self.url))
+
+
+def _files(fs: Any, root: str, url: str) -> dict[str, int]:
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        found = {}
+    except OSError as exc:
+        raise storage.remote_error(url, exc) from None
+    return {
+        path[len(root) :].lstrip("/"): int(info.get("size") or 0)
+        for path, info in found.items()
+        if not path.endswith("/") and info.get("type", "file") != "directory"
+    }
 
 
 def convert_to_bucket(
-    plan: Any, url: str, storage_options: dict[str, Any] | None, executor: Any
+    plan: Plan, url: str, storage_options: dict[str, Any] | None, executor: Any
 ) -> Manifest:
     """Run a planned conversion (:class:`imgpack.pipeline.Plan`, its layout ``"shards"``) with
     shard tasks writing straight to the bucket ``url``; the manifest once every shard is
@@ -216,13 +224,13 @@ def convert_to_bucket(
         total * (options.part + 1) // options.num_parts,
     )
     dest = Destination.list(url, storage_options)
-    work = dest.work(plan.output_id)
+    work = f"{WORK}/{plan.output_id}"
     committed = _check_destination(dest, plan, work)
     if committed is not None:
         return committed
     plan_file = {"output_id": plan.output_id, "format": options.format, "shards": total}
     dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
-    done = _receipts(dest, work, total) if options.resume else {}
+    done = set(_receipts(dest, work, total)) if options.resume else set()
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
     numbers = [k for k in range(first, last) if k not in done]
 
@@ -234,7 +242,7 @@ def convert_to_bucket(
                 k,
                 total,
                 bounds[k],
-                plan.scan.samples[bounds[k] : bounds[k + 1]],
+                list(plan.scan.samples[bounds[k] : bounds[k + 1]]),
                 url,
                 json.dumps(storage_options or {}, sort_keys=True),
                 f"{work}/{receipt_name(k)}",
@@ -263,7 +271,6 @@ def convert_to_bucket(
                     f"{failed['reason']} (use --on-error skip to skip such files; the shards "
                     "written so far are kept: --resume continues)",
                 )
-            done[task.number] = receipt
             bar.update(len(task.samples))
     receipts = _receipts(dest, work, total)
     if len(receipts) < total:
@@ -275,7 +282,7 @@ def receipt_name(number: int) -> str:
     return f"shard-{number:05d}.json"
 
 
-def _without_killers(plan: Any, executor: Any, task: ShardTask) -> dict[str, Any]:
+def _without_killers(plan: Plan, executor: Any, task: ShardTask) -> dict[str, Any]:
     """The receipt of a shard whose task died on every try: each of its samples converted
     alone finds the ones that kill their worker; with ``--on-error skip`` the shard is written
     again without them (they are recorded as skipped), else the first stops the run."""
@@ -304,11 +311,12 @@ def _without_killers(plan: Any, executor: Any, task: ShardTask) -> dict[str, Any
     return dict(receipt)
 
 
-def sample_sizes(plan: Any) -> Iterator[int]:
+def sample_sizes(plan: Plan) -> Iterator[int]:
     """The bytes the shard plan counts for each sample, in scan order: a raw record's fixed
     size, else the source file's size as the store lists it (or as the file system says)."""
     opts = plan.options
     if opts.encoding_spec.name == "raw":
+        assert opts.policy.size is not None  # raw needs a size (checked with the options)
         height, width = opts.policy.size
         record = height * width * opts.policy.channels
         for _ in plan.scan.samples:
@@ -325,7 +333,7 @@ def sample_sizes(plan: Any) -> Iterator[int]:
         yield size
 
 
-def _check_destination(dest: Destination, plan: Any, work: str) -> Manifest | None:
+def _check_destination(dest: Destination, plan: Plan, work: str) -> Manifest | None:
     """Refuse a DST that holds something else; withdraw an output being replaced
     (``--overwrite``: its manifest removed first); the manifest of this very conversion when it
     was committed already (a part or a ``--resume`` run after the last part finished)."""
@@ -367,7 +375,7 @@ def _read_manifest(dest: Destination) -> Manifest:
 def _receipts(dest: Destination, work: str, total: int) -> dict[int, dict[str, Any]]:
     """The receipts under ``work`` whose shard is in the bucket as they describe it (its size
     and its index files'), by shard number; the store is listed again (other parts write too)."""
-    fresh = _relist(dest)
+    fresh = dest.relisted()
     names = [p for p in fresh.files if p.startswith(f"{work}/shard-") and p.endswith(".json")]
     found: dict[int, dict[str, Any]] = {}
     if not names:
@@ -386,22 +394,7 @@ def _receipts(dest: Destination, work: str, total: int) -> dict[int, dict[str, A
     return found
 
 
-def _relist(dest: Destination) -> Destination:
-    dest.fs.invalidate_cache(dest.root)
-    fs, root = dest.fs, dest.root
-    try:
-        found = fs.find(root, detail=True)
-    except FileNotFoundError:
-        found = {}
-    files = {
-        path[len(root) :].lstrip("/"): int(info.get("size") or 0)
-        for path, info in found.items()
-        if not path.endswith("/") and info.get("type", "file") != "directory"
-    }
-    return Destination(dest.url, fs, root, files)
-
-
-def _manifest(plan: Any, receipts: Sequence[dict[str, Any]], url: str) -> Manifest:
+def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
     from imgpack.pipeline import manifest_for
 
     files = [_entry(r["file"]) for r in receipts]
@@ -412,10 +405,12 @@ def _manifest(plan: Any, receipts: Sequence[dict[str, Any]], url: str) -> Manife
     return manifest
 
 
-def commit(plan: Any, dest: Destination, work: str, receipts: Sequence[dict[str, Any]]) -> Manifest:
+def commit(
+    plan: Plan, dest: Destination, work: str, receipts: Sequence[dict[str, Any]]
+) -> Manifest:
     """Write the manifest of the whole output from its shards' receipts, last; remove what an
     output replaced left and the work folder."""
-    manifest = _manifest(plan, receipts, dest.url)
+    manifest = _manifest(plan, receipts)
     manifest.part = None
     if not manifest.num_samples:
         first = manifest.skipped[0] if manifest.skipped else {"path": "?", "reason": "?"}
@@ -425,7 +420,7 @@ def commit(plan: Any, dest: Destination, work: str, receipts: Sequence[dict[str,
         )
     keep = {MANIFEST_NAME, *(f.path for f in manifest.files)}
     keep |= {c.path for f in manifest.files for c in f.companions}
-    listed = _relist(dest)
+    listed = dest.relisted()
     for stale in sorted(p for p in listed.files if p not in keep and not p.startswith(f"{WORK}/")):
         dest.fs.rm_file(f"{dest.root}/{stale}")
     dest.fs.pipe_file(f"{dest.root}/{MANIFEST_NAME}", manifest_bytes(manifest))  # the commit
@@ -435,12 +430,12 @@ def commit(plan: Any, dest: Destination, work: str, receipts: Sequence[dict[str,
 
 
 def _part_summary(
-    plan: Any, receipts: dict[int, dict[str, Any]], first: int, last: int, url: str, total: int
+    plan: Plan, receipts: dict[int, dict[str, Any]], first: int, last: int, url: str, total: int
 ) -> Manifest:
     """What a part that did not finish the output returns: its own shards' manifest entries
     (nothing is written: the last part to finish commits the whole output)."""
     mine = [receipts[k] for k in range(first, last) if k in receipts]
-    manifest = _manifest(plan, mine, url)
+    manifest = _manifest(plan, mine)
     start = mine[0]["start"] if mine else 0
     stop = mine[-1]["stop"] if mine else 0
     manifest.part = {

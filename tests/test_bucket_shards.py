@@ -258,3 +258,41 @@ def test_what_a_bucket_destination_holds_is_checked(s3: str, src_url: str, image
     fs.pipe(work, json.dumps({"output_id": "0123456789abcdef"}).encode())
     with pytest.raises(FileExistsError, match=r"unfinished work of another conversion"):
         convert(src_url, f"{s3}/other", "pt", progress=False)
+
+
+def test_the_scan_of_a_bucket_is_listed_folder_by_folder_and_packed(
+    s3: str, src_url: str, images: Path
+) -> None:
+    """The listing goes to a file on disk, one class folder at a time; the scan keeps the
+    samples packed (no Python object per image) with the sizes the store lists, and equals the
+    scan of the same folder on disk."""
+    from imgpack.scan import SampleTable
+    from imgpack.sources.base import ScanRequest
+    from imgpack.sources.folder.scan import scan_folder
+    from imgpack.sources.folder.source import FolderSource
+
+    with storage.source_location(src_url, listing_only=lambda names: True) as folder:
+        assert sorted(storage.store_folders(folder) or {}) == [f"class{i}" for i in range(4)]
+        scan = FolderSource(folder).scan(ScanRequest())
+    local = scan_folder(images)
+    assert isinstance(scan.samples, SampleTable) and scan.samples == local.samples
+    sizes = [scan.samples.size(i) for i in range(len(scan.samples))]
+    assert sizes == [(images / s.path).stat().st_size for s in local.samples]
+
+
+def test_a_packed_scan_takes_under_100_bytes_per_image() -> None:
+    import tracemalloc
+    from itertools import repeat
+
+    from imgpack.scan import SampleTable
+
+    count = 100_000
+    tracemalloc.start()
+    table = SampleTable()
+    for label in range(10):
+        paths = (f"n{label:08d}/n{label:08d}_{i:06d}.JPEG" for i in range(count // 10))
+        table.extend(paths, label, repeat(110_000))
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(table) == count and table[12_345].path == "n00000001/n00000001_002345.JPEG"
+    assert held / count < 100, f"{held / count:.0f} bytes per image"
