@@ -490,8 +490,7 @@ def source_folder(
                 raise ManifestError(f"{url}: nothing there")
             names = [f"{name}/" for name in folders] + [_relative(n, root) for n, _ in files]
             if listing_only is not None and listing_only(sorted(names)):
-                groups = [("", files), *_folder_listings(fs, root, folders)]
-                _write_listing(scratch, root, groups)
+                _write_listing(scratch, fs, root, files, folders)
                 remote = {"url": url, "storage_options": storage_options or {}}
                 (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
             else:
@@ -500,7 +499,7 @@ def source_folder(
                     for path, info in fs.find(root, detail=True).items()
                     if not path.endswith("/") and info.get("type", "file") != "directory"
                 )
-                _write_listing(scratch, root, [("", found)])
+                _write_listing(scratch, fs, root, found, [])
                 with ThreadPoolExecutor(TRANSFERS) as pool:
                     list(pool.map(lambda f: _download(fs, f[0], root, scratch), found))
                 del found
@@ -516,54 +515,84 @@ def _relative(path: str, root: str) -> str:
     return path.rstrip("/")[len(root) :].lstrip("/")
 
 
-def _folder_listings(
-    fs: Any, root: str, folders: list[str]
-) -> Iterator[tuple[str, list[tuple[str, dict[str, Any]]]]]:
-    """``(folder, its objects)`` for each top-level folder in order, listed ``TRANSFERS`` at
-    a time; at most twice that many folders' listings are held."""
+def _write_listing(
+    scratch: Path,
+    fs: Any,
+    root: str,
+    top: list[tuple[str, dict[str, Any]]],
+    folders: list[str],
+) -> None:
+    """:data:`STORE_LISTING` and :data:`STORE_FOLDERS`: the objects ``top`` (listed already),
+    then each of ``folders`` listed into a part file of its own, ``TRANSFERS`` folders at once,
+    the parts joined in order as they complete."""
+    index: dict[str, list[int]] = {}
+    parts = scratch / ".imgpack-store-parts"
+    parts.mkdir()
+    with open(scratch / STORE_LISTING, "wb") as out, ThreadPoolExecutor(TRANSFERS) as pool:
+        shown = _write_objects(out, root, top)
+        if top:
+            index[""] = [0, out.tell(), shown]
+        window: collections.deque[tuple[str, Path, Any]] = collections.deque()
+        pending = iter(enumerate(folders))
+        while True:
+            while len(window) < 2 * TRANSFERS:
+                number, name = next(pending, (-1, ""))
+                if number < 0:
+                    break
+                part = parts / f"{number}.jsonl"
+                window.append((name, part, pool.submit(_list_folder, fs, root, name, part)))
+            if not window:
+                break
+            name, part, future = window.popleft()
+            shown, start = future.result(), out.tell()
+            with open(part, "rb") as listed:
+                shutil.copyfileobj(listed, out)
+            part.unlink()
+            if out.tell() > start:
+                index[name] = [start, out.tell(), shown]
+    parts.rmdir()
+    (scratch / STORE_FOLDERS).write_text(json.dumps(index, sort_keys=True))
 
-    def listing(name: str) -> list[tuple[str, dict[str, Any]]]:
+
+def _list_folder(fs: Any, root: str, name: str, part: Path) -> int:
+    """List the objects under ``root/name`` into the file ``part``; how many are visible. On
+    S3 page by page as the store returns them (1,000 keys a page: memory bounded by a page);
+    elsewhere with ``find`` (bounded by the folder)."""
+    with open(part, "wb") as out:
+        if getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
+            from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+            bucket, key, _ = fs.split_path(f"{root}/{name}/")
+            shown = [0]
+
+            async def pages() -> None:
+                async for info in fs._iterdir(bucket, delimiter="", prefix=key):
+                    if info.get("type", "file") != "directory" and not info["name"].endswith("/"):
+                        shown[0] += _write_objects(out, root, [(info["name"], info)])
+
+            sync(fs.loop, pages)
+            return shown[0]
         found = fs.find(f"{root}/{name}", detail=True)
         fs.invalidate_cache(f"{root}/{name}")
-        return sorted(
+        objects = sorted(
             (path, info)
             for path, info in found.items()
             if not path.endswith("/") and info.get("type", "file") != "directory"
         )
-
-    with ThreadPoolExecutor(TRANSFERS) as pool:
-        window: collections.deque[tuple[str, Any]] = collections.deque()
-        pending = iter(folders)
-        while True:
-            while len(window) < 2 * TRANSFERS:
-                name = next(pending, None)
-                if name is None:
-                    break
-                window.append((name, pool.submit(listing, name)))
-            if not window:
-                return
-            name, future = window.popleft()
-            yield name, future.result()
+        return _write_objects(out, root, objects)
 
 
-def _write_listing(
-    scratch: Path, root: str, groups: Iterable[tuple[str, list[tuple[str, dict[str, Any]]]]]
-) -> None:
-    """:data:`STORE_LISTING` and :data:`STORE_FOLDERS` from ``(folder, objects)`` groups."""
+def _write_objects(out: Any, root: str, objects: Iterable[tuple[str, dict[str, Any]]]) -> int:
+    """One :data:`STORE_LISTING` line per object; how many are visible (:func:`visible`)."""
     from imgpack.sources.folder.scan import visible
 
-    index: dict[str, list[int]] = {}
-    with open(scratch / STORE_LISTING, "wb") as out:
-        for folder, objects in groups:
-            start, shown = out.tell(), 0
-            for path, info in objects:
-                relative = path[len(root) :].lstrip("/")
-                shown += visible(relative)
-                line = json.dumps([relative, int(info.get("size") or 0), _etag(info)])
-                out.write(line.encode("ascii") + b"\n")
-            if objects:
-                index[folder] = [start, out.tell(), shown]
-    (scratch / STORE_FOLDERS).write_text(json.dumps(index, sort_keys=True))
+    shown = 0
+    for path, info in objects:
+        relative = path[len(root) :].lstrip("/")
+        shown += visible(relative)
+        line = json.dumps([relative, int(info.get("size") or 0), _etag(info)])
+        out.write(line.encode("ascii") + b"\n")
+    return shown
 
 
 #: In a scratch folder of a bucket source: one JSON line ``[relative path, size, "etag"]`` per
