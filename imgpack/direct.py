@@ -41,6 +41,7 @@ from imgpack.executors import WORKER_DIED, Executor, Failure, Job, TaskDied
 from imgpack.formats import get as format_spec
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
+from imgpack.recorded import manifest_for
 from imgpack.scan import Sample, SampleTable
 
 if TYPE_CHECKING:
@@ -395,8 +396,6 @@ def _receipts(dest: Destination, work: str, total: int) -> dict[int, dict[str, A
 
 
 def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
-    from imgpack.pipeline import manifest_for
-
     files = [_entry(r["file"]) for r in receipts]
     skipped = [*plan.scan.unreadable, *(s for r in receipts for s in r["skipped"])]
     manifest = manifest_for(plan, files, sum(r["count"] for r in receipts), skipped)

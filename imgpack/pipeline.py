@@ -52,7 +52,6 @@ from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, Writt
 from imgpack.manifest import (
     MANIFEST_NAME,
     OUTPUT_ID_LENGTH,
-    FileEntry,
     Manifest,
     read_manifest,
     write_manifest,
@@ -69,6 +68,7 @@ from imgpack.publishing import (
     recover,
     temp_output,
 )
+from imgpack.recorded import manifest_for
 from imgpack.scan import Sample, Scan
 from imgpack.sources.base import ScanRequest, Source
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
@@ -405,53 +405,6 @@ def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
     """The manifest of the finished files in ``directory``."""
     files = file_entries(directory, written.files)
     return manifest_for(plan, files, written.count, written.skipped)
-
-
-def manifest_for(
-    plan: Plan, files: list[FileEntry], count: int, skipped: list[dict[str, str]]
-) -> Manifest:
-    """The manifest of ``plan``'s output made of ``files``, holding ``count`` samples."""
-    opts, scan = plan.options, plan.scan
-    return Manifest(
-        format=opts.format,
-        num_samples=count,
-        classes=scan.classes,
-        encoding=opts.encoding,
-        image=opts.policy.describe(),
-        files=files,
-        options=opts.recorded(),
-        source={
-            "path": str(plan.src.resolve()),
-            "image_files": len(scan.samples),
-            "ignored_files": scan.ignored_files,
-            "empty_classes": scan.empty_classes,
-            "classes_from": opts.classes_from,
-            **_chain(scan),
-        },
-        skipped=skipped,
-        created_by=f"imgpack {__version__}",
-        output_id=plan.output_id,
-        part=plan.part,
-    )
-
-
-def _chain(scan: Scan) -> dict[str, Any]:
-    """What the manifest records of a source that is not an image folder: its format, its
-    output id and its own ``source`` (so a manifest holds the whole chain of conversions)."""
-    origin = scan.origin
-    if origin is None:
-        return {}
-    keys = (
-        "format",
-        "encoding",
-        "output_id",
-        "foreign",
-        "from",
-        "image_column",
-        "label_column",
-        "file",
-    )
-    return {"converted_from": {k: origin[k] for k in keys if k in origin}}
 
 
 def _resume_note(tmp: Path) -> str | None:

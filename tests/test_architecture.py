@@ -51,7 +51,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What a conversion reads (source kinds) and how it runs (executors, options).
     ("sources", ("imgpack.sources", "imgpack.sources.*", "imgpack.executors", "imgpack.options")),
     # The conversion engine and the commands built on it.
-    ("engine", ("imgpack.pipeline", "imgpack.merging", "imgpack.exporting")),
+    (
+        "engine",
+        (
+            "imgpack.pipeline",
+            "imgpack.direct",
+            "imgpack.recorded",
+            "imgpack.merging",
+            "imgpack.exporting",
+        ),
+    ),
     # The command line, and the package's facade (imgpack.convert, ...: lazy imports of all).
     ("facade", ("imgpack.cli", "imgpack")),
 )
