@@ -632,7 +632,10 @@ def store_objects(folder: Path, top: str) -> Iterator[tuple[str, int]]:
     start, end, _ = (store_folders(folder) or {}).get(top, (0, 0, 0))
     with open(folder / STORE_LISTING, "rb") as listing:
         listing.seek(start)
-        for line in listing.read(end - start).splitlines():
+        for line in listing:  # one line at a time: the folder is never read whole
+            if start >= end:
+                return
+            start += len(line)
             path, size, _ = json.loads(line)
             yield path, size
 
@@ -641,7 +644,7 @@ def listing_digest(folder: Path) -> str | None:
     """The sha256 of a bucket source's listing (what the store says of every object), else
     ``None``."""
     try:
-        return sha256_file(folder / STORE_LISTING)
+        return sha256_file(folder / STORE_LISTING, chunk=1 << 20)
     except OSError:
         return None
 

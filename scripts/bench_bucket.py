@@ -75,6 +75,52 @@ print("RESULT " + json.dumps({"plan_s": marks["plan"] - start, "first_s": marks[
 """
 
 
+#: The driver's side alone, without a store: a listing of N objects in 10 class folders written
+#: as a bucket source's scratch folder holds it, then the scan, the output id and the shard plan
+#: of a conversion to a bucket, in a process of its own; its VmHWM after, less before.
+PLANNING = """
+import json, sys
+from dataclasses import replace
+from pathlib import Path
+import torch  # the driver has it loaded
+import imgpack.storage as storage
+from imgpack import direct, pipeline
+from imgpack.options import ConvertOptions
+count, folder = int(sys.argv[1]), Path(sys.argv[2])
+index = {}
+with open(folder / storage.STORE_LISTING, "wb") as out:
+    for c in range(10):
+        start = out.tell()
+        for i in range(c, count, 10):
+            entry = [f"class{c:02d}/img{i:07d}.png", 3300 + i % 7, f'"{i:032x}"']
+            out.write(json.dumps(entry).encode() + b"\\n")
+        index[f"class{c:02d}"] = [start, out.tell(), count // 10]
+(folder / storage.STORE_FOLDERS).write_text(json.dumps(index))
+(folder / storage.STORE_REMOTE).write_text(json.dumps({"url": "s3://b/src", "storage_options": {}}))
+def hwm():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
+before = hwm()
+options = ConvertOptions.create("webdataset", shard_size="256KB", progress=False)
+plan = replace(pipeline._plan(folder, "s3://b/dst", options, check_dst=False), layout="shards")
+plan.output_id
+bounds = direct.cut(direct.sample_sizes(plan), options.shard_size)
+print("RESULT " + json.dumps({"kib": hwm() - before, "shards": len(bounds) - 1}))
+"""
+
+
+def planning_memory(count: int) -> dict[str, Any]:
+    """The driver's peak RSS growth for listing, scan, output id and plan of ``count`` objects
+    (no store: the listing file is written as a bucket source's scratch folder holds it)."""
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as folder:
+        run = subprocess.run(
+            [sys.executable, "-c", PLANNING, str(count), folder], capture_output=True, text=True
+        )
+    if run.returncode != 0:
+        raise SystemExit(run.stderr[-3000:])
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    return dict(json.loads(line[len("RESULT ") :]))
+
+
 def tree_bytes(paths: list[Path]) -> int:
     total = 0
     for root in paths:
@@ -136,8 +182,24 @@ def main() -> None:
     parser.add_argument(
         "--parts-up-to", type=int, default=None, help="measure part 0 of 2 up to this N only"
     )
+    parser.add_argument(
+        "--planning",
+        default=None,
+        help="only the driver's planning memory (no store) at these N, e.g. 64000,256000,1024000",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.planning:
+        planned = [int(c) for c in args.planning.split(",")]
+        rows = {count: planning_memory(count) for count in planned}
+        for count, row in rows.items():
+            print(f"{count:>9} objects: driver peak RSS +{row['kib'] / 1024:.1f} MiB, "
+                  f"{row['shards']} shards")  # fmt: skip
+        first, last = planned[0], planned[-1]
+        slope = (rows[last]["kib"] - rows[first]["kib"]) * 1024 / (last - first)
+        print(f"planning: {slope:.0f} B per image ({first} -> {last})")
+        save_json(args.json, {"machine": machine(), "planning": rows, "slope": slope})
+        return
     counts = [int(c) for c in args.counts.split(",")]
     executors = args.executors.split(",")
     log = Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log"

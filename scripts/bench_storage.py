@@ -73,7 +73,11 @@ def bucket(log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
         yield server
     finally:
         server.terminate()
-        server.wait(timeout=10)
+        try:
+            server.wait(timeout=60)  # a server holding many objects takes a while
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def fresh_output(src: Path, local: Path, fmt: str, **options: Any) -> Path:
