@@ -70,6 +70,7 @@ def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
         and not str(dst).startswith("memory://")
         and isinstance(source, FolderSource)
         and hasattr(executor, "tasks")
+        and hasattr(executor, "alone")
         and issubclass(options.spec.writer_class(), ShardedWriter)
     )
 
