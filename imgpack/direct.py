@@ -78,16 +78,14 @@ def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
 def cut(sizes: Iterator[int], limit: int) -> list[int]:
     """Shard boundaries for samples of ``sizes`` bytes: a shard takes samples while it stays
     within ``limit`` bytes, and at least one (as the writers roll over). ``[0, b1, ..., n]``."""
-    bounds, total = [0], 0
-    position = 0
-    for position, size in enumerate(sizes):
-        if position > bounds[-1] and total + size > limit:
-            bounds.append(position)
+    bounds, total, count = [0], 0, 0
+    for count, size in enumerate(sizes, 1):
+        if count - 1 > bounds[-1] and total + size > limit:
+            bounds.append(count - 1)
             total = 0
         total += size
-    else:
-        if total or position:
-            bounds.append(position + 1)
+    if count > bounds[-1]:
+        bounds.append(count)
     return bounds
 
 
@@ -206,8 +204,7 @@ def _files(fs: Any, root: str, url: str) -> dict[str, int]:
         raise storage.remote_error(url, exc) from None
     return {
         path[len(root) :].lstrip("/"): int(info.get("size") or 0)
-        for path, info in found.items()
-        if not path.endswith("/") and info.get("type", "file") != "directory"
+        for path, info in storage.listed_objects(found)
     }
 
 

@@ -494,11 +494,7 @@ def source_folder(
                 remote = {"url": url, "storage_options": storage_options or {}}
                 (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
             else:
-                found = sorted(
-                    (path, info)
-                    for path, info in fs.find(root, detail=True).items()
-                    if not path.endswith("/") and info.get("type", "file") != "directory"
-                )
+                found = listed_objects(fs.find(root, detail=True))
                 _write_listing(scratch, fs, root, found, [])
                 with ThreadPoolExecutor(TRANSFERS) as pool:
                     list(pool.map(lambda f: _download(fs, f[0], root, scratch), found))
@@ -509,6 +505,16 @@ def source_folder(
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def listed_objects(found: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The objects of a ``find(..., detail=True)`` result, by path: folder markers and
+    directory entries left out."""
+    return sorted(
+        (path, info)
+        for path, info in found.items()
+        if not path.endswith("/") and info.get("type", "file") != "directory"
+    )
 
 
 def _relative(path: str, root: str) -> str:
@@ -574,12 +580,7 @@ def _list_folder(fs: Any, root: str, name: str, part: Path) -> int:
             return shown[0]
         found = fs.find(f"{root}/{name}", detail=True)
         fs.invalidate_cache(f"{root}/{name}")
-        objects = sorted(
-            (path, info)
-            for path, info in found.items()
-            if not path.endswith("/") and info.get("type", "file") != "directory"
-        )
-        return _write_objects(out, root, objects)
+        return _write_objects(out, root, listed_objects(found))
 
 
 def _write_objects(out: Any, root: str, objects: Iterable[tuple[str, dict[str, Any]]]) -> int:

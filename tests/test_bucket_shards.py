@@ -296,3 +296,12 @@ def test_a_packed_scan_takes_under_100_bytes_per_image() -> None:
     tracemalloc.stop()
     assert len(table) == count and table[12_345].path == "n00000001/n00000001_002345.JPEG"
     assert held / count < 100, f"{held / count:.0f} bytes per image"
+
+
+def test_the_shard_plan_keeps_every_sample() -> None:
+    """Shards stay within the limit, hold at least one sample each, and cover every sample:
+    a lone empty file (listed size 0) gets its shard too, not dropped from the plan."""
+    assert direct.cut(iter([]), 10) == [0]
+    assert direct.cut(iter([0]), 10) == [0, 1]
+    assert direct.cut(iter([6, 6, 6]), 10) == [0, 1, 2, 3]
+    assert direct.cut(iter([3, 3, 3, 30, 1]), 10) == [0, 3, 4, 5]
