@@ -26,6 +26,11 @@ def crc32c(data: bytes | bytearray | memoryview) -> int:
     return int(google_crc32c.value(data if isinstance(data, bytes) else bytes(data)))
 
 
+def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    """The CRC-32C ``crc`` of some bytes, extended over ``data`` after them."""
+    return int(google_crc32c.extend(crc, data if isinstance(data, bytes) else bytes(data)))
+
+
 def record_crc(payload: bytes | bytearray | memoryview, label: int) -> int:
     """The checksum of one record: CRC-32C of ``payload`` then ``label`` (int64 LE)."""
     crc = google_crc32c.value(payload if isinstance(payload, bytes) else bytes(payload))

@@ -48,6 +48,7 @@ import numpy as np
 from PIL import Image, ImageColor, ImageFile, ImageOps
 
 from imgpack.errors import DataError, ImageError, OptionError
+from imgpack.jpegheader import plain_jpeg
 
 try:
     import simplejpeg as _simplejpeg
@@ -379,18 +380,17 @@ def _load(img: Image.Image, kind: str, path: str, draft: bool = False) -> None:
         raise ImageError(path, f"cannot decode {kind} data: {describe(exc)}") from None
 
 
-def _decodes_cleanly(data: bytes, img: Image.Image) -> bool:
+def _decodes_cleanly(data: bytes, height: int, width: int, gray: bool) -> bool:
     """Whether a JPEG decodes without an error or a warning through libjpeg-turbo (simplejpeg),
     at 1/8 scale: every entropy-coded byte is still decoded, so damage is caught as by a full
     decode, several times faster than Pillow's. ``False`` leaves the verdict to Pillow (which
     accepts whatever this accepts: the same library, and Pillow is the more lenient)."""
     if _simplejpeg is None:
         return False
-    (width, height), mode = img.size, img.mode
     try:
         _simplejpeg.decode_jpeg(
             data,
-            colorspace="gray" if mode == "L" else "rgb",
+            colorspace="gray" if gray else "rgb",
             min_height=-(-height // 8),  # the smallest scale simplejpeg offers: 1/8
             min_width=-(-width // 8),
             strict=True,
@@ -472,11 +472,17 @@ def read_regular_file(full: str, path: str) -> bytes:
     except OSError as exc:
         raise ImageError(path, f"cannot read: {exc.strerror or exc}") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ImageError(path, f"not a regular file ({_file_type(mode)}); only files are read")
-        with open(fd, "rb", closefd=False) as fh:
-            return fh.read()
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError(
+                path, f"not a regular file ({_file_type(st.st_mode)}); only files are read"
+            )
+        # Reads of the size fstat gave until one finds the end: two calls for a file that
+        # does not change (a buffered file object makes more), the whole of one that grows.
+        parts = [os.read(fd, st.st_size + 1)]
+        while parts[-1]:
+            parts.append(os.read(fd, 1 << 20))
+        return parts[0] if len(parts) == 2 else b"".join(parts)
     except OSError as exc:
         raise ImageError(path, f"cannot read: {exc.strerror or exc}") from None
     finally:
@@ -507,6 +513,10 @@ def process_bytes(
     data: bytes, path: str, label: int, policy: ImagePolicy, encoding: Encoding
 ) -> Encoded:
     """Validate and encode the bytes of one image file (``path`` names it in errors)."""
+    if encoding.name == "original" and policy.size is None:
+        kept = _kept_jpeg(data, path, label, policy)
+        if kept is not None:
+            return kept
     img, kind = _open(data, path, policy)
     if kind == "PNG":
         check_png(data, path)
@@ -518,7 +528,7 @@ def process_bytes(
     if keepable and _is_plain(img, kind, policy):
         # The bytes are kept: decode them only to validate them, and copy no pixels.
         width, height = img.size
-        if kind == "JPEG" and not _decodes_cleanly(data, img):
+        if kind == "JPEG" and not _decodes_cleanly(data, height, width, img.mode == "L"):
             _load(img, kind, path, draft=True)  # Pillow decides (and says what is wrong)
         # What the kept bytes are: a grayscale file stays 1 channel (readers widen it to RGB).
         stored_channels = 1 if img.mode == "L" else 3
@@ -526,6 +536,26 @@ def process_bytes(
     if kind == "JPEG":
         _load(img, kind, path)
     return _encode(_policy_pixels(img, kind, path, policy), path, label, encoding)
+
+
+def _kept_jpeg(data: bytes, path: str, label: int, policy: ImagePolicy) -> Encoded | None:
+    """The usual JPEG kept as it is, validated without Pillow: its header read by
+    :func:`~imgpack.jpegheader.plain_jpeg` (a single frame, nothing that rotates it, gray or
+    RGB) and its data decoded cleanly by libjpeg-turbo at 1/8 scale; ``None`` for anything else
+    (and for any doubt), which :func:`process_bytes` gives to Pillow as before."""
+    if _simplejpeg is None or not data.startswith(b"\xff\xd8\xff"):
+        return None
+    header = plain_jpeg(data)
+    if header is None:
+        return None
+    height, width, channels = header
+    if policy.max_pixels is not None and height * width > policy.max_pixels:
+        return None  # Pillow's path refuses it, saying why
+    if channels == 3 and policy.channels != 3:
+        return None
+    if not _decodes_cleanly(data, height, width, channels == 1):
+        return None
+    return Encoded(path, label, data, height, width, channels, Kind.JPEG)
 
 
 def process_pixels(

@@ -17,7 +17,7 @@ the decoder also accepts unpacked lists and skips unknown fields.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from imgpack.errors import DataError
@@ -31,7 +31,12 @@ _FLOAT = struct.Struct("<f")
 # -- encoding ----------------------------------------------------------------------------------
 
 
+_SMALL = [bytes([n]) for n in range(0x80)]
+
+
 def _varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _SMALL[value]
     value &= 0xFFFFFFFFFFFFFFFF  # negative int64 as two's complement, ten bytes
     out = bytearray()
     while value > 0x7F:
@@ -82,6 +87,32 @@ def encode_example(
     """Serialize a ``tf.train.Example`` from ``{key: [values]}`` (bytes, int or float lists),
     its entries in key order."""
     return _field(1, b"".join(encode_entry(k, v) for k, v in sorted(features.items())))
+
+
+def encode_example_around(
+    features: Mapping[str, Sequence[bytes] | Sequence[float] | Sequence[int]],
+    key: str,
+    entries: Callable[[str, Any], bytes] = encode_entry,
+) -> tuple[bytes, bytes]:
+    """:func:`encode_example` split around the one bytes value of feature ``key``: ``(head,
+    tail)`` with ``head + value + tail == encode_example(features)``, without copying the value
+    (an image's bytes). ``entries`` encodes the other features (a caching wrapper of
+    :func:`encode_entry`)."""
+    before: list[bytes] = []
+    after: list[bytes] = []
+    size, found = 0, False
+    for name in sorted(features):
+        if name == key:
+            (value,) = features[name]
+            size = len(cast(bytes, value))
+            before.append(bytes_entry_head(key, size))
+            found = True
+        else:
+            (after if found else before).append(entries(name, features[name]))
+    if not found:
+        raise KeyError(key)
+    head, tail = b"".join(before), b"".join(after)
+    return _varint(1 << 3 | 2) + _varint(len(head) + size + len(tail)) + head, tail
 
 
 def encode_varint(value: int) -> bytes:

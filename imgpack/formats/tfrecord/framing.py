@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from imgpack.checksum import crc32c
+from imgpack.checksum import crc32c, crc32c_extend
 from imgpack.errors import DataError
 
 _LENGTH = struct.Struct("<Q")
@@ -53,6 +53,15 @@ def frame(data: bytes) -> bytes:
     """One framed record."""
     length = _LENGTH.pack(len(data))
     return length + _CRC.pack(masked_crc32c(length)) + data + _CRC.pack(masked_crc32c(data))
+
+
+def frame_around(head: bytes, value: bytes | memoryview, tail: bytes) -> tuple[bytes, bytes]:
+    """:func:`frame` of ``head + value + tail`` as the bytes before ``value`` and after it (the
+    value, an image's bytes, is neither copied nor joined)."""
+    length = _LENGTH.pack(len(head) + len(value) + len(tail))
+    crc = crc32c_extend(crc32c_extend(crc32c(head), value), tail)
+    masked = (((crc >> 15) | (crc << 17)) + MASK_DELTA) & 0xFFFFFFFF
+    return length + _CRC.pack(masked_crc32c(length)) + head, tail + _CRC.pack(masked)
 
 
 def read_length(header: bytes | memoryview, where: str, check_crc: bool = True) -> int:

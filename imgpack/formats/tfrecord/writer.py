@@ -41,11 +41,16 @@ def example_features(
     return features
 
 
+#: Encoded feature entries a writer remembers (the repeating ones: labels, sizes, class names).
+_ENTRIES = 4096
+
+
 class TFRecordWriter(ShardedWriter):
     def __init__(self, directory: Path, config: WriterConfig) -> None:
         super().__init__(directory, config)
         self.label_offset = int(self.settings["label_offset"])
         self._fh: BinaryIO | None = None
+        self._entries: dict[tuple[str, Any], bytes] = {}
 
     def shard_name(self, index: int) -> str:
         # The shard count is known only at the end; _finish renames to -NNNNN-of-MMMMM.
@@ -56,18 +61,32 @@ class TFRecordWriter(ShardedWriter):
         self._index: list[tuple[int, int]] = []
         self._offset = 0
 
+    def _entry(self, key: str, values: Any) -> bytes:
+        """``example.encode_entry``, remembered for the features whose values repeat (all but
+        the file name): most of a record is the same few entries."""
+        if key == "image/filename":
+            return example.encode_entry(key, values)
+        cache = self._entries
+        found = cache.get((key, tuple(values)))
+        if found is None:
+            if len(cache) >= _ENTRIES:
+                cache.clear()
+            found = cache[(key, tuple(values))] = example.encode_entry(key, values)
+        return found
+
     def _append(self, sample: Encoded) -> int:
         assert self._fh is not None
         name = self.config.class_name(sample.label) or ""
-        record = framing.frame(
-            example.encode_example(
-                example_features(sample, name, self.label_offset, self.config.output_id)
-            )
-        )
-        self._fh.write(record)
-        self._index.append((self._offset, len(record)))
-        self._offset += len(record)
-        return len(record)
+        features = example_features(sample, name, self.label_offset, self.config.output_id)
+        head, tail = example.encode_example_around(features, "image/encoded", self._entry)
+        before, after = framing.frame_around(head, sample.payload, tail)
+        size = len(before) + len(sample.payload) + len(after)
+        self._fh.write(before)
+        self._fh.write(sample.payload)
+        self._fh.write(after)
+        self._index.append((self._offset, size))
+        self._offset += size
+        return size
 
     def _end_shard(self) -> None:
         assert self._fh is not None

@@ -14,7 +14,9 @@ its first scan position, so merged parts keep unique, increasing keys):
   "output_id": <the output's id>}`` (a reader refuses a shard of another output).
 
 Members are written with mode ``0444``, owner ``0:0`` and ``mtime`` 0, so the same input gives
-the same bytes. Beside each shard, ``data-000000.idx`` has one line per sample,
+the same bytes (:func:`member_header`: the header Python's ``tarfile`` writes for them, built
+without it), and a shard ends as ``tarfile`` ends one: two zero blocks, then zeros to a multiple
+of 10,240 bytes. Beside each shard, ``data-000000.idx`` has one line per sample,
 ``offset size label crc32c``: where the image member's data starts in the tar, its size, the
 label, and the record's checksum (:mod:`imgpack.checksum`: CRC-32C of the image member's bytes,
 then the label as int64 little-endian), so a reader finds and checks any sample without scanning
@@ -31,6 +33,9 @@ import numpy as np
 from imgpack.images import Kind
 
 KEY_FORMAT = "%010d"
+BLOCK = 512
+#: A shard's size is a multiple of this (tar's blocking factor 20, as ``tarfile`` writes).
+RECORD = 20 * BLOCK
 INDEX_SUFFIX = ".idx"
 INDEX_COLUMNS = 4  # offset size label crc32c
 #: Extensions a kept original file may keep, by content.
@@ -61,3 +66,33 @@ def npy_header(shape: tuple[int, ...]) -> bytes:
         out, {"descr": "|u1", "fortran_order": False, "shape": tuple(shape)}
     )
     return out.getvalue()
+
+
+def _template() -> bytes:
+    """A ustar header's fixed fields: mode 0444, uid and gid 0, mtime 0, a regular file."""
+    head = bytearray(BLOCK)
+    head[100:108] = b"0000444\0"
+    head[108:116] = b"0000000\0"
+    head[116:124] = b"0000000\0"
+    head[136:148] = b"00000000000\0"
+    head[148:156] = b" " * 8  # the checksum field counts as spaces
+    head[156:157] = b"0"
+    head[257:265] = b"ustar\x0000"
+    return bytes(head)
+
+
+_TEMPLATE = _template()
+
+
+def member_header(name: str, size: int) -> bytes:
+    """The 512-byte ustar header of a member ``name`` (ASCII, at most 100 bytes) of ``size``
+    bytes, exactly as ``tarfile`` writes it with the fields above (``ValueError`` where it
+    would refuse)."""
+    raw = name.encode("ascii")
+    if len(raw) > 100 or not 0 <= size < 8**11:
+        raise ValueError(f"{name!r} ({size} bytes) does not fit a ustar header")
+    head = bytearray(_TEMPLATE)
+    head[: len(raw)] = raw
+    head[124:136] = b"%011o\0" % size
+    head[148:155] = b"%06o\0" % sum(head)
+    return bytes(head)

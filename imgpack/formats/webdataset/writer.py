@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from imgpack.checksum import record_crc
 from imgpack.formats.webdataset import layout
@@ -19,7 +17,8 @@ class WebDatasetWriter(ShardedWriter):
 
     def __init__(self, directory: Path, config: WriterConfig) -> None:
         super().__init__(directory, config)
-        self._tar: tarfile.TarFile | None = None
+        self._fh: BinaryIO | None = None
+        self._offset = 0
         self._index: list[str] = []
         self._key = config.first_index  # 0 unless a part of a partitioned conversion
 
@@ -28,23 +27,25 @@ class WebDatasetWriter(ShardedWriter):
 
     def _start_shard(self, path: Path) -> None:
         self._path = path
-        self._tar = tarfile.open(path, "w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115
+        self._fh = open(path, "wb")  # noqa: SIM115 - closed in _end_shard/_abort
+        self._offset = 0
         self._index = []
 
     def _member(self, name: str, data: bytes) -> int:
-        """Add one member; return the offset of its data in the tar."""
-        assert self._tar is not None
-        info = tarfile.TarInfo(name)
-        info.size = len(data)
-        info.mode = 0o444
-        info.mtime = 0
-        self._tar.addfile(info, io.BytesIO(data))
-        # addfile leaves the offset past the data and its padding to the next 512-byte block.
-        return self._tar.offset - -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        """Add one member (its header, its data, zeros to the next block); return the offset of
+        its data in the tar."""
+        assert self._fh is not None
+        self._fh.write(layout.member_header(name, len(data)))
+        self._fh.write(data)
+        pad = -len(data) % layout.BLOCK
+        if pad:
+            self._fh.write(bytes(pad))
+        offset = self._offset + layout.BLOCK
+        self._offset = offset + len(data) + pad
+        return offset
 
     def _append(self, sample: Encoded) -> int:
-        assert self._tar is not None
-        start = self._tar.offset
+        start = self._offset
         key = layout.KEY_FORMAT % self._key
         self._key += 1
         payload = sample.payload
@@ -60,7 +61,7 @@ class WebDatasetWriter(ShardedWriter):
         self._member(f"{key}.json", json.dumps(meta, sort_keys=True).encode("ascii"))
         crc = record_crc(payload, sample.label)
         self._index.append(f"{offset} {len(payload)} {sample.label} {crc}\n")
-        return self._tar.offset - start
+        return self._offset - start
 
     def companions_of(self, shard: Path) -> list[Path]:
         return [layout.index_path(shard)]
@@ -71,12 +72,14 @@ class WebDatasetWriter(ShardedWriter):
         return already
 
     def _end_shard(self) -> None:
-        assert self._tar is not None
-        self._tar.close()
-        self._tar = None
+        assert self._fh is not None
+        end = self._offset + 2 * layout.BLOCK  # two zero blocks end the archive
+        self._fh.write(bytes(2 * layout.BLOCK + -end % layout.RECORD))
+        self._fh.close()
+        self._fh = None
         layout.index_path(self._path).write_text("".join(self._index), encoding="ascii")
 
     def _abort(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-            self._tar = None
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

@@ -1,0 +1,230 @@
+"""Validated conversion and JPEG reads against the physical limit of their work, side by side.
+
+One image set, generated and seeded under --data (reused between runs): --count photo-like
+JPEGs of ImageNet's usual sizes (sides of 333 to 500 pixels, most 500x375 or 375x500; about
+500x400 on average), quality 90, in 10 classes, converted with `encoding="original"` (the bytes
+kept, every file validated) to every format.
+
+The limits, measured in the same run with the files' bytes in RAM, in `cores` processes at once
+(each decoding its share; start-up not counted), so that they are what this machine's cores
+deliver right now:
+  validate     simplejpeg decode at 1/8 DCT scale: the least a converter that validates every
+               kept JPEG must do (every entropy-coded byte is decoded)
+  decode       simplejpeg full decode (accurate DCT, fancy upsampling: imgpack's settings)
+  decode+fit   simplejpeg decode at the DCT scale Pillow's draft picks for 224x224, then
+               imgpack.images.resize_pixels to 224x224 (crop, bilinear): the least any loader
+               producing those pixels must do
+  one core     the decode above in one process: the limit of a per-sample read (`ds[i]`)
+
+The figures, each against its limit:
+  convert      imgpack.convert(src, out, format=F, encoding="original", workers=cores)
+  fit batches  open_dataset(out, size=224) + collate, DataLoader(batch_size=--batch,
+               shuffle=True), num_workers 0, 1, 2  (vs decode+fit)
+  full batches open_dataset(out) + collate: variable-size images, a list of tensors per batch,
+               num_workers 0, 1, 2  (vs decode)
+  per sample   ds[i] in shuffled order, decode_threads=1, in this process  (vs one core)
+
+Every read figure is the best of --repeats epochs, the clock started at the first batch (worker
+start-up not counted), every epoch's sample count checked.
+
+    python scripts/bench_limits.py [--count 4000] [--formats pt,lmdb] [--only convert,fit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import simplejpeg
+from benchlib import machine, print_table, save_json
+from PIL import Image
+
+from imgpack import convert, open_dataset
+from imgpack.converters import FORMATS
+from imgpack.decoding import draft_scale
+from imgpack.images import ImagePolicy, resize_pixels
+from imgpack.loading.bench import measure
+from imgpack.system import usable_cpus
+
+PARTS = ("convert", "fit", "full", "sample")
+SIZES = ((375, 500), (500, 375), (333, 500), (500, 333), (400, 500), (500, 500), (334, 500))
+FIT = (224, 224)
+
+
+def make_photos(root: Path, count: int, classes: int = 10, seed: int = 0) -> Path:
+    """``count`` seeded photo-like JPEGs of ImageNet's usual sizes, quality 90."""
+    done = root / ".complete"
+    if done.exists():
+        return root
+    from imgpack.sample import synthetic_image
+
+    rng = np.random.default_rng(seed)
+    kinds = ("circle", "square", "stripes", "triangle")
+    for c in range(classes):
+        (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        height, width = SIZES[int(rng.integers(len(SIZES)))]
+        if rng.random() < 0.3:  # some odd sizes, as in any photo collection
+            height, width = int(rng.integers(300, 501)), int(rng.integers(300, 501))
+        img = synthetic_image(rng, height, width, kinds[i % len(kinds)])
+        noise = rng.normal(0, 6, size=(height, width, 3))
+        pixels = np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(root / f"class{i % classes:02d}" / f"p{i:05d}.jpg", quality=90)
+    done.touch()
+    return root
+
+
+# -- the limits ----------------------------------------------------------------------------------
+def _validate(data: bytes) -> None:
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    simplejpeg.decode_jpeg(data, min_height=-(-height // 8), min_width=-(-width // 8), strict=True)
+
+
+def _decode(data: bytes) -> None:
+    simplejpeg.decode_jpeg(data, strict=True)
+
+
+_FIT_POLICY = ImagePolicy(size=FIT, resize="crop")
+
+
+def _decode_fit(data: bytes) -> None:
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    scale = draft_scale(height, width, FIT)
+    pixels = simplejpeg.decode_jpeg(
+        data,
+        min_height=-(-height // scale) if scale > 1 else 0,
+        min_width=-(-width // scale) if scale > 1 else 0,
+        strict=True,
+    )
+    resize_pixels(pixels, _FIT_POLICY)
+
+
+_WORK: dict[str, Callable[[bytes], None]] = {
+    "validate": _validate,
+    "decode": _decode,
+    "decode+fit": _decode_fit,
+}
+_PAYLOADS: list[bytes] = []
+
+
+def _timed(args: tuple[str, int, int]) -> float:
+    """Seconds one process takes to do ``work`` on its share of the payloads (after a warm-up)."""
+    work, part, parts = args
+    mine = _PAYLOADS[part::parts]
+    fn = _WORK[work]
+    for data in mine[:20]:
+        fn(data)
+    start = time.perf_counter()
+    for data in mine:
+        fn(data)
+    return time.perf_counter() - start
+
+
+def limit_rate(work: str, processes: int, repeats: int) -> float:
+    """Images/s of ``work`` over every payload, split over ``processes`` processes running at
+    once (the slowest process sets the time), best of ``repeats``."""
+    best = 0.0
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        for _ in range(repeats):
+            seconds = max(pool.map(_timed, [(work, k, processes) for k in range(processes)]))
+            best = max(best, len(_PAYLOADS) / seconds)
+    return best
+
+
+# -- the figures ---------------------------------------------------------------------------------
+def convert_rate(src: Path, out: Path, fmt: str, cores: int, repeats: int) -> float:
+    """Images/s of a validated conversion (encoding="original"), best of ``repeats``."""
+    best = 0.0
+    for _ in range(repeats):
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        manifest = convert(src, out, format=fmt, encoding="original", workers=cores, progress=False)
+        seconds = time.perf_counter() - start
+        best = max(best, manifest.num_samples / seconds)
+    return best
+
+
+def read_rate(ds: Any, workers: int, batch: int, repeats: int) -> float:
+    best = 0.0
+    for seed in range(repeats):
+        count, seconds = measure(ds, workers, batch, seed=seed)
+        assert count >= len(ds), (count, len(ds))
+        best = max(best, count / seconds)
+    return best
+
+
+def per_sample_rate(ds: Any, repeats: int) -> float:
+    order = np.random.default_rng(0).permutation(len(ds)).tolist()
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in order:
+            ds[i]
+        best = max(best, len(order) / (time.perf_counter() - start))
+    return best
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--count", type=int, default=4000)
+    parser.add_argument("--data", type=Path, default=Path("bench-data"))
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--only", default=",".join(PARTS), help=f"of {','.join(PARTS)}")
+    parser.add_argument("--workers", default="0,1,2", help="DataLoader num_workers to read with")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", help="also save the figures here")
+    args = parser.parse_args(argv)
+    formats = [f for f in args.formats.split(",") if f]
+    parts = set(args.only.split(","))
+    workers = [int(w) for w in args.workers.split(",")]
+    cores = usable_cpus()
+    print(machine())
+    src = make_photos(args.data / f"photos-{args.count}", args.count)
+    files = sorted(src.rglob("*.jpg"))
+    _PAYLOADS[:] = [p.read_bytes() for p in files]
+    mean = np.mean([simplejpeg.decode_jpeg_header(d)[:2] for d in _PAYLOADS], axis=0)
+    print(f"{len(files)} JPEGs, mean {mean[0]:.0f}x{mean[1]:.0f}, {cores} usable cores")
+
+    limits = {w: limit_rate(w, cores, args.repeats) for w in _WORK}
+    limits["one core"] = limit_rate("decode", 1, args.repeats)
+    rows = [(f"limit: {k}", f"{v:,.0f}/s") for k, v in limits.items()]
+    figures: dict[str, Any] = {"limits": limits, "formats": {}}
+    for fmt in formats:
+        out = args.data / f"limits-{fmt}-{args.count}"
+        found: dict[str, float] = {}
+        if "convert" in parts or not (out / "imgpack.json").exists():
+            found["convert"] = convert_rate(src, out, fmt, cores, args.repeats)
+            rows.append((f"{fmt}: convert", ratio(found["convert"], limits["validate"])))
+        if "fit" in parts:
+            ds = open_dataset(out, size=FIT)
+            for w in workers:
+                found[f"fit w={w}"] = read_rate(ds, w, args.batch, args.repeats)
+                rows.append((f"{fmt}: fit w={w}", ratio(found[f"fit w={w}"], limits["decode+fit"])))
+        if "full" in parts:
+            ds = open_dataset(out)
+            for w in workers:
+                found[f"full w={w}"] = read_rate(ds, w, args.batch, args.repeats)
+                rows.append((f"{fmt}: full w={w}", ratio(found[f"full w={w}"], limits["decode"])))
+        if "sample" in parts:
+            ds = open_dataset(out, decode_threads=1)
+            found["per sample"] = per_sample_rate(ds, args.repeats)
+            rows.append((f"{fmt}: per sample", ratio(found["per sample"], limits["one core"])))
+        figures["formats"][fmt] = found
+        print_table("so far", rows[-len(found) :])
+    print_table(f"{args.count} variable-size JPEGs, against the limits", rows)
+    save_json(args.json, figures)
+
+
+def ratio(rate: float, limit: float) -> str:
+    return f"{rate:,.0f}/s  {rate / limit:.2f} of the limit"
+
+
+if __name__ == "__main__":
+    main()
