@@ -481,3 +481,19 @@ def test_a_damaged_raw_record_is_named_on_the_layout_path_too(raw_records: Path)
         open_dataset(raw_records).__getitems__([5, 2])
     unchecked = open_dataset(raw_records, check_crc=False)  # as asked: read, not checked
     assert unchecked.__getitems__([2]).images.shape == (1, 3, 6, 6)
+
+
+def test_a_record_framed_around_its_image_is_the_whole_record() -> None:
+    """The writer frames a record without copying the image bytes into it: the parts around
+    them are exactly the record ``frame(encode_example(...))`` gives."""
+    image = bytes(range(256)) * 600
+    features = {
+        "image/encoded": [image],
+        "image/height": [375],
+        "image/class/label": [-3],
+        "a": [b"first"],
+        "z": [1.5, 2.0],
+    }
+    head, tail = tfexample.encode_example_around(features, "image/encoded")
+    before, after = tfrecord.frame_around(head, image, tail)
+    assert before + image + after == tfrecord.frame(tfexample.encode_example(features))

@@ -267,3 +267,29 @@ def test_raw_batches_across_shards_are_gathered_exactly(tmp_path: Path) -> None:
     fresh = open_dataset(tmp_path / "wds")
     with pytest.raises(DataError, match=rf"sample {damaged} \(source .*\): checksum mismatch"):
         fresh.__getitems__([0, damaged, 39])
+
+
+@pytest.mark.parametrize(
+    ("name", "size"), [("0000000001.jpg", 12345), ("a" * 100, 0), ("7.cls", 1), ("x", 8**11 - 1)]
+)
+def test_member_headers_are_tarfiles(name: str, size: int) -> None:
+    """The writer builds each member's header itself: byte for byte what tarfile writes."""
+    from imgpack.formats.webdataset.layout import member_header
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o444, 0
+    assert member_header(name, size) == info.tobuf(tarfile.USTAR_FORMAT)
+
+
+def test_a_shard_is_what_tarfile_writes(tmp_path: Path) -> None:
+    """Members, padding and the end of the archive as tarfile writes the same members."""
+    folder = build_uniform_folder(tmp_path / "src", 5, 2)
+    convert(folder, tmp_path / "out", format="webdataset", workers=1, progress=False)
+    shard = tmp_path / "out" / "data-000000.tar"
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    again = io.BytesIO()
+    with tarfile.open(fileobj=again, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            tar.addfile(member, io.BytesIO(data))
+    assert shard.read_bytes() == again.getvalue()
