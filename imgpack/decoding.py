@@ -20,6 +20,7 @@ Every reader decodes through here:
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import threading
@@ -314,13 +315,19 @@ class Decoder:
         a list of ``(C, H, W)`` tensors when their sizes differ. ``where(k)`` names the k-th
         record in the error a damaged one raises."""
         count = len(items)
-        threads = self.threads or self._default_threads(items)
         shapes = [self._shape(item) for item in items]
+        if count == 1 and shapes[0] is not None:  # one image (``ds[i]``): no threads to ask
+            out = new_batch_tensor((1, *shapes[0]))
+            self.one(items[0], where(0), out.numpy()[0])
+            return out.permute(0, 3, 1, 2)
+        threads = self.threads or self._default_threads(items)
         if count and shapes[0] is not None and all(s == shapes[0] for s in shapes):
             out = new_batch_tensor((count, *shapes[0]))
             rows = out.numpy()
             run_threaded(count, lambda k: self.one(items[k], where(k), rows[k]), threads)
             return out.permute(0, 3, 1, 2)
+        if count and all(s is not None for s in shapes):
+            return self._ragged(items, shapes, where, threads)  # type: ignore[arg-type]
         arrays: list[Any] = [None] * count
 
         def decode(k: int) -> None:
@@ -328,6 +335,27 @@ class Decoder:
 
         run_threaded(count, decode, threads)
         return arrays_to_batch(arrays)
+
+    def _ragged(
+        self,
+        items: Sequence[Payload | np.ndarray],
+        shapes: list[tuple[int, int, int]],
+        where: Callable[[int], str],
+        threads: int,
+    ) -> list[torch.Tensor]:
+        """Images of different sizes, each decoded straight into its place in one batch
+        buffer (lent from the pool where it has room: from a DataLoader worker the whole
+        batch then travels as one buffer, :func:`imgpack.handover.Handover`)."""
+        ends = list(itertools.accumulate(math.prod(shape) for shape in shapes))
+        flat = new_batch_tensor((ends[-1],))
+        data = flat.numpy()
+        starts = [0, *ends[:-1]]
+        rows = [data[a:b].reshape(shape) for a, b, shape in zip(starts, ends, shapes, strict=True)]
+        run_threaded(len(items), lambda k: self.one(items[k], where(k), rows[k]), threads)
+        return [
+            flat[a:b].view(shape).permute(2, 0, 1)
+            for a, b, shape in zip(starts, ends, shapes, strict=True)
+        ]
 
 
 def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:

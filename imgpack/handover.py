@@ -244,6 +244,8 @@ class Handover(NamedTuple):
     def __reduce__(self) -> tuple[Any, ...]:
         images, labels = self
         inline = labels.numpy() if isinstance(labels, torch.Tensor) else labels
+        if isinstance(images, list):
+            return _reduce_views(images, inline)
         if not isinstance(images, torch.Tensor) or images.nbytes == 0:
             return _plain, (images, inline)
         pool = _pool_of(shared=True)
@@ -285,6 +287,84 @@ class Handover(NamedTuple):
         return _received, (key, sent, generation, layout, inline)
 
 
+def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
+    """A batch of images of different sizes (a list of uint8 tensors) travels as one buffer's
+    name and each image's layout in it: the buffer they are all views of (a reader decoded them
+    into it), else a free buffer they are copied into (one copy, as torch's own sending makes,
+    instead of a shared-memory segment per image). Anything else goes as torch sends it."""
+    if not images or not all(
+        isinstance(image, torch.Tensor)
+        and image.dtype == torch.uint8
+        and image.device.type == "cpu"
+        for image in images
+    ):
+        return _plain, (images, inline)
+    pool = _pool_of(shared=True)
+    found = [_leased_layout(pool, image) for image in images]
+    first = found[0]
+    if first is not None and all(f is not None and f[:3] == first[:3] for f in found):
+        number, buffer, generation, _ = first
+        if int(buffer.header[1]) != _FREE:  # pickled a second time: torch copies it
+            return _plain, (images, inline)
+        buffer.header[1] = _SENT
+        layouts = [
+            (f[3], tuple(image.shape), tuple(image.stride()))  # type: ignore[index]
+            for f, image in zip(found, images, strict=True)
+        ]
+    else:
+        taken = pool.take(sum(image.nbytes for image in images))
+        if taken is None:
+            return _plain, (images, inline)
+        number, buffer, generation = taken
+        layouts, offset = [], _HEADER
+        for image in images:
+            target = buffer.bytes[offset : offset + image.nbytes].view(image.shape)
+            target.copy_(image)
+            layouts.append((offset, tuple(target.shape), tuple(target.stride())))
+            offset += image.nbytes
+        buffer.header[1] = _SENT
+        pool.release(number, buffer, None)  # the worker keeps no view of the copies
+    key = (pool.token, number, os.getpid())
+    with pool.lock:
+        sent = None if number in pool.sent else buffer.bytes
+        pool.sent.add(number)
+    return _received_views, (key, sent, generation, layouts, inline)
+
+
+def _received_views(
+    key: tuple[str, int, int],
+    data: torch.Tensor | None,
+    generation: int,
+    layouts: list[tuple[int, tuple[int, ...], tuple[int, ...]]],
+    labels: Any,
+) -> tuple[Any, Any]:
+    """:func:`_received` for a list of views of one buffer: each image a view of one tensor
+    over the buffer, which is marked free when the last of them is gone."""
+    buffer = _held(key, data)
+    _take_sent(buffer.header, generation)
+    whole = buffer.array[_HEADER:]  # one array, held by the tensors' common storage
+    flat = torch.from_numpy(whole)
+    images = [
+        torch.as_strided(flat, shape, strides, offset - _HEADER)
+        for offset, shape, strides in layouts
+    ]
+    weakref.finalize(whole, _set_free, buffer.header)
+    return images, _labels(labels)
+
+
+def _take_sent(header: np.ndarray, generation: int) -> None:
+    """Mark a buffer received, once: its batch must be the one pickled (``generation``), sent
+    and not received yet."""
+    with _held_lock:
+        if int(header[0]) != generation or int(header[1]) != _SENT:
+            raise DataError(
+                "a batch's shared buffer is not the batch's any more (its pickled bytes were "
+                "unpickled twice, or kept and unpickled late); hand batches over as "
+                "DataLoader does"
+            )
+        header[1] = _RECEIVED
+
+
 def _labels(labels: Any) -> Any:
     return torch.from_numpy(labels) if isinstance(labels, np.ndarray) else labels
 
@@ -311,14 +391,7 @@ def _received(
     buffer = _held(key, data)
     byte_offset, shape, strides, dtype = layout
     header = buffer.header
-    with _held_lock:
-        if int(header[0]) != generation or int(header[1]) != _SENT:
-            raise DataError(
-                "a batch's shared buffer is not the batch's any more (its pickled bytes were "
-                "unpickled twice, or kept and unpickled late); hand batches over as "
-                "DataLoader does"
-            )
-        header[1] = _RECEIVED
+    _take_sent(header, generation)
     array = np.ndarray(
         shape, _numpy_dtype(dtype), buffer=buffer.array, offset=byte_offset, strides=strides
     )

@@ -352,3 +352,90 @@ def test_raw_memory_mapped_readers_steer_workers_to_zero(raw_outputs: dict[str, 
         with warnings.catch_warnings():
             warnings.simplefilter("error", PerformanceWarning)
             assert sum(len(b) for b, _ in loader) == 200
+
+
+@pytest.fixture(scope="module")
+def mixed_sizes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Photos of many sizes (gray among them) in every format."""
+    base = tmp_path_factory.mktemp("mixed")
+    shapes = [(90, 120), (77, 101), (120, 90), (64, 64), (33, 150)]
+    for k in range(40):
+        folder = base / "src" / f"class{k % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        data = _photo(k, *shapes[k % len(shapes)], gray=k % 7 == 0, png=k % 9 == 0)
+        (folder / f"p{k:02d}.{'png' if k % 9 == 0 else 'jpg'}").write_bytes(data)
+    out = {}
+    for fmt in FORMATS:
+        out[fmt] = base / fmt
+        convert(base / "src", out[fmt], fmt, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_batch_of_different_sizes_is_decoded_into_one_buffer(
+    mixed_sizes: dict[str, Path], fmt: str
+) -> None:
+    """A batch of images of different sizes: each image is decoded into its place in one
+    buffer (its own view), with the pixels an independent decode gives, and from DataLoader
+    workers the whole batch travels as that one buffer, kept batches staying whole."""
+    ds = open_dataset(mixed_sizes[fmt])
+    images, labels = collate(ds.__getitems__(list(range(len(ds)))))
+    assert isinstance(images, list) and len({tuple(i.shape) for i in images}) > 1
+    assert len({i.untyped_storage().data_ptr() for i in images}) == 1
+    for image, (path, _) in zip(images, ds.samples, strict=True):
+        expected = np.broadcast_to(_pillow(Path(path).read_bytes()), (*image.shape[1:], 3))
+        assert np.array_equal(image.permute(1, 2, 0).numpy(), expected), path
+    for workers in (0, 2):
+        loader = DataLoader(
+            ds,
+            batch_size=6,
+            num_workers=workers,
+            collate_fn=collate,
+            persistent_workers=workers > 0,
+        )
+        kept = [batch for _ in range(3) for batch in loader]
+        for step, (got, got_labels) in enumerate(kept):
+            first = (step % 7) * 6
+            assert len({i.untyped_storage().data_ptr() for i in got}) == 1
+            assert got_labels.tolist() == labels[first : first + 6].tolist()
+            for a, b in zip(got, images[first : first + 6], strict=True):
+                assert torch.equal(a, b)
+
+
+def test_views_of_a_pooled_buffer_free_it_when_the_last_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A list of images of different sizes is handed over as one buffer (copied into it); the
+    buffer is lent again only once every received view is gone, and the bytes unpickle once."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import imgpack.handover as handover
+
+    monkeypatch.setattr(handover, "_pools", {})  # a pool of its own, whatever ran before
+
+    flat = decoding.new_batch_tensor((10 * 10 * 3 + 4 * 6 * 3,))
+    assert flat.numel() == 372
+    images = [
+        flat[:300].view(10, 10, 3).permute(2, 0, 1),
+        flat[300:].view(4, 6, 3).permute(2, 0, 1),
+    ]
+    flat.fill_(5)
+    batch = handover.Handover(images, torch.arange(2))
+    first = ForkingPickler.loads(ForkingPickler.dumps(batch))  # the buffer travels, is held
+    assert all(torch.equal(a, b) for a, b in zip(first[0], images, strict=True))
+    del first
+    gc.collect()
+    data = ForkingPickler.dumps(batch)  # the same buffer again, by name
+    got, labels = ForkingPickler.loads(data)
+    assert [tuple(i.shape) for i in got] == [(3, 10, 10), (3, 4, 6)] and labels.tolist() == [0, 1]
+    assert len({i.untyped_storage().data_ptr() for i in got}) == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, images, strict=True))
+    with pytest.raises(DataError, match="unpickled twice"):
+        ForkingPickler.loads(data)
+    second = got[1]
+    del got
+    gc.collect()
+    assert handover._pool_of(shared=True).buffers[0].header[1] != 0  # ``second`` holds it
+    del second
+    gc.collect()
+    assert handover._pool_of(shared=True).buffers[0].header[1] == 0

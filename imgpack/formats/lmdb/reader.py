@@ -21,6 +21,7 @@ from imgpack.formats.dataset_base import (
     Images,
     Record,
     byte_rows,
+    label_tensor,
     new_batch_tensor,
 )
 from imgpack.formats.lmdb import record
@@ -285,7 +286,7 @@ class LMDBDataset(ImageDataset):
             records = self._checked(records)
         batch = list(records)
         images = self._decode([r.payload for r in batch], lambda k: batch[k].where)
-        return images, torch.tensor([r.label for r in batch], dtype=torch.int64)
+        return images, label_tensor([r.label for r in batch])
 
     def _headers(self) -> list[record.RecordHeader]:
         with self.handles.begin(buffers=True) as txn:

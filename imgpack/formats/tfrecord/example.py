@@ -137,6 +137,8 @@ _LIST_PACKED, _FLOAT_ONE, _INT_ONE = 0x0A, 0x0D, 0x08  # value = 1 as packed / f
 
 
 def _read_varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
+    if pos < end and data[pos] < 0x80:  # most are one byte: tags, keys' and small lengths
+        return data[pos], pos + 1
     result = shift = 0
     while pos < end:
         byte = data[pos]
