@@ -497,3 +497,30 @@ def test_a_record_framed_around_its_image_is_the_whole_record() -> None:
     head, tail = tfexample.encode_example_around(features, "image/encoded")
     before, after = tfrecord.frame_around(head, image, tail)
     assert before + image + after == tfrecord.frame(tfexample.encode_example(features))
+
+
+def test_raw_records_read_again_where_the_first_read_found_them(tmp_path: Path) -> None:
+    """A raw record is matched against the layout and checked once; after that a batch is a
+    gather from where its pixels were found (one shard or many), the same batch every time.
+    ``verify=True`` matches and checks every read, remembering nothing."""
+    from conftest import build_uniform_folder
+
+    src = build_uniform_folder(tmp_path / "src", count=90, classes=3, size=8)
+    out = tmp_path / "out"
+    convert(src, out, "tfrecord", encoding="raw", size=8, shard_size="3KB", progress=False)
+    ds = open_dataset(out)
+    assert len(ds.manifest.files) > 3
+    order = np.random.default_rng(3).permutation(len(ds))
+    first = collate(ds.__getitems__(order.tolist()))
+    assert ds._known is not None and (ds._known[1] >= 0).all()
+    for batch in (order[:40], order[40:], np.arange(10), order):
+        images, labels = collate(ds.__getitems__(batch.tolist()))
+        at = [int(np.flatnonzero(order == i)[0]) for i in batch]
+        assert torch.equal(images, first[0][at]) and torch.equal(labels, first[1][at])
+    for i in (0, 17, 89):
+        features, _ = ds.record(i)
+        pixels = np.frombuffer(features["image/encoded"][0], np.uint8).reshape(8, 8, 3)
+        assert np.array_equal(ds[i][0].permute(1, 2, 0).numpy(), pixels)
+    checked = open_dataset(out, verify=True)
+    again = collate(checked.__getitems__(order.tolist()))
+    assert torch.equal(again[0], first[0]) and checked._known is None

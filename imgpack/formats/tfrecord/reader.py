@@ -32,6 +32,7 @@ from imgpack.formats.dataset_base import (
     check_output_id,
     new_batch_tensor,
     readonly_tensor,
+    shard_runs,
 )
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
@@ -685,6 +686,8 @@ class TFRecordDataset(PreadDataset):
         self.shard_files = [shard.path for shard in records.shards]
         raw = self.manifest.encoding == "raw" and bool(self.manifest.image.get("height"))
         self._layout: RawLayout | None = None
+        #: (pid, pixel start, label) of each raw record this process checked (-1: not yet).
+        self._known: tuple[int, np.ndarray, np.ndarray] | None = None
         if raw and not records.foreign:
             try:
                 self._layout = RawLayout(self.manifest, records.label_offset)
@@ -694,16 +697,24 @@ class TFRecordDataset(PreadDataset):
     def _check_shard(self, number: int, fd: int) -> None:
         self.records.check_first(number, fd)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_known"] = None  # each process learns its own
+        return state
+
     def _gather_raw(self, indices: np.ndarray, layout: RawLayout) -> tuple[Images, torch.Tensor]:
         """A batch of raw records sliced from the memory-mapped shards, each matched against
         the output's layout (a few byte comparisons, the frame's CRCs) and its pixels copied
         straight into the batch; a record that does not match goes through the generic path,
         which reads it as any record is read (and names what is wrong with it)."""
-        out = new_batch_tensor((len(indices), *layout.shape))
         size = layout.size
+        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        known = self._known_raw(indices)
+        if known is not None:  # every record checked already: where its pixels start, its label
+            return self._gather_known(indices, shard_of, layout, *known)
+        out = new_batch_tensor((len(indices), *layout.shape))
         rows = out.numpy().reshape(len(indices), size)
         labels = np.zeros(len(indices), np.int64)
-        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
         for number in np.unique(shard_of).tolist():
             mine = np.flatnonzero(shard_of == number)
             mapped = self._mapped(number)
@@ -713,6 +724,7 @@ class TFRecordDataset(PreadDataset):
             if self.records.check_crc and ok.any():
                 self._check_crcs(indices[mine], ok, mapped, data, offsets, sizes)
             labels[mine] = found
+            self._remember_raw(indices[mine], ok, starts, found)
             if ok.all() and len(mine) == len(indices):  # one shard: straight into the batch
                 windows = data.as_strided((len(data) - size + 1, size), (1, 1))
                 torch.index_select(windows, 0, torch.from_numpy(starts), out=out.view(-1, size))
@@ -724,6 +736,58 @@ class TFRecordDataset(PreadDataset):
                 if not isinstance(image, np.ndarray) or image.shape != layout.shape:
                     raise DataError(f"{where}: not a raw {layout.shape} image as the manifest says")
                 rows[pos] = image.reshape(size)
+        return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
+
+    def _known_raw(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(pixel starts, labels)`` of raw records ``indices`` when this process read every
+        one of them before (its layout matched and, by default, its checksum was checked: raw
+        records are checked once, in every format), else ``None``: the batch is matched as a
+        first read is. ``verify=True`` matches and checks every read."""
+        known = self._known
+        if self.verify or known is None or known[0] != os.getpid():
+            return None
+        starts = known[1][indices]
+        if (starts < 0).any():
+            return None
+        return starts, known[2][indices]
+
+    def _remember_raw(
+        self, indices: np.ndarray, ok: np.ndarray, starts: np.ndarray, labels: np.ndarray
+    ) -> None:
+        """Keep where the pixels of the raw records ``indices`` that matched (``ok``: the layout,
+        and the checksum where it is checked) start, and their labels, for later reads."""
+        if self.verify:
+            return
+        if self._known is None or self._known[0] != os.getpid():
+            n = len(self)
+            self._known = (os.getpid(), np.full(n, -1, np.int64), np.zeros(n, np.int64))
+        self._known[1][indices[ok]] = starts[ok]
+        self._known[2][indices[ok]] = labels[ok]
+
+    def _gather_known(
+        self,
+        indices: np.ndarray,
+        shard_of: np.ndarray,
+        layout: RawLayout,
+        starts: np.ndarray,
+        labels: np.ndarray,
+    ) -> tuple[Images, torch.Tensor]:
+        """A batch of records checked before: one gather of their pixels per shard (a
+        sliding-window view of the memory-mapped file), nothing parsed or compared again."""
+        size = layout.size
+        out = new_batch_tensor((len(indices), *layout.shape))
+        flat = out.view(len(indices), size)
+        first = int(shard_of[0])
+        if (shard_of == first).all():
+            data = self._mapped_tensor(first)
+            windows = data.as_strided((len(data) - size + 1, size), (1, 1))
+            torch.index_select(windows, 0, torch.from_numpy(starts), out=flat)
+        else:
+            rows = flat.numpy()
+            order, runs = shard_runs(shard_of)
+            for number, start, stop in runs:
+                mine = order[start:stop]
+                rows[mine] = byte_rows(self._mapped_tensor(number), starts[mine], size)
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
 
     def _check_crcs(
