@@ -33,108 +33,22 @@ start-up not counted), every epoch's sample count checked.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import simplejpeg
-from benchlib import machine, print_table, save_json
-from PIL import Image
+from benchlib import DECODES, FIT, decode_limit, machine, make_photo_folder, print_table, save_json
 
 from imgpack import convert, open_dataset
 from imgpack.converters import FORMATS
-from imgpack.decoding import draft_scale
-from imgpack.images import ImagePolicy, resize_pixels
 from imgpack.loading.bench import measure
 from imgpack.system import usable_cpus
 
 PARTS = ("convert", "fit", "full", "sample")
-SIZES = ((375, 500), (500, 375), (333, 500), (500, 333), (400, 500), (500, 500), (334, 500))
-FIT = (224, 224)
-
-
-def make_photos(root: Path, count: int, classes: int = 10, seed: int = 0) -> Path:
-    """``count`` seeded photo-like JPEGs of ImageNet's usual sizes, quality 90."""
-    done = root / ".complete"
-    if done.exists():
-        return root
-    from imgpack.sample import synthetic_image
-
-    rng = np.random.default_rng(seed)
-    kinds = ("circle", "square", "stripes", "triangle")
-    for c in range(classes):
-        (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        height, width = SIZES[int(rng.integers(len(SIZES)))]
-        if rng.random() < 0.3:  # some odd sizes, as in any photo collection
-            height, width = int(rng.integers(300, 501)), int(rng.integers(300, 501))
-        img = synthetic_image(rng, height, width, kinds[i % len(kinds)])
-        noise = rng.normal(0, 6, size=(height, width, 3))
-        pixels = np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(root / f"class{i % classes:02d}" / f"p{i:05d}.jpg", quality=90)
-    done.touch()
-    return root
-
-
-# -- the limits ----------------------------------------------------------------------------------
-def _validate(data: bytes) -> None:
-    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    simplejpeg.decode_jpeg(data, min_height=-(-height // 8), min_width=-(-width // 8), strict=True)
-
-
-def _decode(data: bytes) -> None:
-    simplejpeg.decode_jpeg(data, strict=True)
-
-
-_FIT_POLICY = ImagePolicy(size=FIT, resize="crop")
-
-
-def _decode_fit(data: bytes) -> None:
-    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    scale = draft_scale(height, width, FIT)
-    pixels = simplejpeg.decode_jpeg(
-        data,
-        min_height=-(-height // scale) if scale > 1 else 0,
-        min_width=-(-width // scale) if scale > 1 else 0,
-        strict=True,
-    )
-    resize_pixels(pixels, _FIT_POLICY)
-
-
-_WORK: dict[str, Callable[[bytes], None]] = {
-    "validate": _validate,
-    "decode": _decode,
-    "decode+fit": _decode_fit,
-}
-_PAYLOADS: list[bytes] = []
-
-
-def _timed(args: tuple[str, int, int]) -> float:
-    """Seconds one process takes to do ``work`` on its share of the payloads (after a warm-up)."""
-    work, part, parts = args
-    mine = _PAYLOADS[part::parts]
-    fn = _WORK[work]
-    for data in mine[:20]:
-        fn(data)
-    start = time.perf_counter()
-    for data in mine:
-        fn(data)
-    return time.perf_counter() - start
-
-
-def limit_rate(work: str, processes: int, repeats: int) -> float:
-    """Images/s of ``work`` over every payload, split over ``processes`` processes running at
-    once (the slowest process sets the time), best of ``repeats``."""
-    best = 0.0
-    with multiprocessing.get_context("fork").Pool(processes) as pool:
-        for _ in range(repeats):
-            seconds = max(pool.map(_timed, [(work, k, processes) for k in range(processes)]))
-            best = max(best, len(_PAYLOADS) / seconds)
-    return best
 
 
 # -- the figures ---------------------------------------------------------------------------------
@@ -186,14 +100,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     workers = [int(w) for w in args.workers.split(",")]
     cores = usable_cpus()
     print(machine())
-    src = make_photos(args.data / f"photos-{args.count}", args.count)
+    src = make_photo_folder(args.data / f"photos-{args.count}", args.count)
     files = sorted(src.rglob("*.jpg"))
-    _PAYLOADS[:] = [p.read_bytes() for p in files]
-    mean = np.mean([simplejpeg.decode_jpeg_header(d)[:2] for d in _PAYLOADS], axis=0)
+    payloads = [p.read_bytes() for p in files]
+    mean = np.mean([simplejpeg.decode_jpeg_header(d)[:2] for d in payloads], axis=0)
     print(f"{len(files)} JPEGs, mean {mean[0]:.0f}x{mean[1]:.0f}, {cores} usable cores")
 
-    limits = {w: limit_rate(w, cores, args.repeats) for w in _WORK}
-    limits["one core"] = limit_rate("decode", 1, args.repeats)
+    limits = {w: decode_limit(w, payloads, cores, args.repeats) for w in DECODES}
+    limits["one core"] = decode_limit("decode", payloads, 1, args.repeats)
     rows = [(f"limit: {k}", f"{v:,.0f}/s") for k, v in limits.items()]
     figures: dict[str, Any] = {"limits": limits, "formats": {}}
     for fmt in formats:

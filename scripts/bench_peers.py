@@ -6,9 +6,19 @@ image files' bytes as they are (none validates anything) and decodes them with P
 read, as their documentation shows; imgpack converts with full validation and reads through its
 own readers.
 
-Two generated, seeded image sets (reused between runs, under --data):
-  small: 50,000 32x32 PNGs in 10 classes (imgpack also stores them raw at 32x32)
-  jpeg:  4,000 photo-like 500x375 JPEGs in 10 classes
+Generated, seeded image sets (reused between runs, under --data; --sets picks them):
+  small:  50,000 32x32 PNGs in 10 classes (imgpack also stores them raw at 32x32)
+  jpeg:   4,000 photo-like 500x375 JPEGs in 10 classes
+  photos: --photos photo-like JPEGs of ImageNet's usual sizes (about 500x400, each size its
+          own), where every peer decodes with simplejpeg too (the fastest decode a user of
+          those tools could plug in), measured two ways at num_workers 0, 1 and 2:
+          fit:        batches fitted to 224x224 (simplejpeg at the DCT scale Pillow's draft
+                      picks, then imgpack's crop resize, in every tool); imgpack reads
+                      open_dataset(size=224) + collate
+          per sample: full-size images, one __getitem__ per sample (imgpack: ds[i]), batches
+                      as lists (a list collate in every tool)
+          against the limits measured in the same run: cores x (decode + fit), and cores x
+          full decode, each in that many processes over the bytes in RAM
 
 Measured per tool and set: conversion time and rate, output size, read rate through a
 DataLoader at num_workers 0 and 2 (one shuffled epoch, batches of 256, the clock started at the
@@ -23,12 +33,14 @@ for names its vision datasets use: the environment goes without torchvision and 
 stands in for that import.
 
     python scripts/bench_peers.py [--small 50000] [--jpeg 4000] [--tools imgpack,webdataset,...]
+    python scripts/bench_peers.py --sets photos [--photos 4000]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import io
 import json
 import os
@@ -36,7 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +106,7 @@ class Row:
     first_batch_w0_s: float
     first_batch_w2_s: float
     validates: bool
+    read_w1: float = 0.0
 
 
 def folder_bytes(path: Path) -> int:
@@ -109,6 +122,50 @@ def decode_pil(data: bytes) -> Any:
     with Image.open(io.BytesIO(data)) as img:
         pixels = np.asarray(img.convert("RGB"))
     return torch.from_numpy(pixels.copy()).permute(2, 0, 1)
+
+
+def decode_sj_fit(data: bytes) -> Any:
+    """simplejpeg at the DCT scale for 224x224, then the crop resize: a uint8 CHW tensor."""
+    import torch
+    from benchlib import decode_fit
+
+    return torch.from_numpy(decode_fit(bytes(data))).permute(2, 0, 1)
+
+
+def decode_sj_full(data: bytes) -> Any:
+    """A full-size simplejpeg decode: a uint8 CHW tensor."""
+    import torch
+    from benchlib import decode_full
+
+    return torch.from_numpy(decode_full(bytes(data))).permute(2, 0, 1)
+
+
+#: How a peer decodes an image of a set (and of a photos mode).
+DECODERS: dict[str, Callable[[bytes], Any]] = {
+    "pillow": decode_pil,
+    "fit": decode_sj_fit,
+    "per sample": decode_sj_full,
+}
+
+
+def list_collate(batch: list[tuple[Any, Any]]) -> tuple[list[Any], Any]:
+    """Images as a list (sizes differ), labels stacked."""
+    import torch
+
+    return [image for image, _ in batch], torch.tensor([int(label) for _, label in batch])
+
+
+class PerSample:
+    """imgpack read one sample at a time: ``ds[i]`` (no ``__getitems__`` for DataLoader)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.ds[index]
 
 
 def read_epoch(
@@ -136,7 +193,10 @@ def read_epoch(
 
 
 # -- the tools ---------------------------------------------------------------------------------
-def imgpack_tool(src: Path, out: Path, raw: int | None) -> tuple[float, Callable[[int], Any]]:
+def imgpack_tool(
+    src: Path, out: Path, raw: int | None, mode: str = "pillow"
+) -> tuple[float, Callable[[int], Any]]:
+    from benchlib import FIT
     from torch.utils.data import DataLoader
 
     from imgpack import convert, open_dataset
@@ -146,18 +206,21 @@ def imgpack_tool(src: Path, out: Path, raw: int | None) -> tuple[float, Callable
     start = time.perf_counter()  # in this process, as the peers: full validation, all CPUs
     convert(src, out, "pt", progress=False, overwrite=True, **options)
     seconds = time.perf_counter() - start
-    ds = open_dataset(out)
+    ds: Any = open_dataset(out, size=FIT) if mode == "fit" else open_dataset(out)
+    collate_fn: Any = collate
+    if mode == "per sample":
+        ds, collate_fn = PerSample(ds), list_collate
 
     def loader(workers: int) -> Any:
         return DataLoader(
-            ds, batch_size=BATCH, shuffle=True, num_workers=workers, collate_fn=collate
+            ds, batch_size=BATCH, shuffle=True, num_workers=workers, collate_fn=collate_fn
         )
 
     return seconds, loader
 
 
 def webdataset_tool(
-    samples: list[tuple[Path, int]], out: Path, ext: str
+    samples: list[tuple[Path, int]], out: Path, ext: str, mode: str = "pillow"
 ) -> tuple[float, Callable[[int], Any]]:
     import webdataset as wds
 
@@ -175,8 +238,8 @@ def webdataset_tool(
             wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
             .shuffle(1000)
             .to_tuple(ext, "cls")
-            .map_tuple(decode_pil, int)
-            .batched(BATCH, partial=True)
+            .map_tuple(DECODERS[mode], int)
+            .batched(BATCH, partial=True, **collation(mode))
         )
         return wds.WebLoader(pipeline, batch_size=None, num_workers=workers)
 
@@ -188,11 +251,19 @@ def _litdata_item(item: tuple[str, int]) -> dict[str, Any]:
     return {"image": Path(path).read_bytes(), "label": label}
 
 
-def _litdata_decode(item: dict[str, Any]) -> tuple[Any, int]:
-    return decode_pil(item["image"]), int(item["label"])
+def _litdata_decode(mode: str, item: dict[str, Any]) -> tuple[Any, int]:
+    return DECODERS[mode](item["image"]), int(item["label"])
 
 
-def litdata_tool(samples: list[tuple[Path, int]], out: Path) -> tuple[float, Callable[[int], Any]]:
+def collation(mode: str) -> dict[str, Any]:
+    """The collate keyword of a peer's loader: full-size images of different sizes go in
+    lists; anything else as the tool collates by default."""
+    return {"collation_fn": list_collate} if mode == "per sample" else {}
+
+
+def litdata_tool(
+    samples: list[tuple[Path, int]], out: Path, mode: str = "pillow"
+) -> tuple[float, Callable[[int], Any]]:
     import litdata
 
     start = time.perf_counter()
@@ -208,13 +279,23 @@ def litdata_tool(samples: list[tuple[Path, int]], out: Path) -> tuple[float, Cal
     seconds = time.perf_counter() - start
 
     def loader(workers: int) -> Any:
-        ds = litdata.StreamingDataset(str(out), shuffle=True, transform=_litdata_decode)
-        return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
+        decode = functools.partial(_litdata_decode, mode)
+        ds = litdata.StreamingDataset(str(out), shuffle=True, transform=decode)
+        return litdata.StreamingDataLoader(
+            ds, batch_size=BATCH, num_workers=workers, **loader_collate(mode)
+        )
 
     return seconds, loader
 
 
-def mosaic_tool(samples: list[tuple[Path, int]], out: Path) -> tuple[float, Callable[[int], Any]]:
+def loader_collate(mode: str) -> dict[str, Any]:
+    """:func:`collation` for a torch ``DataLoader``."""
+    return {"collate_fn": list_collate} if mode == "per sample" else {}
+
+
+def mosaic_tool(
+    samples: list[tuple[Path, int]], out: Path, mode: str = "pillow"
+) -> tuple[float, Callable[[int], Any]]:
     from streaming import MDSWriter, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
 
@@ -228,23 +309,25 @@ def mosaic_tool(samples: list[tuple[Path, int]], out: Path) -> tuple[float, Call
     class Decoded(StreamingDataset):  # type: ignore[misc]
         def __getitem__(self, index: int) -> tuple[Any, int]:
             item = super().__getitem__(index)
-            return decode_pil(item["image"]), int(item["label"])
+            return DECODERS[mode](item["image"]), int(item["label"])
 
     def loader(workers: int) -> Any:
         from torch.utils.data import DataLoader
 
         clean_stale_shared_memory()
         ds = Decoded(local=str(out), shuffle=True, batch_size=BATCH)
-        return DataLoader(ds, batch_size=BATCH, num_workers=workers)
+        return DataLoader(ds, batch_size=BATCH, num_workers=workers, **loader_collate(mode))
 
     return seconds, loader
 
 
-def _tfrecord_decode(record: dict[str, Any]) -> tuple[Any, int]:
-    return decode_pil(bytes(record["image"])), int(record["label"][0])
+def _tfrecord_decode(mode: str, record: dict[str, Any]) -> tuple[Any, int]:
+    return DECODERS[mode](bytes(record["image"])), int(record["label"][0])
 
 
-def tfrecord_tool(samples: list[tuple[Path, int]], out: Path) -> tuple[float, Callable[[int], Any]]:
+def tfrecord_tool(
+    samples: list[tuple[Path, int]], out: Path, mode: str = "pillow"
+) -> tuple[float, Callable[[int], Any]]:
     import tfrecord
     from tfrecord.tools.tfrecord2idx import create_index
     from tfrecord.torch.dataset import TFRecordDataset
@@ -266,15 +349,23 @@ def tfrecord_tool(samples: list[tuple[Path, int]], out: Path) -> tuple[float, Ca
             str(index),
             {"image": "byte", "label": "int"},
             shuffle_queue_size=1024,
-            transform=_tfrecord_decode,
+            transform=functools.partial(_tfrecord_decode, mode),
         )
-        return DataLoader(ds, batch_size=BATCH, num_workers=workers)
+        return DataLoader(ds, batch_size=BATCH, num_workers=workers, **loader_collate(mode))
 
     return seconds, loader
 
 
 # -- the run -----------------------------------------------------------------------------------
-def measure_tool(tool: str, dataset: str, src: Path, out_root: Path, raw: int | None) -> Row:
+def measure_tool(
+    tool: str,
+    dataset: str,
+    src: Path,
+    out_root: Path,
+    raw: int | None,
+    mode: str = "pillow",
+    workers: Sequence[int] = (0, 2),
+) -> Row:
     from imgpack.sources.folder.scan import scan_folder
 
     scan = scan_folder(src)
@@ -284,17 +375,19 @@ def measure_tool(tool: str, dataset: str, src: Path, out_root: Path, raw: int | 
     shutil.rmtree(out, ignore_errors=True)
     ext = "png" if dataset == "small" else "jpg"
     if tool == "imgpack":
-        seconds, loader = imgpack_tool(src, out, raw)
+        seconds, loader = imgpack_tool(src, out, raw, mode)
     elif tool == "webdataset":
-        seconds, loader = webdataset_tool(samples, out, ext)
+        seconds, loader = webdataset_tool(samples, out, ext, mode)
     elif tool == "litdata":
-        seconds, loader = litdata_tool(samples, out)
+        seconds, loader = litdata_tool(samples, out, mode)
     elif tool == "mosaic":
-        seconds, loader = mosaic_tool(samples, out)
+        seconds, loader = mosaic_tool(samples, out, mode)
     else:
-        seconds, loader = tfrecord_tool(samples, out)
-    reads = [read_epoch(lambda w=w: loader(w), expected) for w in (0, 2)]
+        seconds, loader = tfrecord_tool(samples, out, mode)
+    reads = {w: read_epoch(lambda w=w: loader(w), expected) for w in workers}
     stored = f"raw {raw}x{raw}" if raw else f"{ext} bytes"
+    if mode != "pillow":
+        stored += f", {mode}"
     print(f"  {tool:<10} {dataset:<6} {stored:<12} done", flush=True)
     return Row(
         tool=tool,
@@ -304,10 +397,11 @@ def measure_tool(tool: str, dataset: str, src: Path, out_root: Path, raw: int | 
         convert_rate=len(samples) / seconds,
         output_mib=folder_bytes(out) / 2**20,
         read_w0=reads[0][0],
-        read_w2=reads[1][0],
+        read_w2=reads[2][0],
         first_batch_w0_s=reads[0][1],
-        first_batch_w2_s=reads[1][1],
+        first_batch_w2_s=reads[2][1],
         validates=tool == "imgpack",
+        read_w1=reads[1][0] if 1 in reads else 0.0,
     )
 
 
@@ -358,10 +452,12 @@ def inside(args: argparse.Namespace) -> None:
     from benchlib import machine, make_jpeg_folder, make_png_folder
 
     data = Path(args.data).resolve()
-    sets = {
-        "small": (make_png_folder(data / f"png32-{args.small}", args.small, 32, 10), 32),
-        "jpeg": (make_jpeg_folder(data / f"jpeg500-{args.jpeg}", args.jpeg), None),
-    }
+    wanted = [name for name in args.sets.split(",") if name]
+    sets = {}
+    if "small" in wanted:
+        sets["small"] = (make_png_folder(data / f"png32-{args.small}", args.small, 32, 10), 32)
+    if "jpeg" in wanted:
+        sets["jpeg"] = (make_jpeg_folder(data / f"jpeg500-{args.jpeg}", args.jpeg), None)
     out_root = data / "peers"
     out_root.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}")
@@ -372,6 +468,60 @@ def inside(args: argparse.Namespace) -> None:
             if tool == "imgpack" and raw_size:
                 rows.append(measure_tool(tool, dataset, src, out_root, raw_size))
             rows.append(measure_tool(tool, dataset, src, out_root, None))
+    photos: dict[str, Any] = {}
+    if "photos" in wanted:
+        photos = measure_photos(data, out_root, tools, args.photos)
+    if rows:
+        print_rows(rows)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": machine(), "rows": [asdict(r) for r in rows], "photos": photos},
+                indent=1,
+            )
+            + "\n"
+        )
+    if args.plot and rows:
+        plot(rows, Path(args.plot))
+        print(f"chart: {args.plot}")
+
+
+def measure_photos(data: Path, out_root: Path, tools: list[str], count: int) -> dict[str, Any]:
+    """The photos set: every tool decoding with simplejpeg, fitted batches and per-sample
+    reads at num_workers 0, 1 and 2, each against its limit measured in this run."""
+    from benchlib import decode_limit, make_photo_folder
+
+    src = make_photo_folder(data / f"photos-{count}", count)
+    payloads = [path.read_bytes() for path in sorted(src.rglob("*.jpg"))]
+    cores = len(os.sched_getaffinity(0))
+    limits = {
+        "fit": decode_limit("decode+fit", payloads, cores, 2),
+        "per sample": decode_limit("decode", payloads, cores, 2),
+    }
+    rows = [
+        measure_tool(tool, "photos", src, out_root, None, mode, (0, 1, 2))
+        for mode in limits
+        for tool in tools
+    ]
+    print(
+        f"\n{count} variable-size photos, every tool decoding with simplejpeg; limits: "
+        f"cores x (decode + fit to 224) {limits['fit']:,.0f}/s, cores x full decode "
+        f"{limits['per sample']:,.0f}/s ({cores} processes, bytes in RAM)"
+    )
+    print("\n| tool | reads | w=0 | of limit | w=1 | of limit | w=2 | of limit |")
+    print("|" + " --- |" * 2 + " ---: |" * 6)
+    for r in rows:
+        mode = r.stored.split(", ", 1)[1]
+        limit = limits[mode]
+        cells = " | ".join(
+            f"{rate:,.0f} | {rate / limit:.2f}" for rate in (r.read_w0, r.read_w1, r.read_w2)
+        )
+        print(f"| {r.tool} | {mode} | {cells} |")
+    print("\nevery read epoch: sample count and label histogram equal to the source's")
+    return {"limits": limits, "rows": [asdict(r) for r in rows]}
+
+
+def print_rows(rows: list[Row]) -> None:
     header = (
         "| tool | set | stored | convert | images/s | output MiB | read w=0 | read w=2 "
         "| 1st batch w=0 | 1st batch w=2 |"
@@ -385,13 +535,6 @@ def inside(args: argparse.Namespace) -> None:
             f"| {r.first_batch_w0_s:.2f} s | {r.first_batch_w2_s:.2f} s |"
         )
     print("\nevery read epoch: sample count and label histogram equal to the source's")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"machine": machine(), "rows": [asdict(r) for r in rows]}, indent=1) + "\n"
-        )
-    if args.plot:
-        plot(rows, Path(args.plot))
-        print(f"chart: {args.plot}")
 
 
 def main() -> None:
@@ -400,6 +543,8 @@ def main() -> None:
     )
     parser.add_argument("--small", type=int, default=50_000, help="32x32 PNGs")
     parser.add_argument("--jpeg", type=int, default=4_000, help="500x375 JPEGs")
+    parser.add_argument("--photos", type=int, default=4_000, help="variable-size JPEGs")
+    parser.add_argument("--sets", default="small,jpeg", help="of small,jpeg,photos")
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--data", default="bench-data")
     parser.add_argument("--venv", default=None, help="default: DATA/peers-venv")

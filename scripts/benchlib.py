@@ -193,3 +193,106 @@ def parallel_decode_rate(paths: Sequence[Path], processes: int) -> float:
         start = time.perf_counter()
         done = sum(pool.map(_decode_files, parts))
         return done / (time.perf_counter() - start)
+
+
+# -- variable-size photos and the decode limits ---------------------------------------------------
+#: ImageNet's usual sizes (H, W); some photos get odd sizes between 300 and 500 on each side.
+PHOTO_SIZES = ((375, 500), (500, 375), (333, 500), (500, 333), (400, 500), (500, 500), (334, 500))
+#: The size batches are fitted to (crop, bilinear), as a training pipeline would.
+FIT = (224, 224)
+
+
+def make_photo_folder(root: Path, count: int, classes: int = 10, seed: int = 0) -> Path:
+    """``count`` seeded photo-like JPEGs of ImageNet's usual sizes (about 500x400 on average),
+    quality 90, in ``classes`` class folders."""
+    done = root / ".complete"
+    if done.exists():
+        return root
+    from imgpack.sample import synthetic_image
+
+    rng = np.random.default_rng(seed)
+    kinds = ("circle", "square", "stripes", "triangle")
+    for c in range(classes):
+        (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        height, width = PHOTO_SIZES[int(rng.integers(len(PHOTO_SIZES)))]
+        if rng.random() < 0.3:
+            height, width = int(rng.integers(300, 501)), int(rng.integers(300, 501))
+        img = synthetic_image(rng, height, width, kinds[i % len(kinds)])
+        noise = rng.normal(0, 6, size=(height, width, 3))
+        pixels = np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(root / f"class{i % classes:02d}" / f"p{i:05d}.jpg", quality=90)
+    done.touch()
+    return root
+
+
+def decode_validate(data: bytes) -> Any:
+    """What validating a kept JPEG must do at least: decode it at 1/8 DCT scale."""
+    import simplejpeg
+
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    return simplejpeg.decode_jpeg(
+        data, min_height=-(-height // 8), min_width=-(-width // 8), strict=True
+    )
+
+
+def decode_full(data: bytes) -> Any:
+    """A full simplejpeg decode (accurate DCT, fancy upsampling): HxWx3 uint8."""
+    import simplejpeg
+
+    return simplejpeg.decode_jpeg(data, strict=True)
+
+
+def decode_fit(data: bytes) -> Any:
+    """The least work that gives a JPEG fitted to :data:`FIT`: simplejpeg at the DCT scale
+    Pillow's draft picks for it, then imgpack's resize (crop, bilinear)."""
+    import simplejpeg
+
+    from imgpack.decoding import draft_scale
+    from imgpack.images import ImagePolicy, resize_pixels
+
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    scale = draft_scale(height, width, FIT)
+    pixels = simplejpeg.decode_jpeg(
+        data,
+        min_height=-(-height // scale) if scale > 1 else 0,
+        min_width=-(-width // scale) if scale > 1 else 0,
+        strict=True,
+    )
+    return resize_pixels(pixels, ImagePolicy(size=FIT, resize="crop"))
+
+
+DECODES: dict[str, Callable[[bytes], Any]] = {
+    "validate": decode_validate,
+    "decode": decode_full,
+    "decode+fit": decode_fit,
+}
+_PAYLOADS: list[bytes] = []
+
+
+def _timed_decodes(args: tuple[str, int, int]) -> float:
+    work, part, parts = args
+    mine, fn = _PAYLOADS[part::parts], DECODES[work]
+    for data in mine[:20]:  # warm up
+        fn(data)
+    start = time.perf_counter()
+    for data in mine:
+        fn(data)
+    return time.perf_counter() - start
+
+
+def decode_limit(work: str, payloads: Sequence[bytes], processes: int, repeats: int) -> float:
+    """Images/s of ``work`` (a key of :data:`DECODES`) over ``payloads`` in RAM, split over
+    ``processes`` processes running at once (the slowest sets the time; start-up not counted),
+    best of ``repeats``: what this machine's cores deliver for that work right now."""
+    import multiprocessing
+
+    _PAYLOADS[:] = payloads
+    best = 0.0
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        for _ in range(repeats):
+            seconds = max(
+                pool.map(_timed_decodes, [(work, k, processes) for k in range(processes)])
+            )
+            best = max(best, len(payloads) / seconds)
+    return best
