@@ -363,13 +363,19 @@ def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> 
     where one has room: in a DataLoader worker it reaches the training process without a copy,
     and a large batch in the training process reuses memory instead of fresh pages. When the
     pool has no room, a large batch in a worker is allocated in a shared-memory segment of its
-    own (torch would copy it there to send it)."""
+    own (torch would copy it there to send it). Anything else is numpy's memory: torch's CPU
+    allocator (``posix_memalign``) gets fresh pages from the kernel for a batch of a few hundred
+    KB again and again (2-3 page faults a call measured here, tens of µs: as much as a
+    single image's read costs beyond its decode), where malloc reuses what the last batch
+    freed."""
     try:
         leased = lease(shape, dtype)
         if leased is not None:
             return leased
         if in_worker() and math.prod(shape) * dtype.itemsize > POOL_MAX_BYTES:
             return shared_tensor(shape, dtype)
+        if dtype == torch.uint8:
+            return torch.from_numpy(np.empty(tuple(shape), np.uint8))
         return torch.empty(tuple(shape), dtype=dtype)
     except (RuntimeError, MemoryError) as exc:
         raise DataError(
