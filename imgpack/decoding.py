@@ -316,8 +316,10 @@ class Decoder:
         record in the error a damaged one raises."""
         count = len(items)
         shapes = [self._shape(item) for item in items]
-        if count == 1 and shapes[0] is not None:  # one image (``ds[i]``): no threads to ask
-            out = new_batch_tensor((1, *shapes[0]))
+        if count == 1 and shapes[0] is not None:  # one image (``ds[i]``): no threads to ask,
+            # and plain memory: the pool's buffers are for whole batches (in a worker, images
+            # read one by one would each take a shared buffer and hold it in the batch)
+            out = torch.from_numpy(np.empty((1, *shapes[0]), np.uint8))
             self.one(items[0], where(0), out.numpy()[0])
             return out.permute(0, 3, 1, 2)
         threads = self.threads or self._default_threads(items)

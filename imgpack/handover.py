@@ -318,8 +318,13 @@ def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
         number, buffer, generation = taken
         layouts, offset = [], _HEADER
         for image in images:
-            target = buffer.bytes[offset : offset + image.nbytes].view(image.shape)
-            target.copy_(image)
+            # Copied in its own memory order (a CHW view of HWC pixels: a straight copy of the
+            # HWC bytes, not a transposing one), with the same strides on the other side.
+            order = sorted(range(image.dim()), key=lambda d: -image.stride()[d])
+            source = image.permute(*order)
+            place = buffer.bytes[offset : offset + image.nbytes].view(source.shape)
+            place.copy_(source)
+            target = place.permute(*sorted(range(image.dim()), key=order.__getitem__))
             layouts.append((offset, tuple(target.shape), tuple(target.stride())))
             offset += image.nbytes
         buffer.header[1] = _SENT

@@ -23,6 +23,9 @@ The figures, each against its limit:
   full batches open_dataset(out) + collate: variable-size images, a list of tensors per batch,
                num_workers 0, 1, 2  (vs decode)
   per sample   ds[i] in shuffled order, decode_threads=1, in this process  (vs one core)
+  samples      ds[i] through DataLoader(batch_size=--batch, collate_fn=imgpack's collate),
+               num_workers 0, 1, 2: a list of full-size images per batch  (vs one core per
+               process reading: one core at 0 and 1 workers, both at 2; an image decodes on one)
 
 Every read figure is the best of --repeats epochs, the clock started at the first batch (worker
 start-up not counted), every epoch's sample count checked.
@@ -48,7 +51,7 @@ from imgpack.converters import FORMATS
 from imgpack.loading.bench import measure
 from imgpack.system import usable_cpus
 
-PARTS = ("convert", "fit", "full", "sample")
+PARTS = ("convert", "fit", "full", "sample", "samples")
 
 
 # -- the figures ---------------------------------------------------------------------------------
@@ -71,6 +74,19 @@ def read_rate(ds: Any, workers: int, batch: int, repeats: int) -> float:
         assert count >= len(ds), (count, len(ds))
         best = max(best, count / seconds)
     return best
+
+
+class PerSample:
+    """A reader read one sample at a time (``ds[i]``: DataLoader finds no ``__getitems__``)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.ds[index]
 
 
 def per_sample_rate(ds: Any, repeats: int) -> float:
@@ -130,6 +146,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             ds = open_dataset(out, decode_threads=1)
             found["per sample"] = per_sample_rate(ds, args.repeats)
             rows.append((f"{fmt}: per sample", ratio(found["per sample"], limits["one core"])))
+        if "samples" in parts:  # ds[i] through DataLoader, batched by imgpack's collate
+            each = PerSample(open_dataset(out))
+            for w in workers:
+                key = f"samples w={w}"
+                found[key] = read_rate(each, w, args.batch, args.repeats)
+                # one image decodes on one core: per process, in the main one or each worker
+                used = limits["one core"] * max(1, min(w, cores))
+                rows.append((f"{fmt}: {key}", ratio(found[key], used)))
         figures["formats"][fmt] = found
         print_table("so far", rows[-len(found) :])
     print_table(f"{args.count} variable-size JPEGs, against the limits", rows)

@@ -140,11 +140,14 @@ def decode_sj_full(data: bytes) -> Any:
     return torch.from_numpy(decode_full(bytes(data))).permute(2, 0, 1)
 
 
+#: The per-sample mode read through imgpack's collate (imgpack only).
+IMGPACK_COLLATE = "per sample + imgpack collate"
 #: How a peer decodes an image of a set (and of a photos mode).
 DECODERS: dict[str, Callable[[bytes], Any]] = {
     "pillow": decode_pil,
     "fit": decode_sj_fit,
     "per sample": decode_sj_full,
+    IMGPACK_COLLATE: decode_sj_full,
 }
 
 
@@ -208,8 +211,8 @@ def imgpack_tool(
     seconds = time.perf_counter() - start
     ds: Any = open_dataset(out, size=FIT) if mode == "fit" else open_dataset(out)
     collate_fn: Any = collate
-    if mode == "per sample":
-        ds, collate_fn = PerSample(ds), list_collate
+    if mode.startswith("per sample"):  # ds[i]; the list collate, or imgpack's
+        ds, collate_fn = PerSample(ds), list_collate if mode == "per sample" else collate
 
     def loader(workers: int) -> Any:
         return DataLoader(
@@ -503,6 +506,11 @@ def measure_photos(data: Path, out_root: Path, tools: list[str], count: int) -> 
         for mode in limits
         for tool in tools
     ]
+    if "imgpack" in tools:  # ds[i] with imgpack's collate: the batch handed over in one buffer
+        rows.append(
+            measure_tool("imgpack", "photos", src, out_root, None, IMGPACK_COLLATE, (0, 1, 2))
+        )
+    limits[IMGPACK_COLLATE] = limits["per sample"]
     print(
         f"\n{count} variable-size photos, every tool decoding with simplejpeg; limits: "
         f"cores x (decode + fit to 224) {limits['fit']:,.0f}/s, cores x full decode "
