@@ -319,7 +319,7 @@ class Decoder:
         if count == 1 and shapes[0] is not None:  # one image (``ds[i]``): no threads to ask,
             # and plain memory: the pool's buffers are for whole batches (in a worker, images
             # read one by one would each take a shared buffer and hold it in the batch)
-            out = torch.from_numpy(np.empty((1, *shapes[0]), np.uint8))
+            out = scratch_tensor((1, *shapes[0]))
             self.one(items[0], where(0), out.numpy()[0])
             return out.permute(0, 3, 1, 2)
         threads = self.threads or self._default_threads(items)
@@ -365,11 +365,7 @@ def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> 
     where one has room: in a DataLoader worker it reaches the training process without a copy,
     and a large batch in the training process reuses memory instead of fresh pages. When the
     pool has no room, a large batch in a worker is allocated in a shared-memory segment of its
-    own (torch would copy it there to send it). Anything else is numpy's memory: torch's CPU
-    allocator (``posix_memalign``) gets fresh pages from the kernel for a batch of a few hundred
-    KB again and again (2-3 page faults a call measured here, tens of µs: as much as a
-    single image's read costs beyond its decode), where malloc reuses what the last batch
-    freed."""
+    own (torch would copy it there to send it). Anything else is :func:`scratch_tensor`."""
     try:
         leased = lease(shape, dtype)
         if leased is not None:
@@ -377,12 +373,21 @@ def new_batch_tensor(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> 
         if in_worker() and math.prod(shape) * dtype.itemsize > POOL_MAX_BYTES:
             return shared_tensor(shape, dtype)
         if dtype == torch.uint8:
-            return torch.from_numpy(np.empty(tuple(shape), np.uint8))
+            return scratch_tensor(shape)
         return torch.empty(tuple(shape), dtype=dtype)
     except (RuntimeError, MemoryError) as exc:
         raise DataError(
             f"cannot allocate a batch of shape {tuple(shape)}: {str(exc).splitlines()[0]}"
         ) from None
+
+
+def scratch_tensor(shape: Sequence[int]) -> torch.Tensor:
+    """An uninitialised uint8 tensor in numpy's (malloc's) memory: for a batch or its scratch
+    space. torch's own allocator takes fresh pages from the kernel for allocations of a few
+    hundred KB, call after call (2-3 page faults each measured here, with transparent huge
+    pages: tens to hundreds of µs, the cost of a whole raw batch's gather); malloc reuses
+    what the last one freed."""
+    return torch.from_numpy(np.empty(tuple(shape), np.uint8))
 
 
 def arrays_to_batch(arrays: list[np.ndarray]) -> Images:

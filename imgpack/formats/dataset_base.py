@@ -36,6 +36,7 @@ from imgpack.checksum import record_crc, record_crcs
 from imgpack.decoding import Decoder
 from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
 from imgpack.decoding import new_batch_tensor as new_batch_tensor
+from imgpack.decoding import scratch_tensor as scratch_tensor
 from imgpack.errors import (
     DataError,
     ImgpackError,
@@ -876,7 +877,7 @@ class PreadDataset(ImageDataset):
             self._rows_into(first, starts, out)
             return
         order, runs = shard_runs(shard_of)
-        ordered, grouped = starts[order], torch.empty_like(out)
+        ordered, grouped = starts[order], scratch_tensor(out.shape)
         for number, start, stop in runs:
             self._rows_into(number, ordered[start:stop], grouped[start:stop])
         out.numpy()[order] = grouped.numpy()

@@ -21,6 +21,7 @@ from imgpack.formats.dataset_base import (
     check_labels,
     check_output_id,
     new_batch_tensor,
+    scratch_tensor,
 )
 from imgpack.formats.webdataset import layout
 
@@ -179,7 +180,7 @@ class WebDatasetDataset(PreadDataset):
         found = self._members(indices)
         if found is None:
             return None
-        rows = torch.empty((len(indices), self._member_size), dtype=torch.uint8)
+        rows = scratch_tensor((len(indices), self._member_size))
         self._gather_rows(*found, rows)
         return rows.numpy(), self._labels[indices], self._crcs[indices]
 
@@ -195,7 +196,7 @@ class WebDatasetDataset(PreadDataset):
         shard_of, offsets = found
         head = len(self._npy)
         if not (self.verify or self._check_once):  # no checksum covered the headers
-            heads = torch.empty((len(indices), head), dtype=torch.uint8)
+            heads = scratch_tensor((len(indices), head))
             self._gather_rows(shard_of, offsets, heads)
             if not (heads.numpy() == np.frombuffer(self._npy, np.uint8)).all():
                 return None
