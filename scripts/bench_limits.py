@@ -44,7 +44,16 @@ from typing import Any
 
 import numpy as np
 import simplejpeg
-from benchlib import DECODES, FIT, decode_limit, machine, make_photo_folder, print_table, save_json
+from benchlib import (
+    DECODES,
+    FIT,
+    PerSample,
+    decode_limit,
+    machine,
+    make_photo_folder,
+    print_table,
+    save_json,
+)
 
 from imgpack import convert, open_dataset
 from imgpack.converters import FORMATS
@@ -74,19 +83,6 @@ def read_rate(ds: Any, workers: int, batch: int, repeats: int) -> float:
         assert count >= len(ds), (count, len(ds))
         best = max(best, count / seconds)
     return best
-
-
-class PerSample:
-    """A reader read one sample at a time (``ds[i]``: DataLoader finds no ``__getitems__``)."""
-
-    def __init__(self, ds: Any) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.ds[index]
 
 
 def per_sample_rate(ds: Any, repeats: int) -> float:

@@ -158,19 +158,6 @@ def list_collate(batch: list[tuple[Any, Any]]) -> tuple[list[Any], Any]:
     return [image for image, _ in batch], torch.tensor([int(label) for _, label in batch])
 
 
-class PerSample:
-    """imgpack read one sample at a time: ``ds[i]`` (no ``__getitems__`` for DataLoader)."""
-
-    def __init__(self, ds: Any) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.ds[index]
-
-
 def read_epoch(
     make_loader: Callable[[], Iterable[Any]], expected: collections.Counter[int]
 ) -> tuple[float, float]:
@@ -199,7 +186,7 @@ def read_epoch(
 def imgpack_tool(
     src: Path, out: Path, raw: int | None, mode: str = "pillow"
 ) -> tuple[float, Callable[[int], Any]]:
-    from benchlib import FIT
+    from benchlib import FIT, PerSample
     from torch.utils.data import DataLoader
 
     from imgpack import convert, open_dataset

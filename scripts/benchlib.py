@@ -140,6 +140,36 @@ def save_json(path: str | None, data: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
+def _class_folders(root: Path, classes: int, seed: int) -> np.random.Generator:
+    """The class folders of a generated set, and the set's random generator."""
+    for c in range(classes):
+        (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
+    return np.random.default_rng(seed)
+
+
+def _photo_pixels(rng: np.random.Generator, height: int, width: int, i: int) -> np.ndarray:
+    """Photo ``i`` of a set: smooth light, a shape, sensor noise."""
+    from imgpack.sample import synthetic_image
+
+    kinds = ("circle", "square", "stripes", "triangle")
+    img = synthetic_image(rng, height, width, kinds[i % len(kinds)])
+    noise = rng.normal(0, 6, size=(height, width, 3))
+    return np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+
+
+class PerSample:
+    """A reader read one sample at a time (``ds[i]``: DataLoader finds no ``__getitems__``)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.ds[index]
+
+
 def make_jpeg_folder(
     root: Path, count: int, height: int = 375, width: int = 500, classes: int = 10, seed: int = 0
 ) -> Path:
@@ -147,16 +177,9 @@ def make_jpeg_folder(
     done = root / ".complete"
     if done.exists():
         return root
-    from imgpack.sample import synthetic_image
-
-    rng = np.random.default_rng(seed)
-    kinds = ("circle", "square", "stripes", "triangle")
-    for c in range(classes):
-        (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
+    rng = _class_folders(root, classes, seed)
     for i in range(count):
-        img = synthetic_image(rng, height, width, kinds[i % len(kinds)])
-        noise = rng.normal(0, 6, size=(height, width, 3))
-        pixels = np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+        pixels = _photo_pixels(rng, height, width, i)
         Image.fromarray(pixels).save(
             root / f"class{i % classes:02d}" / f"photo{i:05d}.jpg", quality=90
         )
@@ -208,19 +231,12 @@ def make_photo_folder(root: Path, count: int, classes: int = 10, seed: int = 0) 
     done = root / ".complete"
     if done.exists():
         return root
-    from imgpack.sample import synthetic_image
-
-    rng = np.random.default_rng(seed)
-    kinds = ("circle", "square", "stripes", "triangle")
-    for c in range(classes):
-        (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
+    rng = _class_folders(root, classes, seed)
     for i in range(count):
         height, width = PHOTO_SIZES[int(rng.integers(len(PHOTO_SIZES)))]
         if rng.random() < 0.3:
             height, width = int(rng.integers(300, 501)), int(rng.integers(300, 501))
-        img = synthetic_image(rng, height, width, kinds[i % len(kinds)])
-        noise = rng.normal(0, 6, size=(height, width, 3))
-        pixels = np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+        pixels = _photo_pixels(rng, height, width, i)
         Image.fromarray(pixels).save(root / f"class{i % classes:02d}" / f"p{i:05d}.jpg", quality=90)
     done.touch()
     return root
