@@ -38,7 +38,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     # The image policy, the decoders, and the image-folder scan (the read side's ImageFolder
     # baseline lists folders too).
-    ("images", ("imgpack.images", "imgpack.decoding", "imgpack.sources.folder.scan")),
+    (
+        "images",
+        ("imgpack.jpegheader", "imgpack.images", "imgpack.decoding", "imgpack.sources.folder.scan"),
+    ),
     # The format registry, object storage and Hugging Face's side of the formats (to_hf).
     ("registry", ("imgpack.formats", "imgpack.storage", "imgpack.lazy", "imgpack.hf")),
     # Each format's codec, writer and reader.
