@@ -543,7 +543,7 @@ def _kept_jpeg(data: bytes, path: str, label: int, policy: ImagePolicy) -> Encod
     :func:`~imgpack.jpegheader.plain_jpeg` (a single frame, nothing that rotates it, gray or
     RGB) and its data decoded cleanly by libjpeg-turbo at 1/8 scale; ``None`` for anything else
     (and for any doubt), which :func:`process_bytes` gives to Pillow as before."""
-    if _simplejpeg is None or not data.startswith(b"\xff\xd8\xff"):
+    if _simplejpeg is None or bytes(data[:3]) != b"\xff\xd8\xff":
         return None
     header = plain_jpeg(data)
     if header is None:
