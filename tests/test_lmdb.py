@@ -225,3 +225,28 @@ def test_raw_reads_from_the_map_table_equal_reads_by_get(tmp_path: Path) -> None
         assert ds._from_map(spans, np.array([4, 5])) is None
         assert ds._from_map(spans, np.array([4, 6])) is not None
         assert torch.equal(ds.__getitems__([5]).images, expected.images[[5]])  # type: ignore[call-overload]
+
+
+def test_raw_checksums_are_checked_from_the_map_on_first_reads(tmp_path: Path) -> None:
+    """Once the map of record positions exists, a raw record read for the first time is checked
+    from it (its pixels, label and stored CRC gathered with the batch's): a damaged one is a
+    DataError naming it, the others read as by ``get``."""
+    src = build_uniform_folder(tmp_path / "src", count=90, classes=4, size=6)
+    out = tmp_path / "raw"
+    convert(src, out, "lmdb", encoding="raw", size=6, progress=False)
+    expected = open_dataset(out).__getitems__(list(range(90)))  # by get
+    ds = open_dataset(out)
+    assert isinstance(ds, LMDBDataset)
+    ds.__getitems__(list(range(8)))  # 8 >= 90 // SLOW_SHARE records read by get
+    first = ds.__getitems__([8, 9])  # the map is built here
+    assert ds._spans is not None and torch.equal(first.images, expected.images[[8, 9]])  # type: ignore[call-overload]
+    rows = ds._raw_rows(np.arange(10, 90))
+    assert rows is not None and len(rows[0]) == 80
+    spans = ds._spans
+    damaged = spans.tensor.clone()
+    damaged[int(spans.starts[50] + spans.lengths[50]) - 1] ^= 1  # record 50's last pixel byte
+    spans.tensor = damaged
+    with pytest.raises(DataError, match="sample 50: checksum mismatch"):
+        ds.__getitems__([49, 50])
+    batch = ds.__getitems__(list(range(60, 90)))
+    assert torch.equal(batch.images, expected.images[60:90])

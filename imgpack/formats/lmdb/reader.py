@@ -89,9 +89,9 @@ class LMDBDataset(ImageDataset):
     no meminit) and again after a fork. A batch is served from one read transaction, a ``get``
     per record; raw pixels are copied from the map straight into the batch tensor.
 
-    Raw records, once a process has read half as many as the output holds that way, are served
-    from a table of where each record lies in LMDB's memory map (:class:`_MapSpans`): a batch is
-    then two gathers from the map (headers, pixels), the headers checked at once, no call per
+    Raw records, once a process has read ``1/SLOW_SHARE`` of them that way, are served from a
+    table of where each record lies in LMDB's memory map (:class:`_MapSpans`): a batch is then
+    a gather of headers (checked at once, the first time only) and one of pixels, no call per
     record.
     """
 
@@ -221,6 +221,26 @@ class LMDBDataset(ImageDataset):
         else:
             good &= (labels == UNLABELLED) & (lengths == expected)
         return good, labels
+
+    def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Raw records ``indices`` gathered from the map for the first reads' checksum pass (the
+        pixels, the labels and the stored CRCs of headers that check out), once the reader
+        has its map; ``None`` before, or for a header that does not check out or has no
+        checksum (version 1): those are checked record by record, which names the problem."""
+        spans = self._spans
+        if spans is None or spans.env is not self.handles or not len(indices):
+            return None
+        pixels = int(np.prod(self._shape))
+        starts, lengths = spans.starts[indices], spans.lengths[indices]
+        if int(lengths.min()) < _HEAD:
+            return None
+        heads = byte_rows(spans.tensor, starts, _HEAD)
+        good, labels = self._raw_heads(heads, lengths, pixels)
+        if not good.all() or (heads[:, 4] != record.VERSION).any():
+            return None
+        crcs = heads[:, 28:32].copy().view("<u4").reshape(len(indices)).astype(np.int64)
+        rows = byte_rows(spans.tensor, starts + lengths - pixels, pixels)
+        return rows, labels.astype(np.int64), crcs
 
     def _from_map(
         self, spans: _MapSpans, indices: np.ndarray
