@@ -222,6 +222,19 @@ class LMDBDataset(ImageDataset):
             good &= (labels == UNLABELLED) & (lengths == expected)
         return good, labels
 
+    def _check_heads(self, spans: _MapSpans, chunk: int = 1 << 16) -> None:
+        """Check every record's header in the new map at once (a gather of 32 bytes a record,
+        ``chunk`` records at a time), remembering the labels of those that check out: the
+        first epoch's later batches then gather pixels only. A header that does not check out
+        is left to the batch that reads it (the ``get`` path names the problem)."""
+        pixels = int(np.prod(self._shape))
+        for first in range(0, len(spans.starts), chunk):
+            part = slice(first, first + chunk)
+            heads = byte_rows(spans.tensor, spans.starts[part], _HEAD)
+            good, labels = self._raw_heads(heads, spans.lengths[part], pixels)
+            spans.labels[part] = labels
+            spans.checked[part] = good
+
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Raw records ``indices`` gathered from the map for the first reads' checksum pass (the
         pixels, the labels and the stored CRCs of headers that check out), once the reader
@@ -300,6 +313,8 @@ class LMDBDataset(ImageDataset):
                 spans = self._spans = _MapSpans.build(env, len(self))
                 if spans is None:  # a record is missing: the ``get`` path says which, always
                     self._slow_reads = -(1 << 62)
+                else:
+                    self._check_heads(spans)
             if spans is not None:
                 gathered = self._from_map(spans, indices)
                 if gathered is not None:
