@@ -278,13 +278,7 @@ class Handover(NamedTuple):
             tuple(s * itemsize for s in images.stride()),
             images.dtype,
         )
-        # The buffer itself travels once (its descriptor passed in a socket round trip); after
-        # that the training process holds it, and its name is enough.
-        key = (pool.token, number, os.getpid())
-        with pool.lock:
-            sent = None if number in pool.sent else buffer.bytes
-            pool.sent.add(number)
-        return _received, (key, sent, generation, layout, inline)
+        return _received, (*_addressed(pool, number, buffer), generation, layout, inline)
 
 
 def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
@@ -329,11 +323,19 @@ def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
             offset += image.nbytes
         buffer.header[1] = _SENT
         pool.release(number, buffer, None)  # the worker keeps no view of the copies
-    key = (pool.token, number, os.getpid())
+    return _received_views, (*_addressed(pool, number, buffer), generation, layouts, inline)
+
+
+def _addressed(
+    pool: _Pool, number: int, buffer: _Buffer
+) -> tuple[tuple[str, int, int], torch.Tensor | None]:
+    """What names buffer ``number`` to the training process: its key, and the buffer itself
+    the first time (its descriptor passed in a socket round trip); after that the training
+    process holds it, and its name is enough."""
     with pool.lock:
         sent = None if number in pool.sent else buffer.bytes
         pool.sent.add(number)
-    return _received_views, (key, sent, generation, layouts, inline)
+    return (pool.token, number, os.getpid()), sent
 
 
 def _received_views(

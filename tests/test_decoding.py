@@ -378,6 +378,8 @@ def test_a_batch_of_different_sizes_is_decoded_into_one_buffer(
     """A batch of images of different sizes: each image is decoded into its place in one
     buffer (its own view), with the pixels an independent decode gives, and from DataLoader
     workers the whole batch travels as that one buffer, kept batches staying whole."""
+    import imgpack.handover as handover
+
     ds = open_dataset(mixed_sizes[fmt])
     images, labels = collate(ds.__getitems__(list(range(len(ds)))))
     assert isinstance(images, list) and len({tuple(i.shape) for i in images}) > 1
@@ -393,7 +395,17 @@ def test_a_batch_of_different_sizes_is_decoded_into_one_buffer(
             collate_fn=collate,
             persistent_workers=workers > 0,
         )
-        kept = [batch for _ in range(3) for batch in loader]
+        kept = []
+        for epoch in range(3):
+            for batch in loader:
+                # While the pools have room (8 buffers a worker; later epochs' batches are all
+                # kept, more than that), a batch arrives in a worker's pooled buffer, not in
+                # segments of its own.
+                if workers and epoch == 0:
+                    held = {b.array.ctypes.data for b in handover._held_buffers.values()}
+                    address = batch[0][0].untyped_storage().data_ptr() - handover._HEADER
+                    assert address in held
+                kept.append(batch)
         for step, (got, got_labels) in enumerate(kept):
             first = (step % 7) * 6
             assert len({i.untyped_storage().data_ptr() for i in got}) == 1

@@ -11,6 +11,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 import simplejpeg
@@ -496,7 +497,16 @@ def test_a_record_framed_around_its_image_is_the_whole_record() -> None:
     }
     head, tail = tfexample.encode_example_around(features, "image/encoded")
     before, after = tfrecord.frame_around(head, image, tail)
-    assert before + image + after == tfrecord.frame(tfexample.encode_example(features))
+    data = tfexample.encode_example(features)
+    assert head + image + tail == data
+
+    def masked(chunk: bytes) -> bytes:  # TensorFlow's masked CRC-32C, written out here
+        crc = google_crc32c.value(chunk)
+        return ((((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF).to_bytes(4, "little")
+
+    length = len(data).to_bytes(8, "little")
+    assert before + image + after == length + masked(length) + data + masked(data)
+    assert tfrecord.frame(data) == before + image + after
 
 
 def test_raw_records_read_again_where_the_first_read_found_them(tmp_path: Path) -> None:

@@ -243,17 +243,29 @@ class LMDBDataset(ImageDataset):
         spans = self._spans
         if spans is None or spans.env is not self.handles or not len(indices):
             return None
+        found = self._map_heads(spans, indices)
+        if found is None or (found[0][:, 4] != record.VERSION).any():
+            return None
+        heads, labels = found
         pixels = int(np.prod(self._shape))
-        starts, lengths = spans.starts[indices], spans.lengths[indices]
+        crcs = heads[:, 28:32].copy().view("<u4").reshape(len(indices)).astype(np.int64)
+        ends = spans.starts[indices] + spans.lengths[indices]
+        return byte_rows(spans.tensor, ends - pixels, pixels), labels.astype(np.int64), crcs
+
+    def _map_heads(
+        self, spans: _MapSpans, indices: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The headers of records ``indices`` gathered from the map, and their labels, when
+        every one checks out (then remembered as checked); ``None`` otherwise."""
+        lengths = spans.lengths[indices]
         if int(lengths.min()) < _HEAD:
             return None
-        heads = byte_rows(spans.tensor, starts, _HEAD)
-        good, labels = self._raw_heads(heads, lengths, pixels)
-        if not good.all() or (heads[:, 4] != record.VERSION).any():
+        heads = byte_rows(spans.tensor, spans.starts[indices], _HEAD)
+        good, labels = self._raw_heads(heads, lengths, int(np.prod(self._shape)))
+        if not good.all():
             return None
-        crcs = heads[:, 28:32].copy().view("<u4").reshape(len(indices)).astype(np.int64)
-        rows = byte_rows(spans.tensor, starts + lengths - pixels, pixels)
-        return rows, labels.astype(np.int64), crcs
+        spans.labels[indices], spans.checked[indices] = labels, True
+        return heads, labels
 
     def _from_map(
         self, spans: _MapSpans, indices: np.ndarray
@@ -267,13 +279,10 @@ class LMDBDataset(ImageDataset):
         if not self.verify and spans.checked[indices].all():  # headers checked before
             labels = spans.labels[indices]
         else:
-            if int(lengths.min()) < _HEAD:
+            found = self._map_heads(spans, indices)
+            if found is None:
                 return None
-            heads = byte_rows(spans.tensor, starts, _HEAD)
-            good, labels = self._raw_heads(heads, lengths, pixels)
-            if not good.all():
-                return None
-            spans.labels[indices], spans.checked[indices] = labels, True
+            labels = found[1]
         out = new_batch_tensor((count, *self._shape))
         last = len(spans.tensor) - pixels  # a window of ``pixels`` bytes at every byte: the tails
         windows = spans.tensor.as_strided((last + 1, pixels), (1, 1))

@@ -200,11 +200,8 @@ class PTDataset(ImageDataset):
 
     def _arrays(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard ``number``'s images and labels as numpy arrays (views of its tensors)."""
-        shard = self._shard(number)
-        arrays = shard.get("_arrays")
-        if arrays is None:
-            arrays = shard["_arrays"] = (shard["images"].numpy(), shard["labels"].numpy())
-        return arrays
+        images, _, labels, _, _ = self._columns(number)
+        return images, labels
 
     def _gather_one(self, number: int, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
         """Rows ``local`` of shard ``number``, straight into the batch."""

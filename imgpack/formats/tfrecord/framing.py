@@ -45,14 +45,17 @@ def shard_file_name(prefix: str, number: int, total: int) -> str:
 
 def masked_crc32c(data: bytes | memoryview) -> int:
     """TensorFlow's masked CRC-32C of ``data``."""
-    crc = crc32c(data)
+    return _mask(crc32c(data))
+
+
+def _mask(crc: int) -> int:
     return (((crc >> 15) | (crc << 17)) + MASK_DELTA) & 0xFFFFFFFF
 
 
 def frame(data: bytes) -> bytes:
     """One framed record."""
-    length = _LENGTH.pack(len(data))
-    return length + _CRC.pack(masked_crc32c(length)) + data + _CRC.pack(masked_crc32c(data))
+    before, after = frame_around(data, b"", b"")
+    return before + after
 
 
 def frame_around(head: bytes, value: bytes | memoryview, tail: bytes) -> tuple[bytes, bytes]:
@@ -60,8 +63,7 @@ def frame_around(head: bytes, value: bytes | memoryview, tail: bytes) -> tuple[b
     value, an image's bytes, is neither copied nor joined)."""
     length = _LENGTH.pack(len(head) + len(value) + len(tail))
     crc = crc32c_extend(crc32c_extend(crc32c(head), value), tail)
-    masked = (((crc >> 15) | (crc << 17)) + MASK_DELTA) & 0xFFFFFFFF
-    return length + _CRC.pack(masked_crc32c(length)) + head, tail + _CRC.pack(masked)
+    return length + _CRC.pack(masked_crc32c(length)) + head, tail + _CRC.pack(_mask(crc))
 
 
 def read_length(header: bytes | memoryview, where: str, check_crc: bool = True) -> int:

@@ -30,9 +30,9 @@ from imgpack.formats.dataset_base import (
     check_file_order,
     check_files,
     check_output_id,
+    label_tensor,
     new_batch_tensor,
     readonly_tensor,
-    shard_runs,
 )
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
@@ -774,20 +774,8 @@ class TFRecordDataset(PreadDataset):
     ) -> tuple[Images, torch.Tensor]:
         """A batch of records checked before: one gather of their pixels per shard (a
         sliding-window view of the memory-mapped file), nothing parsed or compared again."""
-        size = layout.size
         out = new_batch_tensor((len(indices), *layout.shape))
-        flat = out.view(len(indices), size)
-        first = int(shard_of[0])
-        if (shard_of == first).all():
-            data = self._mapped_tensor(first)
-            windows = data.as_strided((len(data) - size + 1, size), (1, 1))
-            torch.index_select(windows, 0, torch.from_numpy(starts), out=flat)
-        else:
-            rows = flat.numpy()
-            order, runs = shard_runs(shard_of)
-            for number, start, stop in runs:
-                mine = order[start:stop]
-                rows[mine] = byte_rows(self._mapped_tensor(number), starts[mine], size)
+        self._gather_rows(shard_of, starts, out.view(len(indices), layout.size))
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
 
     def _check_crcs(
@@ -886,6 +874,4 @@ class TFRecordDataset(PreadDataset):
         for pos, frame, where in self._frames(indices):
             items[pos], labels[pos] = self.records.stored(frame, where)
             wheres[pos] = where
-        return self.decoder.batch(items, wheres.__getitem__), torch.tensor(
-            labels, dtype=torch.int64
-        )
+        return self.decoder.batch(items, wheres.__getitem__), label_tensor(labels)

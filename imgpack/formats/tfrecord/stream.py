@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from imgpack.formats.dataset_base import collate
+from imgpack.formats.dataset_base import collate, label_tensor
 from imgpack.formats.tfrecord.reader import Records, Source
 from imgpack.handover import Handover, in_worker
 from imgpack.images import ImagePolicy
@@ -166,7 +166,7 @@ class TFRecordStream(IterableDataset[tuple[Any, Any]]):
         """A whole batch, each image decoded straight into one tensor (no transforms set)."""
         images = self.decoder.batch([image for image, _, _ in items], lambda k: items[k][2])
         if self.transform is None and self.target_transform is None:
-            labels = torch.tensor([label for _, label, _ in items], dtype=torch.int64)
+            labels = label_tensor([label for _, label, _ in items])
             return Handover(images, labels) if in_worker() else (images, labels)
         return collate(
             [self._sample(image, label) for image, (_, label, _) in zip(images, items, strict=True)]
