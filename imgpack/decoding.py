@@ -290,6 +290,23 @@ class Decoder:
         except DataError as exc:
             raise DataError(f"{where}: {exc}") from None
 
+    def single(self, item: Payload | np.ndarray, where: str) -> torch.Tensor:
+        """One record as a ``(C, H, W)`` uint8 tensor of its own memory (``ds[i]``): the array
+        the decoder made, wrapped as it is, or a copy where it is read-only (Pillow's), shared
+        with the stored pixels, or not yet ``channels`` wide."""
+        pixels = self.one(item, where)
+        if (
+            isinstance(item, np.ndarray)
+            or not pixels.flags.writeable
+            or pixels.ndim != 3
+            or pixels.shape[2] != self.channels
+        ):
+            shape = (pixels.shape[0], pixels.shape[1], self.channels)
+            out = scratch_tensor(shape)
+            _place(pixels, self.channels, out.numpy())
+            return out.permute(2, 0, 1)
+        return torch.from_numpy(pixels).permute(2, 0, 1)
+
     def _shape(self, item: Payload | np.ndarray) -> tuple[int, int, int] | None:
         if self.size is not None:
             return (*self.size, self.channels)

@@ -3,6 +3,7 @@ by TensorFlow itself, corruption, and the stream reader's split across workers a
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import io
@@ -17,6 +18,8 @@ import pytest
 import simplejpeg
 import torch
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -95,6 +98,81 @@ def test_example_decoder_accepts_unpacked_lists() -> None:
 def test_example_decoder_refuses_damaged_bytes(data: bytes) -> None:
     with pytest.raises(DataError, match="Example"):
         tfexample.decode_example(data)
+
+
+@functools.cache
+def _protobuf_example() -> type:
+    """``tf.train.Example`` as a protobuf message class, built from its schema (the one in
+    imgpack's codec) by the protobuf library: an Example coder independent of imgpack's."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    proto = descriptor_pb2.FileDescriptorProto(name="example.proto", package="t", syntax="proto3")
+    repeated = descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED
+    optional = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
+    kinds = descriptor_pb2.FieldDescriptorProto
+
+    def message(name: str, *fields: tuple[str, int, int, int, str]) -> None:
+        msg = proto.message_type.add(name=name)
+        for field, number, label, kind, type_name in fields:
+            added = msg.field.add(name=field, number=number, label=label, type=kind)
+            if type_name:
+                added.type_name = type_name
+
+    message("BytesList", ("value", 1, repeated, kinds.TYPE_BYTES, ""))
+    message("FloatList", ("value", 1, repeated, kinds.TYPE_FLOAT, ""))
+    message("Int64List", ("value", 1, repeated, kinds.TYPE_INT64, ""))
+    message(
+        "Feature",
+        ("bytes_list", 1, optional, kinds.TYPE_MESSAGE, ".t.BytesList"),
+        ("float_list", 2, optional, kinds.TYPE_MESSAGE, ".t.FloatList"),
+        ("int64_list", 3, optional, kinds.TYPE_MESSAGE, ".t.Int64List"),
+    )
+    features = proto.message_type.add(name="Features")
+    entry = features.nested_type.add(name="FeatureEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, label=optional, type=kinds.TYPE_STRING)
+    entry.field.add(
+        name="value", number=2, label=optional, type=kinds.TYPE_MESSAGE, type_name=".t.Feature"
+    )
+    features.field.add(
+        name="feature",
+        number=1,
+        label=repeated,
+        type=kinds.TYPE_MESSAGE,
+        type_name=".t.Features.FeatureEntry",
+    )
+    message("Example", ("features", 1, optional, kinds.TYPE_MESSAGE, ".t.Features"))
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("t.Example"))
+
+
+_values = st.one_of(
+    st.lists(st.binary(max_size=300), max_size=3).map(lambda v: ("bytes_list", v)),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4).map(lambda v: ("int64_list", v)),
+    st.lists(st.floats(width=32, allow_nan=False), max_size=4).map(lambda v: ("float_list", v)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(features=st.dictionaries(st.text(max_size=140), _values, max_size=6), cut=st.data())
+def test_example_decoder_reads_what_protobuf_writes(features: dict, cut: st.DataObject) -> None:
+    # The decoder (one-byte tags and lengths read inline) against Examples serialized by the
+    # protobuf library: the same features, lengths of one byte and more (keys and values
+    # around 128 bytes); every truncation of one is refused as a damaged Example.
+    example_class = _protobuf_example()
+    message = example_class()
+    for key, (kind, values) in features.items():
+        getattr(message.features.feature[key], kind).value.extend(values)
+    data = message.SerializeToString()
+    assert tfexample.decode_example(data) == {k: v for k, (_, v) in features.items()}
+    if data:
+        end = cut.draw(st.integers(0, len(data) - 1))
+        try:
+            example_class.FromString(data[:end])
+        except Exception:  # protobuf refuses it too: so must imgpack
+            with pytest.raises(DataError, match="Example"):
+                tfexample.decode_example(data[:end])
 
 
 # -- files written by TensorFlow ------------------------------------------------------------

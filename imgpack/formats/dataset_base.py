@@ -26,14 +26,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, overload
+from typing import Any, ClassVar, NoReturn, TypeVar, overload
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from imgpack.checksum import record_crc, record_crcs
-from imgpack.decoding import Decoder
+from imgpack.decoding import Decoder, Payload
 from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
 from imgpack.decoding import new_batch_tensor as new_batch_tensor
 from imgpack.decoding import scratch_tensor as scratch_tensor
@@ -327,6 +327,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             ImagePolicy(size=parse_image_size(size), resize=resize) if size is not None else None
         )
         self.decoder = Decoder(self.channels, self.size_policy, decode_threads)
+        self._encoded = self.manifest.encoding != "raw"
         # Batches gathered in this process, for the steering note (counted again in a forked
         # worker: a fork inherits the count of the process that made it).
         self._fetches = (os.getpid(), 0)
@@ -597,11 +598,21 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """``records``, each checked against its stored checksum (:mod:`imgpack.checksum`)."""
         for record in records:
             if record.crc is not None and record_crc(record.payload, record.label) != record.crc:
-                raise DataError(
-                    f"{record.where}: sample {record.index}{self._source(record.index)}: "
-                    "checksum mismatch (damaged record)"
-                )
+                self._mismatch(record.index, record.where)
             yield record
+
+    def _mismatch(self, index: int, where: str) -> NoReturn:
+        raise DataError(
+            f"{where}: sample {index}{self._source(index)}: checksum mismatch (damaged record)"
+        )
+
+    def _one(self, index: int) -> tuple[Payload | np.ndarray, int, str]:
+        """Encoded sample ``index``'s stored image (checked as ``verify`` says), its label, and
+        how an error names it: what ``ds[i]`` decodes. Formats override it with a lookup
+        cheaper than :meth:`_records` for one record."""
+        found = self._records(np.array([index], np.int64))
+        record = next(self._checked(found) if self.verify else found)
+        return record.payload, record.label, f"{record.where}: sample {record.index}"
 
     def encoded(self, start: int, stop: int, chunk: int = 256) -> Iterator[Encoded]:
         """Samples ``start`` to ``stop`` as a writer takes them: the stored bytes as they are
@@ -776,14 +787,29 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         i, n = int(index), len(self)
         if not -n <= i < n:
             raise IndexError(f"index {i} is out of range for {self.root} ({n} samples)")
-        images, labels = self._fetch(np.array([i + n if i < 0 else i], np.int64))
-        image: Any = images[0]
-        label: Any = int(labels[0])
+        image: Any
+        label: Any
+        if self._encoded:  # one record looked up and decoded, nothing batched around it
+            image, label = self._read_one(i + n if i < 0 else i)
+        else:
+            images, labels = self._fetch(np.array([i + n if i < 0 else i], np.int64))
+            image, label = images[0], int(labels[0])
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
+
+    def _read_one(self, index: int) -> tuple[torch.Tensor, int]:
+        """Encoded sample ``index`` decoded: :meth:`_one`, then the decoder (its ``size``)."""
+        self._batch_depth += 1  # its file stays pinned until it is read (as in _fetch)
+        try:
+            item, label, where = self._one(index)
+            return self.decoder.single(item, where), label
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth and self._lazy is not None:
+                self._trim_pins()
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
@@ -204,6 +205,17 @@ class HDF5Dataset(ImageDataset):
                 data[a:b].numpy().data for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
             ]
         return self._read_spans(starts, ends)
+
+    def _one(self, index: int) -> tuple[Any, int, str]:
+        if not self.mmap or self._offsets is None:
+            return super()._one(index)
+        start, end = int(self._offsets[index]), int(self._offsets[index + 1])
+        payload = self.handles[start:end].numpy().data
+        label, where = int(self._labels[index]), str(self.path)
+        crcs = self._crcs
+        if self.verify and crcs is not None and record_crc(payload, label) != int(crcs[index]):
+            self._mismatch(index, where)
+        return payload, label, f"{where}: sample {index}"
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         payloads = self._payloads(indices)

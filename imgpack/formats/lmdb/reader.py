@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
@@ -312,6 +313,21 @@ class LMDBDataset(ImageDataset):
                 where = f"{self.root}: record {key.decode()}"
                 out.append(Record(index, payload, header.label, header.crc, where))
         yield from out
+
+    def _one(self, index: int) -> tuple[bytes, int, str]:
+        key = _KEY(index)
+        with self.handles.begin(buffers=True) as txn:
+            (value,) = self._values(txn, [key])
+            header = self._header(key, value)
+            payload = bytes(value[header.payload_offset :])
+        where = f"{self.root}: record {key.decode()}"
+        if (
+            self.verify
+            and header.crc is not None
+            and record_crc(payload, header.label) != header.crc
+        ):
+            self._mismatch(index, where)
+        return payload, header.label, where
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._raw:

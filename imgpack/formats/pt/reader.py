@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     FEW_ROWS,
@@ -38,6 +40,7 @@ class PTDataset(ImageDataset):
         check_file_order(self.root, self.manifest, lambda k, _: default_shard_name(self.format, k))
         counts = [f.num_samples for f in self.manifest.files]
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
+        self._first = self._starts.tolist()  # for one sample's shard (bisect)
         self._raw = self.manifest.encoding == "raw"
 
     def memory_mapped(self) -> bool:
@@ -113,6 +116,16 @@ class PTDataset(ImageDataset):
             payload = data[i] if self._raw else data[offsets[i] : offsets[i + 1]]
             crc = int(crcs[i]) if crcs is not None else None
             yield Record(index, payload.data, int(labels[i]), crc, where)
+
+    def _one(self, index: int) -> tuple[memoryview, int, str]:
+        number = bisect.bisect_right(self._first, index) - 1
+        data, offsets, labels, crcs, where = self._columns(number)
+        i = index - self._first[number]
+        payload = data[offsets[i] : offsets[i + 1]].data
+        label = int(labels[i])
+        if self.verify and crcs is not None and record_crc(payload, label) != int(crcs[i]):
+            self._mismatch(index, where)
+        return payload, label, f"{where}: sample {index}"
 
     def _columns(self, number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, str]:
         """Shard ``number``'s data (images), offsets, labels and checksums as numpy views of

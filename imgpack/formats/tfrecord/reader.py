@@ -8,6 +8,7 @@ CRCs checked by default) and :class:`~imgpack.formats.framing.stream.TFRecordStr
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 from collections.abc import Callable, Iterator
@@ -681,6 +682,7 @@ class TFRecordDataset(PreadDataset):
                 "no random access; read them with TFRecordStream"
             )
         self._starts = np.cumsum([0, *(len(s) for s in records.shards)], dtype=np.int64)
+        self._first = self._starts.tolist()  # for one sample's shard (bisect)
         self._offsets = np.concatenate([s.offsets for s in records.shards] or [np.empty(0)])
         self._sizes = np.concatenate([s.sizes for s in records.shards] or [np.empty(0)])
         self.shard_files = [shard.path for shard in records.shards]
@@ -845,17 +847,19 @@ class TFRecordDataset(PreadDataset):
         shard_of = np.searchsorted(self._starts, indices, side="right") - 1
         local = indices - self._starts[shard_of]
         for pos in np.lexsort((local, shard_of)).tolist():
-            shard = self.records.shards[int(shard_of[pos])]
-            record = int(local[pos])
-            offset, size = int(shard.offsets[record]), int(shard.sizes[record])
-            where = f"{shard.path} at offset {offset}"
-            data = os.pread(self._fd(int(shard_of[pos])), size, offset)
-            try:
-                frame = framing.unframe(data, where, self.records.check_crc)
-            except DataError as exc:  # name the sample too, and its source where it can be had
-                index = int(indices[pos])
-                raise DataError(f"{exc} (sample {index}{self._source(index)})") from None
-            yield pos, frame, where
+            yield pos, *self._frame(int(shard_of[pos]), int(local[pos]), int(indices[pos]))
+
+    def _frame(self, number: int, record: int, index: int) -> tuple[memoryview, str]:
+        """Sample ``index``'s frame data (record ``record`` of shard ``number``) and where it
+        lies; its CRCs checked unless ``check_crc=False``."""
+        shard = self.records.shards[number]
+        offset, size = int(shard.offsets[record]), int(shard.sizes[record])
+        where = f"{shard.path} at offset {offset}"
+        data = os.pread(self._fd(number), size, offset)
+        try:
+            return framing.unframe(data, where, self.records.check_crc), where
+        except DataError as exc:  # name the sample too, and its source where it can be had
+            raise DataError(f"{exc} (sample {index}{self._source(index)})") from None
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         found: list[Record | None] = [None] * len(indices)
@@ -864,6 +868,12 @@ class TFRecordDataset(PreadDataset):
             # The frame's own CRC-32C (checked in _frames) is the record's checksum.
             found[pos] = Record(int(indices[pos]), frame, label, None, where)
         yield from (r for r in found if r is not None)
+
+    def _one(self, index: int) -> tuple[Any, int, str]:
+        number = bisect.bisect_right(self._first, index) - 1
+        frame, where = self._frame(number, index - self._first[number], index)
+        item, label = self.records.stored(frame, where)
+        return item, label, where
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._layout is not None:

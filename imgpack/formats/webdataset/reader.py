@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import mmap
 import os
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     Images,
@@ -45,6 +47,7 @@ class WebDatasetDataset(PreadDataset):
         self._paths = self.shard_files = [self.root / f.path for f in self.manifest.files]
         counts = [f.num_samples for f in self.manifest.files]
         self._starts = np.cumsum([0, *counts], dtype=np.int64)
+        self._first = self._starts.tolist()  # for one sample's shard (bisect)
         parts = [
             self._read_index(path, entry.num_samples, entry.bytes)
             for path, entry in zip(self._paths, self.manifest.files, strict=True)
@@ -124,8 +127,9 @@ class WebDatasetDataset(PreadDataset):
             raise DataError(f"{self._paths[number]}: cannot read its first sample: {exc}") from None
         check_output_id(expected, found, str(self._paths[number]), self.root)
 
-    def _read(self, index: int) -> bytes:
-        number = int(np.searchsorted(self._starts, index, side="right") - 1)
+    def _read(self, index: int, number: int | None = None) -> bytes:
+        if number is None:
+            number = bisect.bisect_right(self._first, index) - 1
         offset, size = int(self._offsets[index]), int(self._sizes[index])
         data = os.pread(self._fd(number), size, offset)
         if len(data) != size:
@@ -214,8 +218,16 @@ class WebDatasetDataset(PreadDataset):
             raise DataError(f"{self._where(record.index)}: not a uint8 {self._shape} .npy array")
         return data[len(self._npy) :]
 
-    def _where(self, index: int) -> str:
-        number = int(np.searchsorted(self._starts, index, side="right") - 1)
+    def _one(self, index: int) -> tuple[bytes, int, str]:
+        number = bisect.bisect_right(self._first, index) - 1
+        data, label = self._read(index, number), int(self._labels[index])
+        if self.verify and record_crc(data, label) != int(self._crcs[index]):
+            self._mismatch(index, str(self._paths[number]))
+        return data, label, self._where(index, number)
+
+    def _where(self, index: int, number: int | None = None) -> str:
+        if number is None:
+            number = bisect.bisect_right(self._first, index) - 1
         return f"{self._paths[number]}: sample {index} ({layout.KEY_FORMAT % index})"
 
 
