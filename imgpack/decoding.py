@@ -34,7 +34,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 
 from imgpack.errors import DataError, ImageError, OptionError
-from imgpack.handover import POOL_MAX_BYTES, in_worker, lease, shared_tensor
+from imgpack.handover import POOL_MAX_BYTES, arena_tensor, in_worker, lease, shared_tensor
 from imgpack.images import ImagePolicy, apply_policy, describe, resize_pixels, strict_pillow
 from imgpack.system import usable_cpus
 
@@ -293,7 +293,15 @@ class Decoder:
     def single(self, item: Payload | np.ndarray, where: str) -> torch.Tensor:
         """One record as a ``(C, H, W)`` uint8 tensor of its own memory (``ds[i]``): the array
         the decoder made, wrapped as it is, or a copy where it is read-only (Pillow's), shared
-        with the stored pixels, or not yet ``channels`` wide."""
+        with the stored pixels, or not yet ``channels`` wide. In a DataLoader worker it is
+        decoded into the worker's arena (:func:`imgpack.handover.arena_tensor`), from which a
+        batch of such images reaches the training process without a copy."""
+        if in_worker():
+            shape = self._shape(item)
+            out = arena_tensor(shape) if shape is not None else None
+            if out is not None:
+                self.one(item, where, out.numpy())
+                return out.permute(2, 0, 1)
         pixels = self.one(item, where)
         if (
             isinstance(item, np.ndarray)

@@ -201,6 +201,51 @@ def lease(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tenso
     return tensor
 
 
+#: Bytes of a worker's arena (:func:`arena_tensor`).
+ARENA_BYTES = 32 << 20
+
+
+class _Arena:
+    """A leased buffer images are placed in one after another, and how much of it is used."""
+
+    __slots__ = ("flat", "header", "used")
+
+    def __init__(self, flat: torch.Tensor, header: np.ndarray) -> None:
+        self.flat, self.header, self.used = flat, header, 0
+
+
+_arenas: dict[int, _Arena] = {}  # by process: a fork starts its own
+_arena_lock = threading.Lock()
+
+
+def arena_tensor(shape: Sequence[int]) -> torch.Tensor | None:
+    """In a DataLoader worker: an uninitialised uint8 tensor of ``shape`` in the worker's
+    current arena, a buffer of :data:`ARENA_BYTES` lent by the pool (``None`` elsewhere, for
+    an image over a quarter of it, or when the pool has no room).
+
+    Images read one at a time (``ds[i]``) are decoded into consecutive places of the arena, so
+    that the list a batch of them makes travels as views of one or two buffers, not copied
+    (:func:`_reduce_views`); a new arena is started when one is full or was sent (its pixels
+    are the training process's until it drops them). Memory that is reused, not fresh pages
+    the kernel zeroes for every image."""
+    nbytes = math.prod(shape)
+    if not 0 < nbytes <= ARENA_BYTES // 4 or not in_worker():
+        return None
+    with _arena_lock:
+        pid = os.getpid()
+        arena = _arenas.get(pid)
+        if arena is None or arena.used + nbytes > ARENA_BYTES or int(arena.header[1]) != _FREE:
+            _arenas.pop(pid, None)  # what is in it stays until its images are dropped
+            flat = lease((ARENA_BYTES,))
+            found = _leased_layout(_pool_of(shared=True), flat) if flat is not None else None
+            if flat is None or found is None:
+                return None
+            arena = _arenas[pid] = _Arena(flat, found[1].header)
+        start = arena.used
+        arena.used = start + -(-nbytes // 64) * 64  # each image on a cache line of its own
+    return arena.flat[start : start + nbytes].view(tuple(shape))
+
+
 def _dense_layout(images: torch.Tensor) -> torch.Tensor:
     """``images`` itself when its elements fill its storage span densely (contiguous, or a
     permuted view of a contiguous tensor, as imgpack's batches are), else a contiguous copy."""
@@ -282,10 +327,12 @@ class Handover(NamedTuple):
 
 
 def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
-    """A batch of images of different sizes (a list of uint8 tensors) travels as one buffer's
-    name and each image's layout in it: the buffer they are all views of (a reader decoded them
-    into it), else a free buffer they are copied into (one copy, as torch's own sending makes,
-    instead of a shared-memory segment per image). Anything else goes as torch sends it."""
+    """A batch of images of different sizes (a list of uint8 tensors) travels as the names of
+    the buffers they lie in and each image's layout there: the buffers they are views of (a
+    reader decoded them into one, or into a worker's arena, :func:`arena_tensor`), each sent
+    once; images anywhere else (or in a buffer already sent and not yet dropped) are copied
+    into one free buffer (one copy, as torch's own sending makes, instead of a shared-memory
+    segment per image); what no buffer can take goes as torch sends it."""
     if not images or not all(
         isinstance(image, torch.Tensor)
         and image.dtype == torch.uint8
@@ -294,24 +341,29 @@ def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
     ):
         return _plain, (images, inline)
     pool = _pool_of(shared=True)
-    found = [_leased_layout(pool, image) for image in images]
-    first = found[0]
-    if first is not None and all(f is not None and f[:3] == first[:3] for f in found):
-        number, buffer, generation, _ = first
-        if int(buffer.header[1]) != _FREE:  # pickled a second time: torch copies it
-            return _plain, (images, inline)
-        buffer.header[1] = _SENT
-        layouts = [
-            (f[3], tuple(image.shape), tuple(image.stride()))  # type: ignore[index]
-            for f, image in zip(found, images, strict=True)
-        ]
-    else:
-        taken = pool.take(sum(image.nbytes for image in images))
-        if taken is None:
-            return _plain, (images, inline)
+    groups: dict[int, tuple[_Buffer, int, list[tuple[int, int, Any, Any]]]] = {}
+    sendable: dict[int, bool] = {}
+    rest: list[int] = []
+    for k, image in enumerate(images):
+        found = _leased_layout(pool, image)
+        if found is not None:
+            number, buffer, generation, offset = found
+            if sendable.setdefault(number, int(buffer.header[1]) == _FREE):
+                group = groups.setdefault(number, (buffer, generation, []))
+                group[2].append((k, offset, tuple(image.shape), tuple(image.stride())))
+                continue
+        rest.append(k)
+    parts = []
+    for number, (buffer, generation, layouts) in groups.items():
+        buffer.header[1] = _SENT  # lent again only once the training process drops it
+        parts.append((*_addressed(pool, number, buffer), generation, layouts))
+    loose: list[tuple[int, torch.Tensor]] = []
+    taken = pool.take(sum(images[k].nbytes for k in rest)) if rest else None
+    if taken is not None:
         number, buffer, generation = taken
         layouts, offset = [], _HEADER
-        for image in images:
+        for k in rest:
+            image = images[k]
             # Copied in its own memory order (a CHW view of HWC pixels: a straight copy of the
             # HWC bytes, not a transposing one), with the same strides on the other side.
             order = sorted(range(image.dim()), key=lambda d: -image.stride()[d])
@@ -319,11 +371,14 @@ def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
             place = buffer.bytes[offset : offset + image.nbytes].view(source.shape)
             place.copy_(source)
             target = place.permute(*sorted(range(image.dim()), key=order.__getitem__))
-            layouts.append((offset, tuple(target.shape), tuple(target.stride())))
+            layouts.append((k, offset, tuple(target.shape), tuple(target.stride())))
             offset += image.nbytes
         buffer.header[1] = _SENT
         pool.release(number, buffer, None)  # the worker keeps no view of the copies
-    return _received_views, (*_addressed(pool, number, buffer), generation, layouts, inline)
+        parts.append((*_addressed(pool, number, buffer), generation, layouts))
+    else:
+        loose = [(k, images[k]) for k in rest]
+    return _received_views, (len(images), parts, loose, inline)
 
 
 def _addressed(
@@ -339,23 +394,25 @@ def _addressed(
 
 
 def _received_views(
-    key: tuple[str, int, int],
-    data: torch.Tensor | None,
-    generation: int,
-    layouts: list[tuple[int, tuple[int, ...], tuple[int, ...]]],
+    count: int,
+    parts: list[tuple[tuple[str, int, int], torch.Tensor | None, int, list[Any]]],
+    loose: list[tuple[int, torch.Tensor]],
     labels: Any,
 ) -> tuple[Any, Any]:
-    """:func:`_received` for a list of views of one buffer: each image a view of one tensor
-    over the buffer, which is marked free when the last of them is gone."""
-    buffer = _held(key, data)
-    _take_sent(buffer.header, generation)
-    whole = buffer.array[_HEADER:]  # one array, held by the tensors' common storage
-    flat = torch.from_numpy(whole)
-    images = [
-        torch.as_strided(flat, shape, strides, offset - _HEADER)
-        for offset, shape, strides in layouts
-    ]
-    weakref.finalize(whole, _set_free, buffer.header)
+    """:func:`_received` for a list of images: those in each buffer views of one tensor over
+    it (the buffer marked free when the last of them is gone), the loose ones as torch sent
+    them, in the batch's order."""
+    images: list[Any] = [None] * count
+    for key, data, generation, layouts in parts:
+        buffer = _held(key, data)
+        _take_sent(buffer.header, generation)
+        whole = buffer.array[_HEADER:]  # one array, held by the tensors' common storage
+        flat = torch.from_numpy(whole)
+        for k, offset, shape, strides in layouts:
+            images[k] = torch.as_strided(flat, shape, strides, offset - _HEADER)
+        weakref.finalize(whole, _set_free, buffer.header)
+    for k, image in loose:
+        images[k] = image
     return images, _labels(labels)
 
 

@@ -5,9 +5,9 @@ JPEGs of ImageNet's usual sizes (sides of 333 to 500 pixels, most 500x375 or 375
 500x400 on average), quality 90, in 10 classes, converted with `encoding="original"` (the bytes
 kept, every file validated) to every format.
 
-The limits, measured in the same run with the files' bytes in RAM, in `cores` processes at once
-(each decoding its share; start-up not counted), so that they are what this machine's cores
-deliver right now:
+The limits, with the files' bytes in RAM, in `cores` processes at once (each decoding its
+share; start-up not counted), each measured again right before the figure it is for, so that
+it is what this machine's cores deliver in that minute:
   validate     simplejpeg decode at 1/8 DCT scale: the least a converter that validates every
                kept JPEG must do (every entropy-coded byte is decoded)
   decode       simplejpeg full decode (accurate DCT, fancy upsampling: imgpack's settings)
@@ -24,8 +24,8 @@ The figures, each against its limit:
                num_workers 0, 1, 2  (vs decode)
   per sample   ds[i] in shuffled order, decode_threads=1, in this process  (vs one core)
   samples      ds[i] through DataLoader(batch_size=--batch, collate_fn=imgpack's collate),
-               num_workers 0, 1, 2: a list of full-size images per batch  (vs one core per
-               process reading: one core at 0 and 1 workers, both at 2; an image decodes on one)
+               num_workers 0, 1, 2: a list of full-size images per batch  (vs one core at 0 and
+               1 workers, where one process decodes; vs decode, `cores` processes, from 2)
 
 Every read figure is the best of --repeats epochs, the clock started at the first batch (worker
 start-up not counted), every epoch's sample count checked.
@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 import simplejpeg
 from benchlib import (
-    DECODES,
     FIT,
     PerSample,
     decode_limit,
@@ -118,40 +117,57 @@ def main(argv: Sequence[str] | None = None) -> None:
     mean = np.mean([simplejpeg.decode_jpeg_header(d)[:2] for d in payloads], axis=0)
     print(f"{len(files)} JPEGs, mean {mean[0]:.0f}x{mean[1]:.0f}, {cores} usable cores")
 
-    limits = {w: decode_limit(w, payloads, cores, args.repeats) for w in DECODES}
-    limits["one core"] = decode_limit("decode", payloads, 1, args.repeats)
-    rows = [(f"limit: {k}", f"{v:,.0f}/s") for k, v in limits.items()]
-    figures: dict[str, Any] = {"limits": limits, "formats": {}}
+    def limit(name: str) -> float:
+        """The limit ``name``, measured now (beside the figure it is for: this machine's
+        speed drifts over the minutes a run takes)."""
+        if name == "one core":
+            found = decode_limit("decode", payloads, 1, args.repeats)
+        else:
+            found = decode_limit(name, payloads, cores, args.repeats)
+        seen.setdefault(name, []).append(found)
+        return found
+
+    seen: dict[str, list[float]] = {}
+    rows: list[tuple[str, str]] = []
+    figures: dict[str, Any] = {"limits": seen, "formats": {}}
     for fmt in formats:
         out = args.data / f"limits-{fmt}-{args.count}"
         found: dict[str, float] = {}
+        first = len(rows)
         if "convert" in parts or not (out / "imgpack.json").exists():
+            near = limit("validate")
             found["convert"] = convert_rate(src, out, fmt, cores, args.repeats)
-            rows.append((f"{fmt}: convert", ratio(found["convert"], limits["validate"])))
+            rows.append((f"{fmt}: convert", ratio(found["convert"], near)))
         if "fit" in parts:
             ds = open_dataset(out, size=FIT)
             for w in workers:
+                near = limit("decode+fit")
                 found[f"fit w={w}"] = read_rate(ds, w, args.batch, args.repeats)
-                rows.append((f"{fmt}: fit w={w}", ratio(found[f"fit w={w}"], limits["decode+fit"])))
+                rows.append((f"{fmt}: fit w={w}", ratio(found[f"fit w={w}"], near)))
         if "full" in parts:
             ds = open_dataset(out)
             for w in workers:
+                near = limit("decode")
                 found[f"full w={w}"] = read_rate(ds, w, args.batch, args.repeats)
-                rows.append((f"{fmt}: full w={w}", ratio(found[f"full w={w}"], limits["decode"])))
+                rows.append((f"{fmt}: full w={w}", ratio(found[f"full w={w}"], near)))
         if "sample" in parts:
             ds = open_dataset(out, decode_threads=1)
+            near = limit("one core")
             found["per sample"] = per_sample_rate(ds, args.repeats)
-            rows.append((f"{fmt}: per sample", ratio(found["per sample"], limits["one core"])))
+            rows.append((f"{fmt}: per sample", ratio(found["per sample"], near)))
         if "samples" in parts:  # ds[i] through DataLoader, batched by imgpack's collate
             each = PerSample(open_dataset(out))
             for w in workers:
                 key = f"samples w={w}"
+                # An image decodes on one core: one process decoding at 0 and 1 workers (the
+                # main one or the worker), `cores` at once from 2 on.
+                near = limit("one core" if w < 2 else "decode")
                 found[key] = read_rate(each, w, args.batch, args.repeats)
-                # one image decodes on one core: per process, in the main one or each worker
-                used = limits["one core"] * max(1, min(w, cores))
-                rows.append((f"{fmt}: {key}", ratio(found[key], used)))
+                rows.append((f"{fmt}: {key}", ratio(found[key], near)))
         figures["formats"][fmt] = found
-        print_table("so far", rows[-len(found) :])
+        print_table("so far", rows[first:])
+    for name, values in seen.items():
+        rows.append((f"limit: {name}", f"{min(values):,.0f}-{max(values):,.0f}/s as measured"))
     print_table(f"{args.count} variable-size JPEGs, against the limits", rows)
     save_json(args.json, figures)
 

@@ -451,3 +451,53 @@ def test_views_of_a_pooled_buffer_free_it_when_the_last_is_gone(
     del second
     gc.collect()
     assert handover._pool_of(shared=True).buffers[0].header[1] == 0
+
+
+class _OneByOne(Dataset[Any]):
+    """A reader read one sample at a time: DataLoader finds no ``__getitems__``."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.ds[index]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_images_read_one_by_one_in_workers_travel_in_their_arenas(
+    mixed_sizes: dict[str, Path], fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ds[i]`` in a DataLoader worker decodes into the worker's arena; a batch of such images
+    reaches the training process as views of the arenas it spans (images too large for one
+    copied into a free buffer), each image the one ``ds[i]`` gives here, batches kept over
+    epochs that reuse the buffers staying whole."""
+    import imgpack.handover as handover
+
+    # Small arenas (the forked workers inherit this): a batch spans several, and images over a
+    # quarter of one are decoded elsewhere and copied.
+    monkeypatch.setattr(handover, "ARENA_BYTES", 64 << 10)
+    ds = open_dataset(mixed_sizes[fmt])
+    expected = [ds[i] for i in range(len(ds))]
+    assert any(img.numel() > (16 << 10) for img, _ in expected)
+    assert any(img.numel() <= (16 << 10) for img, _ in expected)
+    loader = DataLoader(
+        _OneByOne(ds), batch_size=6, num_workers=2, collate_fn=collate, persistent_workers=True
+    )
+    kept = []
+    for _ in range(3):
+        for batch in loader:
+            if not kept:  # the pools have room: every image in a worker's buffer
+                held = {b.array.ctypes.data for b in handover._held_buffers.values()}
+                starts = {img.untyped_storage().data_ptr() - handover._HEADER for img in batch[0]}
+                assert starts <= held and len(starts) > 1
+            kept.append(batch)
+    assert len(kept) == 21
+    for step, (got, labels) in enumerate(kept):
+        first = (step % 7) * 6
+        wanted = expected[first : first + 6]
+        assert labels.tolist() == [label for _, label in wanted]
+        for image, (image_here, _) in zip(got, wanted, strict=True):
+            assert torch.equal(image, image_here)
