@@ -201,8 +201,10 @@ def lease(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tenso
     return tensor
 
 
-#: Bytes of a worker's arena (:func:`arena_tensor`).
+#: Bytes of a worker's arena at least (:func:`arena_tensor`); more when the batches sent from it
+#: are larger, so that a batch spans one or two arenas, not one per few images.
 ARENA_BYTES = 32 << 20
+_sent_bytes: dict[int, int] = {}  # by process: the bytes of the last list of images it sent
 
 
 class _Arena:
@@ -220,23 +222,24 @@ _arena_lock = threading.Lock()
 
 def arena_tensor(shape: Sequence[int]) -> torch.Tensor | None:
     """In a DataLoader worker: an uninitialised uint8 tensor of ``shape`` in the worker's
-    current arena, a buffer of :data:`ARENA_BYTES` lent by the pool (``None`` elsewhere, for
-    an image over a quarter of it, or when the pool has no room).
+    current arena, a buffer of at least :data:`ARENA_BYTES` lent by the pool (``None``
+    elsewhere, for an image over a quarter of it, or when the pool has no room).
 
     Images read one at a time (``ds[i]``) are decoded into consecutive places of the arena, so
     that the list a batch of them makes travels as views of one or two buffers, not copied
     (:func:`_reduce_views`); a new arena is started when one is full or was sent (its pixels
-    are the training process's until it drops them). Memory that is reused, not fresh pages
-    the kernel zeroes for every image."""
+    are the training process's until it drops them), as large as the last batch sent if that
+    is more. Memory that is reused, not fresh pages the kernel zeroes for every image."""
     nbytes = math.prod(shape)
-    if not 0 < nbytes <= ARENA_BYTES // 4 or not in_worker():
+    size = max(ARENA_BYTES, -(-_sent_bytes.get(os.getpid(), 0) // (1 << 20)) << 20)
+    if not 0 < nbytes <= size // 4 or not in_worker():
         return None
     with _arena_lock:
         pid = os.getpid()
         arena = _arenas.get(pid)
-        if arena is None or arena.used + nbytes > ARENA_BYTES or int(arena.header[1]) != _FREE:
+        if arena is None or arena.used + nbytes > len(arena.flat) or int(arena.header[1]) != _FREE:
             _arenas.pop(pid, None)  # what is in it stays until its images are dropped
-            flat = lease((ARENA_BYTES,))
+            flat = lease((size,))
             found = _leased_layout(_pool_of(shared=True), flat) if flat is not None else None
             if flat is None or found is None:
                 return None
@@ -341,6 +344,7 @@ def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
     ):
         return _plain, (images, inline)
     pool = _pool_of(shared=True)
+    _sent_bytes[os.getpid()] = sum(image.nbytes for image in images)
     groups: dict[int, tuple[_Buffer, int, list[tuple[int, int, Any, Any]]]] = {}
     sendable: dict[int, bool] = {}
     rest: list[int] = []

@@ -27,8 +27,10 @@ The figures, each against its limit:
                num_workers 0, 1, 2: a list of full-size images per batch  (vs one core at 0 and
                1 workers, where one process decodes; vs decode, `cores` processes, from 2)
 
-Every read figure is the best of --repeats epochs, the clock started at the first batch (worker
-start-up not counted), every epoch's sample count checked.
+Every figure is measured in --repeats rounds, each round its limit (one pass) and then the figure
+(one conversion or epoch): a ratio is the figure over its own round's limit, reported as the
+median over the rounds (with their spread), beside the best figure. A read's clock starts at the
+first batch (worker start-up not counted); every epoch's sample count is checked.
 
     python scripts/bench_limits.py [--count 4000] [--formats pt,lmdb] [--only convert,fit]
 """
@@ -38,7 +40,8 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,37 +65,29 @@ from imgpack.system import usable_cpus
 PARTS = ("convert", "fit", "full", "sample", "samples")
 
 
-# -- the figures ---------------------------------------------------------------------------------
-def convert_rate(src: Path, out: Path, fmt: str, cores: int, repeats: int) -> float:
-    """Images/s of a validated conversion (encoding="original"), best of ``repeats``."""
-    best = 0.0
-    for _ in range(repeats):
-        shutil.rmtree(out, ignore_errors=True)
-        start = time.perf_counter()
-        manifest = convert(src, out, format=fmt, encoding="original", workers=cores, progress=False)
-        seconds = time.perf_counter() - start
-        best = max(best, manifest.num_samples / seconds)
-    return best
+# -- the figures: one round each ----------------------------------------------------------------
+def convert_once(src: Path, out: Path, fmt: str, cores: int, _seed: int) -> float:
+    """Images/s of a validated conversion (encoding="original")."""
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    manifest = convert(src, out, format=fmt, encoding="original", workers=cores, progress=False)
+    return manifest.num_samples / (time.perf_counter() - start)
 
 
-def read_rate(ds: Any, workers: int, batch: int, repeats: int) -> float:
-    best = 0.0
-    for seed in range(repeats):
-        count, seconds = measure(ds, workers, batch, seed=seed)
-        assert count >= len(ds), (count, len(ds))
-        best = max(best, count / seconds)
-    return best
+def read_once(ds: Any, workers: int, batch: int, seed: int) -> float:
+    """Images/s of one shuffled epoch (every sample counted)."""
+    count, seconds = measure(ds, workers, batch, seed=seed)
+    assert count >= len(ds), (count, len(ds))
+    return count / seconds
 
 
-def per_sample_rate(ds: Any, repeats: int) -> float:
-    order = np.random.default_rng(0).permutation(len(ds)).tolist()
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for i in order:
-            ds[i]
-        best = max(best, len(order) / (time.perf_counter() - start))
-    return best
+def per_sample_once(ds: Any, seed: int) -> float:
+    """Images/s of ``ds[i]`` over every sample in a shuffled order."""
+    order = np.random.default_rng(seed).permutation(len(ds)).tolist()
+    start = time.perf_counter()
+    for i in order:
+        ds[i]
+    return len(order) / (time.perf_counter() - start)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -118,62 +113,64 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{len(files)} JPEGs, mean {mean[0]:.0f}x{mean[1]:.0f}, {cores} usable cores")
 
     def limit(name: str) -> float:
-        """The limit ``name``, measured now (beside the figure it is for: this machine's
-        speed drifts over the minutes a run takes)."""
+        """The limit ``name``, measured now (one pass)."""
         if name == "one core":
-            found = decode_limit("decode", payloads, 1, args.repeats)
-        else:
-            found = decode_limit(name, payloads, cores, args.repeats)
-        seen.setdefault(name, []).append(found)
-        return found
+            return decode_limit("decode", payloads, 1, 1)
+        return decode_limit(name, payloads, cores, 1)
+
+    def paired(key: str, name: str, once: Callable[[int], float]) -> None:
+        """``--repeats`` rounds of the limit ``name`` measured, then the figure: each ratio is
+        the figure over the limit of its own round (this machine's speed drifts over the
+        minutes a run takes, by as much as the differences measured); reported as the median
+        ratio, with the best figure."""
+        rates, ratios = [], []
+        for seed in range(args.repeats):
+            near = limit(name)
+            rates.append(once(seed))
+            ratios.append(rates[-1] / near)
+            seen.setdefault(name, []).append(near)
+        found[key] = {"rate": max(rates), "ratio": float(np.median(ratios)), "ratios": ratios}
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        rows.append(
+            (f"{fmt}: {key}", f"{max(rates):,.0f}/s  {np.median(ratios):.2f} of {name} ({spread})")
+        )
 
     seen: dict[str, list[float]] = {}
     rows: list[tuple[str, str]] = []
     figures: dict[str, Any] = {"limits": seen, "formats": {}}
     for fmt in formats:
         out = args.data / f"limits-{fmt}-{args.count}"
-        found: dict[str, float] = {}
+        found: dict[str, Any] = {}
         first = len(rows)
         if "convert" in parts or not (out / "imgpack.json").exists():
-            near = limit("validate")
-            found["convert"] = convert_rate(src, out, fmt, cores, args.repeats)
-            rows.append((f"{fmt}: convert", ratio(found["convert"], near)))
+            paired("convert", "validate", partial(convert_once, src, out, fmt, cores))
         if "fit" in parts:
             ds = open_dataset(out, size=FIT)
             for w in workers:
-                near = limit("decode+fit")
-                found[f"fit w={w}"] = read_rate(ds, w, args.batch, args.repeats)
-                rows.append((f"{fmt}: fit w={w}", ratio(found[f"fit w={w}"], near)))
+                paired(f"fit w={w}", "decode+fit", partial(read_once, ds, w, args.batch))
         if "full" in parts:
             ds = open_dataset(out)
             for w in workers:
-                near = limit("decode")
-                found[f"full w={w}"] = read_rate(ds, w, args.batch, args.repeats)
-                rows.append((f"{fmt}: full w={w}", ratio(found[f"full w={w}"], near)))
+                paired(f"full w={w}", "decode", partial(read_once, ds, w, args.batch))
         if "sample" in parts:
             ds = open_dataset(out, decode_threads=1)
-            near = limit("one core")
-            found["per sample"] = per_sample_rate(ds, args.repeats)
-            rows.append((f"{fmt}: per sample", ratio(found["per sample"], near)))
+            paired("per sample", "one core", partial(per_sample_once, ds))
         if "samples" in parts:  # ds[i] through DataLoader, batched by imgpack's collate
             each = PerSample(open_dataset(out))
             for w in workers:
-                key = f"samples w={w}"
-                # An image decodes on one core: one process decoding at 0 and 1 workers (the
+                # An image decodes on one core: one process decodes at 0 and 1 workers (the
                 # main one or the worker), `cores` at once from 2 on.
-                near = limit("one core" if w < 2 else "decode")
-                found[key] = read_rate(each, w, args.batch, args.repeats)
-                rows.append((f"{fmt}: {key}", ratio(found[key], near)))
+                paired(
+                    f"samples w={w}",
+                    "one core" if w < 2 else "decode",
+                    partial(read_once, each, w, args.batch),
+                )
         figures["formats"][fmt] = found
         print_table("so far", rows[first:])
     for name, values in seen.items():
         rows.append((f"limit: {name}", f"{min(values):,.0f}-{max(values):,.0f}/s as measured"))
     print_table(f"{args.count} variable-size JPEGs, against the limits", rows)
     save_json(args.json, figures)
-
-
-def ratio(rate: float, limit: float) -> str:
-    return f"{rate:,.0f}/s  {rate / limit:.2f} of the limit"
 
 
 if __name__ == "__main__":
