@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import build_uniform_folder, jpeg_bytes, png_bytes, smooth_rgb
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 import imgpack.decoding as decoding
 from imgpack import convert, open_dataset
@@ -453,19 +453,6 @@ def test_views_of_a_pooled_buffer_free_it_when_the_last_is_gone(
     assert handover._pool_of(shared=True).buffers[0].header[1] == 0
 
 
-class _OneByOne(Dataset[Any]):
-    """A reader read one sample at a time: DataLoader finds no ``__getitems__``."""
-
-    def __init__(self, ds: Any) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.ds[index]
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_images_read_one_by_one_in_workers_travel_in_their_arenas(
     mixed_sizes: dict[str, Path], fmt: str, monkeypatch: pytest.MonkeyPatch
@@ -483,8 +470,9 @@ def test_images_read_one_by_one_in_workers_travel_in_their_arenas(
     expected = [ds[i] for i in range(len(ds))]
     assert any(img.numel() > (16 << 10) for img, _ in expected)
     assert any(img.numel() <= (16 << 10) for img, _ in expected)
+    one_by_one = ConcatDataset([ds])  # no __getitems__: DataLoader reads ds[i] one at a time
     loader = DataLoader(
-        _OneByOne(ds), batch_size=6, num_workers=2, collate_fn=collate, persistent_workers=True
+        one_by_one, batch_size=6, num_workers=2, collate_fn=collate, persistent_workers=True
     )
     kept = []
     for _ in range(3):
