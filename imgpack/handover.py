@@ -118,6 +118,11 @@ class _Pool:
         self.leased: dict[int, tuple[int, int]] = {}  # data pointer -> (number, generation)
         self.lock = threading.Lock()
         self.generation = itertools.count(1)
+        #: In a worker: the arena images read one at a time go to (:func:`arena_tensor`), and
+        #: the bytes of the last list of images sent (the next arena's size).
+        self.arena: _Arena | None = None
+        self.arena_lock = threading.Lock()
+        self.sent_bytes = 0
 
     def _new(self, count: int) -> _Buffer:
         return _Buffer(
@@ -204,7 +209,6 @@ def lease(shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tenso
 #: Bytes of a worker's arena at least (:func:`arena_tensor`); more when the batches sent from it
 #: are larger, so that a batch spans one or two arenas, not one per few images.
 ARENA_BYTES = 32 << 20
-_sent_bytes: dict[int, int] = {}  # by process: the bytes of the last list of images it sent
 
 
 class _Arena:
@@ -214,10 +218,6 @@ class _Arena:
 
     def __init__(self, flat: torch.Tensor, header: np.ndarray) -> None:
         self.flat, self.header, self.used = flat, header, 0
-
-
-_arenas: dict[int, _Arena] = {}  # by process: a fork starts its own
-_arena_lock = threading.Lock()
 
 
 def arena_tensor(shape: Sequence[int]) -> torch.Tensor | None:
@@ -230,20 +230,22 @@ def arena_tensor(shape: Sequence[int]) -> torch.Tensor | None:
     (:func:`_reduce_views`); a new arena is started when one is full or was sent (its pixels
     are the training process's until it drops them), as large as the last batch sent if that
     is more. Memory that is reused, not fresh pages the kernel zeroes for every image."""
-    nbytes = math.prod(shape)
-    size = max(ARENA_BYTES, -(-_sent_bytes.get(os.getpid(), 0) // (1 << 20)) << 20)
-    if not 0 < nbytes <= size // 4 or not in_worker():
+    if not in_worker():
         return None
-    with _arena_lock:
-        pid = os.getpid()
-        arena = _arenas.get(pid)
+    pool = _pool_of(shared=True)
+    nbytes = math.prod(shape)
+    size = max(ARENA_BYTES, -(-pool.sent_bytes // (1 << 20)) << 20)
+    if not 0 < nbytes <= size // 4:
+        return None
+    with pool.arena_lock:
+        arena = pool.arena
         if arena is None or arena.used + nbytes > len(arena.flat) or int(arena.header[1]) != _FREE:
-            _arenas.pop(pid, None)  # what is in it stays until its images are dropped
+            pool.arena = None  # what is in it stays until its images are dropped
             flat = lease((size,))
-            found = _leased_layout(_pool_of(shared=True), flat) if flat is not None else None
+            found = _leased_layout(pool, flat) if flat is not None else None
             if flat is None or found is None:
                 return None
-            arena = _arenas[pid] = _Arena(flat, found[1].header)
+            arena = pool.arena = _Arena(flat, found[1].header)
         start = arena.used
         arena.used = start + -(-nbytes // 64) * 64  # each image on a cache line of its own
     return arena.flat[start : start + nbytes].view(tuple(shape))
@@ -344,7 +346,7 @@ def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
     ):
         return _plain, (images, inline)
     pool = _pool_of(shared=True)
-    _sent_bytes[os.getpid()] = sum(image.nbytes for image in images)
+    pool.sent_bytes = sum(image.nbytes for image in images)
     groups: dict[int, tuple[_Buffer, int, list[tuple[int, int, Any, Any]]]] = {}
     sendable: dict[int, bool] = {}
     rest: list[int] = []

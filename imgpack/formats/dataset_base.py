@@ -13,6 +13,7 @@ pairs that torch's default collate accepts, which also carries the gathered tens
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import functools
@@ -26,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn, TypeVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
 import numpy as np
 import torch
@@ -597,14 +598,34 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def _checked(self, records: Iterator[Record]) -> Iterator[Record]:
         """``records``, each checked against its stored checksum (:mod:`imgpack.checksum`)."""
         for record in records:
-            if record.crc is not None and record_crc(record.payload, record.label) != record.crc:
-                self._mismatch(record.index, record.where)
+            self._check_record(record.index, record.payload, record.label, record.crc, record.where)
             yield record
 
-    def _mismatch(self, index: int, where: str) -> NoReturn:
-        raise DataError(
-            f"{where}: sample {index}{self._source(index)}: checksum mismatch (damaged record)"
-        )
+    def _check_record(
+        self, index: int, payload: Payload, label: int, crc: int | None, where: str
+    ) -> None:
+        """Sample ``index``'s stored bytes and label against its stored checksum (``None``:
+        an output written without one); :class:`DataError` naming it when they differ."""
+        if crc is not None and record_crc(payload, label) != crc:
+            raise DataError(
+                f"{where}: sample {index}{self._source(index)}: checksum mismatch (damaged record)"
+            )
+
+    def _count_shards(self, counts: Sequence[int]) -> None:
+        """Where each shard's samples start (``counts[k]`` samples in shard ``k``), for
+        :meth:`_shard_of` and :meth:`_locate`."""
+        self._starts = np.cumsum([0, *counts], dtype=np.int64)
+        self._first: list[int] = self._starts.tolist()
+
+    def _shard_of(self, indices: np.ndarray) -> np.ndarray:
+        """The shard holding each of samples ``indices``."""
+        return np.searchsorted(self._starts, indices, side="right") - 1
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """The shard holding sample ``index`` and its place there (a bisect: one sample's
+        lookup in a fraction of :meth:`_shard_of`'s time)."""
+        number = bisect.bisect_right(self._first, index) - 1
+        return number, index - self._first[number]
 
     def _one(self, index: int) -> tuple[Payload | np.ndarray, int, str]:
         """Encoded sample ``index``'s stored image (checked as ``verify`` says), its label, and

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
@@ -212,9 +211,8 @@ class HDF5Dataset(ImageDataset):
         start, end = int(self._offsets[index]), int(self._offsets[index + 1])
         payload = self.handles[start:end].numpy().data
         label, where = int(self._labels[index]), str(self.path)
-        crcs = self._crcs
-        if self.verify and crcs is not None and record_crc(payload, label) != int(crcs[index]):
-            self._mismatch(index, where)
+        if self.verify and self._crcs is not None:
+            self._check_record(index, payload, label, int(self._crcs[index]), where)
         return payload, label, f"{where}: sample {index}"
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:

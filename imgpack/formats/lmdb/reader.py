@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
@@ -321,12 +320,8 @@ class LMDBDataset(ImageDataset):
             header = self._header(key, value)
             payload = bytes(value[header.payload_offset :])
         where = f"{self.root}: record {key.decode()}"
-        if (
-            self.verify
-            and header.crc is not None
-            and record_crc(payload, header.label) != header.crc
-        ):
-            self._mismatch(index, where)
+        if self.verify:
+            self._check_record(index, payload, header.label, header.crc, where)
         return payload, header.label, where
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     FEW_ROWS,
@@ -38,9 +36,7 @@ class PTDataset(ImageDataset):
     def __init__(self, root: Any, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
         check_file_order(self.root, self.manifest, lambda k, _: default_shard_name(self.format, k))
-        counts = [f.num_samples for f in self.manifest.files]
-        self._starts = np.cumsum([0, *counts], dtype=np.int64)
-        self._first = self._starts.tolist()  # for one sample's shard (bisect)
+        self._count_shards([f.num_samples for f in self.manifest.files])
         self._raw = self.manifest.encoding == "raw"
 
     def memory_mapped(self) -> bool:
@@ -109,7 +105,7 @@ class PTDataset(ImageDataset):
         return [str(p) for shard in shards for p in shard["paths"]]
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
-        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        shard_of = self._shard_of(indices)
         local = (indices - self._starts[shard_of]).tolist()
         for index, number, i in zip(indices.tolist(), shard_of.tolist(), local, strict=True):
             data, offsets, labels, crcs, where = self._columns(number)
@@ -118,13 +114,12 @@ class PTDataset(ImageDataset):
             yield Record(index, payload.data, int(labels[i]), crc, where)
 
     def _one(self, index: int) -> tuple[memoryview, int, str]:
-        number = bisect.bisect_right(self._first, index) - 1
+        number, i = self._locate(index)
         data, offsets, labels, crcs, where = self._columns(number)
-        i = index - self._first[number]
         payload = data[offsets[i] : offsets[i + 1]].data
         label = int(labels[i])
-        if self.verify and crcs is not None and record_crc(payload, label) != int(crcs[i]):
-            self._mismatch(index, where)
+        if self.verify and crcs is not None:
+            self._check_record(index, payload, label, int(crcs[i]), where)
         return payload, label, f"{where}: sample {index}"
 
     def _columns(self, number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, str]:
@@ -148,7 +143,7 @@ class PTDataset(ImageDataset):
             self._check_raw(indices)
             if len(self._starts) == 2:  # one shard: the indices are its rows
                 return self._gather_one(0, torch.from_numpy(indices))
-            shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+            shard_of = self._shard_of(indices)
             return self._gather_raw(shard_of, torch.from_numpy(indices - self._starts[shard_of]))
         records = self._records(indices)
         if self.verify:
@@ -161,7 +156,7 @@ class PTDataset(ImageDataset):
         return images, label_tensor([r.label for r in batch])
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        shard_of = self._shard_of(indices)
         local = indices - self._starts[shard_of]
         image = self.manifest.image
         pixels = np.empty(

@@ -8,7 +8,6 @@ CRCs checked by default) and :class:`~imgpack.formats.framing.stream.TFRecordStr
 
 from __future__ import annotations
 
-import bisect
 import glob
 import os
 from collections.abc import Callable, Iterator
@@ -681,8 +680,7 @@ class TFRecordDataset(PreadDataset):
                 f"{compressed[0].path}: {compressed[0].compression}-compressed TFRecord files have "
                 "no random access; read them with TFRecordStream"
             )
-        self._starts = np.cumsum([0, *(len(s) for s in records.shards)], dtype=np.int64)
-        self._first = self._starts.tolist()  # for one sample's shard (bisect)
+        self._count_shards([len(s) for s in records.shards])
         self._offsets = np.concatenate([s.offsets for s in records.shards] or [np.empty(0)])
         self._sizes = np.concatenate([s.sizes for s in records.shards] or [np.empty(0)])
         self.shard_files = [shard.path for shard in records.shards]
@@ -710,7 +708,7 @@ class TFRecordDataset(PreadDataset):
         straight into the batch; a record that does not match goes through the generic path,
         which reads it as any record is read (and names what is wrong with it)."""
         size = layout.size
-        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        shard_of = self._shard_of(indices)
         known = self._known_raw(indices)
         if known is not None:  # every record checked already: where its pixels start, its label
             return self._gather_known(indices, shard_of, layout, *known)
@@ -844,7 +842,7 @@ class TFRecordDataset(PreadDataset):
     def _frames(self, indices: np.ndarray) -> Iterator[tuple[int, memoryview, str]]:
         """``(position in indices, record data, where)``, read shard by shard in file order;
         the frame's CRCs are checked unless ``check_crc=False``."""
-        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        shard_of = self._shard_of(indices)
         local = indices - self._starts[shard_of]
         for pos in np.lexsort((local, shard_of)).tolist():
             yield pos, *self._frame(int(shard_of[pos]), int(local[pos]), int(indices[pos]))
@@ -870,8 +868,7 @@ class TFRecordDataset(PreadDataset):
         yield from (r for r in found if r is not None)
 
     def _one(self, index: int) -> tuple[Any, int, str]:
-        number = bisect.bisect_right(self._first, index) - 1
-        frame, where = self._frame(number, index - self._first[number], index)
+        frame, where = self._frame(*self._locate(index), index)
         item, label = self.records.stored(frame, where)
         return item, label, where
 

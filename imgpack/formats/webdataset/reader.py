@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import json
 import mmap
 import os
@@ -13,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from imgpack.checksum import record_crc
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     Images,
@@ -45,9 +43,7 @@ class WebDatasetDataset(PreadDataset):
         check_file_order(self.root, self.manifest, lambda number, _: layout.shard_name(number))
         self._raw = self.manifest.encoding == "raw"
         self._paths = self.shard_files = [self.root / f.path for f in self.manifest.files]
-        counts = [f.num_samples for f in self.manifest.files]
-        self._starts = np.cumsum([0, *counts], dtype=np.int64)
-        self._first = self._starts.tolist()  # for one sample's shard (bisect)
+        self._count_shards([f.num_samples for f in self.manifest.files])
         parts = [
             self._read_index(path, entry.num_samples, entry.bytes)
             for path, entry in zip(self._paths, self.manifest.files, strict=True)
@@ -127,9 +123,7 @@ class WebDatasetDataset(PreadDataset):
             raise DataError(f"{self._paths[number]}: cannot read its first sample: {exc}") from None
         check_output_id(expected, found, str(self._paths[number]), self.root)
 
-    def _read(self, index: int, number: int | None = None) -> bytes:
-        if number is None:
-            number = bisect.bisect_right(self._first, index) - 1
+    def _read(self, index: int, number: int) -> bytes:
         offset, size = int(self._offsets[index]), int(self._sizes[index])
         data = os.pread(self._fd(number), size, offset)
         if len(data) != size:
@@ -140,9 +134,9 @@ class WebDatasetDataset(PreadDataset):
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         for index in indices.tolist():
-            number = int(np.searchsorted(self._starts, index, side="right") - 1)
+            number = self._locate(index)[0]
             label, crc = int(self._labels[index]), int(self._crcs[index])
-            yield Record(index, self._read(index), label, crc, str(self._paths[number]))
+            yield Record(index, self._read(index, number), label, crc, str(self._paths[number]))
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
@@ -176,7 +170,7 @@ class WebDatasetDataset(PreadDataset):
         path then names it)."""
         if not len(indices) or (self._sizes[indices] != self._member_size).any():
             return None
-        return np.searchsorted(self._starts, indices, side="right") - 1, self._offsets[indices]
+        return self._shard_of(indices), self._offsets[indices]
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The whole ``.npy`` members of raw samples ``indices`` (what each checksum covers),
@@ -219,15 +213,15 @@ class WebDatasetDataset(PreadDataset):
         return data[len(self._npy) :]
 
     def _one(self, index: int) -> tuple[bytes, int, str]:
-        number = bisect.bisect_right(self._first, index) - 1
+        number = self._locate(index)[0]
         data, label = self._read(index, number), int(self._labels[index])
-        if self.verify and record_crc(data, label) != int(self._crcs[index]):
-            self._mismatch(index, str(self._paths[number]))
+        if self.verify:
+            self._check_record(index, data, label, int(self._crcs[index]), str(self._paths[number]))
         return data, label, self._where(index, number)
 
     def _where(self, index: int, number: int | None = None) -> str:
         if number is None:
-            number = bisect.bisect_right(self._first, index) - 1
+            number = self._locate(index)[0]
         return f"{self._paths[number]}: sample {index} ({layout.KEY_FORMAT % index})"
 
 
