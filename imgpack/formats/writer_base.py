@@ -162,7 +162,9 @@ class ShardedWriter(Writer):
         """Add the sample to the open shard; return the bytes it added."""
 
     @abstractmethod
-    def _end_shard(self) -> None: ...
+    def _end_shard(self) -> str | None:
+        """Close the open shard; return its sha256 when the writer took it from the bytes it
+        wrote (:class:`HashedFile`), ``None`` to have the finished file read back for it."""
 
     def add(self, sample: Encoded) -> None:
         size = len(sample.payload)
@@ -182,10 +184,11 @@ class ShardedWriter(Writer):
             self._shard_count = 0
 
     def _roll(self) -> None:
-        self._end_shard()
+        written = self._end_shard()
         name = self.shard_name(len(self._shards))
         path = self.directory / name
-        digest = sha256_file(path)  # once: the checkpoint and the manifest both use it
+        # Once: the checkpoint and the manifest both use it.
+        digest = written if written is not None else sha256_file(path)
         companions = {c.name: sha256_file(c) for c in self.companions_of(path)}
         self._shards.append(WrittenFile(name, self._shard_count, digest, [*companions.items()]))
         self._sealed[name] = [path.stat().st_size, digest, companions]
@@ -313,6 +316,30 @@ class ShardedWriter(Writer):
             written.append(WrittenFile(target.name, entry.num_samples, entry.sha256, companions))
         self._files = written
         return written
+
+
+class HashedFile:
+    """A new file, written from its start, whose sha256 is taken from the bytes as they are
+    written: a finished shard is not read back to hash it (for the last shard, that read was
+    the serial end of a conversion, with every worker idle). Everything written goes through
+    :meth:`write` in order (no seeks), so the digest is the file's."""
+
+    def __init__(self, path: Path) -> None:
+        self.name = str(path)
+        self._fh = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self._digest = hashlib.sha256()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._digest.update(data)
+        return self._fh.write(data)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> str:
+        """Close the file; its sha256 (hex)."""
+        self._fh.close()
+        return self._digest.hexdigest()
 
 
 def _link(source: Path, target: Path, size: int | None = None, sha256: str = "") -> None:

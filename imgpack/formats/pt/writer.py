@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from imgpack.checksum import record_crc
-from imgpack.formats.writer_base import ShardedWriter
+from imgpack.formats.writer_base import HashedFile, ShardedWriter
 from imgpack.images import Encoded
 
 
@@ -44,7 +44,7 @@ class PTWriter(ShardedWriter):
         self._crcs.append(record_crc(sample.payload, sample.label))
         return len(sample.payload)
 
-    def _end_shard(self) -> None:
+    def _end_shard(self) -> str:
         data = torch.from_numpy(np.frombuffer(self._data, dtype=np.uint8))
         labels = torch.tensor(self._labels, dtype=torch.int64)
         common: dict[str, object] = {
@@ -61,9 +61,14 @@ class PTWriter(ShardedWriter):
         else:
             offsets = torch.tensor(self._offsets, dtype=torch.int64)
             payload = {"data": data, "offsets": offsets, **common}
-        torch.save(payload, self._path)
+        shard = HashedFile(self._path)
+        try:
+            torch.save(payload, shard)  # type: ignore[arg-type]  # a file-like object it writes
+        finally:
+            digest = shard.close()
         del data, payload
         self._data = bytearray()
+        return digest
 
     def shard_samples(self, path: Path) -> int | None:
         try:

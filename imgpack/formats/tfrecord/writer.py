@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.example import OUTPUT_ID_KEY
-from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile
+from imgpack.formats.writer_base import HashedFile, ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoded
 
 
@@ -49,7 +49,7 @@ class TFRecordWriter(ShardedWriter):
     def __init__(self, directory: Path, config: WriterConfig) -> None:
         super().__init__(directory, config)
         self.label_offset = int(self.settings["label_offset"])
-        self._fh: BinaryIO | None = None
+        self._fh: HashedFile | None = None
         self._entries: dict[tuple[str, Any], bytes] = {}
 
     def shard_name(self, index: int) -> str:
@@ -57,7 +57,7 @@ class TFRecordWriter(ShardedWriter):
         return f".{self.settings['prefix']}-{index:05d}.partial"
 
     def _start_shard(self, path: Path) -> None:
-        self._fh = open(path, "wb")  # noqa: SIM115 - closed in _end_shard/_abort
+        self._fh = HashedFile(path)  # closed in _end_shard/_abort
         self._index: list[tuple[int, int]] = []
         self._offset = 0
 
@@ -88,12 +88,13 @@ class TFRecordWriter(ShardedWriter):
         self._offset += size
         return size
 
-    def _end_shard(self) -> None:
+    def _end_shard(self) -> str:
         assert self._fh is not None
         path = Path(self._fh.name)
-        self._fh.close()
+        digest = self._fh.close()
         self._fh = None
         framing.write_index(path.with_suffix(".tfrecord"), self._index)  # .partial -> .idx below
+        return digest
 
     def companions_of(self, shard: Path) -> list[Path]:
         return [framing.index_path(shard.with_suffix(".tfrecord"))]

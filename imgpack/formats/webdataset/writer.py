@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from imgpack.checksum import record_crc
 from imgpack.formats.webdataset import layout
-from imgpack.formats.writer_base import ShardedWriter, WriterConfig
+from imgpack.formats.writer_base import HashedFile, ShardedWriter, WriterConfig
 from imgpack.images import Encoded, Kind
 
 
@@ -17,7 +17,7 @@ class WebDatasetWriter(ShardedWriter):
 
     def __init__(self, directory: Path, config: WriterConfig) -> None:
         super().__init__(directory, config)
-        self._fh: BinaryIO | None = None
+        self._fh: HashedFile | None = None
         self._offset = 0
         self._index: list[str] = []
         self._key = config.first_index  # 0 unless a part of a partitioned conversion
@@ -27,7 +27,7 @@ class WebDatasetWriter(ShardedWriter):
 
     def _start_shard(self, path: Path) -> None:
         self._path = path
-        self._fh = open(path, "wb")  # noqa: SIM115 - closed in _end_shard/_abort
+        self._fh = HashedFile(path)  # closed in _end_shard/_abort
         self._offset = 0
         self._index = []
 
@@ -71,13 +71,14 @@ class WebDatasetWriter(ShardedWriter):
         self._key = self.config.first_index + self.durable
         return already
 
-    def _end_shard(self) -> None:
+    def _end_shard(self) -> str:
         assert self._fh is not None
         end = self._offset + 2 * layout.BLOCK  # two zero blocks end the archive
         self._fh.write(bytes(2 * layout.BLOCK + -end % layout.RECORD))
-        self._fh.close()
+        digest = self._fh.close()
         self._fh = None
         layout.index_path(self._path).write_text("".join(self._index), encoding="ascii")
+        return digest
 
     def _abort(self) -> None:
         if self._fh is not None:
