@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import FakeFolder, build_uniform_folder
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from imgpack import convert, open_dataset
 from imgpack.errors import DataError
@@ -279,6 +281,24 @@ def test_member_headers_are_tarfiles(name: str, size: int) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = size, 0o444, 0
     assert member_header(name, size) == info.tobuf(tarfile.USTAR_FORMAT)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.none() | st.text(),
+    path=st.text(st.characters(codec="utf-8") | st.sampled_from(["\udcff", "\udc80"])),
+    output_id=st.sampled_from(["", "0123abcd"]),
+)
+def test_sample_metadata_is_what_json_writes(name: str | None, path: str, output_id: str) -> None:
+    """The writer formats each sample's .json member itself: byte for byte json.dumps of the
+    same dict with sorted keys, quotes, control characters, non-ASCII and the surrogates of
+    undecodable file names included."""
+    from imgpack.formats.webdataset.writer import metadata
+
+    meta: dict[str, Any] = {"class": name, "path": path}
+    if output_id:
+        meta["output_id"] = output_id
+    assert metadata(name, path, output_id) == json.dumps(meta, sort_keys=True).encode("ascii")
 
 
 def test_a_shard_is_what_tarfile_writes(tmp_path: Path) -> None:

@@ -82,6 +82,9 @@ def _template() -> bytes:
 
 
 _TEMPLATE = _template()
+#: The sum of the template's bytes: a header's checksum is this plus its name's and size's
+#: bytes (the template holds zeros where they go), so no header is summed whole.
+_TEMPLATE_SUM = sum(_TEMPLATE)
 
 
 def member_header(name: str, size: int) -> bytes:
@@ -91,8 +94,19 @@ def member_header(name: str, size: int) -> bytes:
     raw = name.encode("ascii")
     if len(raw) > 100 or not 0 <= size < 8**11:
         raise ValueError(f"{name!r} ({size} bytes) does not fit a ustar header")
+    sized = b"%011o\0" % size
     head = bytearray(_TEMPLATE)
     head[: len(raw)] = raw
-    head[124:136] = b"%011o\0" % size
-    head[148:155] = b"%06o\0" % sum(head)
+    head[124:136] = sized
+    head[148:155] = b"%06o\0" % (_TEMPLATE_SUM + sum(raw) + sum(sized))
     return bytes(head)
+
+
+def padding(size: int) -> bytes:
+    """The zeros after a member's ``size`` bytes of data, to the next block."""
+    return bytes(-size % BLOCK)
+
+
+def member(name: str, data: bytes) -> bytes:
+    """A whole member: its header, its data and the zeros to the next block."""
+    return member_header(name, len(data)) + data + padding(len(data))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from json.encoder import encode_basestring_ascii as quote
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +10,15 @@ from imgpack.checksum import record_crc
 from imgpack.formats.webdataset import layout
 from imgpack.formats.writer_base import HashedFile, ShardedWriter, WriterConfig
 from imgpack.images import Encoded, Kind
+
+
+def metadata(class_name: str | None, path: str, output_id: str) -> bytes:
+    """A sample's ``.json`` member: exactly ``json.dumps`` of ``{"class", "path"}`` and
+    ``"output_id"`` when there is one, keys sorted, each string quoted as ``json`` quotes it
+    (ASCII, escapes as ``json`` writes them), without building a dict and encoding it."""
+    name = "null" if class_name is None else quote(class_name)
+    found = f', "output_id": {quote(output_id)}' if output_id else ""
+    return f'{{"class": {name}{found}, "path": {quote(path)}}}'.encode("ascii")
 
 
 class WebDatasetWriter(ShardedWriter):
@@ -31,21 +40,8 @@ class WebDatasetWriter(ShardedWriter):
         self._offset = 0
         self._index = []
 
-    def _member(self, name: str, data: bytes) -> int:
-        """Add one member (its header, its data, zeros to the next block); return the offset of
-        its data in the tar."""
-        assert self._fh is not None
-        self._fh.write(layout.member_header(name, len(data)))
-        self._fh.write(data)
-        pad = -len(data) % layout.BLOCK
-        if pad:
-            self._fh.write(bytes(pad))
-        offset = self._offset + layout.BLOCK
-        self._offset = offset + len(data) + pad
-        return offset
-
     def _append(self, sample: Encoded) -> int:
-        start = self._offset
+        assert self._fh is not None
         key = layout.KEY_FORMAT % self._key
         self._key += 1
         payload = sample.payload
@@ -53,15 +49,27 @@ class WebDatasetWriter(ShardedWriter):
             shape = (sample.height, sample.width, sample.channels)
             payload = layout.npy_header(shape) + payload
         ext = layout.extension(sample.kind, sample.path)
-        offset = self._member(f"{key}.{ext}", payload)
-        self._member(f"{key}.cls", str(sample.label).encode("ascii"))
-        meta = {"class": self.config.class_name(sample.label), "path": sample.path}
-        if self.config.output_id:
-            meta["output_id"] = self.config.output_id
-        self._member(f"{key}.json", json.dumps(meta, sort_keys=True).encode("ascii"))
+        name = self.config.class_name(sample.label)
+        meta = metadata(name, sample.path, self.config.output_id)
+        label = str(sample.label).encode("ascii")
+        # Three writes a sample: the image's header, its bytes, then the rest (its padding and
+        # the small .cls and .json members), each hashed as it is written.
+        head = layout.member_header(f"{key}.{ext}", len(payload))
+        tail = b"".join(
+            (
+                layout.padding(len(payload)),
+                layout.member(f"{key}.cls", label),
+                layout.member(f"{key}.json", meta),
+            )
+        )
+        self._fh.write(head)
+        self._fh.write(payload)
+        self._fh.write(tail)
         crc = record_crc(payload, sample.label)
-        self._index.append(f"{offset} {len(payload)} {sample.label} {crc}\n")
-        return self._offset - start
+        self._index.append(f"{self._offset + len(head)} {len(payload)} {sample.label} {crc}\n")
+        added = len(head) + len(payload) + len(tail)
+        self._offset += added
+        return added
 
     def companions_of(self, shard: Path) -> list[Path]:
         return [layout.index_path(shard)]
