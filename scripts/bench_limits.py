@@ -10,6 +10,9 @@ share; start-up not counted), each measured again right before the figure it is 
 it is what this machine's cores deliver in that minute:
   validate     simplejpeg decode at 1/8 DCT scale: the least a converter that validates every
                kept JPEG must do (every entropy-coded byte is decoded)
+  validate+hash  the same, plus the checksums every stored byte gets from imgpack (CRC-32C and
+               sha256 of the bytes): the least imgpack's converter does per file, were its
+               writing spread over the cores as the decoding is
   decode       simplejpeg full decode (accurate DCT, fancy upsampling: imgpack's settings)
   decode+fit   simplejpeg decode at the DCT scale Pillow's draft picks for 224x224, then
                imgpack.images.resize_pixels to 224x224 (crop, bilinear): the least any loader
@@ -18,6 +21,7 @@ it is what this machine's cores deliver in that minute:
 
 The figures, each against its limit:
   convert      imgpack.convert(src, out, format=F, encoding="original", workers=cores)
+               (vs validate, and vs validate+hash)
   fit batches  open_dataset(out, size=224) + collate, DataLoader(batch_size=--batch,
                shuffle=True), num_workers 0, 1, 2  (vs decode+fit)
   full batches open_dataset(out) + collate: variable-size images, a list of tensors per batch,
@@ -118,22 +122,28 @@ def main(argv: Sequence[str] | None = None) -> None:
             return decode_limit("decode", payloads, 1, 1)
         return decode_limit(name, payloads, cores, 1)
 
-    def paired(key: str, name: str, once: Callable[[int], float]) -> None:
-        """``--repeats`` rounds of the limit ``name`` measured, then the figure: each ratio is
-        the figure over the limit of its own round (this machine's speed drifts over the
-        minutes a run takes, by as much as the differences measured); reported as the median
-        ratio, with the best figure."""
-        rates, ratios = [], []
+    def paired(key: str, name: str, once: Callable[[int], float], also: Sequence[str] = ()) -> None:
+        """``--repeats`` rounds of the limit ``name`` (and those in ``also``) measured, then the
+        figure: each ratio is the figure over the limit of its own round (this machine's speed
+        drifts over the minutes a run takes, by as much as the differences measured); reported
+        as the median ratio, with the best figure."""
+        rates: list[float] = []
+        ratios: dict[str, list[float]] = {limit_name: [] for limit_name in (name, *also)}
         for seed in range(args.repeats):
-            near = limit(name)
+            near = {limit_name: limit(limit_name) for limit_name in ratios}
             rates.append(once(seed))
-            ratios.append(rates[-1] / near)
-            seen.setdefault(name, []).append(near)
-        found[key] = {"rate": max(rates), "ratio": float(np.median(ratios)), "ratios": ratios}
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        rows.append(
-            (f"{fmt}: {key}", f"{max(rates):,.0f}/s  {np.median(ratios):.2f} of {name} ({spread})")
+            for limit_name, value in near.items():
+                ratios[limit_name].append(rates[-1] / value)
+                seen.setdefault(limit_name, []).append(value)
+        found[key] = {"rate": max(rates), "ratio": float(np.median(ratios[name]))}
+        found[key]["ratios"] = ratios[name]
+        for limit_name in also:
+            found[key][f"ratio of {limit_name}"] = float(np.median(ratios[limit_name]))
+        shares = "; ".join(
+            f"{np.median(r):.2f} of {limit_name} ({min(r):.2f}-{max(r):.2f})"
+            for limit_name, r in ratios.items()
         )
+        rows.append((f"{fmt}: {key}", f"{max(rates):,.0f}/s  {shares}"))
 
     seen: dict[str, list[float]] = {}
     rows: list[tuple[str, str]] = []
@@ -143,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         found: dict[str, Any] = {}
         first = len(rows)
         if "convert" in parts or not (out / "imgpack.json").exists():
-            paired("convert", "validate", partial(convert_once, src, out, fmt, cores))
+            converting = partial(convert_once, src, out, fmt, cores)
+            paired("convert", "validate", converting, also=["validate+hash"])
         if "fit" in parts:
             ds = open_dataset(out, size=FIT)
             for w in workers:

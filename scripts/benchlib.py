@@ -252,6 +252,19 @@ def decode_validate(data: bytes) -> Any:
     )
 
 
+def validate_and_hash(data: bytes) -> Any:
+    """The least a converter writing imgpack's outputs does for every kept JPEG: validate it
+    (:func:`decode_validate`) and take the checksums every stored byte gets (the record's
+    CRC-32C, and its share of the shard's sha256 in the manifest)."""
+    import hashlib
+
+    from imgpack.checksum import crc32c
+
+    crc32c(data)
+    hashlib.sha256(data).digest()
+    return decode_validate(data)
+
+
 def decode_full(data: bytes) -> Any:
     """A full simplejpeg decode (accurate DCT, fancy upsampling): HxWx3 uint8."""
     import simplejpeg
@@ -280,6 +293,7 @@ def decode_fit(data: bytes) -> Any:
 
 DECODES: dict[str, Callable[[bytes], Any]] = {
     "validate": decode_validate,
+    "validate+hash": validate_and_hash,
     "decode": decode_full,
     "decode+fit": decode_fit,
 }

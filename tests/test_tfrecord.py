@@ -612,3 +612,49 @@ def test_raw_records_read_again_where_the_first_read_found_them(tmp_path: Path) 
     checked = open_dataset(out, verify=True)
     again = collate(checked.__getitems__(order.tolist()))
     assert torch.equal(again[0], first[0]) and checked._known is None
+
+
+def test_a_record_read_again_is_not_parsed_again_unless_it_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An encoded record is parsed the first time a reader reads it; later reads (ds[i] and
+    batches) take its image where it was found and its label as checked then. A record whose
+    bytes changed since (its stored data CRC another) is parsed again: a record rewritten in
+    place with another label and class is read with them, never with the remembered ones."""
+    from conftest import build_uniform_folder
+
+    folder = build_uniform_folder(tmp_path / "src", 12, 3)
+    convert(folder, tmp_path / "png", format="pt", encoding="png", workers=1, progress=False)
+    convert(folder, tmp_path / "out", format="tfrecord", encoding="png", workers=1, progress=False)
+    reference = open_dataset(tmp_path / "png")
+    ds = open_dataset(tmp_path / "out")
+    parsed = []
+    real_parse = tfexample.decode_example
+    monkeypatch.setattr(tfexample, "decode_example", lambda d: parsed.append(1) or real_parse(d))
+    counts = []
+    for _ in range(2):
+        for i in range(len(ds)):
+            image, label = ds[i]
+            expected_image, expected_label = reference[i]
+            assert label == expected_label and torch.equal(image, expected_image)
+        images, labels = collate(ds.__getitems__([5, 0, 11]))
+        assert labels.tolist() == [reference[i][1] for i in (5, 0, 11)]
+        assert all(torch.equal(a, reference[i][0]) for a, i in zip(images, (5, 0, 11), strict=True))
+        counts.append(len(parsed))
+    # Each record once, in the first pass (and the shard's first when it was opened).
+    assert counts == [len(ds) + 1, len(ds) + 1]
+    # Record 4 (class1, label 1) rewritten in place as class2, label 2, its CRCs valid.
+    shard = next((tmp_path / "out").glob("*.tfrecord"))
+    offset, size = (int(v) for v in shard.with_suffix(".idx").read_text().split("\n")[4].split())
+    blob = bytearray(shard.read_bytes())
+    data = bytes(blob[offset + 12 : offset + size - 4])
+    features = real_parse(data)
+    assert features["image/class/label"] == [1] and features["image/class/text"] == [b"class1"]
+    features["image/class/label"], features["image/class/text"] = [2], [b"class2"]
+    changed = tfexample.encode_example(features)
+    assert len(changed) == len(data) and changed != data
+    blob[offset : offset + size] = tfrecord.frame(changed)
+    with open(shard, "r+b") as fh:  # in place: the reader's open file sees it
+        fh.write(blob)
+    assert ds[4][1] == 2 and len(parsed) == len(ds) + 2
+    assert ds[3][1] == reference[3][1] and len(parsed) == len(ds) + 2  # the others: as kept

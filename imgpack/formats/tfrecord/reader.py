@@ -586,6 +586,18 @@ def _record_files(paths: list[Path]) -> list[Path]:
     return files
 
 
+def _stored_crc(frame: memoryview) -> int:
+    """The data CRC stored after ``frame``, the data of a whole frame read on its own (the view
+    :func:`framing.unframe` returns of it); -1 where the view is not of such a frame."""
+    whole = frame.obj
+    if (
+        not isinstance(whole, bytes)
+        or len(whole) != len(frame) + framing.HEADER_SIZE + framing.FOOTER_SIZE
+    ):
+        return -1
+    return int.from_bytes(whole[-framing.FOOTER_SIZE :], "little")
+
+
 def _parse(data: memoryview, where: str) -> dict[str, example.FeatureValue]:
     try:
         return example.decode_example(data)
@@ -688,6 +700,9 @@ class TFRecordDataset(PreadDataset):
         self._layout: RawLayout | None = None
         #: (pid, pixel start, label) of each raw record this process checked (-1: not yet).
         self._known: tuple[int, np.ndarray, np.ndarray] | None = None
+        #: (pid, [image start, image stop, label, stored data CRC] of each encoded record this
+        #: process parsed, start -1 where it has not): :meth:`_stored`.
+        self._spots: tuple[int, np.ndarray] | None = None
         if raw and not records.foreign:
             try:
                 self._layout = RawLayout(self.manifest, records.label_offset)
@@ -699,7 +714,7 @@ class TFRecordDataset(PreadDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_known"] = None  # each process learns its own
+        state["_known"] = state["_spots"] = None  # each process learns its own
         return state
 
     def _gather_raw(self, indices: np.ndarray, layout: RawLayout) -> tuple[Images, torch.Tensor]:
@@ -862,15 +877,47 @@ class TFRecordDataset(PreadDataset):
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         found: list[Record | None] = [None] * len(indices)
         for pos, frame, where in self._frames(indices):
-            _, label = self.records.stored(frame, where)
+            _, label = self._stored(int(indices[pos]), frame, where)
             # The frame's own CRC-32C (checked in _frames) is the record's checksum.
             found[pos] = Record(int(indices[pos]), frame, label, None, where)
         yield from (r for r in found if r is not None)
 
     def _one(self, index: int) -> tuple[Any, int, str]:
         frame, where = self._frame(*self._locate(index), index)
-        item, label = self.records.stored(frame, where)
+        item, label = self._stored(index, frame, where)
         return item, label, where
+
+    def _stored(self, index: int, frame: memoryview, where: str) -> tuple[Any, int]:
+        """Record ``index``'s stored image and label from its frame's data. The first time this
+        process reads an encoded record it is parsed (output id, label and class checked) and
+        where its image bytes lie is kept; a later read of the same record (the data CRC stored
+        in its frame the one seen then; the frame itself checked as every read's) takes the
+        image from there and the label kept, nothing parsed again (~56 µs a record)."""
+        crc = _stored_crc(frame)
+        spots = self._spots
+        if crc >= 0 and spots is not None and spots[0] == os.getpid():
+            start, stop, label, seen = spots[1][index].tolist()
+            if start >= 0 and seen == crc:
+                return frame[start:stop], label
+        item, label = self.records.stored(frame, where)
+        if crc >= 0 and isinstance(item, bytes):
+            self._remember(index, frame, item, label, crc)
+        return item, label
+
+    def _remember(self, index: int, frame: memoryview, image: bytes, label: int, crc: int) -> None:
+        """Keep where ``image``, the ``image/encoded`` value just parsed from ``frame``, lies in
+        it: right after its entry's head as imgpack writes it. A record encoded otherwise (by
+        another tool) is not kept, and is parsed on every read."""
+        head = example.bytes_entry_head("image/encoded", len(image))
+        data = bytes(frame)
+        found = data.find(head)
+        start = found + len(head)
+        if found < 0 or not data.startswith(image, start):
+            return
+        if self._spots is None or self._spots[0] != os.getpid():
+            spots = np.full((len(self), 4), -1, np.int64)
+            self._spots = (os.getpid(), spots)
+        self._spots[1][index] = (start, start + len(image), label, crc)
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._layout is not None:
@@ -879,6 +926,6 @@ class TFRecordDataset(PreadDataset):
         labels = [0] * len(indices)
         wheres = [""] * len(indices)
         for pos, frame, where in self._frames(indices):
-            items[pos], labels[pos] = self.records.stored(frame, where)
+            items[pos], labels[pos] = self._stored(int(indices[pos]), frame, where)
             wheres[pos] = where
         return self.decoder.batch(items, wheres.__getitem__), label_tensor(labels)
