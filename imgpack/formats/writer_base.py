@@ -13,6 +13,7 @@ import errno
 import hashlib
 import os
 import stat
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -318,6 +319,10 @@ class ShardedWriter(Writer):
         return written
 
 
+#: Writes of at least this many bytes are hashed in a thread while they are written.
+PARALLEL_HASH = 1 << 20
+
+
 class HashedFile:
     """A new file, written from its start, whose sha256 is taken from the bytes as they are
     written: a finished shard is not read back to hash it (for the last shard, that read was
@@ -330,8 +335,17 @@ class HashedFile:
         self._digest = hashlib.sha256()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        self._digest.update(data)
-        return self._fh.write(data)
+        if memoryview(data).nbytes < PARALLEL_HASH:
+            self._digest.update(data)
+            return self._fh.write(data)
+        # hashlib and the file both release the GIL on a large buffer: hash it in a thread
+        # while the file takes it (a pt shard's data is one write, at the end of its shard).
+        hashing = threading.Thread(target=self._digest.update, args=(data,))
+        hashing.start()
+        try:
+            return self._fh.write(data)
+        finally:
+            hashing.join()
 
     def flush(self) -> None:
         self._fh.flush()
