@@ -21,7 +21,8 @@ it is what this machine's cores deliver in that minute:
 
 The figures, each against its limit:
   convert      imgpack.convert(src, out, format=F, encoding="original", workers=cores)
-               (vs validate, and vs validate+hash)
+               (vs validate, and vs validate+hash), with the CPU time of the writing process
+               and of its pool beside the CPU time of the decodes alone
   fit batches  open_dataset(out, size=224) + collate, DataLoader(batch_size=--batch,
                shuffle=True), num_workers 0, 1, 2  (vs decode+fit)
   full batches open_dataset(out) + collate: variable-size images, a list of tensors per batch,
@@ -42,6 +43,7 @@ first batch (worker start-up not counted); every epoch's sample count is checked
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -70,12 +72,25 @@ PARTS = ("convert", "fit", "full", "sample", "samples")
 
 
 # -- the figures: one round each ----------------------------------------------------------------
+#: CPU seconds of each conversion by format: (this process, its pool's processes, wall).
+CONVERT_CPU: dict[str, list[tuple[float, float, float]]] = {}
+
+
 def convert_once(src: Path, out: Path, fmt: str, cores: int, _seed: int) -> float:
-    """Images/s of a validated conversion (encoding="original")."""
+    """Images/s of a validated conversion (encoding="original"); its CPU time is kept in
+    :data:`CONVERT_CPU` (the pool's processes are reaped when it ends, so they count)."""
     shutil.rmtree(out, ignore_errors=True)
+    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     manifest = convert(src, out, format=fmt, encoding="original", workers=cores, progress=False)
-    return manifest.num_samples / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    main, pool = (
+        a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime
+        for a, b in zip(after, before, strict=True)
+    )
+    CONVERT_CPU.setdefault(fmt, []).append((main, pool, seconds))
+    return manifest.num_samples / seconds
 
 
 def read_once(ds: Any, workers: int, batch: int, seed: int) -> float:
@@ -155,6 +170,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         if "convert" in parts or not (out / "imgpack.json").exists():
             converting = partial(convert_once, src, out, fmt, cores)
             paired("convert", "validate", converting, also=["validate+hash"])
+            # Where the CPU goes, against the decodes alone (cores x count / the limit's rate).
+            main, pool, wall = np.median(np.array(CONVERT_CPU[fmt]), axis=0)
+            alone = cores * args.count / float(np.median(seen["validate"][-args.repeats :]))
+            found["convert"]["cpu"] = {"main": main, "pool": pool, "wall": wall, "decode": alone}
+            rows.append(
+                (
+                    f"{fmt}: convert CPU",
+                    f"{main:.2f} s writing process + {pool:.2f} s pool for {alone:.2f} s of "
+                    f"decodes; {wall:.2f} s x {cores} cores = {wall * cores:.2f} CPU-s (medians)",
+                )
+            )
         if "fit" in parts:
             ds = open_dataset(out, size=FIT)
             for w in workers:
