@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import build_uniform_folder
@@ -297,3 +298,34 @@ def test_record_crcs_match_the_documented_checksum() -> None:
         google_crc32c.value(row.tobytes() + struct.pack("<q", label))
         for row, label in zip(strided, labels, strict=True)
     ]
+
+
+def test_a_shard_is_hashed_as_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sha256 a writer records is taken from the bytes it writes (large writes hashed in a
+    thread beside the write): exactly the finished file's; a pt shard whose data is one large
+    write records its file's hash, and verify agrees."""
+    import hashlib
+
+    from imgpack.formats import writer_base
+    from imgpack.formats.writer_base import PARALLEL_HASH, HashedFile
+
+    rng = np.random.default_rng(0)
+    pieces = [b"x", rng.bytes(PARALLEL_HASH + 7), memoryview(rng.bytes(3 * PARALLEL_HASH)), b""]
+    shard = HashedFile(tmp_path / "shard")
+    for piece in pieces:
+        shard.write(piece)
+    assert shard.close() == hashlib.sha256((tmp_path / "shard").read_bytes()).hexdigest()
+
+    monkeypatch.setattr(writer_base, "PARALLEL_HASH", 1024)  # every image's data is large here
+    folder = build_uniform_folder(tmp_path / "src", 30, 3, size=24)
+    manifest = convert(
+        folder, tmp_path / "pt", format="pt", workers=1, progress=False, shard_size="8KB"
+    )
+    assert len(manifest.files) > 1
+    for entry in manifest.files:
+        assert (
+            entry.sha256 == hashlib.sha256((tmp_path / "pt" / entry.path).read_bytes()).hexdigest()
+        )
+    verify(tmp_path / "pt")

@@ -340,12 +340,23 @@ class HashedFile:
             return self._fh.write(data)
         # hashlib and the file both release the GIL on a large buffer: hash it in a thread
         # while the file takes it (a pt shard's data is one write, at the end of its shard).
-        hashing = threading.Thread(target=self._digest.update, args=(data,))
+        failed: list[BaseException] = []
+
+        def update() -> None:
+            try:
+                self._digest.update(data)
+            except BaseException as exc:  # re-raised below: a digest must never be wrong
+                failed.append(exc)
+
+        hashing = threading.Thread(target=update)
         hashing.start()
         try:
-            return self._fh.write(data)
+            written = self._fh.write(data)
         finally:
             hashing.join()
+        if failed:
+            raise failed[0]
+        return written
 
     def flush(self) -> None:
         self._fh.flush()
