@@ -586,6 +586,11 @@ def _record_files(paths: list[Path]) -> list[Path]:
     return files
 
 
+#: What a reader keeps of an encoded record it parsed (16 bytes a record): where its image
+#: starts and stops in the record's data, its label, and the data CRC stored in its frame.
+SPOT = np.dtype([("start", "<i4"), ("stop", "<i4"), ("label", "<i4"), ("crc", "<u4")])
+
+
 def _stored_crc(frame: memoryview) -> int:
     """The data CRC stored after ``frame``, the data of a whole frame read on its own (the view
     :func:`framing.unframe` returns of it); -1 where the view is not of such a frame."""
@@ -700,8 +705,8 @@ class TFRecordDataset(PreadDataset):
         self._layout: RawLayout | None = None
         #: (pid, pixel start, label) of each raw record this process checked (-1: not yet).
         self._known: tuple[int, np.ndarray, np.ndarray] | None = None
-        #: (pid, [image start, image stop, label, stored data CRC] of each encoded record this
-        #: process parsed, start -1 where it has not): :meth:`_stored`.
+        #: (pid, :data:`SPOT` of each encoded record this process parsed, start -1 where it
+        #: has not): :meth:`_stored`.
         self._spots: tuple[int, np.ndarray] | None = None
         if raw and not records.foreign:
             try:
@@ -896,7 +901,7 @@ class TFRecordDataset(PreadDataset):
         crc = _stored_crc(frame)
         spots = self._spots
         if crc >= 0 and spots is not None and spots[0] == os.getpid():
-            start, stop, label, seen = spots[1][index].tolist()
+            start, stop, label, seen = spots[1][index].item()
             if start >= 0 and seen == crc:
                 return frame[start:stop], label
         item, label = self.records.stored(frame, where)
@@ -912,12 +917,14 @@ class TFRecordDataset(PreadDataset):
         data = bytes(frame)
         found = data.find(head)
         start = found + len(head)
-        if found < 0 or not data.startswith(image, start):
+        stop = start + len(image)
+        if found < 0 or not data.startswith(image, start) or stop >= 1 << 31 or label >= 1 << 31:
             return
         if self._spots is None or self._spots[0] != os.getpid():
-            spots = np.full((len(self), 4), -1, np.int64)
+            spots = np.zeros(len(self), SPOT)
+            spots["start"] = -1
             self._spots = (os.getpid(), spots)
-        self._spots[1][index] = (start, start + len(image), label, crc)
+        self._spots[1][index] = (start, stop, label, crc)
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._layout is not None:
