@@ -178,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 (
                     f"{fmt}: convert CPU",
                     f"{main:.2f} s writing process + {pool:.2f} s pool for {alone:.2f} s of "
-                    f"decodes; {wall:.2f} s x {cores} cores = {wall * cores:.2f} CPU-s (medians)",
+                    f"decodes ({alone / (main + pool):.2f} of the CPU spent: the most this "
+                    f"conversion could reach at perfect overlap); {wall:.2f} s x {cores} cores "
+                    f"= {wall * cores:.2f} CPU-s (medians)",
                 )
             )
         if "fit" in parts:
