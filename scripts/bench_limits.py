@@ -150,10 +150,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             for limit_name, value in near.items():
                 ratios[limit_name].append(rates[-1] / value)
                 seen.setdefault(limit_name, []).append(value)
-        found[key] = {"rate": max(rates), "ratio": float(np.median(ratios[name]))}
-        found[key]["ratios"] = ratios[name]
-        for limit_name in also:
-            found[key][f"ratio of {limit_name}"] = float(np.median(ratios[limit_name]))
+        found[key] = {
+            "rate": max(rates),
+            "ratio": float(np.median(ratios[name])),
+            "ratios": ratios[name],
+            **{f"ratio of {n}": float(np.median(ratios[n])) for n in also},
+        }
         shares = "; ".join(
             f"{np.median(r):.2f} of {limit_name} ({min(r):.2f}-{max(r):.2f})"
             for limit_name, r in ratios.items()
@@ -172,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             paired("convert", "validate", converting, also=["validate+hash"])
             # Where the CPU goes, against the decodes alone (cores x count / the limit's rate).
             main, pool, wall = np.median(np.array(CONVERT_CPU[fmt]), axis=0)
-            alone = cores * args.count / float(np.median(seen["validate"][-args.repeats :]))
+            alone = cores * len(payloads) / float(np.median(seen["validate"][-args.repeats :]))
             found["convert"]["cpu"] = {"main": main, "pool": pool, "wall": wall, "decode": alone}
             rows.append(
                 (

@@ -647,7 +647,7 @@ def test_a_record_read_again_is_not_parsed_again_unless_it_changed(
     shard = next((tmp_path / "out").glob("*.tfrecord"))
     offset, size = (int(v) for v in shard.with_suffix(".idx").read_text().split("\n")[4].split())
     blob = bytearray(shard.read_bytes())
-    data = bytes(blob[offset + 12 : offset + size - 4])
+    data = bytes(blob[offset + tfrecord.HEADER_SIZE : offset + size - tfrecord.FOOTER_SIZE])
     features = real_parse(data)
     assert features["image/class/label"] == [1] and features["image/class/text"] == [b"class1"]
     features["image/class/label"], features["image/class/text"] = [2], [b"class2"]

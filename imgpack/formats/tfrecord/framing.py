@@ -98,6 +98,15 @@ def unframe(buf: bytes | memoryview, where: str, check_crc: bool = True) -> memo
     return view[HEADER_SIZE : HEADER_SIZE + length]
 
 
+def stored_crc(data: memoryview) -> int | None:
+    """The masked data CRC stored after ``data``, the view :func:`unframe` returned of a frame
+    held whole in its own buffer; ``None`` for any other view (its frame is not at hand)."""
+    whole = data.obj
+    if not isinstance(whole, bytes) or len(whole) != HEADER_SIZE + len(data) + FOOTER_SIZE:
+        return None
+    return int(_CRC.unpack_from(whole, len(whole) - FOOTER_SIZE)[0])
+
+
 def compression(path: str | os.PathLike[str]) -> str | None:
     """``"GZIP"`` or ``"ZLIB"`` for a TFRecord file TensorFlow wrote with that
     ``compression_type``, ``None`` for a plain one. A ZLIB stream starts with a two-byte header

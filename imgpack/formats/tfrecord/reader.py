@@ -591,18 +591,6 @@ def _record_files(paths: list[Path]) -> list[Path]:
 SPOT = np.dtype([("start", "<i4"), ("stop", "<i4"), ("label", "<i4"), ("crc", "<u4")])
 
 
-def _stored_crc(frame: memoryview) -> int:
-    """The data CRC stored after ``frame``, the data of a whole frame read on its own (the view
-    :func:`framing.unframe` returns of it); -1 where the view is not of such a frame."""
-    whole = frame.obj
-    if (
-        not isinstance(whole, bytes)
-        or len(whole) != len(frame) + framing.HEADER_SIZE + framing.FOOTER_SIZE
-    ):
-        return -1
-    return int.from_bytes(whole[-framing.FOOTER_SIZE :], "little")
-
-
 def _parse(data: memoryview, where: str) -> dict[str, example.FeatureValue]:
     try:
         return example.decode_example(data)
@@ -898,14 +886,14 @@ class TFRecordDataset(PreadDataset):
         where its image bytes lie is kept; a later read of the same record (the data CRC stored
         in its frame the one seen then; the frame itself checked as every read's) takes the
         image from there and the label kept, nothing parsed again (~56 µs a record)."""
-        crc = _stored_crc(frame)
+        crc = framing.stored_crc(frame)
         spots = self._spots
-        if crc >= 0 and spots is not None and spots[0] == os.getpid():
+        if crc is not None and spots is not None and spots[0] == os.getpid():
             start, stop, label, seen = spots[1][index].item()
             if start >= 0 and seen == crc:
                 return frame[start:stop], label
         item, label = self.records.stored(frame, where)
-        if crc >= 0 and isinstance(item, bytes):
+        if crc is not None and isinstance(item, bytes):
             self._remember(index, frame, item, label, crc)
         return item, label
 
