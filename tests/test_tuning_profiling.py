@@ -13,7 +13,12 @@ from torch.utils.data import DataLoader, Dataset
 from imgpack import convert, open_dataset
 from imgpack.cli import main
 from imgpack.loading.profiling import LoaderProfiler, TimedDataset, verdict
-from imgpack.loading.tuning import LoaderSettings, autotune_loader, recommend_loader_settings
+from imgpack.loading.tuning import (
+    NOISE,
+    LoaderSettings,
+    autotune_loader,
+    recommend_loader_settings,
+)
 from imgpack.readers import collate
 
 
@@ -67,7 +72,12 @@ def test_autotune_returns_a_candidate_it_measured(outputs: dict[str, Path]) -> N
     result = autotune_loader(ds, batch_size=8, candidates=candidates, batches=3)
     assert result.best in candidates
     assert [s for s, _ in result.table] == candidates
-    assert result.samples_per_s == max(rate for _, rate in result.table) > 0
+    # The rate it reports is the one it measured for its choice: the fastest, or the reasoned
+    # choice when no candidate beats it by more than NOISE (the machine's noise).
+    measured = next(rate for setting, rate in result.table if setting == result.best)
+    fastest = max(rate for _, rate in result.table)
+    assert result.samples_per_s == measured > 0
+    assert measured == fastest or measured >= (1 - NOISE) * fastest
 
 
 class Slow(Dataset[tuple[torch.Tensor, int]]):
