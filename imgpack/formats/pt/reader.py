@@ -10,7 +10,6 @@ import torch
 
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
-    FEW_ROWS,
     ImageDataset,
     Images,
     Record,
@@ -20,6 +19,7 @@ from imgpack.formats.dataset_base import (
     label_tensor,
     new_batch_tensor,
     shard_runs,
+    void_rows,
 )
 from imgpack.formats.writer_base import default_shard_name
 
@@ -142,9 +142,9 @@ class PTDataset(ImageDataset):
         if self._raw:
             self._check_raw(indices)
             if len(self._starts) == 2:  # one shard: the indices are its rows
-                return self._gather_one(0, torch.from_numpy(indices))
+                return self._gather_one(0, indices)
             shard_of = self._shard_of(indices)
-            return self._gather_raw(shard_of, torch.from_numpy(indices - self._starts[shard_of]))
+            return self._gather_raw(shard_of, indices - self._starts[shard_of])
         records = self._records(indices)
         if self.verify:
             records = self._checked(records)
@@ -169,54 +169,53 @@ class PTDataset(ImageDataset):
             shard = self._shard(number)
             if shard.get("crc32c") is None:
                 return None  # written without checksums: the record path has nothing to check
-            images, shard_labels = self._arrays(number)
+            images, shard_labels = self._rows(number)
             rows = order[start:stop]
             at = local[rows]
-            pixels[rows] = images[at].reshape(len(rows), -1)
+            void_rows(pixels)[rows] = images[at]
             labels[rows] = shard_labels[at]
             crcs[rows] = shard["crc32c"].numpy()[at]
         return pixels, labels, crcs
 
-    def _gather_raw(self, shard_of: np.ndarray, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
+    def _gather_raw(self, shard_of: np.ndarray, local: np.ndarray) -> tuple[Images, torch.Tensor]:
         first = int(shard_of[0]) if len(shard_of) else 0
         if len(shard_of) == 0 or (shard_of == first).all():
             return self._gather_one(first, local)
-        # Each shard's rows gathered into a contiguous run of a scratch batch (one call per
-        # shard), then put in batch order with one numpy assignment (torch's index_put_ is
-        # many times slower for uint8 rows).
+        # Each shard's rows gathered and put in their places with one numpy assignment, rows
+        # as single items (void_rows: a memcpy each), no scratch batch, no second pass.
         order, runs = shard_runs(shard_of)
-        at = local.numpy()[order]
-        grouped = self._batch(len(local))
-        pixels = grouped.numpy()
-        grouped_labels = np.empty(len(local), np.int64)
-        for number, start, stop in runs:
-            images, shard_labels = self._arrays(number)
-            rows = at[start:stop]
-            if stop - start < FEW_ROWS:  # numpy: a few µs a call
-                np.take(images, rows, axis=0, out=pixels[start:stop])
-            else:  # torch: faster per row
-                shard = self._shard(number)
-                torch.index_select(
-                    shard["images"], 0, torch.from_numpy(rows), out=grouped[start:stop]
-                )
-            grouped_labels[start:stop] = shard_labels[rows]
+        at = local[order]
         out = self._batch(len(local))
+        rows = void_rows(out.numpy())
         labels = np.empty(len(local), np.int64)
-        out.numpy()[order] = grouped
-        labels[order] = grouped_labels
+        for number, start, stop in runs:
+            images, shard_labels = self._rows(number)
+            places, picked = order[start:stop], at[start:stop]
+            rows[places] = images[picked]
+            labels[places] = shard_labels[picked]
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
+
+    def _rows(self, number: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shard ``number``'s images as :func:`void_rows` (one item an image) and its labels,
+        made once per shard and process."""
+        shard = self._shard(number)
+        found = shard.get("_rows")
+        if found is None:
+            images, labels = self._arrays(number)
+            found = shard["_rows"] = (void_rows(images), labels)
+        return found  # type: ignore[no-any-return]
 
     def _arrays(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard ``number``'s images and labels as numpy arrays (views of its tensors)."""
         images, _, labels, _, _ = self._columns(number)
         return images, labels
 
-    def _gather_one(self, number: int, local: torch.Tensor) -> tuple[Images, torch.Tensor]:
+    def _gather_one(self, number: int, local: np.ndarray) -> tuple[Images, torch.Tensor]:
         """Rows ``local`` of shard ``number``, straight into the batch."""
         out = self._batch(len(local))
         shard = self._shard(number)
-        torch.index_select(shard["images"], 0, local, out=out)
-        return out.permute(0, 3, 1, 2), torch.index_select(shard["labels"], 0, local)
+        torch.index_select(shard["images"], 0, torch.from_numpy(local), out=out)
+        return out.permute(0, 3, 1, 2), torch.from_numpy(self._arrays(number)[1][local])
 
     def _batch(self, count: int) -> torch.Tensor:
         image = self.manifest.image
