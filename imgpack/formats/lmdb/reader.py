@@ -275,7 +275,6 @@ class LMDBDataset(ImageDataset):
         """A raw batch gathered through ``spans``; ``None`` when a header does not check out
         (the ``get`` path then names what is wrong)."""
         count, pixels = len(indices), self._pixels
-        starts, lengths = spans.starts[indices], spans.lengths[indices]
         if count == 0:
             return None
         if not self.verify and spans.checked[indices].all():  # headers checked before
@@ -286,10 +285,9 @@ class LMDBDataset(ImageDataset):
                 return None
             labels = found[1]
         out = new_batch_tensor((count, *self._shape))
-        last = len(spans.tensor) - pixels  # a window of ``pixels`` bytes at every byte: the tails
-        windows = spans.tensor.as_strided((last + 1, pixels), (1, 1))
+        windows, tails = spans.tails(pixels)
         torch.index_select(
-            windows, 0, torch.from_numpy(starts + lengths - pixels), out=out.view(count, pixels)
+            windows, 0, torch.from_numpy(tails[indices]), out=out.view(count, pixels)
         )
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64, copy=False))
 
@@ -393,12 +391,21 @@ class _MapSpans:
     header was checked here (``checked``), so later batches gather the pixels only.
     """
 
-    __slots__ = ("checked", "env", "labels", "lengths", "starts", "tensor")
+    __slots__ = ("_tails", "checked", "env", "labels", "lengths", "starts", "tensor")
 
     def __init__(self, env: Any, tensor: torch.Tensor, starts: np.ndarray, lengths: np.ndarray):
         self.env, self.tensor, self.starts, self.lengths = env, tensor, starts, lengths
         self.labels = np.zeros(len(starts), np.int64)
         self.checked = np.zeros(len(starts), np.bool_)
+        self._tails: tuple[int, torch.Tensor, np.ndarray] | None = None
+
+    def tails(self, pixels: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The map as a window of ``pixels`` bytes at every byte, and where each record's last
+        ``pixels`` bytes (a raw record's pixels) start in it: made once, not per batch."""
+        if self._tails is None or self._tails[0] != pixels:
+            windows = self.tensor.as_strided((len(self.tensor) - pixels + 1, pixels), (1, 1))
+            self._tails = (pixels, windows, self.starts + self.lengths - pixels)
+        return self._tails[1], self._tails[2]
 
     @classmethod
     def build(cls, env: Any, count: int) -> _MapSpans | None:

@@ -203,7 +203,7 @@ class PTDataset(ImageDataset):
         if found is None:
             images, labels = self._arrays(number)
             found = shard["_rows"] = (void_rows(images), labels)
-        return found  # type: ignore[no-any-return]
+        return found
 
     def _arrays(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard ``number``'s images and labels as numpy arrays (views of its tensors)."""
