@@ -8,6 +8,9 @@ num_workers=0, in three ways:
     checksum the first time it reads it;
   - later epoch: the same reader again (checked records only looked up in its bitmap);
   - unchecked: a reader with `verify=False`.
+And once more through `DataLoader(batch_sampler=ShardSampler(ds, window=len(ds)).batches(256),
+collate_fn=collate)` (the same reader, a later epoch): a full shuffle as above, each batch one
+array of indices instead of 256 Python ints drawn one by one.
 The pt and webdataset outputs are read again written in --many-shards shards (a shuffled
 batch then touches most of them). The limit is a bare `index_select` of the same shuffled batches from one in-RAM uint8 tensor
 of all the images (no file, no label, no check): what any loader of these bytes can do at most
@@ -35,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imgpack import convert, open_dataset
 from imgpack.converters import FORMATS
+from imgpack.loading import ShardSampler
 from imgpack.loading.bench import measure
 from imgpack.readers import Batch, collate
 
@@ -136,6 +140,7 @@ def main() -> None:
             ds = open_dataset(outputs[fmt])
             rates["first"] = _rate(measure(ds, 0, 256, n, collate, seed=round_))
             rates["later"] = _rate(measure(ds, 0, 256, n, collate, seed=round_ + 100))
+            rates["batches"] = batches_rate(ds, round_)
             unchecked = open_dataset(outputs[fmt], verify=False)
             measure(unchecked, 0, 256, n, collate, seed=round_)  # its files opened, as above
             rates["unchecked"] = _rate(measure(unchecked, 0, 256, n, collate, seed=round_ + 100))
@@ -158,7 +163,8 @@ def main() -> None:
                 f"first epoch {r['first']:>10,.0f} ({r['first'] / limit:5.1%})  "
                 f"later {r['later']:>10,.0f} ({r['later'] / limit:5.1%})  "
                 f"unchecked {r['unchecked']:>10,.0f} ({r['unchecked'] / limit:5.1%})  "
-                f"first epoch {r['first'] / r['unchecked']:.2f}x unchecked",
+                f"first epoch {r['first'] / r['unchecked']:.2f}x unchecked  "
+                f"ShardSampler batches {r['batches']:>10,.0f} ({r['batches'] / limit:5.1%})",
             )
         )
     print_table(f"raw 32x32, {n} samples, batch 256, shuffle=True, num_workers=0", rows)
@@ -174,6 +180,16 @@ def main() -> None:
             "formats": best,
         },
     )
+
+
+def batches_rate(ds: Any, seed: int) -> float:
+    """Samples/s of one epoch through ``ShardSampler(...).batches(256)`` with one window over
+    the whole dataset (a full shuffle, as ``shuffle=True``)."""
+    sampler = ShardSampler(ds, seed=seed, window=len(ds))
+    loader = DataLoader(ds, batch_sampler=sampler.batches(256), collate_fn=collate)
+    start = time.perf_counter()
+    seen = sum(len(labels) for _, labels in loader)
+    return seen / (time.perf_counter() - start)
 
 
 def _rate(measured: tuple[int, float]) -> float:

@@ -54,9 +54,12 @@ def _data_bytes(cache: Path) -> int:
     return sum(size for _, _, size in cached_files(cache))
 
 
-@pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
+@pytest.mark.parametrize(
+    ("fmt", "batched"),
+    [("pt", False), ("webdataset", False), ("tfrecord", False), ("webdataset", True)],
+)
 def test_an_epoch_through_a_cache_four_times_smaller(
-    s3: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+    s3: str, tmp_path: Path, fmt: str, batched: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, local = _output(s3, tmp_path, fmt)
     cache = tmp_path / "cache"
@@ -82,7 +85,13 @@ def test_an_epoch_through_a_cache_four_times_smaller(
     watcher.start()
     try:
         sampler = ShardSampler(ds, seed=1, window=2)
-        loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=collate)
+        if batched:  # the sampler's batches fetch ahead as its positions do
+            batches = sampler.batches(4)
+            loader = DataLoader(ds, batch_sampler=batches, num_workers=2, collate_fn=collate)
+        else:
+            loader = DataLoader(
+                ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=collate
+            )
         got = _rows(loader)
     finally:
         done.set()
@@ -180,7 +189,10 @@ def test_a_shard_damaged_in_the_cache_is_fetched_again(s3: str, tmp_path: Path) 
     assert bool((got[10][0] == want[0]).all())
 
 
-def test_the_sampler_has_the_next_shards_fetched_ahead(s3: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_sampler_has_the_next_shards_fetched_ahead(
+    s3: str, tmp_path: Path, batched: bool
+) -> None:
     """While shard k is read, the next shards in the sampler's order are fetched in the
     background (ReadOptions.prefetch of them), before the reader asks."""
     import time
@@ -189,8 +201,8 @@ def test_the_sampler_has_the_next_shards_fetched_ahead(s3: str, tmp_path: Path) 
     cache = tmp_path / "cache"
     ds = open_dataset(url, cache_dir=cache, prefetch=3)
     sampler = ShardSampler(ds, shuffle=False)
-    positions = iter(sampler)
-    first = next(positions)  # the sampler is at shard 0: shards 1, 2, 3 are named
+    # the sampler is at shard 0 (its first position, or its first batch): 1, 2, 3 are named
+    first = int(next(iter(sampler.batches(2)))[0]) if batched else next(iter(sampler))
     assert first == 0
     deadline = time.monotonic() + 20
     names = {f.path for f in ds.manifest.files[1:4]}

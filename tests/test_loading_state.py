@@ -52,20 +52,22 @@ from imgpack.readers import collate
 root, ranks, workers, take, state_file, out, kind = sys.argv[1:8]
 ranks, workers, take = int(ranks), int(workers), int(take)
 ds = open_dataset(root)
-def make(rank):
-    sampler = ShardSampler(ds, seed=7, window=2, block_size=5, num_replicas=ranks, rank=rank)
-    if kind == "torchdata":
+samplers = [ShardSampler(ds, seed=7, window=2, block_size=5, num_replicas=ranks, rank=rank)
+            for rank in range(ranks)]
+def make(sampler):
+    batched = {"batch_sampler": sampler.batches(2)} if kind.endswith("batches") else {
+        "batch_size": 2, "sampler": sampler}
+    if kind.startswith("torchdata"):
         from torchdata.stateful_dataloader import StatefulDataLoader
-        return StatefulDataLoader(ds, batch_size=2, sampler=sampler, num_workers=workers,
-                                  collate_fn=collate)
-    return Loader(ds, batch_size=2, sampler=sampler, num_workers=workers, collate_fn=collate)
-loaders = [make(r) for r in range(ranks)]
+        return StatefulDataLoader(ds, num_workers=workers, collate_fn=collate, **batched)
+    return Loader(ds, num_workers=workers, collate_fn=collate, **batched)
+loaders = [make(s) for s in samplers]
 if state_file != "-":
     state = json.load(open(state_file))
     for loader in loaders:
         loader.load_state_dict(state)
-    for loader in loaders:
-        loader.sampler.set_epoch(0)  # what a training loop does: the saved epoch keeps its count
+    for sampler in samplers:
+        sampler.set_epoch(0)  # what a training loop does: the saved epoch keeps its count
 seen, iters, batches = [], [iter(l) for l in loaders], 0
 while take < 0 or batches < take:
     try:
@@ -101,30 +103,34 @@ def _digests(root: Path) -> list[str]:
     return [hashlib.sha256(ds[i][0].contiguous().numpy().tobytes()).hexdigest() for i in range(N)]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("fmt", "kind"), [(fmt, "loader") for fmt in FORMATS] + [("webdataset", "loader-batches")]
+)
 def test_a_killed_run_resumes_on_other_workers_and_ranks(
-    fmt: str, outputs: dict[str, Path], tmp_path: Path
+    fmt: str, kind: str, outputs: dict[str, Path], tmp_path: Path
 ) -> None:
     root = outputs[fmt]
-    before = _run(root, ranks=2, workers=2, take=3, state=None, out=tmp_path / "a.json")
+    before = _run(root, 2, 2, 3, None, tmp_path / "a.json", kind=kind)
     state = tmp_path / "state.json"
     state.write_text(json.dumps(before["state"]))
     assert before["state"]["sampler"]["consumed"] == 12  # what was handed out, not prefetched
-    after = _run(root, ranks=3, workers=0, take=-1, state=state, out=tmp_path / "b.json")
+    after = _run(root, 3, 0, -1, state, tmp_path / "b.json", kind=kind)
     seen = before["seen"] + after["seen"]
     assert len(seen) == N and sorted(seen) == sorted(_digests(root))
 
 
-@pytest.mark.parametrize("fmt", ["pt", "lmdb"])
+@pytest.mark.parametrize(
+    ("fmt", "kind"), [("pt", "torchdata"), ("lmdb", "torchdata"), ("lmdb", "torchdata-batches")]
+)
 def test_statefuldataloader_resumes_with_the_same_workers_and_other_ranks(
-    fmt: str, outputs: dict[str, Path], tmp_path: Path
+    fmt: str, kind: str, outputs: dict[str, Path], tmp_path: Path
 ) -> None:
     pytest.importorskip("torchdata.stateful_dataloader", reason="the [torchdata] extra")
     root = outputs[fmt]
-    before = _run(root, 2, 2, 3, None, tmp_path / "a.json", kind="torchdata")
+    before = _run(root, 2, 2, 3, None, tmp_path / "a.json", kind=kind)
     state = tmp_path / "state.json"
     state.write_text(json.dumps(before["state"]))
-    after = _run(root, 4, 2, -1, state, tmp_path / "b.json", kind="torchdata")
+    after = _run(root, 4, 2, -1, state, tmp_path / "b.json", kind=kind)
     seen = before["seen"] + after["seen"]
     assert len(seen) == N and sorted(seen) == sorted(_digests(root))
 
@@ -176,6 +182,50 @@ def test_epoch_boundaries_and_set_epoch(indexed: Any) -> None:
     again.load_state_dict(saved)
     again.sampler.set_epoch(1)  # type: ignore[attr-defined]
     assert head + _order(again) == _order(fresh)
+
+
+def test_batches_are_the_samplers_order_in_arrays_with_its_state(indexed: Any) -> None:
+    for ranks in (1, 3):
+        for drop_last in (False, True):
+            samplers = [
+                ShardSampler(indexed, seed=2, num_replicas=ranks, rank=r, block_size=5)
+                for r in range(ranks)
+            ]
+            for sampler in samplers:
+                positions = list(
+                    ShardSampler(
+                        indexed, seed=2, num_replicas=ranks, rank=sampler.rank, block_size=5
+                    )
+                )
+                batches = sampler.batches(5, drop_last=drop_last)
+                got = list(batches)
+                assert all(b.dtype == np.int64 and 0 < len(b) <= 5 for b in got)
+                assert len(got) == len(batches)
+                flat = [int(i) for b in got for i in b]
+                kept = len(positions) - len(positions) % 5 if drop_last else len(positions)
+                assert flat == positions[:kept]
+    # mid-epoch state, in samples, as the sampler's own; a new one resumes after it
+    sampler = ShardSampler(indexed, seed=4, block_size=5)
+    it = iter(sampler.batches(4))
+    head = [int(i) for _ in range(2) for i in next(it)]
+    state = it.state_dict()  # type: ignore[attr-defined]
+    assert state["consumed"] == 8 and state == sampler.state_dict()
+    again = ShardSampler(indexed, seed=4, block_size=5)
+    again.load_state_dict(state)
+    rest = [int(i) for b in again.batches(4) for i in b]
+    assert head + rest == list(ShardSampler(indexed, seed=4, block_size=5))
+    loader = Loader(indexed, batch_sampler=ShardSampler(indexed, seed=4, block_size=5).batches(4))
+    assert _order(loader) == list(ShardSampler(indexed, seed=4, block_size=5))
+    assert loader.state_dict()["sampler"]["consumed"] == N
+    with pytest.raises(OptionError, match="batch_size must be 1 or more"):
+        sampler.batches(0)
+
+
+def test_a_loader_needs_a_shard_sampler(indexed: Any) -> None:
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    with pytest.raises(OptionError, match="keeps state through its sampler"):
+        Loader(indexed, batch_sampler=BatchSampler(SequentialSampler(indexed), 4, False))
 
 
 def test_a_state_of_another_dataset_or_seed_is_refused(outputs: dict[str, Path]) -> None:
@@ -233,6 +283,8 @@ def test_mix_draws_by_weight_and_resumes_exactly(outputs: dict[str, Path]) -> No
         resumed = Loader(mix, batch_size=4, sampler=ShardSampler(mix, seed=5), collate_fn=collate)
         resumed.load_state_dict(part.state_dict())
         assert head + _order(resumed) == full
+        batched = ShardSampler(mix, seed=5).batches(4)  # index arrays: the same samples
+        assert _order(Loader(mix, batch_sampler=batched, collate_fn=collate)) == full
     by_name = Mix([a, b], counts=[2, 2], labels="by_name")
     assert by_name.classes == sorted(set(a.classes) | set(b.classes))
 

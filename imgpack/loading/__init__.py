@@ -11,6 +11,7 @@ from typing import Any
 
 _LAZY = {
     "ShardSampler": "imgpack.loading.sampler",
+    "ShardBatches": "imgpack.loading.sampler",
     "Mix": "imgpack.loading.sampler",
     "Loader": "imgpack.loading.state",
     "DeviceLoader": "imgpack.loading.gpu",
@@ -18,7 +19,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """``from imgpack.loading import ShardSampler, Loader, Mix, DeviceLoader`` (imported when
+    """``from imgpack.loading import ShardSampler, Loader, Mix, DeviceLoader`` and the rest (imported when
     first used: torch is not imported by ``import imgpack.loading``)."""
     if name in _LAZY:
         import importlib
@@ -27,4 +28,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'imgpack.loading' has no attribute {name!r}")
 
 
-__all__ = ["DeviceLoader", "Loader", "Mix", "ShardSampler"]
+__all__ = ["DeviceLoader", "Loader", "Mix", "ShardBatches", "ShardSampler"]

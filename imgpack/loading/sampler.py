@@ -159,18 +159,31 @@ class ShardSampler(Sampler[int]):
         return resume[1] if resume is not None and resume[0] == self.epoch else 0
 
     def __iter__(self) -> Iterator[int]:
+        return _Positions(self, self._positions().tolist())
+
+    def _positions(self) -> np.ndarray:
+        """What this rank reads of the epoch: its part of what is left of the global order
+        (an iteration starts here, counting from none yielded)."""
         order = self.global_order()
         self._start = self._begin()
         self._yielded = 0
-        return _Positions(self, self._rank_part(order, self._start).tolist())
+        return self._rank_part(order, self._start)
 
-    def _hints(self, indices: list[int]) -> dict[int, list[int]]:
+    def batches(self, batch_size: int, drop_last: bool = False) -> ShardBatches:
+        """This sampler as a batch sampler: ``DataLoader(ds, batch_sampler=sampler.batches(256),
+        collate_fn=collate)``. The same order, state and epochs (it is this sampler's); each
+        batch is one int64 array of indices instead of ``batch_size`` Python ints drawn one by
+        one, which a raw batch's gather costs less than (``drop_last``: leave out a last batch
+        shorter than ``batch_size``, as ``BatchSampler`` does)."""
+        return ShardBatches(self, batch_size, drop_last)
+
+    def _hints(self, indices: list[int] | np.ndarray) -> dict[int, list[int]]:
         """For a reader that fetches ahead (an output read lazily from a bucket): at the
         position where each shard is first read, the next shards first read after it, in
         order, as many as the reader fetches ahead (its ``options.prefetch``). Empty for
         readers without ``prefetch`` and for outputs read by blocks."""
         files = getattr(getattr(self.dataset, "manifest", None), "files", None)
-        if not getattr(self.dataset, "fetches_ahead", False) or not indices:
+        if not getattr(self.dataset, "fetches_ahead", False) or not len(indices):
             return {}  # a local output: nothing to fetch, no work per epoch
         if files is None or len(files) != len(self._sizes) or len(files) < 2:
             return {}
@@ -277,6 +290,72 @@ class _Positions(Iterator[int]):
         self.sampler.load_state_dict(state)
         fresh = iter(self.sampler)
         assert isinstance(fresh, _Positions)
+        self.indices, self.at, self.hints = fresh.indices, 0, fresh.hints
+
+
+class ShardBatches(Sampler[np.ndarray]):
+    """A :class:`ShardSampler` read a batch at a time (:meth:`ShardSampler.batches`): each item
+    is an int64 array of up to ``batch_size`` indices, for ``DataLoader(batch_sampler=...)``.
+    Epochs (``set_epoch``) and state are the sampler's, in samples, as with the sampler itself;
+    :class:`~imgpack.loading.Loader` and torchdata's ``StatefulDataLoader`` resume it alike."""
+
+    def __init__(self, sampler: ShardSampler, batch_size: int, drop_last: bool = False) -> None:
+        if int(batch_size) < 1:
+            raise OptionError(f"batch_size must be 1 or more, got {batch_size!r}")
+        self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), bool(drop_last)
+
+    def __len__(self) -> int:
+        samples = len(self.sampler)
+        if self.drop_last:
+            return samples // self.batch_size
+        return -(-samples // self.batch_size)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return _Batches(self, self.sampler._positions())
+
+    def set_epoch(self, epoch: int) -> None:
+        """:meth:`ShardSampler.set_epoch`."""
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self, samples: int | None = None) -> dict[str, Any]:
+        """:meth:`ShardSampler.state_dict` (``samples`` of this rank handed out so far)."""
+        return self.sampler.state_dict(samples)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:meth:`ShardSampler.load_state_dict`."""
+        self.sampler.load_state_dict(state)
+
+
+class _Batches(Iterator[np.ndarray]):
+    """A :class:`ShardBatches` iteration: slices of the rank's positions, counted in samples
+    as :class:`_Positions` counts them, and ``Stateful`` the same way."""
+
+    def __init__(self, batches: ShardBatches, indices: np.ndarray) -> None:
+        self.batches, self.indices, self.at = batches, indices, 0
+        hints = batches.sampler._hints(indices)
+        self.hints = sorted(hints.items())  # (position, shards to fetch) in position order
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        size, start = self.batches.batch_size, self.at
+        stop = min(start + size, len(self.indices))
+        if stop <= start or (self.batches.drop_last and stop - start < size):
+            raise StopIteration
+        sampler = self.batches.sampler
+        while self.hints and self.hints[0][0] < stop:  # shards first read in this batch
+            sampler.dataset.prefetch(self.hints.pop(0)[1])  # type: ignore[attr-defined]
+        self.at = sampler._yielded = stop
+        return self.indices[start:stop]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.batches.sampler.state_dict(self.at)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches.sampler.load_state_dict(state)
+        fresh = iter(self.batches)
+        assert isinstance(fresh, _Batches)
         self.indices, self.at, self.hints = fresh.indices, 0, fresh.hints
 
 
@@ -399,4 +478,4 @@ class Mix(Dataset[tuple[Any, Any]]):
         return np.concatenate(streams)[order]
 
 
-__all__ = ["Mix", "ShardSampler", "shard_order", "shard_sizes"]
+__all__ = ["Mix", "ShardBatches", "ShardSampler", "shard_order", "shard_sizes"]

@@ -22,13 +22,14 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from imgpack.errors import OptionError
-from imgpack.loading.sampler import ShardSampler
+from imgpack.loading.sampler import ShardBatches, ShardSampler
 
 
 class Loader(DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` (same arguments) with ``state_dict()`` /
-    ``load_state_dict()``. The sampler must be a :class:`ShardSampler` (give ``sampler=``; with
-    none, one is made from ``shuffle`` and ``seed=0``)."""
+    ``load_state_dict()``. The sampler must be a :class:`ShardSampler` (give ``sampler=``, or
+    ``batch_sampler=`` one's :meth:`~ShardSampler.batches`; with neither, one is made from
+    ``shuffle`` and ``seed=0``)."""
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("sampler") is None and kwargs.get("batch_sampler") is None and not args:
@@ -36,10 +37,14 @@ class Loader(DataLoader[Any]):
                 dataset, shuffle=bool(kwargs.pop("shuffle", False)), num_replicas=1, rank=0
             )
         super().__init__(dataset, *args, **kwargs)
-        if not isinstance(self.sampler, ShardSampler):
+        batches = self.batch_sampler
+        sampler = batches.sampler if isinstance(batches, ShardBatches) else self.sampler
+        if not isinstance(sampler, ShardSampler):
             raise OptionError(
-                "Loader keeps state through its sampler: give sampler=ShardSampler(...)"
+                "Loader keeps state through its sampler: give sampler=ShardSampler(...) or "
+                "batch_sampler=ShardSampler(...).batches(batch_size)"
             )
+        self._shards = sampler
         self._taken = 0  # samples of this rank handed out by the running iteration
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -51,18 +56,14 @@ class Loader(DataLoader[Any]):
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state as of the last batch this loader handed out (prefetched batches
         are not counted): ``{"sampler": ...}``."""
-        sampler = self.sampler
-        assert isinstance(sampler, ShardSampler)
-        return {"sampler": sampler.state_dict(self._taken)}
+        return {"sampler": self._shards.state_dict(self._taken)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: the next iteration of the saved epoch (call
         ``sampler.set_epoch`` with it, or not at all) yields only what was not consumed."""
         if not isinstance(state, dict) or "sampler" not in state:
             raise OptionError("not a Loader state (from Loader.state_dict())")
-        sampler = self.sampler
-        assert isinstance(sampler, ShardSampler)
-        sampler.load_state_dict(state["sampler"])
+        self._shards.load_state_dict(state["sampler"])
         self._taken = 0
 
 
