@@ -57,6 +57,55 @@ def test_a_flipped_byte_is_caught_and_named(fmt: str, uniform_folder: Path, tmp_
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("verify_reads", [None, True])
+def test_a_damaged_raw_record_is_caught_at_its_first_read(
+    fmt: str, verify_reads: bool | None, uniform_folder: Path, tmp_path: Path
+) -> None:
+    """A raw batch is checked where it is gathered (pt, hdf5: the batch's own bytes, all at once)
+    or from its records (the others): a byte flipped in one record's pixels fails the first
+    batch that holds it, named, whatever else the batch holds; the other records read."""
+    out = tmp_path / "out"
+    convert(uniform_folder, out, fmt, encoding="raw", size=16, progress=False)
+    pixels = open_dataset(out)[7][0].permute(1, 2, 0).contiguous().numpy().tobytes()
+    _flip_inside_a_record(out, pixels)
+    ds = open_dataset(out, verify=verify_reads)
+    good = ds.__getitems__([6, 8, 9])  # checked: fine
+    assert len(good) == 3
+    named = r"sample 7 .*(checksum|CRC) mismatch|CRC mismatch.*\(sample 7\)"
+    with pytest.raises(DataError, match=named):  # the damaged record, named
+        ds.__getitems__([6, 7, 8])
+    with pytest.raises(DataError, match=r"(checksum|CRC) mismatch"):
+        ds[7]
+    assert len(ds.__getitems__([9, 6])) == 2
+
+
+def test_records_intact_agrees_with_each_records_checksum() -> None:
+    """The batch check (one CRC of the records' concatenation against their checksums
+    combined) says intact exactly when every record's own checksum matches: groups of any
+    size, several groups, a flipped bit anywhere, a changed label or checksum."""
+    from imgpack.checksum import GROUP, record_crcs, records_intact
+
+    rng = np.random.default_rng(3)
+    for count, width in [(1, 0), (1, 1), (3, 7), (GROUP, 48), (2 * GROUP + 5, 16)]:
+        rows = rng.integers(0, 256, (count, width), dtype=np.uint8)
+        labels = rng.integers(-(2**62), 2**62, count)
+        crcs = np.array(record_crcs(rows, labels.tolist()), np.int64)
+        assert records_intact(rows, labels, crcs)
+        for _ in range(20):
+            k = int(rng.integers(count))
+            bad_rows, bad_labels, bad_crcs = rows.copy(), labels.copy(), crcs.copy()
+            what = int(rng.integers(3 if width else 2))
+            if what == 0:
+                bad_labels[k] ^= 1 << int(rng.integers(63))
+            elif what == 1:
+                bad_crcs[k] ^= 1 << int(rng.integers(32))
+            else:
+                bad_rows[k, int(rng.integers(width))] ^= 1 << int(rng.integers(8))
+            assert not records_intact(bad_rows, bad_labels, bad_crcs)
+        assert not records_intact(rows, labels, crcs + (1 << 32))  # not a CRC-32C at all
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_verify_command(fmt: str, uniform_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     convert(uniform_folder, out, fmt, encoding="raw", size=16, progress=False)

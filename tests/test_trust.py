@@ -219,13 +219,13 @@ def test_raw_records_are_checked_once_per_reader(src: Path, tmp_path: Path) -> N
     convert(src, out, format="pt", encoding="raw", size=16, progress=False)
     ds = open_dataset(out)
     calls: list[int] = []
-    real = ds._raw_rows
+    real = ds._check_gathered  # a pt batch is checked as gathered: the bytes it returns
 
-    def counting(indices):  # type: ignore[no-untyped-def]
+    def counting(indices, *args):  # type: ignore[no-untyped-def]
         calls.extend(indices.tolist())
-        return real(indices)
+        return real(indices, *args)
 
-    ds._raw_rows = counting  # type: ignore[method-assign]
+    ds._check_gathered = counting  # type: ignore[method-assign]
     for _ in range(2):
         for _ in DataLoader(ds, batch_size=5, shuffle=True, collate_fn=collate):
             pass

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from imgpack.checksum import record_crc, record_crcs
+from imgpack.checksum import record_crc, record_crcs, records_intact
 from imgpack.decoding import Decoder, Payload
 from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
 from imgpack.decoding import new_batch_tensor as new_batch_tensor
@@ -373,6 +373,33 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         self._check_rows(fresh)
         seen[fresh] = 1
 
+    def _unchecked(self, indices: np.ndarray) -> bool:
+        """Whether raw records ``indices`` are to be checked now: always with ``verify=True``;
+        by default when this reader has not checked one of them yet."""
+        if self.verify:
+            return True
+        seen = self._checked_marks()
+        return seen is not None and len(indices) > 0 and not seen[indices].all()
+
+    def _check_gathered(
+        self, indices: np.ndarray, rows: np.ndarray, labels: np.ndarray, crcs: np.ndarray | None
+    ) -> None:
+        """Check raw records ``indices`` just gathered, for a format whose raw payload is the
+        pixels themselves: ``rows`` the batch's pixels ``(n, bytes)``, its labels and the
+        records' stored checksums, in batch order. The bytes checked are the bytes returned,
+        all at once (:func:`~imgpack.checksum.records_intact`) and gathered once; a mismatch
+        goes to the record path, which names the record. Marked checked as
+        :meth:`_check_raw` marks them (call when :meth:`_unchecked` says so)."""
+        if crcs is None:  # written without checksums: the record path has nothing to compare
+            self._check_raw(indices)
+            return
+        if not records_intact(rows, labels, crcs):
+            self._check_each(np.unique(indices))
+            raise DataError(f"{self.root}: sample {int(indices[0])}: checksum mismatch")
+        seen = None if self.verify else self._checked_marks()
+        if seen is not None:
+            seen[indices] = 1
+
     def _checked_marks(self) -> np.ndarray | None:
         """The bitmap of records this reader checked (1 a checked record), where raw records
         are checked once each (``verify=None``); ``None`` otherwise."""
@@ -390,6 +417,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             self._check_each(indices)
             return
         pixels, labels, crcs = rows
+        if records_intact(pixels, labels, crcs):  # all of them at once, the usual case
+            return
         found = np.asarray(record_crcs(pixels, labels.tolist()), np.int64)
         bad = indices[found != crcs]
         if bad.size:  # the record path names the file, the sample and its source

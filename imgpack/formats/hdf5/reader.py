@@ -224,12 +224,15 @@ class HDF5Dataset(ImageDataset):
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
         if self._raw:
-            self._check_raw(indices)
             if self.mmap:
                 out = new_batch_tensor((len(indices), *self._shape[1:]))
                 torch.index_select(self.handles, 0, torch.from_numpy(indices), out=out)
             else:
                 out = torch.from_numpy(self._read_rows(indices))
+            if self._unchecked(indices):  # the first read of these records (or verify=True)
+                crcs = self._crcs[indices] if self._crcs is not None else None
+                rows = out.numpy().reshape(len(indices), -1)
+                self._check_gathered(indices, rows, labels.numpy(), crcs)
             return out.permute(0, 3, 1, 2), labels
         if self.verify:
             payloads = [r.payload for r in self._checked(self._records(indices))]

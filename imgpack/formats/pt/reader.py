@@ -140,11 +140,18 @@ class PTDataset(ImageDataset):
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._raw:
-            self._check_raw(indices)
             if len(self._starts) == 2:  # one shard: the indices are its rows
-                return self._gather_one(0, indices)
-            shard_of = self._shard_of(indices)
-            return self._gather_raw(shard_of, indices - self._starts[shard_of])
+                shard_of, local = None, indices
+                out, labels = self._gather_one(0, local)
+            else:
+                shard_of = self._shard_of(indices)
+                local = indices - self._starts[shard_of]
+                out, labels = self._gather_raw(shard_of, local)
+            if self._unchecked(indices):  # the first read of these records (or verify=True)
+                rows = out.numpy().reshape(len(indices), -1)
+                crcs = self._raw_crcs(shard_of, local)
+                self._check_gathered(indices, rows, labels.numpy(), crcs)
+            return out.permute(0, 3, 1, 2), labels
         records = self._records(indices)
         if self.verify:
             records = self._checked(records)
@@ -177,7 +184,25 @@ class PTDataset(ImageDataset):
             crcs[rows] = shard["crc32c"].numpy()[at]
         return pixels, labels, crcs
 
-    def _gather_raw(self, shard_of: np.ndarray, local: np.ndarray) -> tuple[Images, torch.Tensor]:
+    def _raw_crcs(self, shard_of: np.ndarray | None, local: np.ndarray) -> np.ndarray | None:
+        """The stored checksums of rows ``local`` of shards ``shard_of`` (``None``: shard 0),
+        or ``None`` when a shard has none (written without checksums)."""
+        if shard_of is None:
+            crcs = self._columns(0)[3]
+            return None if crcs is None else crcs[local]
+        out = np.empty(len(local), np.int64)
+        order, runs = shard_runs(shard_of)
+        for number, start, stop in runs:
+            crcs = self._columns(number)[3]
+            if crcs is None:
+                return None
+            rows = order[start:stop]
+            out[rows] = crcs[local[rows]]
+        return out
+
+    def _gather_raw(
+        self, shard_of: np.ndarray, local: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         first = int(shard_of[0]) if len(shard_of) else 0
         if len(shard_of) == 0 or (shard_of == first).all():
             return self._gather_one(first, local)
@@ -193,7 +218,7 @@ class PTDataset(ImageDataset):
             places, picked = order[start:stop], at[start:stop]
             rows[places] = images[picked]
             labels[places] = shard_labels[picked]
-        return out.permute(0, 3, 1, 2), torch.from_numpy(labels)
+        return out, torch.from_numpy(labels)
 
     def _rows(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard ``number``'s images as :func:`void_rows` (one item an image) and its labels,
@@ -210,12 +235,12 @@ class PTDataset(ImageDataset):
         images, _, labels, _, _ = self._columns(number)
         return images, labels
 
-    def _gather_one(self, number: int, local: np.ndarray) -> tuple[Images, torch.Tensor]:
-        """Rows ``local`` of shard ``number``, straight into the batch."""
+    def _gather_one(self, number: int, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``local`` of shard ``number``, straight into the batch ``(n, H, W, C)``."""
         out = self._batch(len(local))
         shard = self._shard(number)
         torch.index_select(shard["images"], 0, torch.from_numpy(local), out=out)
-        return out.permute(0, 3, 1, 2), torch.from_numpy(self._arrays(number)[1][local])
+        return out, torch.from_numpy(self._arrays(number)[1][local])
 
     def _batch(self, count: int) -> torch.Tensor:
         image = self.manifest.image
