@@ -9,12 +9,13 @@ pixels. Any CRC-32C library checks it::
 CRC-32C comes from ``google-crc32c`` (C-accelerated, several GiB/s).
 
 Many records of one size are checked at once by :func:`records_intact`: one CRC-32C of their
-concatenation (in C, at memory speed), compared with what their stored checksums combine to
-(CRC-32C is linear: ``crc(a + b)`` is ``crc(a)`` times ``x**(8 * len(b))`` modulo the
-polynomial, plus ``crc(b)``; zlib's ``crc32_combine``). Damage in one record changes the
-concatenation's CRC exactly when it changes the record's own (``x**k`` is invertible modulo the
-polynomial), so a damaged record is caught as surely as by its own checksum; damage in several
-records of one group could cancel out, as likely as a random CRC-32C match (2**-32).
+payloads as they lie, one after another (in C, at memory speed), compared with what their
+stored checksums combine to once each label's share is taken out. CRC-32C is linear:
+``crc(a + b)`` is ``crc(a)`` times ``x**(8 * len(b))`` modulo the polynomial, plus ``crc(b)``
+(zlib's ``crc32_combine``). Damage to one record's payload, label or checksum changes the two
+sides' difference exactly when it would fail the record's own check (``x**k`` is invertible
+modulo the polynomial), so a damaged record is caught as surely; damage to several records of
+one group could cancel out, as likely as a random CRC-32C match (2**-32).
 """
 
 from __future__ import annotations
@@ -92,47 +93,90 @@ def _shift(count: int) -> int:
     return power
 
 
+def _times_table(factor: int) -> list[list[int]]:
+    """``[b][v]``: ``v << 8b`` times ``factor``: a product by ``factor`` in 4 lookups."""
+    return [[_multiply(factor, v << (8 * b)) for v in range(256)] for b in range(4)]
+
+
+#: Times ``x**64``: what the CRC of a payload is multiplied by when its 8-byte label follows.
+_PAST_LABEL = _times_table(_shift(8))
+#: The CRC-32C of the labels ``0 .. len - 1`` as 8 little-endian bytes (grown as needed).
+_label_table = np.empty(0, np.uint32)
+
+
+def _label_crcs(labels: np.ndarray) -> np.ndarray:
+    """The CRC-32C of each label as 8 little-endian bytes (uint32), without a Python step per
+    label: class numbers from a table, anything else per distinct value."""
+    global _label_table
+    labels = np.asarray(labels, np.int64)
+    if not len(labels):
+        return np.empty(0, np.uint32)
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= 1 << 20:
+        distinct, where = np.unique(labels, return_inverse=True)
+        crcs = [record_crc(b"", int(label)) for label in distinct.tolist()]
+        return np.array(crcs, np.uint32)[where.reshape(-1)]
+    if high >= len(_label_table):
+        more = range(len(_label_table), min(max(high + 1, 2 * len(_label_table)), 1 << 20))
+        grown = np.array([record_crc(b"", label) for label in more], np.uint32)
+        _label_table = np.concatenate([_label_table, grown])
+    return _label_table[labels]
+
+
+#: Where each byte of a value starts in :func:`_moves`'s table (bytes in little-endian order).
+_BYTE_ROWS = np.arange(4) * (GROUP * 256)
+
+
 @lru_cache(maxsize=8)
-def _powers(size: int) -> np.ndarray:
-    """``(GROUP, 32)`` uint32: row ``k`` holds bit ``j``'s CRC after ``k`` more records of
-    ``size`` bytes (bit ``j`` times ``x**(8 * size * k)``): a record's checksum moved past the
-    records after it is the XOR of the rows of its set bits."""
+def _moves(size: int) -> np.ndarray:
+    """``4 * GROUP * 256`` uint32: at ``GROUP * 256 * b + 256 * k + v``, ``v << 8b`` times
+    ``x**(8 * size * k)``: a CRC moved past ``k`` records of ``size`` bytes is the XOR of its
+    4 bytes' entries (:data:`_BYTE_ROWS`)."""
+    rows = np.empty((GROUP, 32), np.uint32)  # each bit moved past k records
+    rows[0] = np.uint32(1) << _BITS
     shift = _shift(size)
     images = np.array([_multiply(shift, 1 << j) for j in range(32)], np.uint32)
-    rows = np.empty((GROUP, 32), np.uint32)
-    rows[0] = np.uint32(1) << _BITS
     for k in range(1, GROUP):  # row k: row k - 1 times the shift, bit by bit
         bits = (rows[k - 1][:, None] >> _BITS) & 1
         rows[k] = np.bitwise_xor.reduce(np.where(bits == 1, images, 0), axis=1)
-    return rows
+    value_bits = (np.arange(256)[:, None] >> np.arange(8)) & 1 == 1  # (256, 8)
+    tables = np.empty((4, GROUP, 256), np.uint32)
+    for byte in range(4):
+        part = rows[:, None, 8 * byte : 8 * byte + 8]  # (GROUP, 1, 8)
+        tables[byte] = np.bitwise_xor.reduce(np.where(value_bits, part, 0), axis=2)
+    return tables.reshape(-1)
 
 
-def _combined(crcs: np.ndarray, size: int) -> int:
-    """The CRC-32C of the concatenation of records of ``size`` bytes whose CRCs are ``crcs``
-    (at most :data:`GROUP` of them)."""
-    moved = _powers(size)[len(crcs) - 1 :: -1] if len(crcs) else np.empty((0, 32), np.uint32)
-    bits = (crcs.astype(np.uint32)[:, None] >> _BITS) & 1
-    return int(np.bitwise_xor.reduce(np.where(bits == 1, moved, 0).ravel()))
+def _moved(values: np.ndarray, size: int) -> int:
+    """XOR over ``i`` of ``values[i]`` moved past the ``len(values) - 1 - i`` records of
+    ``size`` bytes after it (at most :data:`GROUP` values): what the CRCs of consecutive
+    records combine to. One lookup per byte of each value, all XORed together."""
+    count = len(values)
+    rows = np.arange((count - 1) * 256, -1, -256)[:, None] + _BYTE_ROWS  # (count, 4)
+    at = rows + np.ascontiguousarray(values, "<u4").view(np.uint8).reshape(count, 4)
+    return int(np.bitwise_xor.reduce(_moves(size).take(at.ravel()))) if count else 0
 
 
 def records_intact(rows: np.ndarray, labels: np.ndarray, crcs: np.ndarray) -> bool:
     """Whether every record matches its stored checksum (:func:`record_crc`): ``rows`` the
     payloads, a ``(n, width)`` uint8 array; ``labels`` and ``crcs`` int arrays. Checked
-    :data:`GROUP` records at a time by one CRC of their concatenation (see the module doc):
-    no Python step per record. ``False`` says some record in the batch does not match; find
-    which with :func:`record_crcs`."""
+    :data:`GROUP` records at a time, with no Python step per record: one CRC of the payloads
+    as they lie (``c``, in C), against the stored checksums ``s`` with each label's CRC ``d``
+    taken out and moved into place (``s = c * x**64 + d`` for one record; see the module
+    doc). ``False`` says some record does not match; find which with :func:`record_crcs`."""
     rows = np.ascontiguousarray(rows).reshape(len(rows), -1)
     count, width = rows.shape
     if count == 0:
         return True
-    if int(np.asarray(crcs, np.int64).min()) < 0 or int(np.asarray(crcs).max()) >> 32:
+    stored = np.asarray(crcs, np.int64)
+    if int(stored.min()) < 0 or int(stored.max()) >> 32:
         return False  # not a CRC-32C: the record path says which
-    group = np.empty((min(count, GROUP), width + 8), np.uint8)
+    unlabelled = stored.astype(np.uint32) ^ _label_crcs(np.asarray(labels))
     for start in range(0, count, GROUP):
         stop = min(count, start + GROUP)
-        part = group[: stop - start]
-        part[:, :width] = rows[start:stop]
-        part[:, width:] = labels[start:stop].astype("<i8").view(np.uint8).reshape(-1, 8)
-        if int(google_crc32c.value(part)) != _combined(crcs[start:stop], width + 8):
+        c = int(google_crc32c.value(rows[start:stop]))
+        past = _PAST_LABEL[0][c & 0xFF] ^ _PAST_LABEL[1][(c >> 8) & 0xFF]
+        past ^= _PAST_LABEL[2][(c >> 16) & 0xFF] ^ _PAST_LABEL[3][c >> 24]
+        if past != _moved(unlabelled[start:stop], width):
             return False
     return True

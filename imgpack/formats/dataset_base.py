@@ -384,12 +384,12 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def _check_gathered(
         self, indices: np.ndarray, rows: np.ndarray, labels: np.ndarray, crcs: np.ndarray | None
     ) -> None:
-        """Check raw records ``indices`` just gathered, for a format whose raw payload is the
-        pixels themselves: ``rows`` the batch's pixels ``(n, bytes)``, its labels and the
-        records' stored checksums, in batch order. The bytes checked are the bytes returned,
-        all at once (:func:`~imgpack.checksum.records_intact`) and gathered once; a mismatch
-        goes to the record path, which names the record. Marked checked as
-        :meth:`_check_raw` marks them (call when :meth:`_unchecked` says so)."""
+        """Check raw records ``indices`` just gathered: ``rows`` their payloads ``(n, bytes)``
+        as gathered for the batch (the pixels themselves in ``pt`` and ``hdf5``), their labels
+        and stored checksums, in batch order. The bytes checked are the bytes returned, all at
+        once (:func:`~imgpack.checksum.records_intact`) and gathered once; a mismatch goes to
+        the record path, which names the record. Marked checked as :meth:`_check_raw` marks
+        them (call when :meth:`_unchecked` says so)."""
         if crcs is None:  # written without checksums: the record path has nothing to compare
             self._check_raw(indices)
             return

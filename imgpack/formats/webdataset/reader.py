@@ -141,8 +141,10 @@ class WebDatasetDataset(PreadDataset):
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
         if self._raw:
-            self._check_raw(indices)
-            gathered = self._gather_raw(indices)
+            gathered = self._gather_checked(indices) if self._unchecked(indices) else None
+            if gathered is None:
+                self._check_raw(indices)
+                gathered = self._gather_raw(indices)
             if gathered is not None:
                 return gathered, labels
         records = self._records(indices)
@@ -181,6 +183,21 @@ class WebDatasetDataset(PreadDataset):
         rows = scratch_tensor((len(indices), self._member_size))
         self._gather_rows(*found, rows)
         return rows.numpy(), self._labels[indices], self._crcs[indices]
+
+    def _gather_checked(self, indices: np.ndarray) -> torch.Tensor | None:
+        """A raw batch read for the first time (or with ``verify=True``): the whole ``.npy``
+        members gathered once, checked as gathered, their pixels copied into the batch (one
+        gather from the shards instead of one to check and one to read). ``None`` when a
+        member is not the output's ``.npy`` array: the record path names it."""
+        found = self._members(indices)
+        if found is None:
+            return None
+        members = scratch_tensor((len(indices), self._member_size)).numpy()
+        self._gather_rows(*found, torch.from_numpy(members))
+        self._check_gathered(indices, members, self._labels[indices], self._crcs[indices])
+        out = new_batch_tensor((len(indices), *self._shape))
+        out.numpy().reshape(len(indices), -1)[:] = members[:, len(self._npy) :]
+        return out.permute(0, 3, 1, 2)
 
     def _gather_raw(self, indices: np.ndarray) -> torch.Tensor | None:
         """A raw batch gathered from the memory-mapped shards, the pixels copied straight into
