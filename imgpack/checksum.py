@@ -157,6 +157,34 @@ def _moved(values: np.ndarray, size: int) -> int:
     return int(np.bitwise_xor.reduce(_moves(size).take(at.ravel()))) if count else 0
 
 
+def _rows_combine_to(rows: np.ndarray, values: np.ndarray, past: list[list[int]] | None) -> bool:
+    """Whether the CRC-32C of ``rows`` ((n, width) uint8, C-contiguous) one after another,
+    times ``past`` (a :func:`_times_table`; ``None``: 1), equals ``values`` (the rows' own
+    CRCs, times the same) combined: :data:`GROUP` rows at a time."""
+    count, width = rows.shape
+    for start in range(0, count, GROUP):
+        stop = min(count, start + GROUP)
+        c = int(google_crc32c.value(rows[start:stop]))
+        if past is not None:
+            c = (
+                past[0][c & 0xFF]
+                ^ past[1][(c >> 8) & 0xFF]
+                ^ past[2][(c >> 16) & 0xFF]
+                ^ past[3][c >> 24]
+            )
+        if c != _moved(values[start:stop], width):
+            return False
+    return True
+
+
+def _crc_values(crcs: np.ndarray) -> np.ndarray | None:
+    """``crcs`` as uint32, or ``None`` when one is not a CRC-32C at all (negative, too big)."""
+    stored = np.asarray(crcs, np.int64)
+    if len(stored) and (int(stored.min()) < 0 or int(stored.max()) >> 32):
+        return None
+    return stored.astype(np.uint32)
+
+
 def records_intact(rows: np.ndarray, labels: np.ndarray, crcs: np.ndarray) -> bool:
     """Whether every record matches its stored checksum (:func:`record_crc`): ``rows`` the
     payloads, a ``(n, width)`` uint8 array; ``labels`` and ``crcs`` int arrays. Checked
@@ -165,18 +193,17 @@ def records_intact(rows: np.ndarray, labels: np.ndarray, crcs: np.ndarray) -> bo
     taken out and moved into place (``s = c * x**64 + d`` for one record; see the module
     doc). ``False`` says some record does not match; find which with :func:`record_crcs`."""
     rows = np.ascontiguousarray(rows).reshape(len(rows), -1)
-    count, width = rows.shape
-    if count == 0:
-        return True
-    stored = np.asarray(crcs, np.int64)
-    if int(stored.min()) < 0 or int(stored.max()) >> 32:
+    stored = _crc_values(crcs)
+    if stored is None:
         return False  # not a CRC-32C: the record path says which
-    unlabelled = stored.astype(np.uint32) ^ _label_crcs(np.asarray(labels))
-    for start in range(0, count, GROUP):
-        stop = min(count, start + GROUP)
-        c = int(google_crc32c.value(rows[start:stop]))
-        past = _PAST_LABEL[0][c & 0xFF] ^ _PAST_LABEL[1][(c >> 8) & 0xFF]
-        past ^= _PAST_LABEL[2][(c >> 16) & 0xFF] ^ _PAST_LABEL[3][c >> 24]
-        if past != _moved(unlabelled[start:stop], width):
-            return False
-    return True
+    if not len(rows):
+        return True
+    return _rows_combine_to(rows, stored ^ _label_crcs(np.asarray(labels)), _PAST_LABEL)
+
+
+def crcs_intact(rows: np.ndarray, crcs: np.ndarray) -> bool:
+    """Whether the plain CRC-32C of each row of ``rows`` (``(n, width)`` uint8) is ``crcs``,
+    checked as :func:`records_intact` checks records (no label)."""
+    rows = np.ascontiguousarray(rows).reshape(len(rows), -1)
+    stored = _crc_values(crcs)
+    return stored is not None and (not len(rows) or _rows_combine_to(rows, stored, None))

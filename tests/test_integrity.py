@@ -80,10 +80,11 @@ def test_a_damaged_raw_record_is_caught_at_its_first_read(
 
 
 def test_records_intact_agrees_with_each_records_checksum() -> None:
-    """The batch check (one CRC of the records' concatenation against their checksums
-    combined) says intact exactly when every record's own checksum matches: groups of any
-    size, several groups, a flipped bit anywhere, a changed label or checksum."""
-    from imgpack.checksum import GROUP, record_crcs, records_intact
+    """The batch check (one CRC of the records' payloads against their checksums combined)
+    says intact exactly when every record's own checksum matches: groups of any size, several
+    groups, a flipped bit anywhere, a changed label or checksum; and the same for plain CRCs
+    of rows (crcs_intact: TFRecord's data CRCs)."""
+    from imgpack.checksum import GROUP, crc32c, crcs_intact, record_crcs, records_intact
 
     rng = np.random.default_rng(3)
     for count, width in [(1, 0), (1, 1), (3, 7), (GROUP, 48), (2 * GROUP + 5, 16)]:
@@ -103,6 +104,12 @@ def test_records_intact_agrees_with_each_records_checksum() -> None:
                 bad_rows[k, int(rng.integers(width))] ^= 1 << int(rng.integers(8))
             assert not records_intact(bad_rows, bad_labels, bad_crcs)
         assert not records_intact(rows, labels, crcs + (1 << 32))  # not a CRC-32C at all
+        plain = np.array([crc32c(row.tobytes()) for row in rows], np.int64)  # no label
+        assert crcs_intact(rows, plain)
+        if width:
+            bad_rows = rows.copy()
+            bad_rows[count // 3, width - 1] ^= 0x80
+            assert not crcs_intact(bad_rows, plain)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -19,6 +19,7 @@ import google_crc32c
 import numpy as np
 import torch
 
+from imgpack.checksum import crcs_intact
 from imgpack.decoding import Decoder
 from imgpack.errors import DataError, ManifestError
 from imgpack.formats.dataset_base import (
@@ -540,11 +541,25 @@ def data_crcs_match(
     found equal to what the index says) matches. The length's own CRC is left to the generic
     path and ``imgpack verify``: the length it guards was just checked."""
     ends = offsets + sizes - 4
-    data_spans = map(slice, (offsets + 12).tolist(), ends.tolist())
+    stored = byte_rows(data, ends, 4).copy().view("<u4")[:, 0]
+    # Records of one length (a raw output's, but for labels of other varint widths) are
+    # checked together: their data gathered into rows, one CRC for all (crcs_intact); the
+    # stored CRCs unmasked (TFRecord's mask rotates right by 15 bits and adds a constant).
+    unmasked = (stored.astype(np.uint64) - _MASK_DELTA) & 0xFFFFFFFF
+    unmasked = ((unmasked << 15) | (unmasked >> 17)) & 0xFFFFFFFF
+    lengths = sizes - 16
+    match = np.zeros(len(offsets), np.bool_)
+    for length in np.unique(lengths).tolist() if len(lengths) > 1 else []:
+        group = np.flatnonzero(lengths == length)
+        if length > 0 and len(group) > 1:
+            rows = byte_rows(data, offsets[group] + 12, length)
+            match[group] = crcs_intact(rows, unmasked[group])
+    rest = np.flatnonzero(~match)  # one by one: a group that failed, lone records
+    data_spans = map(slice, (offsets[rest] + 12).tolist(), ends[rest].tolist())
     crcs = np.array(list(map(_crc_value, map(mapped.__getitem__, data_spans))), np.uint64)
     masked = (((crcs >> 15) | (crcs << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-    stored = byte_rows(data, ends, 4).copy().view("<u4")[:, 0]
-    return np.asarray(masked == stored)
+    match[rest] = masked == stored[rest]
+    return match
 
 
 def tfrecord_files(source: Source) -> list[Path]:
