@@ -19,8 +19,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """``from imgpack.loading import ShardSampler, Loader, Mix, DeviceLoader`` and the rest (imported when
-    first used: torch is not imported by ``import imgpack.loading``)."""
+    """``from imgpack.loading import ShardSampler, Loader, Mix, DeviceLoader`` (and
+    ``ShardBatches``), imported when first used: ``import imgpack.loading`` imports no torch."""
     if name in _LAZY:
         import importlib
 
