@@ -396,7 +396,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if not records_intact(rows, labels, crcs):
             self._check_each(np.unique(indices))  # names the damaged record
             head = ", ".join(map(str, indices[:8].tolist())) + (", ..." if len(indices) > 8 else "")
-            raise DataError(f"{self.root}: samples {head}: a checksum does not match")
+            raise DataError(
+                f"{self.root}: samples {head}: a checksum does not match "
+                "('imgpack verify' names the damaged file)"
+            )
         seen = None if self.verify else self._checked_marks()
         if seen is not None:
             seen[indices] = 1

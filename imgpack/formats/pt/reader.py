@@ -140,13 +140,8 @@ class PTDataset(ImageDataset):
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._raw:
-            if len(self._starts) == 2:  # one shard: the indices are its rows
-                shard_of, local = None, indices
-                out, labels = self._gather_one(0, local)
-            else:
-                shard_of = self._shard_of(indices)
-                local = indices - self._starts[shard_of]
-                out, labels = self._gather_raw(shard_of, local)
+            shard_of, local = self._placed(indices)
+            out, labels = self._gather_raw(shard_of, local)
             if self._unchecked(indices):  # the first read of these records (or verify=True)
                 rows = out.numpy().reshape(len(indices), -1)
                 crcs = self._raw_crcs(shard_of, local)
@@ -163,26 +158,19 @@ class PTDataset(ImageDataset):
         return images, label_tensor([r.label for r in batch])
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        shard_of, local = self._placed(indices)
+        crcs = self._raw_crcs(shard_of, local)
+        if crcs is None:
+            return None  # written without checksums: the record path has nothing to check
+        out, labels = self._gather_raw(shard_of, local)
+        return out.numpy().reshape(len(indices), -1), labels.numpy(), crcs
+
+    def _placed(self, indices: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """The shard of each of ``indices`` (``None``: a one-shard output's) and its row there."""
+        if len(self._starts) == 2:  # one shard: the indices are its rows
+            return None, indices
         shard_of = self._shard_of(indices)
-        local = indices - self._starts[shard_of]
-        image = self.manifest.image
-        pixels = np.empty(
-            (len(indices), image["height"] * image["width"] * self.channels), np.uint8
-        )
-        labels = np.empty(len(indices), np.int64)
-        crcs = np.empty(len(indices), np.int64)
-        order, runs = shard_runs(shard_of)
-        for number, start, stop in runs:
-            shard = self._shard(number)
-            if shard.get("crc32c") is None:
-                return None  # written without checksums: the record path has nothing to check
-            images, shard_labels = self._rows(number)
-            rows = order[start:stop]
-            at = local[rows]
-            void_rows(pixels)[rows] = images[at]
-            labels[rows] = shard_labels[at]
-            crcs[rows] = shard["crc32c"].numpy()[at]
-        return pixels, labels, crcs
+        return shard_of, indices - self._starts[shard_of]
 
     def _raw_crcs(self, shard_of: np.ndarray | None, local: np.ndarray) -> np.ndarray | None:
         """The stored checksums of rows ``local`` of shards ``shard_of`` (``None``: shard 0),
@@ -201,8 +189,12 @@ class PTDataset(ImageDataset):
         return out
 
     def _gather_raw(
-        self, shard_of: np.ndarray, local: np.ndarray
+        self, shard_of: np.ndarray | None, local: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``local`` of shards ``shard_of`` (:meth:`_placed`) as a batch ``(n, H, W, C)``
+        and their labels."""
+        if shard_of is None:
+            return self._gather_one(0, local)
         first = int(shard_of[0]) if len(shard_of) else 0
         if len(shard_of) == 0 or (shard_of == first).all():
             return self._gather_one(first, local)

@@ -25,7 +25,9 @@ import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
+
+import numpy as np
 
 from imgpack.checksum import crc32c, crc32c_extend
 from imgpack.errors import DataError
@@ -45,11 +47,21 @@ def shard_file_name(prefix: str, number: int, total: int) -> str:
 
 def masked_crc32c(data: bytes | memoryview) -> int:
     """TensorFlow's masked CRC-32C of ``data``."""
-    return _mask(crc32c(data))
+    return mask(crc32c(data))
 
 
-def _mask(crc: int) -> int:
+_Crc = TypeVar("_Crc", int, np.ndarray)
+
+
+def mask(crc: _Crc) -> _Crc:
+    """TensorFlow's mask of a CRC-32C (an int, or a uint64 array of them)."""
     return (((crc >> 15) | (crc << 17)) + MASK_DELTA) & 0xFFFFFFFF
+
+
+def unmask(masked: _Crc) -> _Crc:
+    """The CRC-32C a masked one (:func:`mask`) was made from."""
+    crc = (masked - MASK_DELTA) & 0xFFFFFFFF
+    return ((crc << 15) | (crc >> 17)) & 0xFFFFFFFF
 
 
 def frame(data: bytes) -> bytes:
@@ -63,7 +75,7 @@ def frame_around(head: bytes, value: bytes | memoryview, tail: bytes) -> tuple[b
     value, an image's bytes, is neither copied nor joined)."""
     length = _LENGTH.pack(len(head) + len(value) + len(tail))
     crc = crc32c_extend(crc32c_extend(crc32c(head), value), tail)
-    return length + _CRC.pack(masked_crc32c(length)) + head, tail + _CRC.pack(_mask(crc))
+    return length + _CRC.pack(masked_crc32c(length)) + head, tail + _CRC.pack(mask(crc))
 
 
 def read_length(header: bytes | memoryview, where: str, check_crc: bool = True) -> int:

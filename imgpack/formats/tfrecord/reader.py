@@ -529,7 +529,6 @@ def _varint3(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return value, np.where(one, 1, np.where(two, 2, 3)), one | two | three
 
 
-_MASK_DELTA = framing.MASK_DELTA
 _crc_value = google_crc32c.value  # CRC-32C of bytes (C)
 
 
@@ -544,21 +543,19 @@ def data_crcs_match(
     stored = byte_rows(data, ends, 4).copy().view("<u4")[:, 0]
     # Records of one length (a raw output's, but for labels of other varint widths) are
     # checked together: their data gathered into rows, one CRC for all (crcs_intact); the
-    # stored CRCs unmasked (TFRecord's mask rotates right by 15 bits and adds a constant).
-    unmasked = (stored.astype(np.uint64) - _MASK_DELTA) & 0xFFFFFFFF
-    unmasked = ((unmasked << 15) | (unmasked >> 17)) & 0xFFFFFFFF
-    lengths = sizes - 16
+    # stored CRCs unmasked.
+    unmasked = framing.unmask(stored.astype(np.uint64))
+    lengths = sizes - framing.HEADER_SIZE - framing.FOOTER_SIZE
     match = np.zeros(len(offsets), np.bool_)
     for length in np.unique(lengths).tolist() if len(lengths) > 1 else []:
         group = np.flatnonzero(lengths == length)
         if length > 0 and len(group) > 1:
-            rows = byte_rows(data, offsets[group] + 12, length)
+            rows = byte_rows(data, offsets[group] + framing.HEADER_SIZE, length)
             match[group] = crcs_intact(rows, unmasked[group])
     rest = np.flatnonzero(~match)  # one by one: a group that failed, lone records
     data_spans = map(slice, (offsets[rest] + 12).tolist(), ends[rest].tolist())
     crcs = np.array(list(map(_crc_value, map(mapped.__getitem__, data_spans))), np.uint64)
-    masked = (((crcs >> 15) | (crcs << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-    match[rest] = masked == stored[rest]
+    match[rest] = framing.mask(crcs) == stored[rest]
     return match
 
 

@@ -189,12 +189,11 @@ class WebDatasetDataset(PreadDataset):
         members gathered once, checked as gathered, their pixels copied into the batch (one
         gather from the shards instead of one to check and one to read). ``None`` when a
         member is not the output's ``.npy`` array: the record path names it."""
-        found = self._members(indices)
+        found = self._raw_rows(indices)
         if found is None:
             return None
-        members = scratch_tensor((len(indices), self._member_size)).numpy()
-        self._gather_rows(*found, torch.from_numpy(members))
-        self._check_gathered(indices, members, self._labels[indices], self._crcs[indices])
+        members = found[0]
+        self._check_gathered(indices, *found)
         out = new_batch_tensor((len(indices), *self._shape))
         out.numpy().reshape(len(indices), -1)[:] = members[:, len(self._npy) :]
         return out.permute(0, 3, 1, 2)
