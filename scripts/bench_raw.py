@@ -10,12 +10,15 @@ num_workers=0, in three ways:
   - unchecked: a reader with `verify=False`.
 And once more through `DataLoader(batch_sampler=ShardSampler(ds, window=len(ds)).batches(256),
 collate_fn=collate)` (the same reader, a later epoch): a full shuffle as above, each batch one
-array of indices instead of 256 Python ints drawn one by one.
+array of indices instead of 256 Python ints drawn one by one; and through imgpack's `Loader`
+with the same batches (a DataLoader that opens no profiler range per batch while no profiler
+runs).
 The pt and webdataset outputs are read again written in --many-shards shards (a shuffled
 batch then touches most of them). The limit is a bare `index_select` of the same shuffled batches from one in-RAM uint8 tensor
 of all the images (no file, no label, no check): what any loader of these bytes can do at most
 on this machine. Beside it, the DataLoader's own cost: a dataset that returns one prepared
-batch each time, through `shuffle=True` and through a batch sampler that yields index arrays.
+batch each time, through `shuffle=True`, through a batch sampler that yields index arrays and
+through `Loader` with `ShardSampler` batches.
 Every figure is the best of --repeats rounds, the formats measured in turn
 within each round, the limit at the start of each.
 
@@ -38,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imgpack import convert, open_dataset
 from imgpack.converters import FORMATS
-from imgpack.loading import ShardSampler
+from imgpack.loading import Loader, ShardSampler
 from imgpack.loading.bench import measure
 from imgpack.readers import Batch, collate
 
@@ -86,6 +89,17 @@ def floor(count: int, batch: Batch, sampler: Sampler[np.ndarray] | None) -> floa
     return seen / (time.perf_counter() - start)
 
 
+def loader_floor(count: int, batch: Batch, seed: int) -> float:
+    """Samples/s of one epoch of :class:`PreparedBatch` through imgpack's ``Loader`` with
+    ``ShardSampler(...).batches(256)`` (one window: a full shuffle)."""
+    ds = PreparedBatch(count, batch)
+    sampler = ShardSampler(ds, seed=seed, window=count)
+    loader = Loader(ds, batch_sampler=sampler.batches(256), collate_fn=collate)
+    start = time.perf_counter()
+    seen = sum(len(labels) for _, labels in loader)
+    return seen / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -128,19 +142,21 @@ def main() -> None:
     n = len(in_ram)
     del images, reference
     best: dict[str, dict[str, float]] = {name: {} for name in outputs}
-    limits, floors, array_floors = [], [], []
+    limits, floors, array_floors, loader_floors = [], [], [], []
     prepared = Batch(in_ram[:256].permute(0, 3, 1, 2), torch.zeros(256, dtype=torch.int64))
     for round_ in range(args.repeats):
         count, seconds = index_select_limit(in_ram, 256, n, seed=round_)
         limits.append(count / seconds)
         floors.append(floor(n, prepared, None))
         array_floors.append(floor(n, prepared, ArrayBatches(n, 256, round_)))
+        loader_floors.append(loader_floor(n, prepared, round_))
         for fmt in outputs:
             rates = {}
             ds = open_dataset(outputs[fmt])
             rates["first"] = _rate(measure(ds, 0, 256, n, collate, seed=round_))
             rates["later"] = _rate(measure(ds, 0, 256, n, collate, seed=round_ + 100))
-            rates["batches"] = batches_rate(ds, round_)
+            rates["batches"] = batches_rate(ds, round_, DataLoader)
+            rates["loader"] = batches_rate(ds, round_, Loader)
             unchecked = open_dataset(outputs[fmt], verify=False)
             measure(unchecked, 0, 256, n, collate, seed=round_)  # its files opened, as above
             rates["unchecked"] = _rate(measure(unchecked, 0, 256, n, collate, seed=round_ + 100))
@@ -154,6 +170,7 @@ def main() -> None:
             f"{max(floors):>12,.0f} samples/s (a prepared batch each time: its own cost)",
         ),
         ("DataLoader alone, array batches", f"{max(array_floors):>12,.0f} samples/s"),
+        ("Loader alone, ShardSampler batches", f"{max(loader_floors):>12,.0f} samples/s"),
     ]
     for fmt in outputs:
         r = best[fmt]
@@ -164,7 +181,8 @@ def main() -> None:
                 f"later {r['later']:>10,.0f} ({r['later'] / limit:5.1%})  "
                 f"unchecked {r['unchecked']:>10,.0f} ({r['unchecked'] / limit:5.1%})  "
                 f"first epoch {r['first'] / r['unchecked']:.2f}x unchecked  "
-                f"ShardSampler batches {r['batches']:>10,.0f} ({r['batches'] / limit:5.1%})",
+                f"ShardSampler batches {r['batches']:>10,.0f} ({r['batches'] / limit:5.1%})  "
+                f"Loader {r['loader']:>10,.0f} ({r['loader'] / limit:5.1%})",
             )
         )
     print_table(f"raw 32x32, {n} samples, batch 256, shuffle=True, num_workers=0", rows)
@@ -177,16 +195,18 @@ def main() -> None:
             "limits": limits,
             "dataloader_floor": max(floors),
             "dataloader_floor_array_batches": max(array_floors),
+            "loader_floor": max(loader_floors),
             "formats": best,
         },
     )
 
 
-def batches_rate(ds: Any, seed: int) -> float:
-    """Samples/s of one epoch through ``ShardSampler(...).batches(256)`` with one window over
-    the whole dataset (a full shuffle, as ``shuffle=True``)."""
+def batches_rate(ds: Any, seed: int, kind: type[DataLoader[Any]]) -> float:
+    """Samples/s of one epoch through ``kind(ds, batch_sampler=ShardSampler(...).batches(256))``
+    (``DataLoader`` or imgpack's ``Loader``) with one window over the whole dataset (a full
+    shuffle, as ``shuffle=True``)."""
     sampler = ShardSampler(ds, seed=seed, window=len(ds))
-    loader = DataLoader(ds, batch_sampler=sampler.batches(256), collate_fn=collate)
+    loader = kind(ds, batch_sampler=sampler.batches(256), collate_fn=collate)
     start = time.perf_counter()
     seen = sum(len(labels) for _, labels in loader)
     return seen / (time.perf_counter() - start)

@@ -221,6 +221,40 @@ def test_batches_are_the_samplers_order_in_arrays_with_its_state(indexed: Any) -
         sampler.batches(0)
 
 
+def test_the_profiler_range_is_opened_only_while_a_profiler_runs(
+    indexed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    opened: list[str] = []
+    real = torch.autograd.profiler.record_function
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __enter__(self) -> Any:
+            opened.append(self.name)
+            return super().__enter__()
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", Counted)
+    order = list(ShardSampler(indexed, seed=5))
+    for workers in (0, 2):
+        plain = DataLoader(
+            indexed, batch_sampler=ShardSampler(indexed, seed=5).batches(4), num_workers=workers
+        )
+        assert _order(plain) == order and len(opened) > N // 4  # DataLoader: every batch
+        opened.clear()
+        loader = Loader(
+            indexed, batch_sampler=ShardSampler(indexed, seed=5).batches(4), num_workers=workers
+        )
+        assert _order(loader) == order and opened == []  # the same batches, no range
+        assert loader.state_dict()["sampler"]["consumed"] == N
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert _order(loader) == order
+        assert len(opened) > N // 4  # profiling: DataLoader's own ranges, batch by batch
+        assert any("DataLoader" in event.name for event in prof.events())
+        opened.clear()
+
+
 def test_a_loader_needs_a_shard_sampler(indexed: Any) -> None:
     from torch.utils.data import BatchSampler, SequentialSampler
 
