@@ -158,9 +158,10 @@ def test_read_options_are_one_object_for_every_format(fmt: str, tmp_path: Path) 
 #: Shard sizes that give a raw 8x8 output a few samples per shard, or dozens.
 SHARD_SIZES = {("pt", "few"): "2KB", ("pt", "many"): "16KB"}
 SHARD_SIZES |= {("webdataset", "few"): "12KB", ("webdataset", "many"): "160KB"}
+SHARD_SIZES |= {("tfrecord", "few"): "3KB", ("tfrecord", "many"): "20KB"}
 
 
-@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
 @pytest.mark.parametrize("per_shard", ["few", "many"])
 @pytest.mark.parametrize("verify", [None, False])
 def test_raw_batches_across_many_shards_equal_a_one_shard_output(
@@ -184,7 +185,10 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
     assert max(counts) >= 32 if per_shard == "many" else max(counts) < 32, counts
     rng = np.random.default_rng(1)
     order = rng.permutation(120).tolist()
-    for batch in (order[:64], order[64:], list(range(50, 110)), [7, 7, 119, 0, 7], [3]):
-        got = collate(many.__getitems__(batch))
-        want = collate(one.__getitems__(batch))
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), batch
+    # mostly one shard, a few rows of others (gathered whole from that shard, then put over)
+    first = rng.permutation(list(range(counts[0])) + [119, 118, counts[0]]).tolist()
+    for batch in (order[:64], order[64:], list(range(50, 110)), [7, 7, 119, 0, 7], [3], first):
+        for _ in range(2):  # a first read (checked as gathered) and a later one
+            got = collate(many.__getitems__(batch))
+            want = collate(one.__getitems__(batch))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), batch

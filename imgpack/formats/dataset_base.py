@@ -959,22 +959,40 @@ class PreadDataset(ImageDataset):
         if len(starts) < FEW_ROWS:
             void_rows(out.numpy())[:] = self._row_windows(number, width)[starts]
             return
-        data = self._mapped_tensor(number)
-        windows = data.as_strided((len(data) - width + 1, width), (1, 1))
+        strided = self.handles.strided
+        windows = strided.get((number, width))
+        if windows is None:
+            data = self._mapped_tensor(number)
+            windows = strided[(number, width)] = data.as_strided(
+                (len(data) - width + 1, width), (1, 1)
+            )
         torch.index_select(windows, 0, torch.from_numpy(starts), out=out)
 
-    def _gather_rows(self, shard_of: np.ndarray, starts: np.ndarray, out: torch.Tensor) -> None:
-        """:meth:`_rows_into` for a batch whose rows lie in shards ``shard_of`` at ``starts``:
-        straight into ``out`` from one shard; from several, each shard's rows gathered and
-        put in their places in ``out`` with one numpy assignment (rows as :func:`void_rows`:
-        a memcpy each, no scratch batch and no second pass to put it in batch order)."""
+    def _gather_rows(
+        self, shard_of: np.ndarray | None, starts: np.ndarray, out: torch.Tensor
+    ) -> None:
+        """:meth:`_rows_into` for a batch whose rows lie in shards ``shard_of`` (``None``: all
+        in shard 0) at ``starts``: straight into ``out`` from one shard; from several, each
+        shard's rows gathered and put in their places in ``out`` with one numpy assignment
+        (rows as :func:`void_rows`: a memcpy each, no scratch batch and no second pass to put
+        it in batch order)."""
+        if shard_of is None:
+            self._rows_into(0, starts, out)
+            return
         first = int(shard_of[0]) if len(shard_of) else 0
         if not len(shard_of) or (shard_of == first).all():
             self._rows_into(first, starts, out)
             return
         order, runs = shard_runs(shard_of)
-        ordered, rows, width = starts[order], void_rows(out.numpy()), out.shape[1]
-        windows = self.handles.windows
+        ordered, width = starts[order], out.shape[1]
+        most = max(runs, key=lambda run: run[2] - run[1])
+        if 2 * (most[2] - most[1]) >= len(order):
+            # Most rows in one shard (a webdataset output's default two): the whole batch is
+            # gathered from it in one call, the other shards' rows standing in for one of its
+            # own, then their rows put over them. One copy for most rows instead of two.
+            self._rows_into(most[0], np.where(shard_of == most[0], starts, ordered[most[1]]), out)
+            runs = [run for run in runs if run is not most]
+        rows, windows = void_rows(out.numpy()), self.handles.windows
         for number, start, stop in runs:
             found = windows.get((number, width))
             if found is None:
@@ -994,8 +1012,9 @@ class PreadDataset(ImageDataset):
             if path.relative_to(self.root).as_posix() != name:
                 continue
             files.tensors.pop(number, None)
-            for key in [k for k in files.windows if k[0] == number]:
-                del files.windows[key]
+            for views in (files.windows, files.strided):
+                for key in [k for k in views if k[0] == number]:
+                    del views[key]
             mapped = files.maps.pop(number, None)
             if mapped is not None:
                 with contextlib.suppress(BufferError):  # a batch still views it: it goes later
@@ -1037,6 +1056,7 @@ class ShardFiles:
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes, for torch
     windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
+    strided: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # torch's, too
 
 
 @dataclass(frozen=True)

@@ -728,10 +728,13 @@ class TFRecordDataset(PreadDataset):
         straight into the batch; a record that does not match goes through the generic path,
         which reads it as any record is read (and names what is wrong with it)."""
         size = layout.size
-        shard_of = self._shard_of(indices)
         known = self._known_raw(indices)
         if known is not None:  # every record checked already: where its pixels start, its label
-            return self._gather_known(indices, shard_of, layout, *known)
+            one = len(self.shard_files) == 1
+            return self._gather_known(
+                indices, None if one else self._shard_of(indices), layout, *known
+            )
+        shard_of = self._shard_of(indices)
         out = new_batch_tensor((len(indices), *layout.shape))
         rows = out.numpy().reshape(len(indices), size)
         labels = np.zeros(len(indices), np.int64)
@@ -787,13 +790,14 @@ class TFRecordDataset(PreadDataset):
     def _gather_known(
         self,
         indices: np.ndarray,
-        shard_of: np.ndarray,
+        shard_of: np.ndarray | None,
         layout: RawLayout,
         starts: np.ndarray,
         labels: np.ndarray,
     ) -> tuple[Images, torch.Tensor]:
-        """A batch of records checked before: one gather of their pixels per shard (a
-        sliding-window view of the memory-mapped file), nothing parsed or compared again."""
+        """A batch of records checked before (in shards ``shard_of``; ``None``: a one-shard
+        output's): one gather of their pixels per shard (a sliding-window view of the
+        memory-mapped file), nothing parsed or compared again."""
         out = new_batch_tensor((len(indices), *layout.shape))
         self._gather_rows(shard_of, starts, out.view(len(indices), layout.size))
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels)

@@ -141,9 +141,12 @@ class WebDatasetDataset(PreadDataset):
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
         if self._raw:
-            gathered = self._gather_checked(indices) if self._unchecked(indices) else None
+            gathered = None
+            if self._unchecked(indices):
+                gathered = self._gather_checked(indices)
+                if gathered is None:  # not the output's .npy arrays: the record path names it
+                    self._check_raw(indices)
             if gathered is None:
-                self._check_raw(indices)
                 gathered = self._gather_raw(indices)
             if gathered is not None:
                 return gathered, labels
@@ -166,13 +169,14 @@ class WebDatasetDataset(PreadDataset):
             rows[k] = np.frombuffer(data, np.uint8, offset=head)
         return out.permute(0, 3, 1, 2), labels
 
-    def _members(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """Shard numbers and member offsets of raw samples ``indices``, or ``None`` when one
-        of their ``.npy`` members is not the size the output's image shape gives (the record
-        path then names it)."""
+    def _members(self, indices: np.ndarray) -> tuple[np.ndarray | None, np.ndarray] | None:
+        """Shard numbers (``None`` for a one-shard output) and member offsets of raw samples
+        ``indices``, or ``None`` when one of their ``.npy`` members is not the size the
+        output's image shape gives (the record path then names it)."""
         if not len(indices) or (self._sizes[indices] != self._member_size).any():
             return None
-        return self._shard_of(indices), self._offsets[indices]
+        one = len(self.shard_files) == 1
+        return None if one else self._shard_of(indices), self._offsets[indices]
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The whole ``.npy`` members of raw samples ``indices`` (what each checksum covers),
