@@ -10,9 +10,10 @@ num_workers=0, in three ways:
   - unchecked: a reader with `verify=False`.
 And once more through `DataLoader(batch_sampler=ShardSampler(ds, window=len(ds)).batches(256),
 collate_fn=collate)` (the same reader, a later epoch): a full shuffle as above, each batch one
-array of indices instead of 256 Python ints drawn one by one; and through imgpack's `Loader`
-with the same batches (a DataLoader that opens no profiler range per batch while no profiler
-runs).
+array of indices instead of 256 Python ints drawn one by one; and through imgpack's
+`Loader(ds, batch_size=256, sampler=ShardSampler(ds, window=len(ds)), collate_fn=collate)`,
+which hands an imgpack reader the sampler's batches as index arrays and opens no profiler
+range per batch while no profiler runs.
 The pt and webdataset outputs are read again written in --many-shards shards (a shuffled
 batch then touches most of them). The limit is a bare `index_select` of the same shuffled batches from one in-RAM uint8 tensor
 of all the images (no file, no label, no check): what any loader of these bytes can do at most
@@ -92,12 +93,8 @@ def floor(count: int, batch: Batch, sampler: Sampler[np.ndarray] | None) -> floa
 def loader_floor(count: int, batch: Batch, seed: int) -> float:
     """Samples/s of one epoch of :class:`PreparedBatch` through imgpack's ``Loader`` with
     ``ShardSampler(...).batches(256)`` (one window: a full shuffle)."""
-    ds = PreparedBatch(count, batch)
-    sampler = ShardSampler(ds, seed=seed, window=count)
-    loader = Loader(ds, batch_sampler=sampler.batches(256), collate_fn=collate)
-    start = time.perf_counter()
-    seen = sum(len(labels) for _, labels in loader)
-    return seen / (time.perf_counter() - start)
+    sampler = ShardSampler(PreparedBatch(count, batch), seed=seed, window=count)
+    return _epoch(Loader(sampler.dataset, batch_sampler=sampler.batches(256), collate_fn=collate))
 
 
 def main() -> None:
@@ -155,8 +152,8 @@ def main() -> None:
             ds = open_dataset(outputs[fmt])
             rates["first"] = _rate(measure(ds, 0, 256, n, collate, seed=round_))
             rates["later"] = _rate(measure(ds, 0, 256, n, collate, seed=round_ + 100))
-            rates["batches"] = batches_rate(ds, round_, DataLoader)
-            rates["loader"] = batches_rate(ds, round_, Loader)
+            rates["batches"] = batches_rate(ds, round_)
+            rates["loader"] = loader_rate(ds, round_)
             unchecked = open_dataset(outputs[fmt], verify=False)
             measure(unchecked, 0, 256, n, collate, seed=round_)  # its files opened, as above
             rates["unchecked"] = _rate(measure(unchecked, 0, 256, n, collate, seed=round_ + 100))
@@ -201,12 +198,21 @@ def main() -> None:
     )
 
 
-def batches_rate(ds: Any, seed: int, kind: type[DataLoader[Any]]) -> float:
-    """Samples/s of one epoch through ``kind(ds, batch_sampler=ShardSampler(...).batches(256))``
-    (``DataLoader`` or imgpack's ``Loader``) with one window over the whole dataset (a full
-    shuffle, as ``shuffle=True``)."""
+def batches_rate(ds: Any, seed: int) -> float:
+    """Samples/s of one epoch through ``DataLoader(batch_sampler=ShardSampler(...).batches(256))``
+    with one window over the whole dataset (a full shuffle, as ``shuffle=True``)."""
     sampler = ShardSampler(ds, seed=seed, window=len(ds))
-    loader = kind(ds, batch_sampler=sampler.batches(256), collate_fn=collate)
+    return _epoch(DataLoader(ds, batch_sampler=sampler.batches(256), collate_fn=collate))
+
+
+def loader_rate(ds: Any, seed: int) -> float:
+    """Samples/s of one epoch through imgpack's ``Loader(batch_size=256, sampler=ShardSampler(...))``,
+    one window over the whole dataset (a full shuffle)."""
+    sampler = ShardSampler(ds, seed=seed, window=len(ds))
+    return _epoch(Loader(ds, batch_size=256, sampler=sampler, collate_fn=collate))
+
+
+def _epoch(loader: Any) -> float:
     start = time.perf_counter()
     seen = sum(len(labels) for _, labels in loader)
     return seen / (time.perf_counter() - start)

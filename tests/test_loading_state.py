@@ -255,6 +255,38 @@ def test_the_profiler_range_is_opened_only_while_a_profiler_runs(
         opened.clear()
 
 
+def test_a_loaders_batches_reach_an_imgpack_reader_as_index_arrays(
+    outputs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader
+
+    ds = open_dataset(outputs["pt"])
+    got: list[type] = []
+    real = type(ds).__getitems__
+
+    def spy(self: Any, indices: Any) -> Any:
+        got.append(type(indices))
+        return real(self, indices)
+
+    monkeypatch.setattr(type(ds), "__getitems__", spy)
+    for drop_last in (False, True):
+        made = {"batch_size": 5, "drop_last": drop_last, "collate_fn": collate}
+        plain = list(DataLoader(ds, sampler=ShardSampler(ds, seed=3, block_size=4), **made))
+        assert set(got) == {list}
+        got.clear()
+        loader = Loader(ds, sampler=ShardSampler(ds, seed=3, block_size=4), **made)
+        assert type(loader.batch_sampler) is BatchSampler and loader.batch_size == 5
+        assert len(loader) == len(plain) == (N // 5 if drop_last else -(-N // 5))
+        mine = list(loader)
+        assert set(got) == {np.ndarray}  # one index array a batch, not 5 Python ints
+        got.clear()
+        assert len(mine) == len(plain)
+        for (a, x), (b, y) in zip(mine, plain, strict=True):
+            assert torch.equal(a, b) and torch.equal(x, y)
+        assert loader.state_dict()["sampler"]["consumed"] == sum(len(y) for _, y in plain)
+
+
 def test_a_loader_needs_a_shard_sampler(indexed: Any) -> None:
     from torch.utils.data import BatchSampler, SequentialSampler
 

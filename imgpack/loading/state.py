@@ -20,10 +20,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 
 from imgpack.errors import OptionError
-from imgpack.loading.sampler import ShardBatches, ShardSampler
+from imgpack.formats.dataset_base import ImageDataset
+from imgpack.loading.sampler import Mix, ShardBatches, ShardSampler
 
 
 class Loader(DataLoader[Any]):
@@ -47,6 +48,18 @@ class Loader(DataLoader[Any]):
             )
         self._shards = sampler
         self._taken = 0  # samples of this rank handed out by the running iteration
+        # batch_size= with a ShardSampler: torch's BatchSampler would draw each batch one
+        # Python int at a time; an imgpack reader (or Mix) takes the sampler's batches as
+        # index arrays instead (the same indices in the same order, a third of a raw batch's
+        # time saved). loader.sampler and loader.batch_sampler stay what DataLoader made.
+        self._arrays: ShardBatches | None = None
+        if type(batches) is BatchSampler and isinstance(dataset, ImageDataset | Mix):
+            self._arrays = sampler.batches(batches.batch_size, batches.drop_last)
+
+    @property
+    def _index_sampler(self) -> Any:  # what DataLoader's iterators draw batches of indices from
+        arrays = getattr(self, "_arrays", None)
+        return arrays if arrays is not None else super()._index_sampler
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._taken = 0
