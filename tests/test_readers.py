@@ -186,7 +186,7 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
     rng = np.random.default_rng(1)
     order = rng.permutation(120).tolist()
     # mostly one shard, a few rows of others (gathered whole from that shard, then put over)
-    first = rng.permutation(list(range(counts[0])) + [119, 118, counts[0]]).tolist()
+    first = rng.permutation([*range(counts[0]), 119, 118, counts[0]]).tolist()
     for batch in (order[:64], order[64:], list(range(50, 110)), [7, 7, 119, 0, 7], [3], first):
         for _ in range(2):  # a first read (checked as gathered) and a later one
             got = collate(many.__getitems__(batch))

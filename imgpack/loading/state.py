@@ -31,7 +31,12 @@ class Loader(DataLoader[Any]):
     """A ``torch.utils.data.DataLoader`` (same arguments) with ``state_dict()`` /
     ``load_state_dict()``. The sampler must be a :class:`ShardSampler` (give ``sampler=``, or
     ``batch_sampler=`` one's :meth:`~ShardSampler.batches`; with neither, one is made from
-    ``shuffle`` and ``seed=0``)."""
+    ``shuffle`` and ``seed=0``).
+
+    With ``batch_size`` and an imgpack reader (or :class:`Mix`), each batch reaches the reader
+    as one index array from :meth:`ShardSampler.batches` (the same indices in the same order as
+    torch's ``BatchSampler`` over the sampler would give, one Python int at a time); and no
+    profiler range is opened around each batch unless a profiler runs."""
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("sampler") is None and kwargs.get("batch_sampler") is None and not args:
