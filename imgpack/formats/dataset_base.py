@@ -667,6 +667,11 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """The shard holding each of samples ``indices``."""
         return np.searchsorted(self._starts, indices, side="right") - 1
 
+    def _shards(self, indices: np.ndarray) -> np.ndarray | None:
+        """:meth:`_shard_of`, or ``None`` for a one-shard output (every index is a row of shard
+        0): what the raw gathers take, so that the common one-shard case skips the lookup."""
+        return None if len(self._starts) == 2 else self._shard_of(indices)
+
     def _locate(self, index: int) -> tuple[int, int]:
         """The shard holding sample ``index`` and its place there (a bisect: one sample's
         lookup in a fraction of :meth:`_shard_of`'s time)."""

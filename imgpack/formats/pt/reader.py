@@ -167,10 +167,8 @@ class PTDataset(ImageDataset):
 
     def _placed(self, indices: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """The shard of each of ``indices`` (``None``: a one-shard output's) and its row there."""
-        if len(self._starts) == 2:  # one shard: the indices are its rows
-            return None, indices
-        shard_of = self._shard_of(indices)
-        return shard_of, indices - self._starts[shard_of]
+        shard_of = self._shards(indices)
+        return shard_of, indices if shard_of is None else indices - self._starts[shard_of]
 
     def _raw_crcs(self, shard_of: np.ndarray | None, local: np.ndarray) -> np.ndarray | None:
         """The stored checksums of rows ``local`` of shards ``shard_of`` (``None``: shard 0),

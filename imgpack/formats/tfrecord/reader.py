@@ -730,10 +730,7 @@ class TFRecordDataset(PreadDataset):
         size = layout.size
         known = self._known_raw(indices)
         if known is not None:  # every record checked already: where its pixels start, its label
-            one = len(self.shard_files) == 1
-            return self._gather_known(
-                indices, None if one else self._shard_of(indices), layout, *known
-            )
+            return self._gather_known(indices, self._shards(indices), layout, *known)
         shard_of = self._shard_of(indices)
         out = new_batch_tensor((len(indices), *layout.shape))
         rows = out.numpy().reshape(len(indices), size)

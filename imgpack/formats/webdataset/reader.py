@@ -175,8 +175,7 @@ class WebDatasetDataset(PreadDataset):
         output's image shape gives (the record path then names it)."""
         if not len(indices) or (self._sizes[indices] != self._member_size).any():
             return None
-        one = len(self.shard_files) == 1
-        return None if one else self._shard_of(indices), self._offsets[indices]
+        return self._shards(indices), self._offsets[indices]
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The whole ``.npy`` members of raw samples ``indices`` (what each checksum covers),
