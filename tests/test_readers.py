@@ -161,17 +161,32 @@ SHARD_SIZES |= {("webdataset", "few"): "12KB", ("webdataset", "many"): "160KB"}
 SHARD_SIZES |= {("tfrecord", "few"): "3KB", ("tfrecord", "many"): "20KB"}
 
 
-@pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
+#: pt gathers shard by shard; the other two map their shards as one span, or cannot.
+SPANS = [("pt", True), ("webdataset", True), ("webdataset", False)]
+SPANS += [("tfrecord", True), ("tfrecord", False)]
+
+
+@pytest.mark.parametrize(("fmt", "span"), SPANS)
 @pytest.mark.parametrize("per_shard", ["few", "many"])
 @pytest.mark.parametrize("verify", [None, False])
 def test_raw_batches_across_many_shards_equal_a_one_shard_output(
-    fmt: str, per_shard: str, verify: bool | None, tmp_path: Path
+    fmt: str,
+    per_shard: str,
+    verify: bool | None,
+    span: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A raw batch that touches several shards (a few rows of each, or dozens: gathered in
     different ways) holds the same pixels and labels, in batch order, as the same batch read
-    from a one-shard output of the same images."""
+    from a one-shard output of the same images; with the shards mapped as one span, and
+    without (as where the platform cannot)."""
     import numpy as np
 
+    from imgpack.formats import dataset_base
+
+    if not span:
+        monkeypatch.setattr(dataset_base, "reserve_span", lambda sizes: None)
     shard_size = SHARD_SIZES[(fmt, per_shard)]
 
     src = build_uniform_folder(tmp_path / "src", count=120, classes=3, size=8)
@@ -192,3 +207,69 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
             got = collate(many.__getitems__(batch))
             want = collate(one.__getitems__(batch))
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), batch
+    if fmt != "pt":  # the batches above came through the span, or the shard-by-shard path
+        assert (many.handles.span is not None) == span
+
+
+def test_a_span_maps_files_one_after_another_and_gathers_rows_across_them(
+    tmp_path: Path,
+) -> None:
+    """Files of odd sizes (one empty) placed in one span: each file's bytes at its base, a
+    gather of rows from any of them in one call; a file whose size changed is not placed."""
+    import os
+
+    import numpy as np
+
+    from imgpack.formats.span import reserve_span
+
+    rng = np.random.default_rng(3)
+    contents = [rng.bytes(n) for n in (5000, 0, 4096, 12345)]
+    fds = []
+    for k, data in enumerate(contents):
+        (tmp_path / f"f{k}").write_bytes(data)
+        fds.append(os.open(tmp_path / f"f{k}", os.O_RDONLY))
+    try:
+        span = reserve_span([len(data) for data in contents])
+        assert span is not None and not span.placed.any()
+        assert not span.place(0, fds[3])  # not the size file 0 had
+        for number, fd in enumerate(fds):
+            assert span.place(number, fd) and span.place(number, fd)
+        for data, base in zip(contents, span.bases.tolist(), strict=True):
+            assert base % 4096 == 0
+            assert bytes(span.data[base : base + len(data)].numpy()) == data
+        shard_of = np.array([3, 0, 2, 3, 0], np.int64)
+        starts = np.array([12345 - 7, 0, 4089, 100, 4993], np.int64)
+        out = torch.empty((5, 7), dtype=torch.uint8)
+        span.gather(shard_of, starts, out)
+        rows = zip(out.numpy(), shard_of.tolist(), starts.tolist(), strict=True)
+        for row, number, start in rows:
+            assert bytes(row) == contents[number][start : start + 7]
+        span.close()
+        span.close()  # twice is nothing
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "tfrecord"])
+def test_raw_batches_across_shards_read_alike_in_dataloader_workers(
+    fmt: str, tmp_path: Path
+) -> None:
+    """Each forked worker maps the shards as its own span: the batches two workers hand back
+    are the ones a one-shard output of the same images gives, in order."""
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    src = build_uniform_folder(tmp_path / "src", count=120, classes=3, size=8)
+    options = {"encoding": "raw", "size": 8, "progress": False}
+    small = SHARD_SIZES[(fmt, "few")]
+    convert(src, tmp_path / "many", fmt, shard_size=small, **options)  # type: ignore[arg-type]
+    convert(src, tmp_path / "one", fmt, **options)  # type: ignore[arg-type]
+    many, one = open_dataset(tmp_path / "many"), open_dataset(tmp_path / "one")
+    assert len(many.manifest.files) > 2
+    order = np.random.default_rng(2).permutation(120)
+    batches = [order[k : k + 24].tolist() for k in range(0, 120, 24)]
+    loader = DataLoader(many, batch_sampler=batches, num_workers=2, collate_fn=collate)
+    for (images, labels), batch in zip(loader, batches, strict=True):
+        want_images, want_labels = collate(one.__getitems__(batch))
+        assert torch.equal(images, want_images) and torch.equal(labels, want_labels)

@@ -45,6 +45,7 @@ from imgpack.errors import (
     OptionError,
     PerformanceWarning,
 )
+from imgpack.formats.span import Span, reserve_span
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LazyOutput, Prefetcher, unpin
@@ -916,6 +917,8 @@ class PreadDataset(ImageDataset):
 
     def _close(self, handles: Any) -> None:
         closers = [m.close for m in handles.maps.values()]
+        if handles.span is not None:
+            closers.append(handles.span.close)
         closers += [functools.partial(os.close, fd) for fd in handles.fds.values()]
         for close in closers:  # each one, whatever another raised
             with contextlib.suppress(Exception):
@@ -988,6 +991,10 @@ class PreadDataset(ImageDataset):
         if not len(shard_of) or (shard_of == first).all():
             self._rows_into(first, starts, out)
             return
+        span = self._span(shard_of)
+        if span is not None:  # the shards in one range of addresses: one gather
+            span.gather(shard_of, starts, out)
+            return
         order, runs = shard_runs(shard_of)
         ordered, width = starts[order], out.shape[1]
         most = max(runs, key=lambda run: run[2] - run[1])
@@ -1003,6 +1010,25 @@ class PreadDataset(ImageDataset):
             if found is None:
                 found = self._row_windows(number, width)
             rows[order[start:stop]] = found[ordered[start:stop]]
+
+    def _span(self, shard_of: np.ndarray) -> Span | None:
+        """This process's shards in one range of addresses (:mod:`imgpack.formats.span`),
+        those of ``shard_of`` placed in it, or ``None``: for an output read lazily (its files
+        come and go from the cache), where the platform cannot, or once a shard could not be
+        placed (then every batch gathers shard by shard)."""
+        files = self.handles
+        if not files.spanned:
+            files.spanned = True
+            if self._lazy is None and len(self.shard_files) > 1:
+                files.span = reserve_span([os.stat(p).st_size for p in self.shard_files])
+        span = files.span
+        if span is not None and not span.placed[shard_of].all():
+            for number in np.unique(shard_of[~span.placed[shard_of]]).tolist():
+                if not span.place(number, self._fd(number)):
+                    span.close()
+                    files.span = span = None
+                    break
+        return span
 
     def _local(self, number: int) -> Path:
         """Shard ``number``'s local path (fetched first, for an output read lazily)."""
@@ -1062,6 +1088,8 @@ class ShardFiles:
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes, for torch
     windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
     strided: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # torch's, too
+    span: Span | None = None  # every shard in one range of addresses (a local output's)
+    spanned: bool = False  # the span was tried (it stays None where it cannot be made)
 
 
 @dataclass(frozen=True)
