@@ -161,12 +161,8 @@ SHARD_SIZES |= {("webdataset", "few"): "12KB", ("webdataset", "many"): "160KB"}
 SHARD_SIZES |= {("tfrecord", "few"): "3KB", ("tfrecord", "many"): "20KB"}
 
 
-#: pt gathers shard by shard; the other two map their shards as one span, or cannot.
-SPANS = [("pt", True), ("webdataset", True), ("webdataset", False)]
-SPANS += [("tfrecord", True), ("tfrecord", False)]
-
-
-@pytest.mark.parametrize(("fmt", "span"), SPANS)
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
+@pytest.mark.parametrize("span", [True, False], ids=["span", "no-span"])
 @pytest.mark.parametrize("per_shard", ["few", "many"])
 @pytest.mark.parametrize("verify", [None, False])
 def test_raw_batches_across_many_shards_equal_a_one_shard_output(
@@ -184,9 +180,11 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
     import numpy as np
 
     from imgpack.formats import dataset_base
+    from imgpack.formats.pt import reader
 
-    if not span:
+    if not span:  # as where the platform cannot: shard by shard
         monkeypatch.setattr(dataset_base, "reserve_span", lambda sizes: None)
+        monkeypatch.setattr(reader, "reserve_span", lambda sizes: None)
     shard_size = SHARD_SIZES[(fmt, per_shard)]
 
     src = build_uniform_folder(tmp_path / "src", count=120, classes=3, size=8)
@@ -207,8 +205,7 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
             got = collate(many.__getitems__(batch))
             want = collate(one.__getitems__(batch))
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), batch
-    if fmt != "pt":  # the batches above came through the span, or the shard-by-shard path
-        assert (many.handles.span is not None) == span
+    assert (many.handles.span is not None) == span  # the batches above came through it, or not
 
 
 def test_a_span_maps_files_one_after_another_and_gathers_rows_across_them(
@@ -251,7 +248,7 @@ def test_a_span_maps_files_one_after_another_and_gathers_rows_across_them(
             os.close(fd)
 
 
-@pytest.mark.parametrize("fmt", ["webdataset", "tfrecord"])
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
 def test_raw_batches_across_shards_read_alike_in_dataloader_workers(
     fmt: str, tmp_path: Path
 ) -> None:
@@ -273,3 +270,23 @@ def test_raw_batches_across_shards_read_alike_in_dataloader_workers(
     for (images, labels), batch in zip(loader, batches, strict=True):
         want_images, want_labels = collate(one.__getitems__(batch))
         assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+
+
+def test_where_a_pt_shards_tensors_lie_in_its_file(tmp_path: Path) -> None:
+    """The offsets the pt reader gathers a span from are where each tensor's bytes are in the
+    file torch.save wrote; a file it cannot be sure of (no zip) gives none."""
+    from imgpack.formats.pt.reader import tensor_offsets
+
+    images = torch.arange(5 * 48, dtype=torch.uint8).reshape(5, 4, 4, 3)
+    labels = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int64)
+    path = tmp_path / "shard.pt"
+    torch.save({"images": images, "labels": labels, "crc32c": labels * 7}, path)
+    shard = torch.load(path, mmap=True, weights_only=True)
+    at = tensor_offsets(path, [shard["images"], shard["labels"]])
+    assert at is not None
+    data = path.read_bytes()
+    assert data[at[0] : at[0] + images.numel()] == images.numpy().tobytes()
+    assert data[at[1] : at[1] + 40] == labels.numpy().tobytes()
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"images": images}, legacy, _use_new_zipfile_serialization=False)
+    assert tensor_offsets(legacy, [images]) is None

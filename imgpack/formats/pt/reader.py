@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import struct
+import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +26,7 @@ from imgpack.formats.dataset_base import (
     shard_runs,
     void_rows,
 )
+from imgpack.formats.span import Span, reserve_span
 from imgpack.formats.writer_base import default_shard_name
 
 
@@ -42,17 +48,21 @@ class PTDataset(ImageDataset):
     def memory_mapped(self) -> bool:
         return self._raw
 
-    def _open(self) -> list[dict[str, Any] | None]:
-        return [None] * len(self.manifest.files)
+    def _open(self) -> PTShards:
+        return PTShards([None] * len(self.manifest.files))
+
+    def _close(self, handles: Any) -> None:
+        if handles.span is not None:
+            handles.span.close()
 
     def _release_file(self, name: str) -> None:
-        shards = self.handles
+        shards = self.handles.loaded
         for number, entry in enumerate(self.manifest.files):
             if entry.path == name:
                 shards[number] = None  # its tensors go when the last batch using them does
 
     def _shard(self, number: int) -> dict[str, Any]:
-        shards = self.handles
+        shards = self.handles.loaded
         shard = shards[number]
         if shard is None:
             shard = shards[number] = self._load(number)
@@ -196,6 +206,16 @@ class PTDataset(ImageDataset):
         first = int(shard_of[0]) if len(shard_of) else 0
         if len(shard_of) == 0 or (shard_of == first).all():
             return self._gather_one(first, local)
+        span = self._span(shard_of)
+        if span is not None:  # the shards in one range of addresses: one gather each
+            out, got = self._batch(len(local)), torch.empty(len(local), dtype=torch.int64)
+            files = self.handles
+            width = out[0].numel()
+            span.gather(shard_of, files.images_at[shard_of] + local * width, out.view(-1, width))
+            span.gather(
+                shard_of, files.labels_at[shard_of] + local * 8, got.view(torch.uint8).view(-1, 8)
+            )
+            return out, got
         # Each shard's rows gathered and put in their places with one numpy assignment, rows
         # as single items (void_rows: a memcpy each), no scratch batch, no second pass.
         order, runs = shard_runs(shard_of)
@@ -209,6 +229,46 @@ class PTDataset(ImageDataset):
             rows[places] = images[picked]
             labels[places] = shard_labels[picked]
         return out, torch.from_numpy(labels)
+
+    def _span(self, shard_of: np.ndarray) -> Span | None:
+        """This process's shard files in one range of addresses (:mod:`imgpack.formats.span`),
+        those of ``shard_of`` placed in it, with where each one's images and labels lie in
+        its file; ``None`` for an output read lazily, where the platform cannot, or once a
+        shard could not be placed or its tensors were not found where its zip records are
+        (then every batch gathers shard by shard)."""
+        files = self.handles
+        if not files.spanned:
+            files.spanned = True
+            if self._lazy is None and len(self.manifest.files) > 1:
+                paths = [self.root / entry.path for entry in self.manifest.files]
+                files.span = reserve_span([os.stat(path).st_size for path in paths])
+                files.images_at = np.zeros(len(paths), np.int64)
+                files.labels_at = np.zeros(len(paths), np.int64)
+        span = files.span
+        if span is not None and not span.placed[shard_of].all():
+            for number in np.unique(shard_of[~span.placed[shard_of]]).tolist():
+                if not self._place(span, number):
+                    span.close()
+                    files.span = span = None
+                    break
+        return span
+
+    def _place(self, span: Span, number: int) -> bool:
+        """Shard ``number``'s file mapped into ``span``, its images' and labels' offsets in it
+        noted: whether both were found (torch maps a shard file whole, so its tensors lie as
+        far apart as their zip records do)."""
+        shard, path = self._shard(number), self.root / self.manifest.files[number].path
+        at = tensor_offsets(path, [shard["images"], shard["labels"]])
+        if at is None:
+            return False
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            placed = span.place(number, fd)  # the mapping keeps the file, not the descriptor
+        finally:
+            os.close(fd)
+        files = self.handles
+        files.images_at[number], files.labels_at[number] = at
+        return placed
 
     def _rows(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard ``number``'s images as :func:`void_rows` (one item an image) and its labels,
@@ -235,3 +295,63 @@ class PTDataset(ImageDataset):
     def _batch(self, count: int) -> torch.Tensor:
         image = self.manifest.image
         return new_batch_tensor((count, image["height"], image["width"], self.channels))
+
+
+@dataclass
+class PTShards:
+    """A :class:`PTDataset`'s handles in one process: its loaded shards, and the span of
+    their files with where each one's images and labels lie (:meth:`PTDataset._span`)."""
+
+    loaded: list[dict[str, Any] | None]
+    span: Span | None = None
+    spanned: bool = False
+    images_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    labels_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+def tensor_offsets(path: Path, tensors: list[torch.Tensor]) -> list[int] | None:
+    """Where the bytes of ``tensors`` (loaded from ``path`` by ``torch.load(mmap=True)``, each
+    a whole storage, stored uncompressed) start in the file, or ``None`` where that cannot be
+    told for sure. Their zip records' data offsets are read from the local headers; torch maps
+    the file whole, so every loaded storage must sit at the same distance from its record."""
+    try:
+        with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            records = []
+            for info in archive.infolist():
+                parts = info.filename.split("/")
+                if len(parts) < 3 or parts[-2] != "data" or not parts[-1].isdigit():
+                    continue
+                if info.compress_type != zipfile.ZIP_STORED:
+                    return None
+                fh.seek(info.header_offset)
+                header = fh.read(30)
+                if len(header) != 30 or header[:4] != b"PK\x03\x04":
+                    return None
+                name_length, extra_length = struct.unpack("<HH", header[26:30])
+                start = info.header_offset + 30 + name_length + extra_length
+                if start + info.file_size > size:
+                    return None
+                records.append((start, info.file_size))
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return None
+    if not records:
+        return None
+    storages = [t.untyped_storage() for t in tensors]
+    if any(t.storage_offset() or not t.is_contiguous() for t in tensors):
+        return None
+    pointers = sorted({s.data_ptr(): s.nbytes() for s in storages}.items())
+    if len(pointers) > len(records):
+        return None
+    base = None  # the address of the file's first byte in torch's mapping
+    by_start = dict(records)
+    for record_start, record_size in records:
+        guess = pointers[0][0] - record_start
+        if pointers[0][1] == record_size and all(
+            by_start.get(pointer - guess) == nbytes for pointer, nbytes in pointers
+        ):
+            base = guess
+            break
+    if base is None:
+        return None
+    return [s.data_ptr() - base for s in storages]
