@@ -179,12 +179,10 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
     without (as where the platform cannot)."""
     import numpy as np
 
-    from imgpack.formats import dataset_base
-    from imgpack.formats.pt import reader
+    from imgpack.formats import span as spans
 
     if not span:  # as where the platform cannot: shard by shard
-        monkeypatch.setattr(dataset_base, "reserve_span", lambda sizes: None)
-        monkeypatch.setattr(reader, "reserve_span", lambda sizes: None)
+        monkeypatch.setattr(spans, "reserve_span", lambda sizes: None)
     shard_size = SHARD_SIZES[(fmt, per_shard)]
 
     src = build_uniform_folder(tmp_path / "src", count=120, classes=3, size=8)
@@ -205,7 +203,7 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
             got = collate(many.__getitems__(batch))
             want = collate(one.__getitems__(batch))
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), batch
-    assert (many.handles.span is not None) == span  # the batches above came through it, or not
+    assert (many.handles.spanning.span is not None) == span  # the batches came through it, or not
 
 
 def test_a_span_maps_files_one_after_another_and_gathers_rows_across_them(
@@ -237,7 +235,7 @@ def test_a_span_maps_files_one_after_another_and_gathers_rows_across_them(
         shard_of = np.array([3, 0, 2, 3, 0], np.int64)
         starts = np.array([12345 - 7, 0, 4089, 100, 4993], np.int64)
         out = torch.empty((5, 7), dtype=torch.uint8)
-        span.gather(shard_of, starts, out)
+        span.gather(span.bases[shard_of] + starts, out)
         rows = zip(out.numpy(), shard_of.tolist(), starts.tolist(), strict=True)
         for row, number, start in rows:
             assert bytes(row) == contents[number][start : start + 7]

@@ -45,7 +45,7 @@ from imgpack.errors import (
     OptionError,
     PerformanceWarning,
 )
-from imgpack.formats.span import Span, reserve_span
+from imgpack.formats.span import Span, SpanSlot
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LazyOutput, Prefetcher, unpin
@@ -673,6 +673,18 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         0): what the raw gathers take, so that the common one-shard case skips the lookup."""
         return None if len(self._starts) == 2 else self._shard_of(indices)
 
+    def _span(
+        self,
+        slot: SpanSlot,
+        shard_of: np.ndarray,
+        paths: Callable[[], Sequence[Path]],
+        place: Callable[[Span, int], bool],
+    ) -> Span | None:
+        """:meth:`SpanSlot.covering`: this process's shard files ``paths()`` in one range of
+        addresses, those of ``shard_of`` placed; never for an output read lazily (its files
+        come and go from the cache)."""
+        return slot.covering(shard_of, None if self._lazy is not None else paths, place)
+
     def _locate(self, index: int) -> tuple[int, int]:
         """The shard holding sample ``index`` and its place there (a bisect: one sample's
         lookup in a fraction of :meth:`_shard_of`'s time)."""
@@ -917,8 +929,7 @@ class PreadDataset(ImageDataset):
 
     def _close(self, handles: Any) -> None:
         closers = [m.close for m in handles.maps.values()]
-        if handles.span is not None:
-            closers.append(handles.span.close)
+        closers.append(handles.spanning.close)
         closers += [functools.partial(os.close, fd) for fd in handles.fds.values()]
         for close in closers:  # each one, whatever another raised
             with contextlib.suppress(Exception):
@@ -991,9 +1002,9 @@ class PreadDataset(ImageDataset):
         if not len(shard_of) or (shard_of == first).all():
             self._rows_into(first, starts, out)
             return
-        span = self._span(shard_of)
+        span = self._span(self.handles.spanning, shard_of, self._shard_paths, self._place_in_span)
         if span is not None:  # the shards in one range of addresses: one gather
-            span.gather(shard_of, starts, out)
+            span.gather(span.bases[shard_of] + starts, out)
             return
         order, runs = shard_runs(shard_of)
         ordered, width = starts[order], out.shape[1]
@@ -1011,24 +1022,13 @@ class PreadDataset(ImageDataset):
                 found = self._row_windows(number, width)
             rows[order[start:stop]] = found[ordered[start:stop]]
 
-    def _span(self, shard_of: np.ndarray) -> Span | None:
-        """This process's shards in one range of addresses (:mod:`imgpack.formats.span`),
-        those of ``shard_of`` placed in it, or ``None``: for an output read lazily (its files
-        come and go from the cache), where the platform cannot, or once a shard could not be
-        placed (then every batch gathers shard by shard)."""
-        files = self.handles
-        if not files.spanned:
-            files.spanned = True
-            if self._lazy is None and len(self.shard_files) > 1:
-                files.span = reserve_span([os.stat(p).st_size for p in self.shard_files])
-        span = files.span
-        if span is not None and not span.placed[shard_of].all():
-            for number in np.unique(shard_of[~span.placed[shard_of]]).tolist():
-                if not span.place(number, self._fd(number)):
-                    span.close()
-                    files.span = span = None
-                    break
-        return span
+    def _shard_paths(self) -> list[Path]:
+        return self.shard_files
+
+    def _place_in_span(self, span: Span, number: int) -> bool:
+        """Shard ``number`` mapped into this process's span (opened, and checked, as any
+        shard is when first read)."""
+        return span.place(number, self._fd(number))
 
     def _local(self, number: int) -> Path:
         """Shard ``number``'s local path (fetched first, for an output read lazily)."""
@@ -1088,8 +1088,7 @@ class ShardFiles:
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes, for torch
     windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
     strided: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # torch's, too
-    span: Span | None = None  # every shard in one range of addresses (a local output's)
-    spanned: bool = False  # the span was tried (it stays None where it cannot be made)
+    spanning: SpanSlot = field(default_factory=SpanSlot)  # the shards in one range of addresses
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ import ctypes
 import mmap
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -92,12 +94,11 @@ class Span:
             found = self._windows[width] = self.data.as_strided((rows, width), (1, 1))
         return found
 
-    def gather(self, shard_of: np.ndarray, starts: np.ndarray, out: torch.Tensor) -> None:
+    def gather(self, at: np.ndarray, out: torch.Tensor) -> None:
         """Row ``k`` of ``out`` (contiguous ``(n, width)`` uint8) is the ``width`` bytes at
-        offset ``starts[k]`` of file ``shard_of[k]`` (each placed, each row inside its file):
-        one ``index_select``."""
-        where = torch.from_numpy(self.bases[shard_of] + starts)
-        torch.index_select(self.windows(out.shape[1]), 0, where, out=out)
+        ``at[k]`` of the span (``bases[file] + offset``, in a placed file, each row inside
+        it): one ``index_select``."""
+        torch.index_select(self.windows(out.shape[1]), 0, torch.from_numpy(at), out=out)
 
     def close(self) -> None:
         if self._length and _LIBC is not None:
@@ -107,6 +108,42 @@ class Span:
 
     def __del__(self) -> None:
         self.close()
+
+
+@dataclass
+class SpanSlot:
+    """A reader's span in one process: reserved on first use, each file placed when a batch
+    first needs it; given up (``span`` ``None`` from then on) where it cannot be had or a
+    file cannot be placed, and the reader gathers shard by shard."""
+
+    span: Span | None = None
+    tried: bool = False
+
+    def covering(
+        self,
+        shard_of: np.ndarray,
+        paths: Callable[[], Sequence[Path]] | None,
+        place: Callable[[Span, int], bool],
+    ) -> Span | None:
+        """The span with files ``shard_of`` placed (``place(span, k)`` maps file ``k``), or
+        ``None``. ``paths()``: the files (the span is reserved for their sizes on first use);
+        ``None``: no span for this reader (an output read lazily: its files come and go)."""
+        if not self.tried:
+            self.tried = True
+            if paths is not None:
+                self.span = reserve_span([os.stat(path).st_size for path in paths()])
+        span = self.span
+        if span is not None and not span.placed[shard_of].all():
+            for number in np.unique(shard_of[~span.placed[shard_of]]).tolist():
+                if not place(span, number):
+                    self.close()
+                    return None
+        return span
+
+    def close(self) -> None:
+        if self.span is not None:
+            self.span.close()
+            self.span = None
 
 
 def reserve_span(sizes: Sequence[int]) -> Span | None:
@@ -126,4 +163,4 @@ def reserve_span(sizes: Sequence[int]) -> Span | None:
     return Span(address, length, list(sizes), bases)
 
 
-__all__ = ["Span", "reserve_span"]
+__all__ = ["Span", "SpanSlot", "reserve_span"]

@@ -26,7 +26,7 @@ from imgpack.formats.dataset_base import (
     shard_runs,
     void_rows,
 )
-from imgpack.formats.span import Span, reserve_span
+from imgpack.formats.span import Span, SpanSlot
 from imgpack.formats.writer_base import default_shard_name
 
 
@@ -49,11 +49,11 @@ class PTDataset(ImageDataset):
         return self._raw
 
     def _open(self) -> PTShards:
-        return PTShards([None] * len(self.manifest.files))
+        count = len(self.manifest.files)
+        return PTShards([None] * count, np.zeros(count, np.int64), np.zeros(count, np.int64))
 
     def _close(self, handles: Any) -> None:
-        if handles.span is not None:
-            handles.span.close()
+        handles.spanning.close()
 
     def _release_file(self, name: str) -> None:
         shards = self.handles.loaded
@@ -206,15 +206,13 @@ class PTDataset(ImageDataset):
         first = int(shard_of[0]) if len(shard_of) else 0
         if len(shard_of) == 0 or (shard_of == first).all():
             return self._gather_one(first, local)
-        span = self._span(shard_of)
+        files = self.handles
+        span = self._span(files.spanning, shard_of, self._paths, self._place_in_span)
         if span is not None:  # the shards in one range of addresses: one gather each
             out, got = self._batch(len(local)), torch.empty(len(local), dtype=torch.int64)
-            files = self.handles
             width = out[0].numel()
-            span.gather(shard_of, files.images_at[shard_of] + local * width, out.view(-1, width))
-            span.gather(
-                shard_of, files.labels_at[shard_of] + local * 8, got.view(torch.uint8).view(-1, 8)
-            )
+            span.gather(files.images_at[shard_of] + local * width, out.view(-1, width))
+            span.gather(files.labels_at[shard_of] + local * 8, got.view(torch.uint8).view(-1, 8))
             return out, got
         # Each shard's rows gathered and put in their places with one numpy assignment, rows
         # as single items (void_rows: a memcpy each), no scratch batch, no second pass.
@@ -230,33 +228,13 @@ class PTDataset(ImageDataset):
             labels[places] = shard_labels[picked]
         return out, torch.from_numpy(labels)
 
-    def _span(self, shard_of: np.ndarray) -> Span | None:
-        """This process's shard files in one range of addresses (:mod:`imgpack.formats.span`),
-        those of ``shard_of`` placed in it, with where each one's images and labels lie in
-        its file; ``None`` for an output read lazily, where the platform cannot, or once a
-        shard could not be placed or its tensors were not found where its zip records are
-        (then every batch gathers shard by shard)."""
-        files = self.handles
-        if not files.spanned:
-            files.spanned = True
-            if self._lazy is None and len(self.manifest.files) > 1:
-                paths = [self.root / entry.path for entry in self.manifest.files]
-                files.span = reserve_span([os.stat(path).st_size for path in paths])
-                files.images_at = np.zeros(len(paths), np.int64)
-                files.labels_at = np.zeros(len(paths), np.int64)
-        span = files.span
-        if span is not None and not span.placed[shard_of].all():
-            for number in np.unique(shard_of[~span.placed[shard_of]]).tolist():
-                if not self._place(span, number):
-                    span.close()
-                    files.span = span = None
-                    break
-        return span
+    def _paths(self) -> list[Path]:
+        return [self.root / entry.path for entry in self.manifest.files]
 
-    def _place(self, span: Span, number: int) -> bool:
-        """Shard ``number``'s file mapped into ``span``, its images' and labels' offsets in it
-        noted: whether both were found (torch maps a shard file whole, so its tensors lie as
-        far apart as their zip records do)."""
+    def _place_in_span(self, span: Span, number: int) -> bool:
+        """Shard ``number``'s file mapped into ``span``, where its images and labels lie in
+        the span noted: whether both were found (torch maps a shard file whole, so its tensors
+        lie as far apart as their zip records do)."""
         shard, path = self._shard(number), self.root / self.manifest.files[number].path
         at = tensor_offsets(path, [shard["images"], shard["labels"]])
         if at is None:
@@ -266,8 +244,8 @@ class PTDataset(ImageDataset):
             placed = span.place(number, fd)  # the mapping keeps the file, not the descriptor
         finally:
             os.close(fd)
-        files = self.handles
-        files.images_at[number], files.labels_at[number] = at
+        files, base = self.handles, int(span.bases[number])
+        files.images_at[number], files.labels_at[number] = base + at[0], base + at[1]
         return placed
 
     def _rows(self, number: int) -> tuple[np.ndarray, np.ndarray]:
@@ -300,13 +278,12 @@ class PTDataset(ImageDataset):
 @dataclass
 class PTShards:
     """A :class:`PTDataset`'s handles in one process: its loaded shards, and the span of
-    their files with where each one's images and labels lie (:meth:`PTDataset._span`)."""
+    their files with where each one's images and labels lie in it (set as each is placed)."""
 
     loaded: list[dict[str, Any] | None]
-    span: Span | None = None
-    spanned: bool = False
-    images_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    labels_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    images_at: np.ndarray
+    labels_at: np.ndarray
+    spanning: SpanSlot = field(default_factory=SpanSlot)
 
 
 def tensor_offsets(path: Path, tensors: list[torch.Tensor]) -> list[int] | None:
