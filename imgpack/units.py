@@ -1,8 +1,11 @@
-"""Parsing and printing of the sizes the CLI and the API accept."""
+"""Parsing and printing of the sizes and counts the CLI and the API accept."""
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from imgpack.errors import OptionError
 
@@ -39,6 +42,28 @@ def parse_byte_size(value: int | str, name: str = "size") -> int:
     if number <= 0:
         raise OptionError(f"invalid {name} {value!r}: must be greater than zero")
     return number
+
+
+def whole_number(value: Any, name: str, minimum: int = 0) -> int:
+    """``value`` as an ``int`` of at least ``minimum`` (a Python or numpy integer; not a bool,
+    a float or a string), else :class:`OptionError` naming ``name`` and what is allowed."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise OptionError(f"invalid {name} {value!r}: expected a whole number >= {minimum}")
+    number = int(value.__index__())
+    if number < minimum:
+        raise OptionError(f"invalid {name} {value!r}: expected a whole number >= {minimum}")
+    return number
+
+
+def finite_numbers(values: Sequence[Any], name: str) -> list[float]:
+    """``values`` as finite, non-negative floats, else :class:`OptionError` naming ``name``."""
+    try:
+        numbers = [float(v) for v in values]
+    except (TypeError, ValueError):
+        numbers = [math.nan]
+    if isinstance(values, str | bytes) or not all(math.isfinite(v) and v >= 0 for v in numbers):
+        raise OptionError(f"invalid {name} {values!r}: expected a list of finite numbers >= 0")
+    return numbers
 
 
 def parse_image_size(value: int | str | tuple[int, int] | list[int]) -> tuple[int, int]:

@@ -51,21 +51,26 @@ from imgpack.loading import Loader, ShardSampler
 from imgpack.readers import collate
 root, ranks, workers, take, state_file, out, kind = sys.argv[1:8]
 ranks, workers, take = int(ranks), int(workers), int(take)
+size = int(sys.argv[8]) if len(sys.argv) > 8 else 2
 ds = open_dataset(root)
 samplers = [ShardSampler(ds, seed=7, window=2, block_size=5, num_replicas=ranks, rank=rank)
             for rank in range(ranks)]
 def make(sampler):
-    batched = {"batch_sampler": sampler.batches(2)} if kind.endswith("batches") else {
-        "batch_size": 2, "sampler": sampler}
+    batched = {"batch_sampler": sampler.batches(size)} if kind.endswith("batches") else {
+        "batch_size": size, "sampler": sampler}
     if kind.startswith("torchdata"):
         from torchdata.stateful_dataloader import StatefulDataLoader
         return StatefulDataLoader(ds, num_workers=workers, collate_fn=collate, **batched)
     return Loader(ds, num_workers=workers, collate_fn=collate, **batched)
 loaders = [make(s) for s in samplers]
 if state_file != "-":
-    state = json.load(open(state_file))
-    for loader in loaders:
-        loader.load_state_dict(state)
+    saved = json.load(open(state_file))
+    state = saved.get("state", saved)
+    for loader, sampler in zip(loaders, samplers):
+        if kind.startswith("torchdata") and saved.get("workers") != workers:
+            sampler.load_state_dict(state)  # torchdata's own load needs the same workers
+        else:
+            loader.load_state_dict(state)
     for sampler in samplers:
         sampler.set_epoch(0)  # what a training loop does: the saved epoch keeps its count
 seen, iters, batches = [], [iter(l) for l in loaders], 0
@@ -78,17 +83,17 @@ while take < 0 or batches < take:
         for image in images:
             seen.append(hashlib.sha256(image.contiguous().numpy().tobytes()).hexdigest())
     batches += 1
-json.dump({"seen": seen, "state": loaders[0].state_dict()}, open(out, "w"))
+json.dump({"seen": seen, "state": loaders[0].state_dict(), "workers": workers}, open(out, "w"))
 print("saved", flush=True)
 time.sleep(600)
 """
 
 
 def _run(root: Path, ranks: int, workers: int, take: int, state: Path | None, out: Path,
-         kind: str = "loader") -> dict[str, Any]:  # fmt: skip
+         kind: str = "loader", size: int = 2) -> dict[str, Any]:  # fmt: skip
     """Run CHILD, SIGKILL it once it saved, return what it wrote."""
     args = [sys.executable, "-c", CHILD, str(root), str(ranks), str(workers), str(take)]
-    args += [str(state) if state else "-", str(out), kind]
+    args += [str(state) if state else "-", str(out), kind, str(size)]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     line = process.stdout.readline()
@@ -112,11 +117,130 @@ def test_a_killed_run_resumes_on_other_workers_and_ranks(
     root = outputs[fmt]
     before = _run(root, 2, 2, 3, None, tmp_path / "a.json", kind=kind)
     state = tmp_path / "state.json"
-    state.write_text(json.dumps(before["state"]))
+    state.write_text(json.dumps(before))
     assert before["state"]["sampler"]["consumed"] == 12  # what was handed out, not prefetched
-    after = _run(root, 3, 0, -1, state, tmp_path / "b.json", kind=kind)
+    after = _run(root, 3, 1, -1, state, tmp_path / "b.json", kind=kind)
     seen = before["seen"] + after["seen"]
     assert len(seen) == N and sorted(seen) == sorted(_digests(root))
+
+
+#: Samples of the resume matrix: 3 batches of 2 on each of 1-3 ranks leave 54, 48 or 42, which
+#: 1, 2 and 3 ranks share without padding (a padded sample is read twice by design).
+MATRIX_N = 60
+#: (ranks, workers) when saving and when resuming: every pair of worker counts (0, 1, 2), and
+#: each of 1, 2 and 3 ranks on both sides.
+MATRIX = [
+    ((1, 0), (3, 2)), ((2, 0), (1, 1)), ((3, 0), (2, 0)),
+    ((1, 1), (2, 1)), ((2, 1), (3, 0)), ((3, 1), (1, 2)),
+    ((1, 2), (1, 0)), ((2, 2), (2, 2)), ((3, 2), (3, 1)),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def matrix_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("matrix")
+    src = build_uniform_folder(base / "src", count=MATRIX_N, classes=3, size=8)
+    made = {}
+    for fmt in ("pt", "webdataset"):
+        convert(src, base / fmt, format=fmt, progress=False, shard_size=600)  # several shards
+        made[fmt] = base / fmt
+    return made
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt", "save", "resume"),
+    [("loader", "pt", *pair) for pair in MATRIX]
+    + [("loader-batches", "webdataset", *pair) for pair in MATRIX[1::3]]
+    + [("loader", "webdataset", *pair) for pair in MATRIX[2::3]]
+    + [("torchdata", "pt", *pair) for pair in MATRIX[::2]]
+    + [("torchdata-batches", "webdataset", *pair) for pair in MATRIX[1::4]],
+)
+def test_a_resume_is_exact_for_any_workers_and_ranks_on_either_side(
+    kind: str,
+    fmt: str,
+    save: tuple[int, int],
+    resume: tuple[int, int],
+    matrix_outputs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Killed after 3 batches a rank on ``save`` (ranks, workers), resumed on ``resume``: what
+    was read before and after is the epoch, each sample once (with workers on resume too: the
+    DataLoader makes two sampler iterations and draws from the second)."""
+    if kind.startswith("torchdata"):
+        pytest.importorskip("torchdata.stateful_dataloader", reason="the [torchdata] extra")
+    root = matrix_outputs[fmt]
+    before = _run(root, *save, 3, None, tmp_path / "a.json", kind=kind)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(before))
+    after = _run(root, *resume, -1, state, tmp_path / "b.json", kind=kind)
+    seen = before["seen"] + after["seen"]
+    ds = open_dataset(root)
+    every = [
+        hashlib.sha256(ds[i][0].contiguous().numpy().tobytes()).hexdigest() for i in range(len(ds))
+    ]
+    assert len(before["seen"]) == 6 * save[0]
+    assert Counter(seen) == Counter(every)
+
+
+#: The Lightning recipe of docs/loading.md, run as written (batches of 8 instead of 256): a
+#: training step records its images, saves a checkpoint at step STOP and is SIGKILLed; the
+#: next run resumes from that checkpoint to the end of the epoch.
+LIGHTNING_CHILD = r"""
+import hashlib, json, os, re, signal, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+import lightning as L
+docs, ckpt, out, stop = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+text = open(docs, encoding="utf-8").read()
+block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "LightningDataModule" in b)
+assert "batch_size=256" in block
+exec(block.replace("batch_size=256", "batch_size=8"))
+seen = []
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, index):
+        for image in batch[0]:
+            seen.append(hashlib.sha256(image.contiguous().numpy().tobytes()).hexdigest())
+        if self.global_step + 1 == stop:
+            self.trainer.save_checkpoint(ckpt)
+            json.dump(seen, open(out, "w"))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.w(torch.ones(1, 1)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, use_distributed_sampler=False)
+trainer.fit(Model(), datamodule=Data(), ckpt_path=ckpt if stop < 0 else None)
+json.dump(seen, open(out, "w"))
+"""
+
+
+def test_the_lightning_recipe_resumes_mid_epoch_exactly(
+    matrix_outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """docs/loading.md's LightningDataModule with 2 workers, killed after a checkpoint at step 3
+    and resumed from it: every sample of the epoch once."""
+    pytest.importorskip("lightning")
+    docs = Path(__file__).resolve().parents[1] / "docs" / "loading.md"
+    (tmp_path / "out").symlink_to(matrix_outputs["pt"])
+    ckpt, seen = tmp_path / "step3.ckpt", []
+    for stop, name in ((3, "a.json"), (-1, "b.json")):
+        args = [sys.executable, "-c", LIGHTNING_CHILD, str(docs), str(ckpt), name, str(stop)]
+        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == (-signal.SIGKILL if stop > 0 else 0), done.stderr[-3000:]
+        seen += json.loads((tmp_path / name).read_text())
+    ds = open_dataset(matrix_outputs["pt"])
+    every = [
+        hashlib.sha256(ds[i][0].contiguous().numpy().tobytes()).hexdigest() for i in range(len(ds))
+    ]
+    assert len(seen) == MATRIX_N and Counter(seen) == Counter(every)
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ from imgpack.lazy import LazyOutput, Prefetcher, unpin
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.scan import UNLABELLED
 from imgpack.storage import fetch_output, is_url, local_path
-from imgpack.units import parse_image_size
+from imgpack.units import parse_image_size, whole_number
 
 Images = torch.Tensor | list[torch.Tensor]
 
@@ -213,6 +213,15 @@ class ReadOptions:
     #: (:class:`~imgpack.loading.ShardSampler`) will read them. The default, 8, is the
     #: sampler's default window: the next window arrives while this one is read.
     prefetch: int = 8
+
+    def __post_init__(self) -> None:
+        whole_number(self.prefetch, "prefetch")
+        if self.decode_threads is not None:
+            whole_number(self.decode_threads, "decode_threads", 1)
+        if self.resize not in ("crop", "stretch"):
+            raise OptionError(f"invalid resize {self.resize!r}: expected 'crop' or 'stretch'")
+        if self.verify not in (None, True, False):
+            raise OptionError(f"invalid verify {self.verify!r}: expected None, True or False")
 
     def lazy_output(self, url: str) -> LazyOutput:
         """The output at ``url``, its files to be fetched into the cache as they are read
@@ -584,6 +593,15 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     # -- the dataset protocol ------------------------------------------------------------
     def __len__(self) -> int:
         return self.manifest.num_samples
+
+    @property
+    def image_shape(self) -> tuple[int, int, int] | None:
+        """``(C, H, W)`` of every image this reader hands out (before ``transform``): the
+        reader's ``size``, else the output's fixed size; ``None`` when sizes vary."""
+        if self.size_policy is not None and self.size_policy.size is not None:
+            return (self.channels, *self.size_policy.size)
+        height, width = self.manifest.image.get("height"), self.manifest.image.get("width")
+        return (self.channels, height, width) if height and width else None
 
     @property
     def targets(self) -> list[int]:

@@ -13,6 +13,7 @@ _LAZY = {
     "ShardSampler": "imgpack.loading.sampler",
     "ShardBatches": "imgpack.loading.sampler",
     "Mix": "imgpack.loading.sampler",
+    "sampler_state": "imgpack.loading.sampler",
     "Loader": "imgpack.loading.state",
     "DeviceLoader": "imgpack.loading.gpu",
 }
@@ -20,7 +21,7 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     """``from imgpack.loading import ShardSampler, Loader, Mix, DeviceLoader`` (and
-    ``ShardBatches``), imported when first used: ``import imgpack.loading`` imports no torch."""
+    ``ShardBatches``, ``sampler_state``), imported when first used: ``import imgpack.loading`` imports no torch."""
     if name in _LAZY:
         import importlib
 
@@ -28,4 +29,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'imgpack.loading' has no attribute {name!r}")
 
 
-__all__ = ["DeviceLoader", "Loader", "Mix", "ShardBatches", "ShardSampler"]
+__all__ = ["DeviceLoader", "Loader", "Mix", "ShardBatches", "ShardSampler", "sampler_state"]

@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from imgpack.errors import OptionError
+from imgpack.units import finite_numbers, whole_number
 
 #: Samples per block of a single-file output (``lmdb``, ``hdf5``), read as its "shards".
 BLOCK_SIZE = 1024
@@ -45,6 +46,10 @@ STATE_VERSION = 1
 
 
 def _rank_and_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    if num_replicas is not None:
+        num_replicas = whole_number(num_replicas, "num_replicas", 1)
+    if rank is not None:
+        rank = whole_number(rank, "rank")
     if num_replicas is None or rank is None:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if num_replicas is None:
@@ -122,11 +127,11 @@ class ShardSampler(Sampler[int]):
         block_size: int = BLOCK_SIZE,
     ) -> None:
         self.dataset = dataset
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.seed = whole_number(seed, "seed")
         self.rank, self.num_replicas = _rank_and_world(num_replicas, rank)
-        if window < 1 or block_size < 1:
-            raise OptionError("window and block_size must be 1 or more")
-        self.window, self.block_size = int(window), int(block_size)
+        self.window = whole_number(window, "window", 1)
+        self.block_size = whole_number(block_size, "block_size", 1)
         self.epoch = 0
         self._sizes = shard_sizes(dataset, self.block_size)
         self._id = _fingerprint(dataset)
@@ -154,20 +159,27 @@ class ShardSampler(Sampler[int]):
         return rest[self.rank :: self.num_replicas]
 
     def _begin(self) -> int:
-        """Global positions already consumed in this epoch (a loaded state's), used once."""
-        resume, self._resume = self._resume, None
+        """Global positions already consumed in this epoch: a loaded state's, else none."""
+        resume = self._resume
         return resume[1] if resume is not None and resume[0] == self.epoch else 0
 
     def __iter__(self) -> Iterator[int]:
-        return _Positions(self, self._positions().tolist())
+        indices, start = self._positions()
+        return _Positions(self, indices.tolist(), start)
 
-    def _positions(self) -> np.ndarray:
-        """What this rank reads of the epoch: its part of what is left of the global order
-        (an iteration starts here, counting from none yielded)."""
-        order = self.global_order()
-        self._start = self._begin()
-        self._yielded = 0
-        return self._rank_part(order, self._start)
+    def _positions(self) -> tuple[np.ndarray, int]:
+        """What this rank reads of the epoch: its part of what is left of the global order,
+        and the global positions consumed before it (``(indices, start)``)."""
+        start = self._begin()
+        return self._rank_part(self.global_order(), start), start
+
+    def _started(self, start: int) -> None:
+        """An iteration that began at ``start`` yields its first item: a loaded state is used
+        up by it, and the sampler's count is its. Not when the iteration is made: a
+        ``DataLoader`` with workers makes two (``iter`` in its iterator's ``__init__`` and
+        again in ``_reset``) and draws from the second only."""
+        self._resume = None
+        self._start, self._yielded = start, 0
 
     def batches(self, batch_size: int, drop_last: bool = False) -> ShardBatches:
         """This sampler as a batch sampler: ``DataLoader(ds, batch_sampler=sampler.batches(256),
@@ -202,12 +214,13 @@ class ShardSampler(Sampler[int]):
         return sum(self.dataset.counts) if isinstance(self.dataset, Mix) else sum(self._sizes)
 
     def __len__(self) -> int:
-        total = self._total
-        start = self._resume[1] if self._resume and self._resume[0] == self.epoch else 0
-        rest = max(0, total - start)
+        """This rank's samples in a whole epoch, as ``DistributedSampler`` counts them; also
+        while a loaded state resumes the epoch (which then yields only what is left): a
+        training loop that counts its steps across a resume (Lightning ends the epoch at
+        ``len(loader)`` batches, counting those before the checkpoint) ends it right."""
         if self.drop_last:
-            return rest // self.num_replicas
-        return -(-rest // self.num_replicas)
+            return self._total // self.num_replicas
+        return -(-self._total // self.num_replicas)
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order from the next iteration on (as ``DistributedSampler``).
@@ -238,11 +251,12 @@ class ShardSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (saved with any number of ranks and workers): the
-        next iteration of the saved epoch yields only what was not consumed. A state of another
-        dataset, seed or order is refused with :class:`~imgpack.errors.OptionError`."""
-        if not isinstance(state, dict) or state.get("imgpack_sampler") != STATE_VERSION:
-            raise OptionError("not an imgpack sampler state (from ShardSampler.state_dict())")
+        """Resume from :meth:`state_dict` (saved with any number of ranks and workers), or from
+        a state that holds one (:func:`sampler_state`: a ``Loader``'s, a ``StatefulDataLoader``'s
+        of any number of workers): the next iteration of the saved epoch yields only what was
+        not consumed. A state of another dataset, seed or order is refused with
+        :class:`~imgpack.errors.OptionError`."""
+        state = sampler_state(state)
         mine = self.state_dict()
         for key, what in (
             ("dataset", "another dataset (its samples or output id differ)"),
@@ -254,25 +268,87 @@ class ShardSampler(Sampler[int]):
             if state.get(key) != mine[key]:
                 raise OptionError(f"the saved loader state is of {what}; it cannot resume here")
         consumed, epoch = state.get("consumed"), state.get("epoch")
-        if type(consumed) is not int or type(epoch) is not int or not 0 <= consumed <= self._total:
-            raise OptionError("the saved loader state is damaged (epoch or consumed count)")
+        if (
+            type(consumed) is not int
+            or type(epoch) is not int
+            or epoch < 0
+            or not 0 <= consumed <= self._total
+        ):
+            raise OptionError(
+                f"the saved loader state is damaged: epoch {epoch!r} and consumed {consumed!r} "
+                f"must be whole numbers, epoch >= 0 and consumed 0..{self._total}"
+            )
         self.epoch = epoch
         self._resume = (epoch, consumed)
         self._start, self._yielded = consumed, 0
+
+
+def _one_image_shape(datasets: Sequence[Any]) -> None:
+    """Refuse datasets whose images have different fixed shapes (a batch of a :class:`Mix`
+    mixes them: ``collate`` could not stack it); readers with a ``transform`` may change the
+    shape and pass."""
+    shapes = {}
+    for number, ds in enumerate(datasets):
+        shape = getattr(ds, "image_shape", None)
+        if shape is not None and getattr(ds, "transform", None) is None:
+            shapes.setdefault(tuple(shape), number)
+    if len(shapes) > 1:
+        (a, i), (b, j) = list(shapes.items())[:2]
+        raise OptionError(
+            f"Mix: dataset {i} gives images of {'x'.join(map(str, a))} (C x H x W) and dataset "
+            f"{j} of {'x'.join(map(str, b))}; a batch could not be stacked: open them at one "
+            "size (open_dataset(..., size=(H, W)))"
+        )
+
+
+def sampler_state(state: Any) -> dict[str, Any]:
+    """The :class:`ShardSampler` state in ``state``: itself, or the one inside a
+    :class:`~imgpack.loading.Loader`'s state or a torchdata ``StatefulDataLoader``'s (with or
+    without workers: the state of the sampler's iteration as of the last batch it handed
+    out). torchdata's own ``load_state_dict`` needs the number of workers it was saved with;
+    a sampler loaded with this resumes under any number."""
+    if isinstance(state, dict):
+        if "imgpack_sampler" in state:
+            if state["imgpack_sampler"] != STATE_VERSION:
+                raise OptionError(
+                    f"an imgpack sampler state of version {state['imgpack_sampler']!r}; this "
+                    f"imgpack reads version {STATE_VERSION}"
+                )
+            return state
+        if isinstance(state.get("sampler"), dict):  # Loader.state_dict()
+            return sampler_state(state["sampler"])
+        snapshot = state.get("_snapshot")  # StatefulDataLoader with workers
+        main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else state
+        if isinstance(main, dict):
+            for key in ("_sampler_iter_state", "_index_sampler_state"):
+                inner = main.get(key)
+                if isinstance(inner, dict):
+                    # batch_size= wraps the sampler in torchdata's BatchSampler
+                    inner = inner.get("sampler_iter_state", inner)
+                    if isinstance(inner, dict) and "imgpack_sampler" in inner:
+                        return sampler_state(inner)
+    raise OptionError(
+        "not an imgpack sampler state: expected ShardSampler.state_dict(), Loader.state_dict() "
+        "or a StatefulDataLoader's state_dict() over a ShardSampler"
+    )
 
 
 class _Positions(Iterator[int]):
     """A :class:`ShardSampler` iteration: counts what it yields, and is ``Stateful`` for
     torchdata's ``StatefulDataLoader`` (which snapshots it as each batch is dispatched)."""
 
-    def __init__(self, sampler: ShardSampler, indices: list[int]) -> None:
-        self.sampler, self.indices, self.at = sampler, indices, 0
+    def __init__(self, sampler: ShardSampler, indices: list[int], start: int) -> None:
+        self.sampler, self.indices, self.at, self.start = sampler, indices, 0, start
         self.hints = sampler._hints(indices)
+        self.begun = False
 
     def __iter__(self) -> Iterator[int]:
         return self
 
     def __next__(self) -> int:
+        if not self.begun:
+            self.begun = True
+            self.sampler._started(self.start)
         if self.at >= len(self.indices):
             raise StopIteration
         if self.hints:
@@ -291,6 +367,7 @@ class _Positions(Iterator[int]):
         fresh = iter(self.sampler)
         assert isinstance(fresh, _Positions)
         self.indices, self.at, self.hints = fresh.indices, 0, fresh.hints
+        self.start, self.begun = fresh.start, False
 
 
 class ShardBatches(Sampler[np.ndarray]):
@@ -311,7 +388,7 @@ class ShardBatches(Sampler[np.ndarray]):
         return -(-samples // self.batch_size)
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        return _Batches(self, self.sampler._positions())
+        return _Batches(self, *self.sampler._positions())
 
     def set_epoch(self, epoch: int) -> None:
         """:meth:`ShardSampler.set_epoch`."""
@@ -330,15 +407,19 @@ class _Batches(Iterator[np.ndarray]):
     """A :class:`ShardBatches` iteration: slices of the rank's positions, counted in samples
     as :class:`_Positions` counts them, and ``Stateful`` the same way."""
 
-    def __init__(self, batches: ShardBatches, indices: np.ndarray) -> None:
-        self.batches, self.indices, self.at = batches, indices, 0
+    def __init__(self, batches: ShardBatches, indices: np.ndarray, start: int) -> None:
+        self.batches, self.indices, self.at, self.start = batches, indices, 0, start
         hints = batches.sampler._hints(indices)
         self.hints = sorted(hints.items())  # (position, shards to fetch) in position order
+        self.begun = False
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self
 
     def __next__(self) -> np.ndarray:
+        if not self.begun:
+            self.begun = True
+            self.batches.sampler._started(self.start)
         size, start = self.batches.batch_size, self.at
         stop = min(start + size, len(self.indices))
         if stop <= start or (self.batches.drop_last and stop - start < size):
@@ -357,6 +438,7 @@ class _Batches(Iterator[np.ndarray]):
         fresh = iter(self.batches)
         assert isinstance(fresh, _Batches)
         self.indices, self.at, self.hints = fresh.indices, 0, fresh.hints
+        self.start, self.begun = fresh.start, False
 
 
 class Mix(Dataset[tuple[Any, Any]]):
@@ -395,14 +477,20 @@ class Mix(Dataset[tuple[Any, Any]]):
         if counts is not None:
             if weights is not None or samples is not None:
                 raise OptionError("give counts, or weights and samples, not both")
-            if len(counts) != len(sizes) or any(c < 0 for c in counts):
-                raise OptionError("counts: one non-negative count per dataset")
-            self.counts = [int(c) for c in counts]
+            if isinstance(counts, str | bytes) or len(counts) != len(sizes):
+                raise OptionError(f"invalid counts {counts!r}: one count per dataset")
+            self.counts = [whole_number(c, "count (in counts)") for c in counts]
+            if not sum(self.counts):
+                raise OptionError(f"invalid counts {counts!r}: not all 0 (an epoch of nothing)")
         else:
-            w = np.asarray(weights if weights is not None else sizes, dtype=np.float64)
-            if len(w) != len(sizes) or (w < 0).any() or w.sum() <= 0:
-                raise OptionError("weights: one non-negative weight per dataset, not all 0")
-            total = int(samples if samples is not None else sum(sizes))
+            w = np.asarray(
+                finite_numbers(weights if weights is not None else sizes, "weights"), np.float64
+            )
+            if len(w) != len(sizes) or w.sum() <= 0:
+                raise OptionError(
+                    f"invalid weights {weights!r}: one finite weight >= 0 per dataset, not all 0"
+                )
+            total = sum(sizes) if samples is None else whole_number(samples, "samples", 1)
             exact = w / w.sum() * total
             counts_ = np.floor(exact).astype(np.int64)
             rest = np.argsort(-(exact - counts_), kind="stable")[: total - int(counts_.sum())]
@@ -413,6 +501,7 @@ class Mix(Dataset[tuple[Any, Any]]):
                 raise OptionError("a dataset with no samples cannot be drawn from")
         if labels not in ("separate", "by_name"):
             raise OptionError(f"invalid labels {labels!r}: expected 'separate' or 'by_name'")
+        _one_image_shape(self.datasets)
         self.labels = labels
         names = [list(getattr(d, "classes", [])) for d in self.datasets]
         if labels == "by_name":
@@ -478,4 +567,4 @@ class Mix(Dataset[tuple[Any, Any]]):
         return np.concatenate(streams)[order]
 
 
-__all__ = ["Mix", "ShardBatches", "ShardSampler", "shard_order", "shard_sizes"]
+__all__ = ["Mix", "ShardBatches", "ShardSampler", "sampler_state", "shard_order", "shard_sizes"]

@@ -83,11 +83,10 @@ class Loader(DataLoader[Any]):
         return {"sampler": self._shards.state_dict(self._taken)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next iteration of the saved epoch (call
+        """Continue from :meth:`state_dict` (or a ``StatefulDataLoader``'s: see
+        :func:`~imgpack.loading.sampler_state`): the next iteration of the saved epoch (call
         ``sampler.set_epoch`` with it, or not at all) yields only what was not consumed."""
-        if not isinstance(state, dict) or "sampler" not in state:
-            raise OptionError("not a Loader state (from Loader.state_dict())")
-        self._shards.load_state_dict(state["sampler"])
+        self._shards.load_state_dict(state)  # a Loader's, or any state sampler_state reads
         self._taken = 0
 
 
