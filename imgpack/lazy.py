@@ -48,6 +48,7 @@ from imgpack.storage import (
     filesystem,
     read_remote_manifest,
 )
+from imgpack.system import read_regular_file
 from imgpack.units import parse_byte_size
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class LazyOutput:
     def _good(self, remote: Remote) -> bool:
         try:
             st = (self.root / remote.path).lstat()
-            found = json.loads(self._marker(remote.path).read_text())
+            found = json.loads(read_regular_file(self._marker(remote.path)))
         except (OSError, ValueError):
             return False
         return stat.S_ISREG(st.st_mode) and found == [
@@ -232,7 +233,7 @@ _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 def _same(path: Path, data: bytes) -> bool:
     try:
-        return not path.is_symlink() and path.read_bytes() == data
+        return read_regular_file(path) == data  # no link, FIFO or device
     except OSError:
         return False
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import logging
 import os
 import shutil
@@ -175,7 +176,7 @@ def parked_outputs(dst: Path) -> list[Path]:
     """Old outputs of ``dst`` parked by a replacement that did not finish, newest first."""
     if not dst.parent.is_dir():
         return []
-    found = [p for p in dst.parent.glob(f".{dst.name}.*{PARKED_SUFFIX}") if p.is_dir()]
+    found = [p for p in dst.parent.glob(f".{glob.escape(dst.name)}.*{PARKED_SUFFIX}") if p.is_dir()]
     return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
 
 
@@ -247,7 +248,9 @@ def leftovers(dst: Path) -> list[Path]:
     """Temp dirs of conversions to ``dst`` that were killed before they could clean up."""
     if not dst.parent.is_dir():
         return []
-    return sorted(p for p in dst.parent.glob(f".{dst.name}.*{TEMP_SUFFIX}") if p.is_dir())
+    return sorted(
+        p for p in dst.parent.glob(f".{glob.escape(dst.name)}.*{TEMP_SUFFIX}") if p.is_dir()
+    )
 
 
 def clear_leftovers(dst: Path) -> None:

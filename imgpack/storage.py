@@ -44,6 +44,7 @@ from typing import Any
 from imgpack.errors import ImgpackError, ManifestError, OptionError, StorageError, first_line
 from imgpack.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from imgpack.publishing import leftovers
+from imgpack.system import read_regular_file
 from imgpack.units import parse_byte_size
 
 log = logging.getLogger(__name__)
@@ -227,11 +228,11 @@ class OutputCache:
                         checked[path] = [size, mtime, entry.sha256, entry.etag]
                 _write_json(local / CHECKED, checked)
             manifest_path = local / MANIFEST_NAME
-            if (
-                manifest_path.is_symlink()
-                or not manifest_path.is_file()
-                or (manifest_path.read_bytes() != data)
-            ):
+            try:
+                same = read_regular_file(manifest_path) == data  # no link, FIFO or device
+            except OSError:
+                same = False
+            if not same:
                 _write_bytes(manifest_path, data)  # last: the entry is complete
             _write_bytes(local / ".imgpack-used", b"")
             _pin(local)  # before the lock goes: no eviction can slip in between
@@ -331,7 +332,7 @@ def _safe_dirs(cache: Path, entry: Path) -> None:
 def _complete(local: Path, entries: list[Remote], data: bytes) -> bool:
     """Whether the cache entry ``local`` holds the manifest ``data`` and every file checked."""
     try:
-        manifest_ok = (local / MANIFEST_NAME).read_bytes() == data
+        manifest_ok = read_regular_file(local / MANIFEST_NAME) == data
     except OSError:
         return False
     checked = _load_json(local / CHECKED)
@@ -367,7 +368,7 @@ def _pin(entry: Path) -> None:
 
 def _load_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular_file(path))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -3,7 +3,11 @@ the read options and a saved state is one OptionError naming it, at construction
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +129,74 @@ def test_a_loader_state_resumes_a_sampler_and_the_other_way(tmp_path: Path) -> N
     sampler = ShardSampler(ds, seed=2)
     sampler.load_state_dict(loader.state_dict())  # a Loader's state, into a bare sampler
     assert len(list(sampler)) == 16 and len(sampler) == 20  # len: the whole epoch
+
+
+@pytest.mark.parametrize("name", ["o[1]", "o**x", "o?"])
+def test_a_destination_name_is_never_a_pattern(tmp_path: Path, name: str) -> None:
+    """A DST whose name has glob characters is converted as named, and never takes over the
+    parked or temporary folders of another output whose name the pattern would match."""
+    from click.testing import CliRunner
+
+    from imgpack.cli import main
+    from imgpack.publishing import PARKED_SUFFIX, TEMP_SUFFIX
+
+    src = build_uniform_folder(tmp_path / "src", count=6, classes=2, size=8)
+    convert(src, tmp_path / "o1", format="pt", progress=False)
+    parked = tmp_path / f".o1.1234{PARKED_SUFFIX}"
+    temp = tmp_path / f".o1.5678{TEMP_SUFFIX}"
+    for folder in (parked, temp):
+        folder.mkdir()
+        (folder / "keep").write_text("another output's")
+    result = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / name), "-q", "--format", "pt"]
+    )
+    assert result.exit_code == 0, result.output
+    assert len(open_dataset(tmp_path / name)) == 6
+    assert (parked / "keep").read_text() == (temp / "keep").read_text() == "another output's"
+
+
+class Hung(Exception):  # not an OSError: nothing that handles a failed read catches it
+    pass
+
+
+@contextlib.contextmanager
+def _within(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging: SIGALRM interrupts a blocking open or read."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise Hung(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "lmdb"])
+@pytest.mark.parametrize("where", ["imgpack.json", "marker"])
+def test_a_fifo_in_a_cache_entry_never_hangs_a_reader(tmp_path: Path, fmt: str, where: str) -> None:
+    import fsspec  # type: ignore[import-untyped]
+
+    src = build_uniform_folder(tmp_path / "src", count=8, classes=2, size=8)
+    convert(src, tmp_path / "local", format=fmt, progress=False)
+    url = f"memory://fifo-{tmp_path.name}-{fmt}-{where}/out"
+    fs = fsspec.filesystem("memory")
+    for path in (tmp_path / "local").iterdir():
+        fs.pipe(f"{url}/{path.name}", path.read_bytes())
+    cache = tmp_path / "cache"
+    expected = [int(label) for _, label in open_dataset(url, cache_dir=cache)]
+    (entry,) = [p for p in (cache / "outputs").iterdir() if p.is_dir()]
+    markers = [
+        p for p in entry.iterdir() if p.name.endswith((".checked", ".kept", ".imgpack-cache.json"))
+    ]
+    targets = [entry / "imgpack.json"] if where == "imgpack.json" else markers
+    assert targets
+    for target in targets:
+        target.unlink()
+        os.mkfifo(target)
+    with _within(20):
+        got = [int(label) for _, label in open_dataset(url, cache_dir=cache)]
+    assert got == expected
