@@ -287,7 +287,7 @@ def _one_image_shape(datasets: Sequence[Any]) -> None:
     """Refuse datasets whose images have different fixed shapes (a batch of a :class:`Mix`
     mixes them: ``collate`` could not stack it); readers with a ``transform`` may change the
     shape and pass."""
-    shapes = {}
+    shapes: dict[tuple[int, ...], int] = {}
     for number, ds in enumerate(datasets):
         shape = getattr(ds, "image_shape", None)
         if shape is not None and getattr(ds, "transform", None) is None:
