@@ -34,7 +34,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import stat
 import struct
 import threading
 import zlib
@@ -47,6 +46,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageColor, ImageFile, ImageOps
 
+from imgpack import system
 from imgpack.errors import DataError, ImageError, OptionError
 from imgpack.jpegheader import plain_jpeg
 
@@ -464,42 +464,15 @@ def encode_pixels(pixels: np.ndarray, kind: Kind, quality: int = 90) -> bytes:
 
 
 def read_regular_file(full: str, path: str) -> bytes:
-    """The bytes of the regular file ``full`` (``path`` names it in errors). Anything else (a
-    FIFO, a device, a socket) is refused without blocking: it is opened with ``O_NONBLOCK`` and
-    checked with ``fstat`` before a byte is read, so a FIFO never hangs the conversion."""
+    """The bytes of the regular file ``full`` (``path`` names it in errors; a link is
+    followed). Anything else (a FIFO, a device, a socket) is refused without blocking
+    (:func:`imgpack.system.read_regular_file`), so a FIFO never hangs the conversion."""
     try:
-        fd = os.open(full, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return system.read_regular_file(full, follow_links=True)
+    except system.NotRegularFile as exc:
+        raise ImageError(path, f"not a regular file ({exc.kind}); only files are read") from None
     except OSError as exc:
         raise ImageError(path, f"cannot read: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ImageError(
-                path, f"not a regular file ({_file_type(st.st_mode)}); only files are read"
-            )
-        # Reads of the size fstat gave until one finds the end: two calls for a file that
-        # does not change (a buffered file object makes more), the whole of one that grows.
-        parts = [os.read(fd, st.st_size + 1)]
-        while parts[-1]:
-            parts.append(os.read(fd, 1 << 20))
-        return parts[0] if len(parts) == 2 else b"".join(parts)
-    except OSError as exc:
-        raise ImageError(path, f"cannot read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-
-
-def _file_type(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISDIR, "a folder"),
-    ):
-        if test(mode):
-            return name
-    return "not a file"
 
 
 def process_file(

@@ -10,6 +10,9 @@ from typing import Any, overload
 
 #: The label of a sample that has none (an unlabelled source: ``classes == []``).
 UNLABELLED = -1
+#: The most classes a source's integer labels may imply (its label map is ``0..max label``):
+#: a label beyond it is refused by its row, never a label map of billions of names.
+MAX_CLASSES = 1 << 20
 
 
 @dataclass(frozen=True)

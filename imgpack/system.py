@@ -15,18 +15,50 @@ def usable_cpus() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def read_regular_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of the regular file at ``path``; ``OSError`` for anything else (a FIFO, a
-    device, a link, a folder), found without blocking: opening a FIFO for reading would wait
-    for a writer forever, and a device may never end."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
+class NotRegularFile(OSError):
+    """What :func:`read_regular_file` found was not a regular file (:attr:`kind` says what)."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file ({kind})", path)
+        self.kind = kind
+
+
+def file_kind(mode: int) -> str:
+    """What a ``stat`` mode that is not a regular file's is, in words."""
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def read_regular_file(path: str | os.PathLike[str], follow_links: bool = False) -> bytes:
+    """The bytes of the regular file at ``path``; :class:`NotRegularFile` for anything else (a
+    FIFO, a device, a folder, a link unless ``follow_links``), found without blocking: opening a
+    FIFO for reading would wait for a writer forever, and a device may never end. Reads of the
+    size ``fstat`` gave until one finds the end: two calls for a file that does not change."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:
+            raise NotRegularFile(str(path), "a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(str(path), file_kind(st.st_mode))
+        parts = [os.read(fd, st.st_size + 1)]
+        while parts[-1]:
+            parts.append(os.read(fd, 1 << 20))
+        return parts[0] if len(parts) == 2 else b"".join(parts)
     finally:
         os.close(fd)

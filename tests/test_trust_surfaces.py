@@ -200,3 +200,105 @@ def test_a_fifo_in_a_cache_entry_never_hangs_a_reader(tmp_path: Path, fmt: str, 
     with _within(20):
         got = [int(label) for _, label in open_dataset(url, cache_dir=cache)]
     assert got == expected
+
+
+def _convert_cli(*args: str) -> Any:
+    from click.testing import CliRunner
+
+    from imgpack.cli import main
+
+    return CliRunner().invoke(main, ["convert", *args, "--format", "pt", "-q"])
+
+
+def _png(path: Path, value: int) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (value, value, value)).save(path)
+
+
+@pytest.mark.parametrize(
+    ("row", "said"),
+    [
+        ("big.png,1099511627776", "label 1099511627776 is beyond the 1,048,576 classes"),
+        ("big.png," + "9" * 5000, "is beyond the 1,048,576 classes"),
+        ("file:///dev/zero,1", "not a regular file (a character device)"),
+    ],
+)
+def test_an_unbounded_label_list_row_is_refused_by_line(
+    tmp_path: Path, row: str, said: str
+) -> None:
+    for name, value in (("a.png", 10), ("b.png", 200), ("big.png", 90)):
+        _png(tmp_path / name, value)
+    listing = tmp_path / "list.csv"
+    listing.write_text(f"path,label\na.png,0\nb.png,1\n{row}\n")
+    failed = _convert_cli(str(listing), str(tmp_path / "out"))
+    assert failed.exit_code == 1 and said in failed.output and "line 4" in failed.output
+    assert "Traceback" not in failed.output and not (tmp_path / "out").exists()
+    skipped = _convert_cli(str(listing), str(tmp_path / "out"), "--on-error", "skip")
+    assert skipped.exit_code == 0, skipped.output
+    ds = open_dataset(tmp_path / "out")
+    assert len(ds) == 2 and ds.classes == ["0", "1"] and said in ds.manifest.skipped[0]["reason"]
+
+
+def test_a_csv_field_over_the_csv_limit_is_one_line(tmp_path: Path) -> None:
+    _png(tmp_path / "a.png", 10)
+    listing = tmp_path / "list.csv"
+    listing.write_text(f'path,label\na.png,0\n"{"x" * 200_000}",1\n')
+    result = _convert_cli(str(listing), str(tmp_path / "out"))
+    assert result.exit_code == 1 and "line 3: not a CSV row" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]], declare_last: int | None = None) -> None:
+    """A tar of ``members``; ``declare_last``: the last member's header says that many bytes
+    (its data stays as it is: the tar ends inside what it declares)."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    raw = bytearray(buffer.getvalue())
+    if declare_last is not None:
+        at = raw.rfind(members[-1][0].encode())
+        raw[at + 124 : at + 136] = b"%012o" % declare_last
+        raw[at + 148 : at + 156] = b" " * 8
+        raw[at + 148 : at + 156] = b"%06o\x00 " % sum(raw[at : at + 512])
+    path.write_bytes(bytes(raw))
+
+
+def _png_bytes(value: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (value, value, value)).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("bad", ["label", "size"])
+def test_a_foreign_tar_member_that_cannot_be_is_named_not_lost(tmp_path: Path, bad: str) -> None:
+    """A ``.cls`` of 2**40, or a last member whose header declares 40 GiB: the sample is named
+    (the run stops on it, or skips and records it), never silently left out."""
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    members = [("000.cls", b"0"), ("000.png", _png_bytes(10)), ("001.cls", b"1")]
+    members += [("001.png", _png_bytes(90))]
+    if bad == "label":
+        members += [("002.png", _png_bytes(200)), ("002.cls", str(2**40).encode())]
+        said, declared = "beyond the 1,048,576 classes", None
+    else:
+        members += [("002.cls", b"1"), ("002.png", _png_bytes(200))]
+        said, declared = "declares 42,949,672,960 bytes, past the end of the tar", 40 << 30
+    _tar(tars / "a.tar", members, declared)
+    failed = _convert_cli(str(tars), str(tmp_path / "out"))
+    assert failed.exit_code == 1 and said in failed.output and "'002'" in failed.output
+    assert "Traceback" not in failed.output
+    skipped = _convert_cli(str(tars), str(tmp_path / "out"), "--on-error", "skip")
+    assert skipped.exit_code == 0, skipped.output
+    ds = open_dataset(tmp_path / "out")
+    assert len(ds) == 2 and [s["path"] for s in ds.manifest.skipped] == ["a.tar/002.png"]

@@ -23,7 +23,7 @@ from typing import Any
 
 from imgpack.errors import DataError, ScanError
 from imgpack.images import Encoded, Encoding, ImagePolicy
-from imgpack.scan import Sample, Scan
+from imgpack.scan import MAX_CLASSES, Sample, Scan
 
 
 @dataclass(frozen=True)
@@ -224,12 +224,25 @@ def label_map(
         isinstance(v, int) or (isinstance(v, str) and v.isascii() and v.isdigit()) for v in values
     )
     if integers:
+
+        def number(value: int | str) -> int:  # MAX_CLASSES for any label too large to be one
+            if isinstance(value, str) and len(value.lstrip("0")) > 18:
+                return MAX_CLASSES
+            return min(int(value), MAX_CLASSES)
+
         if classes is None:
-            classes = [str(i) for i in range(max(int(v) for v in values) + 1)]
+            below = [n for n in map(number, values) if n < MAX_CLASSES]
+            classes = [str(i) for i in range(max(below) + 1)] if below else []
         count = len(classes)
 
         def by_number(value: int | str) -> int | str:
-            label = int(value)
+            label = number(value)
+            if label >= MAX_CLASSES:
+                shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}..."
+                return (
+                    f"label {shown} is beyond the {MAX_CLASSES:,} classes imgpack takes "
+                    "(integer labels are 0..N-1)"
+                )
             if label < count:
                 return label
             return f"label {label} is not a class of the label map ({count} classes)"

@@ -40,7 +40,7 @@ from imgpack.formats.tfrecord.writer import example_features
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LazyOutput
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
-from imgpack.scan import valid_label
+from imgpack.scan import MAX_CLASSES, valid_label
 from imgpack.storage import filesystem, is_url, read_remote_manifest
 
 Source = str | os.PathLike[str] | list[str] | list[Path]
@@ -619,10 +619,6 @@ def _collect_path(
         return None
     paths.append(value[0].decode("utf-8", "surrogateescape"))
     return paths
-
-
-#: The most classes a foreign TFRecord's labels may imply (its label map is 0..max label).
-MAX_CLASSES = 1 << 20
 
 
 def _label(features: dict[str, example.FeatureValue], where: str) -> int:

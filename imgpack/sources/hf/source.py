@@ -22,7 +22,7 @@ from imgpack.errors import ImageError, ScanError
 from imgpack.hf import dict_splits, import_datasets, is_dataset_dict_folder
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
 from imgpack.manifest import sha256_file
-from imgpack.scan import Sample, Scan
+from imgpack.scan import MAX_CLASSES, Sample, Scan
 from imgpack.sources.base import (
     Fetcher,
     ScanRequest,
@@ -113,6 +113,11 @@ def class_names(features: Any, label: str, labels: list[int]) -> list[str]:
         return [str(name) for name in feature.names]
     if labels and min(labels) < 0:
         raise ScanError(f"column {label!r} holds negative labels")
+    if labels and max(labels) >= MAX_CLASSES:
+        raise ScanError(
+            f"column {label!r} holds label {max(labels)}, beyond the {MAX_CLASSES:,} classes "
+            "imgpack takes"
+        )
     return [str(i) for i in range(max(labels) + 1)] if labels else []
 
 

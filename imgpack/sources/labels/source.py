@@ -175,7 +175,16 @@ class LabelListSource(Source):
                     f" name it with -s {flag}=NAME"
                 )
         start = reader.line_num
-        for values in reader:
+        while True:
+            try:
+                values = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as exc:  # a field over csv's limit, a NUL byte, ...
+                raise ScanError(
+                    f"{self.list_file}: line {reader.line_num}: not a CSV row ({exc}); is this "
+                    "file a CSV label list?"
+                ) from None
             number = start + 1
             start = reader.line_num
             if number in bad:
@@ -254,8 +263,15 @@ def _read_url(url: str) -> bytes:
     from imgpack.storage import filesystem
 
     fs, where = filesystem(url)
+    if "file" in _protocols(fs):  # file:///dev/zero: a device, read only as a regular file
+        return read_regular_file(where, url)
     try:
         data: bytes = fs.cat_file(where)
     except Exception as exc:  # fsspec backends raise their own errors
         raise ImageError(url, f"cannot read: {type(exc).__name__}: {exc}") from None
     return data
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

@@ -138,10 +138,14 @@ def _samples(path: Path) -> list[tuple[str, str | None, Any, str | None]]:
     last = None
     try:
         with tarfile.open(path, "r:") as tar:
-            for member in tar:
+            for member in _members(tar, path):
                 if not member.isfile():
                     continue
                 key, ext = split_key(member.name)
+                end = path.stat().st_size
+                if member.offset_data + member.size > end:
+                    problems.setdefault(key, f"{member.name} declares {member.size:,} bytes, past "
+                                        f"the end of the tar ({end:,} bytes): a truncated file")  # fmt: skip
                 if key != last and key in groups:
                     problems.setdefault(key, "its members are not together in the tar (the key "
                                         "appears twice)")  # fmt: skip
@@ -161,6 +165,23 @@ def _samples(path: Path) -> list[tuple[str, str | None, Any, str | None]]:
             return out
     except (OSError, tarfile.TarError) as exc:
         raise ScanError(f"{path}: not a readable tar file: {exc}") from None
+
+
+def _members(tar: tarfile.TarFile, path: Path) -> Iterator[tarfile.TarInfo]:
+    """The members of ``tar`` in order; where the tar ends inside the last one's data (its
+    header declares more bytes than follow), that member still, and then the end: the scan
+    names its sample instead of losing it or the whole tar."""
+    member: tarfile.TarInfo | None = None
+    while True:
+        try:
+            member = tar.next()
+        except tarfile.ReadError:
+            if member is not None and member.offset_data + member.size > path.stat().st_size:
+                return  # the last member yielded runs past the end: it is named as truncated
+            raise
+        if member is None:
+            return
+        yield member
 
 
 def _label(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> tuple[Any, str | None]:
@@ -220,6 +241,7 @@ class TarFetcher(Fetcher):
         index = {}
         for path in files:
             with tarfile.open(path, "r:") as tar:
-                members = {m.name: (m.offset_data, m.size) for m in tar if m.isfile()}
+                found = _members(tar, path)
+                members = {m.name: (m.offset_data, m.size) for m in found if m.isfile()}
             index[path.name] = (str(path), members)
         return index
