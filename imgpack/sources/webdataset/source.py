@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
