@@ -190,8 +190,11 @@ class Destination:
         return cls(url, fs, root, _files(fs, root, url))
 
     def relisted(self) -> Destination:
-        """DST listed again (other parts and tasks write to it too)."""
-        self.fs.invalidate_cache(self.root)
+        """DST listed again (other parts and tasks write to it too), every listing of it and
+        of the folders below it forgotten first: s3fs's ``invalidate_cache(path)`` forgets
+        ``path`` and its parents only, and a cached listing of the work folder hid the
+        receipts this very run wrote (a first ``--resume`` then did not commit)."""
+        storage.forget_listings(self.fs, self.root)
         return Destination(self.url, self.fs, self.root, _files(self.fs, self.root, self.url))
 
 

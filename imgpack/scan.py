@@ -3,6 +3,7 @@ the engine and the executors, which all pass them around)."""
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +26,22 @@ class Sample:
     #: Where the source finds the sample again when it is not a file under the root: an index
     #: into an imgpack output or TFRecord files, a row of a dataset, a line of a label list.
     index: int = -1
+    #: A bucket object's content as the listing named it (:func:`listed_id` of its ETag or
+    #: version; 0: not known): the worker that GETs it refuses another content.
+    listed: int = field(default=0, compare=False)
+
+
+def listed_id(etag: str) -> int:
+    """A 63-bit number for a listed ETag or version (0 for none): what a sample carries to the
+    worker that reads it, 8 bytes instead of the string."""
+    if not etag:
+        return 0
+    return int.from_bytes(hashlib.sha256(etag.encode("utf-8")).digest()[:8], "big") >> 1 or 1
 
 
 class SampleTable(Sequence[Sample]):
     """An image folder's samples, packed: their paths in one buffer, their labels and source
-    sizes in arrays — about 40 bytes per sample where :class:`Sample` objects take a few
+    sizes in arrays — about 50 bytes per sample where :class:`Sample` objects take a few
     hundred — so that a driver holds the scan of millions of images. Indexing gives
     :class:`Sample` objects (a slice: a list of them)."""
 
@@ -38,15 +50,25 @@ class SampleTable(Sequence[Sample]):
         self._ends = array("q")
         self._labels = array("i")
         self._sizes = array("q")
+        self._listed = array("q")
 
-    def extend(self, paths: Iterable[str], label: int, sizes: Iterable[int] | None = None) -> None:
-        """Append ``paths`` with ``label`` (and their source sizes in bytes, else unknown)."""
+    def extend(
+        self,
+        paths: Iterable[str],
+        label: int,
+        sizes: Iterable[int] | None = None,
+        listed: Iterable[int] | None = None,
+    ) -> None:
+        """Append ``paths`` with ``label`` (and their source sizes in bytes, else unknown; and
+        what the listing said of their content, :attr:`Sample.listed`)."""
         sizes = iter(sizes) if sizes is not None else None
+        listed = iter(listed) if listed is not None else None
         for path in paths:
             self._paths += path.encode("utf-8", "surrogateescape")
             self._ends.append(len(self._paths))
             self._labels.append(label)
             self._sizes.append(next(sizes) if sizes is not None else -1)
+            self._listed.append(next(listed) if listed is not None else 0)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -69,7 +91,7 @@ class SampleTable(Sequence[Sample]):
     def _sample(self, i: int) -> Sample:
         start = self._ends[i - 1] if i else 0
         path = self._paths[start : self._ends[i]].decode("utf-8", "surrogateescape")
-        return Sample(path, self._labels[i])
+        return Sample(path, self._labels[i], listed=self._listed[i])
 
     def size(self, index: int) -> int:
         """The source size in bytes of sample ``index`` as listed, ``-1`` when not known."""

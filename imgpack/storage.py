@@ -23,6 +23,7 @@ anything else to the filesystem.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import errno
@@ -35,13 +36,20 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ImgpackError, ManifestError, OptionError, StorageError, first_line
+from imgpack.errors import (
+    ImgpackError,
+    ManifestError,
+    OptionError,
+    ScanError,
+    StorageError,
+    first_line,
+)
 from imgpack.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from imgpack.publishing import leftovers
 from imgpack.system import read_regular_file
@@ -301,6 +309,51 @@ def _remote_files(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remo
             continue
         extra.append(Remote(name, int(info.get("size") or 0), "", tags[name]))
     return [Remote(name, size, sha, tags.get(name, "")) for name, size, sha in listed] + extra
+
+
+def read_objects(fs: Any, paths: Sequence[str]) -> list[tuple[bytes, list[str]] | BaseException]:
+    """Each object's bytes and what the store said of its content as it sent them (its ETag
+    and version, where the protocol says: S3; ``[]`` elsewhere), or the exception that reading
+    it raised; one GET each, all at once. s3fs's ``cat_file`` asks for each object's size first
+    (a HEAD before every GET): on S3 the GET is made here, through s3fs's own client."""
+    if not paths:
+        return []
+    if "s3" in _protocols(fs) and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
+        from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+        async def one(path: str) -> tuple[bytes, list[str]]:
+            bucket, key, version = fs.split_path(path)
+            given = {"VersionId": version} if version else {}
+            response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **given)
+            try:
+                body = await response["Body"].read()
+            finally:
+                response["Body"].close()
+            said = [str(response[k]) for k in ("ETag", "VersionId") if response.get(k)]
+            return body, said
+
+        async def every() -> list[Any]:
+            return await asyncio.gather(*(one(p) for p in paths), return_exceptions=True)
+
+        return list(sync(fs.loop, every))
+    found = fs.cat_ranges(list(paths), None, None, on_error="return")
+    return [f if isinstance(f, BaseException) else (bytes(f), []) for f in found]
+
+
+def forget_listings(fs: Any, root: str) -> None:
+    """Forget every cached listing of ``root`` and of the folders below it (fsspec's
+    ``dircache``), so that the next ``ls``/``find`` asks the store."""
+    fs.invalidate_cache(root)
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        prefix = root.rstrip("/") + "/"
+        for path in [p for p in list(cache) if str(p).startswith(prefix)]:
+            fs.invalidate_cache(path)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def _etag(info: dict[str, Any]) -> str:
@@ -567,7 +620,7 @@ def _list_folder(fs: Any, root: str, name: str, part: Path) -> int:
     elsewhere with ``find`` (bounded by the folder)."""
     with open(part, "wb") as out:
         if getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
-            from fsspec.asyn import sync  # type: ignore[import-untyped]
+            from fsspec.asyn import sync
 
             bucket, key, _ = fs.split_path(f"{root}/{name}/")
             shown = [0]
@@ -591,10 +644,24 @@ def _write_objects(out: Any, root: str, objects: Iterable[tuple[str, dict[str, A
     shown = 0
     for path, info in objects:
         relative = path[len(root) :].lstrip("/")
+        _check_key(relative, path)
         shown += visible(relative)
         line = json.dumps([relative, int(info.get("size") or 0), _etag(info)])
         out.write(line.encode("ascii") + b"\n")
     return shown
+
+
+def _check_key(relative: str, key: str) -> None:
+    """Refuse an object whose key cannot be a path under SRC: an empty, ``.`` or ``..``
+    segment (``a//b.png``, ``dots/../x.png``) would name another object's path or one outside
+    the scratch folder, so it is neither dropped nor followed."""
+    parts = relative.split("/")
+    if not relative or any(part in ("", ".", "..") for part in parts) or "\0" in relative:
+        raise ScanError(
+            f"{key!r}: a key with an empty, '.' or '..' path segment; imgpack cannot take it "
+            "as a path under SRC (it would be another object's path, or outside SRC): rename "
+            "the object, or convert a SRC without it"
+        )
 
 
 #: In a scratch folder of a bucket source: one JSON line ``[relative path, size, "etag"]`` per
@@ -628,9 +695,9 @@ def store_folders(folder: Path) -> dict[str, list[int]] | None:
     return found if isinstance(found, dict) else None
 
 
-def store_objects(folder: Path, top: str) -> Iterator[tuple[str, int]]:
-    """``(relative path, size)`` of the objects under the top-level folder ``top`` of a bucket
-    source's listing, read from :data:`STORE_LISTING`."""
+def store_objects(folder: Path, top: str) -> Iterator[tuple[str, int, str]]:
+    """``(relative path, size, etag)`` of the objects under the top-level folder ``top`` of a
+    bucket source's listing, read from :data:`STORE_LISTING`."""
     start, end, _ = (store_folders(folder) or {}).get(top, (0, 0, 0))
     with open(folder / STORE_LISTING, "rb") as listing:
         listing.seek(start)
@@ -638,8 +705,8 @@ def store_objects(folder: Path, top: str) -> Iterator[tuple[str, int]]:
             if start >= end:
                 return
             start += len(line)
-            path, size, _ = json.loads(line)
-            yield path, size
+            path, size, etag = json.loads(line)
+            yield path, size, etag
 
 
 def listing_digest(folder: Path) -> str | None:
@@ -653,6 +720,7 @@ def listing_digest(folder: Path) -> str | None:
 
 def _download(fs: Any, remote: str, root: str, scratch: Path) -> None:
     relative = remote[len(root) :].lstrip("/")
+    _check_key(relative, remote)  # listed already; never a path outside the scratch folder
     target = scratch / relative
     target.parent.mkdir(parents=True, exist_ok=True)
     fs.get_file(remote, str(target))

@@ -98,14 +98,16 @@ def test_runs_and_any_number_of_parts_write_the_same_bytes(
     reference = _bucket(f"{s3}/same-{fmt}-a")
     assert _bucket(f"{s3}/same-{fmt}-b") == reference
     read: list[str] = []
-    real = s3fs.S3FileSystem._cat_file
+    heads: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
 
-    async def counted(self: object, path: str, *a: object, **k: object) -> bytes:
-        if "/shard-src/" in path:
-            read.append(path.split("/shard-src/", 1)[1])
-        return await real(self, path, *a, **k)  # type: ignore[arg-type]
+    async def counted(self: object, method: str, *a: object, **k: object) -> object:
+        key = str(k.get("Key", ""))
+        if key.startswith("shard-src/"):  # what a worker asks of a source object
+            (read if method == "get_object" else heads).append(key.split("/", 1)[1])
+        return await real(self, method, *a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
     for count in (1, 2, 3):
         url = f"{s3}/same-{fmt}-k{count}"
         seen: set[str] = set()
@@ -117,7 +119,7 @@ def test_runs_and_any_number_of_parts_write_the_same_bytes(
                 assert sorted(read) == sorted({s for s in read})  # each object once
             assert not seen & set(read)  # no object of another part
             seen |= set(read)
-        assert len(seen) == 48
+        assert len(seen) == 48 and not [h for h in heads if "/" in h]  # one GET an image
         assert done.output_id == whole.output_id and done.part is None
         assert _bucket(url) == reference
         if count > 1:
@@ -193,17 +195,20 @@ def test_a_bad_image_is_named_by_its_url_and_nothing_is_committed(
     assert "imgpack.json" not in _bucket(f"{s3}/bad-out")
 
 
+@pytest.mark.parametrize("resumed", ["in-process", "new-process"])
 def test_a_killed_driver_resumes_to_the_same_bytes(
-    s3: str, src_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3: str, src_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resumed: str
 ) -> None:
     """The driver is SIGKILLed once some shards have receipts: the bucket holds no manifest,
     and --resume writes only the shards without a receipt, to the bytes of a run that was not
-    interrupted."""
+    interrupted; the first --resume commits, also in a new process (whose listing cache once
+    hid the receipts it wrote itself)."""
     args = ["--format", "pt", "--shard-size", "2KB", "--workers", "2"]
     reference = f"{s3}/killed-ref"
-    run = CliRunner().invoke(main, ["convert", src_url, reference, "-q", *args])
-    assert run.exit_code == 0, run.output
-    url = f"{s3}/killed"
+    if "imgpack.json" not in _bucket(reference):
+        run = CliRunner().invoke(main, ["convert", src_url, reference, "-q", *args])
+        assert run.exit_code == 0, run.output
+    url = f"{s3}/killed-{resumed}"
     env = {**os.environ, "IMGPACK_TEST_SLOW_SHARDS": "1"}
     slow = "import time, imgpack.direct as d; w = d.write_shard\n" \
         "def slow(t):\n    time.sleep(0.3); return w(t)\nd.write_shard = slow\n"  # fmt: skip
@@ -234,10 +239,16 @@ def test_a_killed_driver_resumes_to_the_same_bytes(
     monkeypatch.setattr(direct, "write_shard", counting)
     refused = CliRunner().invoke(main, ["convert", src_url, url, "-q", "--format", "lmdb"])
     assert refused.exit_code != 0 and "holds no imgpack.json" in refused.output
-    done = CliRunner().invoke(main, ["convert", src_url, url, "-q", "--resume", *args[:-2],
-                                     "--workers", "1"])  # fmt: skip
-    assert done.exit_code == 0, done.output
-    assert 0 < len(written) <= total - 3
+    workers = "1" if resumed == "in-process" else "2"  # receipts written by other processes
+    again = ["convert", src_url, url, "-q", "--resume", *args[:-2], "--workers", workers]
+    if resumed == "in-process":
+        done = CliRunner().invoke(main, again)
+        assert done.exit_code == 0, done.output
+        assert 0 < len(written) <= total - 3
+    else:
+        command = [sys.executable, "-c", "from imgpack.cli import main; main()", *again]
+        ran = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0 and "still to be written" not in ran.stderr, ran.stderr
     assert _bucket(url) == _bucket(reference)
 
 
@@ -305,3 +316,63 @@ def test_the_shard_plan_keeps_every_sample() -> None:
     assert direct.cut(iter([0]), 10) == [0, 1]
     assert direct.cut(iter([6, 6, 6]), 10) == [0, 1, 2, 3]
     assert direct.cut(iter([3, 3, 3, 30, 1]), 10) == [0, 3, 4, 5]
+
+
+@pytest.mark.parametrize("key", ["cat//b.png", "dots/../../escape.png", "cat/./c.png"])
+@pytest.mark.parametrize("how", ["shard tasks", "downloaded"])
+def test_a_key_that_is_no_plain_path_is_refused_by_name(
+    s3: str, images: Path, tmp_path: Path, key: str, how: str
+) -> None:
+    """Keys with an empty, '.' or '..' segment are neither dropped nor followed out of the
+    scratch folder: the conversion stops naming the key, and writes nothing anywhere."""
+    fs = fsspec.filesystem("s3")
+    name = f"oddkeys-{abs(hash((key, how)))}"
+    fs.put(str(images / "class0"), f"{BUCKET}/{name}/class0", recursive=True)
+    fs.put(str(images / "class1"), f"{BUCKET}/{name}/class1", recursive=True)
+    fs.pipe(f"{BUCKET}/{name}/{key}", (images / "class0" / "img0000.png").read_bytes())
+    work = tmp_path / "here" / "deeper"
+    work.mkdir(parents=True)
+    if how == "shard tasks":
+        dst, extra = f"{s3}/{name}-out", ["--format", "pt"]
+    else:  # --no-labels downloads SRC into a scratch folder first
+        dst, extra = str(work / "out"), ["--format", "pt", "--no-labels"]
+    result = CliRunner().invoke(main, ["convert", f"{s3}/{name}", dst, "-q", *extra])
+    assert result.exit_code == 1, result.output
+    assert key in result.output and "path segment" in result.output
+    assert "Traceback" not in result.output
+    assert (
+        not (tmp_path / "escape.png").exists() and not (tmp_path / "here" / "escape.png").exists()
+    )
+    assert not (work / "out").exists()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/{name}-out/imgpack.json")
+
+
+def test_an_object_replaced_after_the_listing_is_refused(
+    s3: str, images: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan lists SRC; one object is replaced before the workers GET it: the worker sees
+    another ETag than the listed one and the run stops naming the object, committing nothing
+    (one output id never names two contents)."""
+    import imgpack.sources.folder.source as folder_source
+
+    fs = fsspec.filesystem("s3")
+    fs.put(str(images), f"{BUCKET}/replaced", recursive=True)
+    real = folder_source.scan_listing
+    victim = "class1/img0001.png"
+
+    def listed_then_replaced(*args: object, **kwargs: object) -> object:
+        scan = real(*args, **kwargs)  # type: ignore[arg-type]
+        other = (images / "class0" / "img0000.png").read_bytes()
+        fs.pipe(f"{BUCKET}/replaced/{victim}", other)  # after the listing, before any GET
+        return scan
+
+    monkeypatch.setattr(folder_source, "scan_listing", listed_then_replaced)
+    url = f"{s3}/replaced-out"
+    result = CliRunner().invoke(main, ["convert", f"{s3}/replaced", url, "-q", "--format", "pt",
+                                       "--workers", "1"])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert f"{victim}: the object was replaced after this conversion listed it" in result.output
+    assert "Traceback" not in result.output
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/replaced-out/imgpack.json")

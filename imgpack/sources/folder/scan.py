@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from imgpack.errors import ManifestError, ScanError
-from imgpack.scan import SampleTable, Scan
+from imgpack.scan import SampleTable, Scan, listed_id
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
         str(root),
         folders,
         classes,
-        lambda name: (*walk_images(root, name, unreadable), None),
+        lambda name: (*walk_images(root, name, unreadable), None, None),
         unreadable,
     )
 
@@ -227,7 +227,7 @@ def visible(path: str) -> bool:
 def scan_listing(
     where: str,
     folders: list[str],
-    objects: Callable[[str], Iterable[tuple[str, int]]],
+    objects: Callable[[str], Iterable[tuple[str, int, str]]],
     classes: list[str] | None = None,
 ) -> Scan:
     """The scan of an image folder known by its listing (a bucket's objects): the classes,
@@ -242,18 +242,19 @@ def scan_listing(
             f"{where}/<class>/<image>"
         )
 
-    def walk(name: str) -> tuple[list[str], int, list[int]]:
+    def walk(name: str) -> tuple[list[str], int, list[int] | None, list[int] | None]:
         found, ignored = [], 0
-        for path, size in objects(name):
+        for path, size, etag in objects(name):
             if not visible(path):
                 continue
             folder, _, file = path.rpartition("/")
             if file.lower().endswith(IMAGE_EXTENSIONS):
-                found.append((folder, file, size))
+                found.append((folder, file, size, listed_id(etag)))
             else:
                 ignored += 1
         found.sort()  # walk_images's order: folders by path, files by name
-        return [_join(d, n) for d, n, _ in found], ignored, [size for _, _, size in found]
+        paths = [_join(d, n) for d, n, _, _ in found]
+        return paths, ignored, [f[2] for f in found], [f[3] for f in found]
 
     return _scan(where, sorted(folders), classes, walk, [])
 
@@ -262,7 +263,7 @@ def _scan(
     root: str,
     folders: list[str],
     classes: list[str] | None,
-    walk: Callable[[str], tuple[list[str], int, list[int] | None]],
+    walk: Callable[[str], tuple[list[str], int, list[int] | None, list[int] | None]],
     unreadable: list[dict[str, str]],
 ) -> Scan:
     """A scan from the class folders and a walk of each (its image paths, in order, the other
@@ -286,11 +287,11 @@ def _scan(
         if name not in present:
             empty.append(name)
             continue
-        paths, skipped, sizes = walk(name)
+        paths, skipped, sizes, listed = walk(name)
         ignored += skipped
         if not paths:
             empty.append(name)
-        samples.extend(paths, label, sizes)
+        samples.extend(paths, label, sizes, listed)
     if not samples and not unreadable:
         raise ScanError(
             f"{root}: found no image files in {len(folders)} class folder(s). Images are recognised "

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from imgpack import storage
-from imgpack.errors import ImageError, OptionError, ScanError
+from imgpack.errors import DataError, ImageError, OptionError, ScanError
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, process_file
-from imgpack.scan import Sample, Scan
+from imgpack.scan import Sample, Scan, listed_id
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import (
     SPLIT_NAMES,
@@ -50,26 +50,31 @@ class ObjectFetcher(Fetcher):
             return
         fs, root = _filesystem(self.url, self.storage_options)
         paths = [f"{root}/{sample.path}" for sample in samples]
-        try:
-            found = fs.cat(paths, on_error="return")
-        except (OSError, ValueError):
-            return  # each sample is read, and named, on its own
         _FETCHED.clear()
-        _FETCHED.update(found)
+        _FETCHED.update(zip(paths, storage.read_objects(fs, paths), strict=True))
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         fs, root = _filesystem(self.url, self.storage_options)
         path = f"{root}/{sample.path}"
-        data = _FETCHED.pop(path, None)
-        try:
-            if not isinstance(data, bytes):
-                data = fs.cat_file(path)
-        except (OSError, ValueError) as exc:
-            raise ImageError(sample.path, f"cannot read {self.url}/{sample.path}: {exc}") from None
-        return process_bytes(bytes(data), sample.path, sample.label, policy, encoding)
+        found = _FETCHED.pop(path, None)
+        if found is None:
+            (found,) = storage.read_objects(fs, [path])
+        if isinstance(found, BaseException):
+            raise ImageError(
+                sample.path, f"cannot read {self.url}/{sample.path}: {found}"
+            ) from None
+        data, said = found
+        if sample.listed and said and sample.listed not in {listed_id(s) for s in said}:
+            raise DataError(
+                f"{self.url}/{sample.path}: the object was replaced after this conversion "
+                "listed it (its ETag or version is not the listed one); nothing of it is "
+                "committed: run the conversion again to list the bucket anew"
+            )
+        return process_bytes(data, sample.path, sample.label, policy, encoding)
 
 
-#: Objects of the chunk being converted in this process (:meth:`ObjectFetcher.prefetch`).
+#: Objects of the chunk being converted in this process (:meth:`ObjectFetcher.prefetch`): their
+#: bytes and what the store said of them, or why they could not be read.
 _FETCHED: dict[str, Any] = {}
 
 

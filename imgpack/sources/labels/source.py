@@ -260,16 +260,18 @@ class LabelListFetcher(Fetcher):
 
 
 def _read_url(url: str) -> bytes:
-    from imgpack.storage import filesystem
+    from imgpack.storage import filesystem, read_objects
 
     fs, where = filesystem(url)
     if "file" in _protocols(fs):  # file:///dev/zero: a device, read only as a regular file
         return read_regular_file(where, url)
     try:
-        data: bytes = fs.cat_file(where)
+        (found,) = read_objects(fs, [where])  # one GET (no HEAD first)
     except Exception as exc:  # fsspec backends raise their own errors
-        raise ImageError(url, f"cannot read: {type(exc).__name__}: {exc}") from None
-    return data
+        found = exc
+    if isinstance(found, BaseException):
+        raise ImageError(url, f"cannot read: {type(found).__name__}: {found}") from None
+    return found[0]
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
