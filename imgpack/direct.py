@@ -158,6 +158,7 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         entry = FileEntry(
             target.name, local.stat().st_size, written.num_samples, written.sha256, companions
         )
+    names = [entry.path, *(c.path for c in entry.companions)]
     receipt = {
         "shard": task.number,
         "start": task.start,
@@ -165,6 +166,9 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         "count": written.num_samples,
         "skipped": skipped,
         "file": asdict(entry),
+        # What the store says of each object just uploaded: the commit refuses a shard object
+        # the listing then names otherwise (swapped or rewritten since).
+        "etags": {name: storage.content_tag(fs.info(f"{root}/{name}")) for name in names},
     }
     fs.pipe_file(f"{root}/{task.receipt}", json.dumps(receipt, sort_keys=True).encode())
     return receipt
@@ -183,11 +187,13 @@ class Destination:
     fs: Any
     root: str
     files: dict[str, int]
+    #: What the store says identifies each file's content (ETag or version; "" unknown).
+    tags: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def list(cls, url: str, storage_options: dict[str, Any] | None) -> Destination:
         fs, root = storage.filesystem(url, storage_options)
-        return cls(url, fs, root, _files(fs, root, url))
+        return cls(url, fs, root, *_files(fs, root, url))
 
     def relisted(self) -> Destination:
         """DST listed again (other parts and tasks write to it too), every listing of it and
@@ -195,20 +201,20 @@ class Destination:
         ``path`` and its parents only, and a cached listing of the work folder hid the
         receipts this very run wrote (a first ``--resume`` then did not commit)."""
         storage.forget_listings(self.fs, self.root)
-        return Destination(self.url, self.fs, self.root, _files(self.fs, self.root, self.url))
+        return Destination(self.url, self.fs, self.root, *_files(self.fs, self.root, self.url))
 
 
-def _files(fs: Any, root: str, url: str) -> dict[str, int]:
+def _files(fs: Any, root: str, url: str) -> tuple[dict[str, int], dict[str, str]]:
+    """DST's files as listed: their sizes and content tags, by relative path."""
     try:
         found = fs.find(root, detail=True)
     except FileNotFoundError:
         found = {}
     except OSError as exc:
         raise storage.remote_error(url, exc) from None
-    return {
-        path[len(root) :].lstrip("/"): int(info.get("size") or 0)
-        for path, info in storage.listed_objects(found)
-    }
+    listed = [(path[len(root) :].lstrip("/"), info) for path, info in storage.listed_objects(found)]
+    sizes = {name: int(info.get("size") or 0) for name, info in listed}
+    return sizes, {name: storage.content_tag(info) for name, info in listed}
 
 
 def convert_to_bucket(
@@ -232,7 +238,8 @@ def convert_to_bucket(
         return committed
     plan_file = {"output_id": plan.output_id, "format": options.format, "shards": total}
     dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
-    done = set(_receipts(dest, work, total)) if options.resume else set()
+    names = _shard_names(plan, total)
+    done = set(_receipts(dest, work, bounds, names)[0]) if options.resume else set()
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
     numbers = [k for k in range(first, last) if k not in done]
 
@@ -274,10 +281,24 @@ def convert_to_bucket(
                     "written so far are kept: --resume continues)",
                 )
             bar.update(len(task.samples))
-    receipts = _receipts(dest, work, total)
+    receipts, bad = _receipts(dest, work, bounds, names)
+    if bad:
+        path, problem = next(iter(sorted(bad.items())))
+        raise ImgpackError(
+            f"{url}/{path}: {problem}; nothing committed ({len(bad)} such receipt(s)): "
+            "--resume writes those shards again"
+        )
     if len(receipts) < total:
         return _part_summary(plan, receipts, first, last, url, total)
     return commit(plan, dest, work, [receipts[k] for k in range(total)])
+
+
+def _shard_names(plan: Plan, total: int) -> list[str]:
+    """Each shard's file name in the finished output (TFRecord's names hold ``-of-N``)."""
+    with tempfile.TemporaryDirectory(prefix="imgpack-names-") as tmp:
+        writer = format_spec(plan.options.format).writer_class()(Path(tmp), plan.writer_config())
+        assert isinstance(writer, ShardedWriter)  # shard tasks write sharded formats only
+        return [writer.final_name(k, total) for k in range(total)]
 
 
 def receipt_name(number: int) -> str:
@@ -374,26 +395,77 @@ def _read_manifest(dest: Destination) -> Manifest:
     return Manifest.from_json(data, f"{dest.url}/{MANIFEST_NAME}")
 
 
-def _receipts(dest: Destination, work: str, total: int) -> dict[int, dict[str, Any]]:
-    """The receipts under ``work`` whose shard is in the bucket as they describe it (its size
-    and its index files'), by shard number; the store is listed again (other parts write too)."""
+def _receipts(
+    dest: Destination, work: str, bounds: Sequence[int], names: Sequence[str]
+) -> tuple[dict[int, dict[str, Any]], dict[str, str]]:
+    """The receipts under ``work`` that hold (:func:`_receipt_problem`), by shard number, and
+    the others, by receipt path, with what is wrong; the store is listed again (other parts
+    write too). A worker writes a receipt only once its shard is uploaded, so a receipt whose
+    shard is missing or changed is a bad one. ``bounds``: the plan's shard bounds; ``names``:
+    each shard's file name."""
     fresh = dest.relisted()
-    names = [p for p in fresh.files if p.startswith(f"{work}/shard-") and p.endswith(".json")]
+    paths = [p for p in fresh.files if p.startswith(f"{work}/shard-") and p.endswith(".json")]
     found: dict[int, dict[str, Any]] = {}
-    if not names:
-        return found
-    blobs = dest.fs.cat([f"{dest.root}/{p}" for p in names], on_error="return")
-    for blob in blobs.values():
+    bad: dict[str, str] = {}
+    if not paths:
+        return found, bad
+    blobs = dest.fs.cat([f"{dest.root}/{p}" for p in paths], on_error="return")
+    for path in paths:
+        blob = blobs.get(f"{dest.root}/{path}")
         try:
             receipt = json.loads(blob)
             number = int(receipt["shard"])
             entry = _entry(receipt["file"])
         except (TypeError, ValueError, KeyError):
+            bad[path] = "not a receipt imgpack wrote (unreadable)"
             continue
-        wanted = [(entry.path, entry.bytes), *((c.path, c.bytes) for c in entry.companions)]
-        if 0 <= number < total and all(fresh.files.get(p) == size for p, size in wanted):
+        problem = _receipt_problem(receipt, entry, path, work, bounds, names, fresh)
+        if problem is None:
             found[number] = receipt
-    return found
+        else:
+            bad[path] = problem
+    return found, bad
+
+
+def _receipt_problem(
+    receipt: dict[str, Any],
+    entry: FileEntry,
+    path: str,
+    work: str,
+    bounds: Sequence[int],
+    names: Sequence[str],
+    listed: Destination,
+) -> str | None:
+    """What makes a receipt disagree with the plan, with itself, or with its shard's objects
+    as listed (their sizes, and the ETags the worker recorded right after uploading them)."""
+    number = int(receipt["shard"])
+    if not 0 <= number < len(names) or path != f"{work}/{receipt_name(number)}":
+        return f"names shard {number}, which is not the shard this receipt is for"
+    if entry.path != names[number]:
+        return f"names the file {entry.path!r}, not shard {number}'s {names[number]!r}"
+    if (receipt.get("start"), receipt.get("stop")) != (bounds[number], bounds[number + 1]):
+        return "holds other samples than the plan's shard"
+    skipped = receipt.get("skipped")
+    count = receipt.get("count")
+    if (
+        not isinstance(skipped, list)
+        or not all(isinstance(s, dict) and {"path", "reason"} <= set(s) for s in skipped)
+        or type(count) is not int
+        or count != entry.num_samples
+        or count + len(skipped) != bounds[number + 1] - bounds[number]
+    ):
+        return "counts its samples and skipped files inconsistently"
+    for name, size in [(entry.path, entry.bytes), *((c.path, c.bytes) for c in entry.companions)]:
+        if listed.files.get(name) != size:
+            return f"{name} is not in the bucket at the {size:,} bytes it records"
+    etags = receipt.get("etags")
+    if not isinstance(etags, dict):
+        return "records no ETags of its uploaded objects"
+    for name in [entry.path, *(c.path for c in entry.companions)]:
+        tag = listed.tags.get(name, "")
+        if etags.get(name) != tag or not tag:
+            return f"{name} is not the object its task uploaded (its ETag is another)"
+    return None
 
 
 def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:

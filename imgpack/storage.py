@@ -304,7 +304,7 @@ def _remote_files(fs: Any, root: str, url: str, manifest: Manifest) -> list[Remo
     extra = []
     for path, info in sorted(found.items()):
         name = path[len(root) :].lstrip("/")
-        tags[name] = _etag(info)
+        tags[name] = content_tag(info)
         if not guess or "/" in name or name in names or Path(name).stem not in stems:
             continue
         extra.append(Remote(name, int(info.get("size") or 0), "", tags[name]))
@@ -356,7 +356,7 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
-def _etag(info: dict[str, Any]) -> str:
+def content_tag(info: dict[str, Any]) -> str:
     """What the store says identifies an object's content (ETag, version, generation)."""
     for key in ("VersionId", "ETag", "etag", "generation", "version_id", "md5Hash"):
         if info.get(key):
@@ -646,7 +646,7 @@ def _write_objects(out: Any, root: str, objects: Iterable[tuple[str, dict[str, A
         relative = path[len(root) :].lstrip("/")
         _check_key(relative, path)
         shown += visible(relative)
-        line = json.dumps([relative, int(info.get("size") or 0), _etag(info)])
+        line = json.dumps([relative, int(info.get("size") or 0), content_tag(info)])
         out.write(line.encode("ascii") + b"\n")
     return shown
 

@@ -376,3 +376,64 @@ def test_an_object_replaced_after_the_listing_is_refused(
     assert "Traceback" not in result.output
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/replaced-out/imgpack.json")
+
+
+def _tamper(fs: object, root: str, receipt: str, how: str) -> None:
+    """Change part 0's first receipt, or its shard object, as ``how`` says."""
+    data = json.loads(fs.cat_file(receipt))  # type: ignore[attr-defined]
+    shard = f"{root}/{data['file']['path']}"
+    if how == "count":
+        data["count"] += 1
+    elif how == "range":
+        data["start"], data["stop"] = data["start"] + 1, data["stop"] + 1
+    elif how == "number":
+        data["shard"] += 1
+    elif how == "path":
+        data["file"]["path"] = "shard-00099.pt"
+    elif how == "etags":
+        del data["etags"]
+    if how in ("swapped", "same-size"):
+        blob = bytearray(fs.cat_file(shard))  # type: ignore[attr-defined]
+        if how == "swapped":
+            blob = blob[: len(blob) // 2]
+        else:
+            blob[-100] ^= 0xFF  # same size, other content: only the ETag tells
+        fs.pipe_file(shard, bytes(blob))  # type: ignore[attr-defined]
+    elif how == "garbage":
+        fs.pipe_file(receipt, b"{not json")  # type: ignore[attr-defined]
+    else:
+        fs.pipe_file(receipt, json.dumps(data).encode())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "how", ["count", "range", "number", "path", "etags", "swapped", "same-size", "garbage"]
+)
+def test_a_tampered_receipt_or_shard_is_refused_at_the_commit(
+    s3: str, src_url: str, how: str
+) -> None:
+    """Part 0 of 2 leaves its shards and receipts; one is changed; the part that would commit
+    refuses in one line naming the receipt, and writes no manifest; --resume of part 0 writes
+    that shard again and the output then commits whole and reads."""
+    url = f"{s3}/tampered-{how}"
+    args = ["--format", "pt", "--shard-size", "3KB", "--workers", "1", "--num-parts", "2"]
+    first = CliRunner().invoke(main, ["convert", src_url, url, "-q", *args, "--part", "0"])
+    assert first.exit_code == 0, first.output
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    root = url.removeprefix("s3://")
+    receipts = sorted(p for p in fs.find(root) if "/.imgpack-work/" in p and "/shard-" in p)
+    _tamper(fs, root, receipts[0], how)
+    fs.invalidate_cache()
+    second = CliRunner().invoke(main, ["convert", src_url, url, "-q", *args, "--part", "1"])
+    assert second.exit_code == 1, second.output
+    assert receipts[0].rsplit("/", 1)[1] in second.output and "nothing committed" in second.output
+    assert "Traceback" not in second.output
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/imgpack.json")
+    again = ["convert", src_url, url, "-q", *args, "--resume"]
+    mended = CliRunner().invoke(main, [*again, "--part", "0"])
+    assert mended.exit_code == 0, mended.output
+    if "imgpack.json" not in _bucket(url):  # part 1 found part 0 unfinished: it commits now
+        assert CliRunner().invoke(main, [*again, "--part", "1"]).exit_code == 0
+    assert verify(url).ok
+    assert len(open_dataset(url, verify=True)) == 48
