@@ -162,27 +162,16 @@ SHARD_SIZES |= {("tfrecord", "few"): "3KB", ("tfrecord", "many"): "20KB"}
 
 
 @pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
-@pytest.mark.parametrize("span", [True, False], ids=["span", "no-span"])
 @pytest.mark.parametrize("per_shard", ["few", "many"])
 @pytest.mark.parametrize("verify", [None, False])
 def test_raw_batches_across_many_shards_equal_a_one_shard_output(
-    fmt: str,
-    per_shard: str,
-    verify: bool | None,
-    span: bool,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    fmt: str, per_shard: str, verify: bool | None, tmp_path: Path
 ) -> None:
-    """A raw batch that touches several shards (a few rows of each, or dozens: gathered in
-    different ways) holds the same pixels and labels, in batch order, as the same batch read
-    from a one-shard output of the same images; with the shards mapped as one span, and
-    without (as where the platform cannot)."""
+    """A raw batch that touches several shards (a few rows of each, or dozens) holds the same
+    pixels and labels, in batch order, as the same batch read from a one-shard output of the
+    same images."""
     import numpy as np
 
-    from imgpack.formats import span as spans
-
-    if not span:  # as where the platform cannot: shard by shard
-        monkeypatch.setattr(spans, "reserve_span", lambda sizes: None)
     shard_size = SHARD_SIZES[(fmt, per_shard)]
 
     src = build_uniform_folder(tmp_path / "src", count=120, classes=3, size=8)
@@ -203,55 +192,14 @@ def test_raw_batches_across_many_shards_equal_a_one_shard_output(
             got = collate(many.__getitems__(batch))
             want = collate(one.__getitems__(batch))
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), batch
-    assert (many.handles.spanning.span is not None) == span  # the batches came through it, or not
-
-
-def test_a_span_maps_files_one_after_another_and_gathers_rows_across_them(
-    tmp_path: Path,
-) -> None:
-    """Files of odd sizes (one empty) placed in one span: each file's bytes at its base, a
-    gather of rows from any of them in one call; a file whose size changed is not placed."""
-    import os
-
-    import numpy as np
-
-    from imgpack.formats.span import reserve_span
-
-    rng = np.random.default_rng(3)
-    contents = [rng.bytes(n) for n in (5000, 0, 4096, 12345)]
-    fds = []
-    for k, data in enumerate(contents):
-        (tmp_path / f"f{k}").write_bytes(data)
-        fds.append(os.open(tmp_path / f"f{k}", os.O_RDONLY))
-    try:
-        span = reserve_span([len(data) for data in contents])
-        assert span is not None and not span.placed.any()
-        assert not span.place(0, fds[3])  # not the size file 0 had
-        for number, fd in enumerate(fds):
-            assert span.place(number, fd) and span.place(number, fd)
-        for data, base in zip(contents, span.bases.tolist(), strict=True):
-            assert base % 4096 == 0
-            assert bytes(span.data[base : base + len(data)].numpy()) == data
-        shard_of = np.array([3, 0, 2, 3, 0], np.int64)
-        starts = np.array([12345 - 7, 0, 4089, 100, 4993], np.int64)
-        out = torch.empty((5, 7), dtype=torch.uint8)
-        span.gather(span.bases[shard_of] + starts, out)
-        rows = zip(out.numpy(), shard_of.tolist(), starts.tolist(), strict=True)
-        for row, number, start in rows:
-            assert bytes(row) == contents[number][start : start + 7]
-        span.close()
-        span.close()  # twice is nothing
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 @pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
 def test_raw_batches_across_shards_read_alike_in_dataloader_workers(
     fmt: str, tmp_path: Path
 ) -> None:
-    """Each forked worker maps the shards as its own span: the batches two workers hand back
-    are the ones a one-shard output of the same images gives, in order."""
+    """Each forked worker gathers from the shards it maps itself: the batches two workers hand
+    back are the ones a one-shard output of the same images gives, in order."""
     import numpy as np
     from torch.utils.data import DataLoader
 
@@ -268,23 +216,3 @@ def test_raw_batches_across_shards_read_alike_in_dataloader_workers(
     for (images, labels), batch in zip(loader, batches, strict=True):
         want_images, want_labels = collate(one.__getitems__(batch))
         assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
-
-
-def test_where_a_pt_shards_tensors_lie_in_its_file(tmp_path: Path) -> None:
-    """The offsets the pt reader gathers a span from are where each tensor's bytes are in the
-    file torch.save wrote; a file it cannot be sure of (no zip) gives none."""
-    from imgpack.formats.pt.reader import tensor_offsets
-
-    images = torch.arange(5 * 48, dtype=torch.uint8).reshape(5, 4, 4, 3)
-    labels = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int64)
-    path = tmp_path / "shard.pt"
-    torch.save({"images": images, "labels": labels, "crc32c": labels * 7}, path)
-    shard = torch.load(path, mmap=True, weights_only=True)
-    at = tensor_offsets(path, [shard["images"], shard["labels"]])
-    assert at is not None
-    data = path.read_bytes()
-    assert data[at[0] : at[0] + images.numel()] == images.numpy().tobytes()
-    assert data[at[1] : at[1] + 40] == labels.numpy().tobytes()
-    legacy = tmp_path / "legacy.pt"
-    torch.save({"images": images}, legacy, _use_new_zipfile_serialization=False)
-    assert tensor_offsets(legacy, [images]) is None

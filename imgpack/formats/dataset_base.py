@@ -45,7 +45,6 @@ from imgpack.errors import (
     OptionError,
     PerformanceWarning,
 )
-from imgpack.formats.span import Span, SpanSlot
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LazyOutput, Prefetcher, unpin
@@ -110,11 +109,6 @@ def _rebuild_batch(images: Images | list[Any], labels: np.ndarray | list[Any]) -
     return Batch(images, torch.from_numpy(labels) if isinstance(labels, np.ndarray) else labels)
 
 
-#: Rows of one shard in a batch below which they are gathered with numpy's fancy indexing (a
-#: few µs a call) rather than torch's ``index_select`` (25 µs a call, faster per row).
-FEW_ROWS = 32
-
-
 def void_rows(data: np.ndarray) -> np.ndarray:
     """A C-contiguous array of ``n`` rows (``(n, width)`` uint8, or ``(n, H, W, C)``) as ``n``
     items of one row's bytes each: numpy's fancy indexing then copies a row with one memcpy
@@ -136,15 +130,80 @@ def shard_runs(shard_of: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, i
     return order, list(zip(numbers, starts, stops, strict=True))
 
 
-def byte_rows(data: torch.Tensor, start: np.ndarray, width: int) -> np.ndarray:
+def row_windows(data: Any, width: int) -> np.ndarray:
+    """The bytes of ``data`` (a buffer: a memory map, bytes, a 1-D uint8 array) as a read-only
+    array of ``len - width + 1`` items of ``width`` bytes: item ``s`` is the ``width`` bytes at
+    offset ``s`` (no copy; numpy's fancy indexing of it gathers rows at any offsets, a memcpy
+    each)."""
+    size = len(data) if not isinstance(data, np.ndarray) else data.nbytes
+    count = max(0, size - width + 1)
+    return np.ndarray((count,), np.dtype((np.void, width)), buffer=data, strides=(1,))
+
+
+#: Whether this process was forked from another (after which torch's OpenMP pool, if the
+#: parent started it, no longer works: see :func:`torch_may_gather`).
+_FORKED = False
+
+
+def _forked() -> None:
+    global _FORKED
+    _FORKED = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def torch_may_gather() -> bool:
+    """Whether a gather may use torch's ``index_select`` here: it runs on torch's intra-op
+    threads (OpenMP), and GNU OpenMP's pool does not survive ``fork()``: a forked child that
+    enters it after its parent did waits forever. So torch gathers in a process that was not
+    forked (its pool is its own) or that runs torch on one thread (DataLoader workers: no
+    OpenMP region is entered); elsewhere (a process forked with several threads) numpy
+    copies the rows, single-threaded, at about half the speed."""
+    return not _FORKED or torch.get_num_threads() == 1
+
+
+def take_rows(
+    rows: np.ndarray | torch.Tensor, index: np.ndarray, out: np.ndarray | torch.Tensor
+) -> None:
+    """``out[k] = rows[index[k]]`` for whole rows (a contiguous array whose first axis is the
+    row; ``out`` contiguous, of the rows' shape): torch's ``index_select`` where
+    :func:`torch_may_gather`, else numpy's fancy indexing (a memcpy a row)."""
+    target = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
+    if torch_may_gather():
+        source = rows if isinstance(rows, torch.Tensor) else readonly_tensor(rows)
+        flat = source.reshape(len(source), -1)
+        torch.index_select(flat, 0, torch.from_numpy(index), out=target.view(len(index), -1))
+        return
+    array = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+    void_rows(target.numpy())[:] = void_rows(array)[index]
+
+
+def take_windows(
+    data: np.ndarray | torch.Tensor, width: int, starts: np.ndarray, out: np.ndarray | torch.Tensor
+) -> None:
+    """Row ``k`` of ``out`` (contiguous ``(n, width)`` uint8) is ``data[starts[k] : starts[k] +
+    width]`` (``data``: 1-D uint8, each row inside it): one gather over a sliding-window view,
+    torch's or numpy's as :func:`take_rows` chooses."""
+    target = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
+    if torch_may_gather():
+        source = data if isinstance(data, torch.Tensor) else readonly_tensor(data)
+        windows = source.as_strided((len(source) - width + 1, width), (1, 1))
+        torch.index_select(windows, 0, torch.from_numpy(starts), out=target.view(-1, width))
+        return
+    array = data.numpy() if isinstance(data, torch.Tensor) else data
+    void_rows(target.numpy())[:] = row_windows(array, width)[starts]
+
+
+def byte_rows(data: torch.Tensor | np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
     """``(len(start), width)`` uint8: ``data[s : s + width]`` (``data``: 1-D uint8) for each
-    ``s`` of ``start``, in one gather (``index_select`` over a sliding-window view of ``data``,
-    a memory copy per row), a start past ``len(data) - width`` moved back to it. ``data`` holds
-    at least ``width`` bytes."""
+    ``s`` of ``start``, in one gather (:func:`take_windows`), a start past ``len(data) - width``
+    moved back to it. ``data`` holds at least ``width`` bytes."""
     last = len(data) - width
-    windows = data.as_strided((last + 1, width), (1, 1))
-    index = torch.from_numpy(np.minimum(np.maximum(start, 0), last))
-    return torch.index_select(windows, 0, index).numpy()
+    out = np.empty((len(start), width), np.uint8)
+    take_windows(data, width, np.minimum(np.maximum(start, 0), last), out)
+    return out
 
 
 def readonly_tensor(data: np.ndarray) -> torch.Tensor:
@@ -357,6 +416,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         self._fetches = (os.getpid(), 0)
         self._handles: Any = None
         self._pid: int | None = None
+        #: Files this process memory-mapped, by shard (0 for one-file outputs): their path, a
+        #: descriptor and their size when mapped, for :meth:`_check_mapped`.
+        self._maps: tuple[int, dict[int, tuple[str, int, int]]] = (os.getpid(), {})
         self._targets: list[int] | None = None
         self._samples: list[tuple[str, int]] | None = None
         self._stored_paths: list[str] | None = None
@@ -565,9 +627,12 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         state["_seen"] = None
         state["_steered"] = None
         state["_fetches"] = (0, 0)
+        state["_maps"] = (0, {})
         return state
 
-    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
+    def __del__(
+        self, _getpid: Callable[[], int] = os.getpid, _close: Callable[[int], None] = os.close
+    ) -> None:
         # ``os`` is bound at definition: a dataset still alive at interpreter exit is deleted
         # after the module's globals are cleared.
         handles = self.__dict__.get("_handles")
@@ -576,6 +641,13 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 self._close(handles)
             except Exception:
                 pass
+        pid, maps = self.__dict__.get("_maps", (0, {}))
+        if pid == _getpid():
+            for _, fd, _ in maps.values():
+                try:  # noqa: SIM105
+                    _close(fd)
+                except Exception:
+                    pass
         pid, pins = self.__dict__.get("_pins", (0, {}))
         if pid == _getpid():
             for fd in pins.values():
@@ -691,17 +763,55 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         0): what the raw gathers take, so that the common one-shard case skips the lookup."""
         return None if len(self._starts) == 2 else self._shard_of(indices)
 
-    def _span(
-        self,
-        slot: SpanSlot,
-        shard_of: np.ndarray,
-        paths: Callable[[], Sequence[Path]],
-        place: Callable[[Span, int], bool],
-    ) -> Span | None:
-        """:meth:`SpanSlot.covering`: this process's shard files ``paths()`` in one range of
-        addresses, those of ``shard_of`` placed; never for an output read lazily (its files
-        come and go from the cache)."""
-        return slot.covering(shard_of, None if self._lazy is not None else paths, place)
+    def _note_mapped(self, number: int, path: str | os.PathLike[str]) -> None:
+        """Shard ``number``'s file at ``path`` is memory-mapped in this process now: a
+        descriptor of it is kept (it names the file mapped, even if another is renamed over
+        the path) with its size, for :meth:`_check_mapped`."""
+        pid, maps = self._maps
+        if pid != os.getpid():  # forked: the parent's descriptors are the parent's to close
+            maps = {}
+            self._maps = (os.getpid(), maps)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        old = maps.pop(number, None)
+        if old is not None:
+            os.close(old[1])
+        maps[number] = (str(path), fd, os.fstat(fd).st_size)
+
+    def _check_mapped(self, indices: np.ndarray) -> None:
+        """Refuse a batch that would read a memory-mapped file that shrank since it was mapped
+        (truncated in place): reading past its new end is a SIGBUS that kills the process. One
+        ``fstat`` per mapped shard the batch touches. A file renamed over the path is not the
+        mapped one: the mapping still holds the old file whole, and so does the descriptor."""
+        pid, maps = self._maps
+        if not maps or pid != os.getpid() or not len(indices):
+            return
+        if getattr(self, "_starts", None) is None or len(maps) == 1:
+            touched: list[int] = list(maps)  # one file, or the one mapped so far
+        else:
+            touched = np.unique(self._shard_of(indices)).tolist()
+        for number in touched:
+            found = maps.get(number)
+            if found is None:
+                continue
+            path, fd, size = found
+            now = os.fstat(fd).st_size
+            if now < size:
+                raise DataError(
+                    f"{path}: {now:,} bytes now, {size:,} when this process mapped it: the file "
+                    "was cut while it was read (reading on would crash the process with "
+                    f"SIGBUS); open the output again ('imgpack verify {self.root}' names what "
+                    "is damaged)"
+                )
+
+    def _forget_mapped(self, number: int) -> None:
+        """Shard ``number`` is no longer mapped here (its file let go)."""
+        pid, maps = self._maps
+        found = maps.pop(number, None) if pid == os.getpid() else None
+        if found is not None:
+            os.close(found[1])
 
     def _locate(self, index: int) -> tuple[int, int]:
         """The shard holding sample ``index`` and its place there (a bisect: one sample's
@@ -871,6 +981,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         # first go while the last are read would fetch and open them again.
         self._batch_depth += 1
         try:
+            self._check_mapped(indices)
             images, labels = self._gather(indices)
         finally:
             self._batch_depth -= 1
@@ -909,6 +1020,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """Encoded sample ``index`` decoded: :meth:`_one`, then the decoder (its ``size``)."""
         self._batch_depth += 1  # its file stays pinned until it is read (as in _fetch)
         try:
+            self._check_mapped(np.array([index], np.int64))
             item, label, where = self._one(index)
             return self.decoder.single(item, where), label
         finally:
@@ -947,7 +1059,6 @@ class PreadDataset(ImageDataset):
 
     def _close(self, handles: Any) -> None:
         closers = [m.close for m in handles.maps.values()]
-        closers.append(handles.spanning.close)
         closers += [functools.partial(os.close, fd) for fd in handles.fds.values()]
         for close in closers:  # each one, whatever another raised
             with contextlib.suppress(Exception):
@@ -963,16 +1074,8 @@ class PreadDataset(ImageDataset):
             if os.fstat(fd).st_size == 0:
                 return b""
             mapped = files.maps[number] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            self._note_mapped(number, self._local(number))
         return mapped
-
-    def _mapped_tensor(self, number: int) -> torch.Tensor:
-        """Shard ``number``'s bytes as a uint8 tensor over its memory map (never written: the
-        map is read-only), for torch's gathers."""
-        tensors = self.handles.tensors
-        found = tensors.get(number)
-        if found is None:
-            found = tensors[number] = readonly_tensor(np.frombuffer(self._mapped(number), np.uint8))
-        return found
 
     def _row_windows(self, number: int, width: int) -> np.ndarray:
         """Shard ``number``'s bytes as a read-only array of ``size - width + 1`` items of
@@ -981,38 +1084,30 @@ class PreadDataset(ImageDataset):
         windows = self.handles.windows
         found = windows.get((number, width))
         if found is None:
-            data = self._mapped(number)
-            count = max(0, len(data) - width + 1)
-            found = windows[(number, width)] = np.ndarray(
-                (count,), np.dtype((np.void, width)), buffer=data, strides=(1,)
-            )
+            found = windows[(number, width)] = row_windows(self._mapped(number), width)
         return found
 
     def _rows_into(self, number: int, starts: np.ndarray, out: torch.Tensor) -> None:
         """Row ``k`` of ``out`` (a contiguous ``(n, width)`` uint8 tensor) is the ``width``
         bytes of shard ``number`` at offset ``starts[k]`` (offsets inside the file, as its
-        checked index gives them): one gather, numpy's for a few rows, torch's for more."""
-        width = out.shape[1]
-        if len(starts) < FEW_ROWS:
-            void_rows(out.numpy())[:] = self._row_windows(number, width)[starts]
-            return
-        strided = self.handles.strided
-        windows = strided.get((number, width))
-        if windows is None:
-            data = self._mapped_tensor(number)
-            windows = strided[(number, width)] = data.as_strided(
-                (len(data) - width + 1, width), (1, 1)
-            )
-        torch.index_select(windows, 0, torch.from_numpy(starts), out=out)
+        checked index gives them): one gather (:func:`take_windows`)."""
+        take_windows(self._mapped_tensor(number), out.shape[1], starts, out)
+
+    def _mapped_tensor(self, number: int) -> torch.Tensor:
+        """Shard ``number``'s bytes as a uint8 tensor over its memory map (read only), made
+        once per shard and process."""
+        tensors = self.handles.tensors
+        found = tensors.get(number)
+        if found is None:
+            found = tensors[number] = readonly_tensor(np.frombuffer(self._mapped(number), np.uint8))
+        return found
 
     def _gather_rows(
         self, shard_of: np.ndarray | None, starts: np.ndarray, out: torch.Tensor
     ) -> None:
         """:meth:`_rows_into` for a batch whose rows lie in shards ``shard_of`` (``None``: all
         in shard 0) at ``starts``: straight into ``out`` from one shard; from several, each
-        shard's rows gathered and put in their places in ``out`` with one numpy assignment
-        (rows as :func:`void_rows`: a memcpy each, no scratch batch and no second pass to put
-        it in batch order)."""
+        shard's rows gathered and put in their places in ``out`` with one numpy assignment (rows as :func:`void_rows`: a memcpy each)."""
         if shard_of is None:
             self._rows_into(0, starts, out)
             return
@@ -1020,33 +1115,18 @@ class PreadDataset(ImageDataset):
         if not len(shard_of) or (shard_of == first).all():
             self._rows_into(first, starts, out)
             return
-        span = self._span(self.handles.spanning, shard_of, self._shard_paths, self._place_in_span)
-        if span is not None:  # the shards in one range of addresses: one gather
-            span.gather(span.bases[shard_of] + starts, out)
-            return
         order, runs = shard_runs(shard_of)
         ordered, width = starts[order], out.shape[1]
         most = max(runs, key=lambda run: run[2] - run[1])
         if 2 * (most[2] - most[1]) >= len(order):
             # Most rows in one shard (a webdataset output's default two): the whole batch is
             # gathered from it in one call, the other shards' rows standing in for one of its
-            # own, then their rows put over them. One copy for most rows instead of two.
+            # own, then their rows put over them (a call costs more than a few rows' copy).
             self._rows_into(most[0], np.where(shard_of == most[0], starts, ordered[most[1]]), out)
             runs = [run for run in runs if run is not most]
-        rows, windows = void_rows(out.numpy()), self.handles.windows
+        rows = void_rows(out.numpy())
         for number, start, stop in runs:
-            found = windows.get((number, width))
-            if found is None:
-                found = self._row_windows(number, width)
-            rows[order[start:stop]] = found[ordered[start:stop]]
-
-    def _shard_paths(self) -> list[Path]:
-        return self.shard_files
-
-    def _place_in_span(self, span: Span, number: int) -> bool:
-        """Shard ``number`` mapped into this process's span (opened, and checked, as any
-        shard is when first read)."""
-        return span.place(number, self._fd(number))
+            rows[order[start:stop]] = self._row_windows(number, width)[ordered[start:stop]]
 
     def _local(self, number: int) -> Path:
         """Shard ``number``'s local path (fetched first, for an output read lazily)."""
@@ -1061,9 +1141,8 @@ class PreadDataset(ImageDataset):
             if path.relative_to(self.root).as_posix() != name:
                 continue
             files.tensors.pop(number, None)
-            for views in (files.windows, files.strided):
-                for key in [k for k in views if k[0] == number]:
-                    del views[key]
+            for key in [k for k in files.windows if k[0] == number]:
+                del files.windows[key]
             mapped = files.maps.pop(number, None)
             if mapped is not None:
                 with contextlib.suppress(BufferError):  # a batch still views it: it goes later
@@ -1071,6 +1150,7 @@ class PreadDataset(ImageDataset):
             fd = files.fds.pop(number, None)
             if fd is not None:
                 os.close(fd)
+            self._forget_mapped(number)
 
     def _fd(self, number: int) -> int:
         fds = self.handles.fds
@@ -1103,10 +1183,8 @@ class ShardFiles:
 
     fds: dict[int, int] = field(default_factory=dict)
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
-    tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes, for torch
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes
     windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
-    strided: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # torch's, too
-    spanning: SpanSlot = field(default_factory=SpanSlot)  # the shards in one range of addresses
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from imgpack.formats.dataset_base import (
     check_labels,
     check_offsets,
     new_batch_tensor,
+    take_rows,
 )
 
 #: HDF5 chunk cache per open file on the chunked path (h5py's default is 1 MiB).
@@ -47,7 +48,7 @@ class HDF5Dataset(ImageDataset):
 
     Uncompressed datasets are contiguous: their bytes sit at a fixed offset in ``data.h5``
     (``Dataset.id.get_offset()``), which the reader memory-maps (read-only, copy-on-write) and
-    gathers from in one ``index_select``. Chunked or compressed datasets are read through h5py,
+    gathers from in one numpy gather. Chunked or compressed datasets are read through h5py,
     a batch at a time in as few HDF5 calls as possible (sorted unique indices, contiguous runs),
     then put back in the requested order. ``mmap=False`` forces the h5py path.
 
@@ -124,6 +125,7 @@ class HDF5Dataset(ImageDataset):
                 ) from None
             # Checked after mapping: a file replaced before the mapping has another id.
             self._check_open_output()
+            self._note_mapped(0, self.path)
             return whole[self._offset :].view(self._shape)
         import h5py
 
@@ -226,7 +228,7 @@ class HDF5Dataset(ImageDataset):
         if self._raw:
             if self.mmap:
                 out = new_batch_tensor((len(indices), *self._shape[1:]))
-                torch.index_select(self.handles, 0, torch.from_numpy(indices), out=out)
+                take_rows(self.handles, indices, out)
             else:
                 out = torch.from_numpy(self._read_rows(indices))
             if self._unchecked(indices):  # the first read of these records (or verify=True)
@@ -245,7 +247,8 @@ class HDF5Dataset(ImageDataset):
         if self._crcs is None:
             return None
         if self.mmap:
-            pixels = torch.index_select(self.handles, 0, torch.from_numpy(indices)).numpy()
+            pixels = np.empty((len(indices), *self._shape[1:]), np.uint8)
+            take_rows(self.handles, indices, pixels)
         else:
             pixels = self._read_rows(indices)
         return pixels.reshape(len(indices), -1), self._labels[indices], self._crcs[indices]

@@ -23,6 +23,7 @@ from imgpack.formats.dataset_base import (
     byte_rows,
     label_tensor,
     new_batch_tensor,
+    take_windows,
 )
 from imgpack.formats.lmdb import record
 from imgpack.images import Kind
@@ -128,6 +129,7 @@ class LMDBDataset(ImageDataset):
         except BaseException:
             release_environment(env)
             raise
+        self._note_mapped(0, self.root / "data.mdb")  # LMDB maps it whole
         return env
 
     def _close(self, handles: Any) -> None:
@@ -285,10 +287,7 @@ class LMDBDataset(ImageDataset):
                 return None
             labels = found[1]
         out = new_batch_tensor((count, *self._shape))
-        windows, tails = spans.tails(pixels)
-        torch.index_select(
-            windows, 0, torch.from_numpy(tails[indices]), out=out.view(count, pixels)
-        )
+        take_windows(spans.tensor, pixels, spans.tails(pixels)[indices], out.view(count, pixels))
         return out.permute(0, 3, 1, 2), torch.from_numpy(labels.astype(np.int64, copy=False))
 
     def _values(self, txn: Any, keys: list[bytes]) -> list[Any]:
@@ -397,15 +396,14 @@ class _MapSpans:
         self.env, self.tensor, self.starts, self.lengths = env, tensor, starts, lengths
         self.labels = np.zeros(len(starts), np.int64)
         self.checked = np.zeros(len(starts), np.bool_)
-        self._tails: tuple[int, torch.Tensor, np.ndarray] | None = None
+        self._tails: tuple[int, np.ndarray] | None = None
 
-    def tails(self, pixels: int) -> tuple[torch.Tensor, np.ndarray]:
-        """The map as a window of ``pixels`` bytes at every byte, and where each record's last
-        ``pixels`` bytes (a raw record's pixels) start in it: made once, not per batch."""
+    def tails(self, pixels: int) -> np.ndarray:
+        """Where each record's last ``pixels`` bytes (a raw record's pixels) start in the map:
+        made once, not per batch."""
         if self._tails is None or self._tails[0] != pixels:
-            windows = self.tensor.as_strided((len(self.tensor) - pixels + 1, pixels), (1, 1))
-            self._tails = (pixels, windows, self.starts + self.lengths - pixels)
-        return self._tails[1], self._tails[2]
+            self._tails = (pixels, self.starts + self.lengths - pixels)
+        return self._tails[1]
 
     @classmethod
     def build(cls, env: Any, count: int) -> _MapSpans | None:

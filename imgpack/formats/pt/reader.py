@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import struct
-import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,16 +20,17 @@ from imgpack.formats.dataset_base import (
     label_tensor,
     new_batch_tensor,
     shard_runs,
+    take_rows,
     void_rows,
 )
-from imgpack.formats.span import Span, SpanSlot
 from imgpack.formats.writer_base import default_shard_name
 
 
 class PTDataset(ImageDataset):
     """Dataset over a ``pt`` output. Shards are memory-mapped with
     ``torch.load(path, mmap=True, weights_only=True)`` on first use in each process; a raw batch
-    is one ``index_select`` per shard it touches."""
+    is one numpy gather per shard it touches (never a parallel torch op: a forked process
+    reads on)."""
 
     lazy_files = True
 
@@ -49,17 +46,17 @@ class PTDataset(ImageDataset):
         return self._raw
 
     def _open(self) -> PTShards:
-        count = len(self.manifest.files)
-        return PTShards([None] * count, np.zeros(count, np.int64), np.zeros(count, np.int64))
+        return PTShards([None] * len(self.manifest.files))
 
     def _close(self, handles: Any) -> None:
-        handles.spanning.close()
+        handles.loaded[:] = [None] * len(handles.loaded)
 
     def _release_file(self, name: str) -> None:
         shards = self.handles.loaded
         for number, entry in enumerate(self.manifest.files):
             if entry.path == name:
                 shards[number] = None  # its tensors go when the last batch using them does
+                self._forget_mapped(number)
 
     def _shard(self, number: int) -> dict[str, Any]:
         shards = self.handles.loaded
@@ -75,6 +72,7 @@ class PTDataset(ImageDataset):
             shard = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:
             raise DataError(f"{path}: cannot load shard: {exc}") from None
+        self._note_mapped(number, path)
         n = entry.num_samples
         if isinstance(shard, dict):
             self._check_output(shard.get("output_id"), str(path))
@@ -206,16 +204,8 @@ class PTDataset(ImageDataset):
         first = int(shard_of[0]) if len(shard_of) else 0
         if len(shard_of) == 0 or (shard_of == first).all():
             return self._gather_one(first, local)
-        files = self.handles
-        span = self._span(files.spanning, shard_of, self._paths, self._place_in_span)
-        if span is not None:  # the shards in one range of addresses: one gather each
-            out, got = self._batch(len(local)), torch.empty(len(local), dtype=torch.int64)
-            width = out[0].numel()
-            span.gather(files.images_at[shard_of] + local * width, out.view(-1, width))
-            span.gather(files.labels_at[shard_of] + local * 8, got.view(torch.uint8).view(-1, 8))
-            return out, got
-        # Each shard's rows gathered and put in their places with one numpy assignment, rows
-        # as single items (void_rows: a memcpy each), no scratch batch, no second pass.
+        # Each shard's rows put in their places with one numpy assignment, rows as single
+        # items (void_rows: a memcpy each), no scratch batch, no second pass.
         order, runs = shard_runs(shard_of)
         at = local[order]
         out = self._batch(len(local))
@@ -227,26 +217,6 @@ class PTDataset(ImageDataset):
             rows[places] = images[picked]
             labels[places] = shard_labels[picked]
         return out, torch.from_numpy(labels)
-
-    def _paths(self) -> list[Path]:
-        return [self.root / entry.path for entry in self.manifest.files]
-
-    def _place_in_span(self, span: Span, number: int) -> bool:
-        """Shard ``number``'s file mapped into ``span``, where its images and labels lie in
-        the span noted: whether both were found (torch maps a shard file whole, so its tensors
-        lie as far apart as their zip records do)."""
-        shard, path = self._shard(number), self.root / self.manifest.files[number].path
-        at = tensor_offsets(path, [shard["images"], shard["labels"]])
-        if at is None:
-            return False
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            placed = span.place(number, fd)  # the mapping keeps the file, not the descriptor
-        finally:
-            os.close(fd)
-        files, base = self.handles, int(span.bases[number])
-        files.images_at[number], files.labels_at[number] = base + at[0], base + at[1]
-        return placed
 
     def _rows(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Shard ``number``'s images as :func:`void_rows` (one item an image) and its labels,
@@ -266,8 +236,7 @@ class PTDataset(ImageDataset):
     def _gather_one(self, number: int, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``local`` of shard ``number``, straight into the batch ``(n, H, W, C)``."""
         out = self._batch(len(local))
-        shard = self._shard(number)
-        torch.index_select(shard["images"], 0, torch.from_numpy(local), out=out)
+        take_rows(self._arrays(number)[0], local, out)
         return out, torch.from_numpy(self._arrays(number)[1][local])
 
     def _batch(self, count: int) -> torch.Tensor:
@@ -277,58 +246,6 @@ class PTDataset(ImageDataset):
 
 @dataclass
 class PTShards:
-    """A :class:`PTDataset`'s handles in one process: its loaded shards, and the span of
-    their files with where each one's images and labels lie in it (set as each is placed)."""
+    """A :class:`PTDataset`'s handles in one process: its shards, loaded on first use."""
 
     loaded: list[dict[str, Any] | None]
-    images_at: np.ndarray
-    labels_at: np.ndarray
-    spanning: SpanSlot = field(default_factory=SpanSlot)
-
-
-def tensor_offsets(path: Path, tensors: list[torch.Tensor]) -> list[int] | None:
-    """Where the bytes of ``tensors`` (loaded from ``path`` by ``torch.load(mmap=True)``, each
-    a whole storage, stored uncompressed) start in the file, or ``None`` where that cannot be
-    told for sure. Their zip records' data offsets are read from the local headers; torch maps
-    the file whole, so every loaded storage must sit at the same distance from its record."""
-    try:
-        with zipfile.ZipFile(path) as archive, open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            records = []
-            for info in archive.infolist():
-                parts = info.filename.split("/")
-                if len(parts) < 3 or parts[-2] != "data" or not parts[-1].isdigit():
-                    continue
-                if info.compress_type != zipfile.ZIP_STORED:
-                    return None
-                fh.seek(info.header_offset)
-                header = fh.read(30)
-                if len(header) != 30 or header[:4] != b"PK\x03\x04":
-                    return None
-                name_length, extra_length = struct.unpack("<HH", header[26:30])
-                start = info.header_offset + 30 + name_length + extra_length
-                if start + info.file_size > size:
-                    return None
-                records.append((start, info.file_size))
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return None
-    if not records:
-        return None
-    storages = [t.untyped_storage() for t in tensors]
-    if any(t.storage_offset() or not t.is_contiguous() for t in tensors):
-        return None
-    pointers = sorted({s.data_ptr(): s.nbytes() for s in storages}.items())
-    if len(pointers) > len(records):
-        return None
-    base = None  # the address of the file's first byte in torch's mapping
-    by_start = dict(records)
-    for record_start, record_size in records:
-        guess = pointers[0][0] - record_start
-        if pointers[0][1] == record_size and all(
-            by_start.get(pointer - guess) == nbytes for pointer, nbytes in pointers
-        ):
-            base = guess
-            break
-    if base is None:
-        return None
-    return [s.data_ptr() - base for s in storages]

@@ -34,6 +34,7 @@ from imgpack.formats.dataset_base import (
     label_tensor,
     new_batch_tensor,
     readonly_tensor,
+    take_windows,
 )
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
@@ -533,7 +534,7 @@ _crc_value = google_crc32c.value  # CRC-32C of bytes (C)
 
 
 def data_crcs_match(
-    mapped: Any, data: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
+    mapped: Any, data: np.ndarray | torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
 ) -> np.ndarray:
     """Whether the data CRC of each framed record (at ``offsets`` of the file ``mapped``, whose
     bytes ``data`` views, of ``sizes`` bytes, each inside the file, its length field already
@@ -734,7 +735,7 @@ class TFRecordDataset(PreadDataset):
         for number in np.unique(shard_of).tolist():
             mine = np.flatnonzero(shard_of == number)
             mapped = self._mapped(number)
-            data = self._mapped_tensor(number)
+            data = np.frombuffer(mapped, np.uint8)
             offsets, sizes = self._offsets[indices[mine]], self._sizes[indices[mine]]
             ok, found, starts = layout.match(data, offsets, sizes)
             if self.records.check_crc and ok.any():
@@ -742,8 +743,7 @@ class TFRecordDataset(PreadDataset):
             labels[mine] = found
             self._remember_raw(indices[mine], ok, starts, found)
             if ok.all() and len(mine) == len(indices):  # one shard: straight into the batch
-                windows = data.as_strided((len(data) - size + 1, size), (1, 1))
-                torch.index_select(windows, 0, torch.from_numpy(starts), out=out.view(-1, size))
+                take_windows(data, size, starts, out.view(-1, size))
             elif ok.any():
                 rows[mine[ok]] = byte_rows(data, starts[ok], size)
             for pos in mine[~ok].tolist():  # the generic path names what is wrong
@@ -800,7 +800,7 @@ class TFRecordDataset(PreadDataset):
         indices: np.ndarray,
         ok: np.ndarray,
         mapped: Any,
-        data: torch.Tensor,
+        data: np.ndarray,
         offsets: np.ndarray,
         sizes: np.ndarray,
     ) -> None:
