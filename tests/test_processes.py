@@ -110,7 +110,7 @@ def test_sigterm_cleans_up_like_ctrl_c(src: Path, tmp_path: Path) -> None:
     workers = _wait_for_workers(process, out)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGTERM
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.strip().splitlines() == [
         "Error: stopped by SIGTERM; cleaned up, nothing half-written"
     ]
