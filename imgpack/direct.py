@@ -43,6 +43,7 @@ from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
 from imgpack.recorded import manifest_for
 from imgpack.scan import Sample, SampleTable
+from imgpack.stats import DatasetStats
 
 if TYPE_CHECKING:
     from imgpack.pipeline import Plan
@@ -122,6 +123,7 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
     fetch = task.job.fetch
     prefetch = getattr(fetch, "prefetch", None)
     skipped: list[dict[str, str]] = []
+    tally = DatasetStats.empty(task.job.policy.channels, len(task.config.classes), task.job.stats)
     with tempfile.TemporaryDirectory(prefix="imgpack-shard-") as tmp:
         writer = format_spec(task.config.format).writer_class()(Path(tmp), task.config)
         assert isinstance(writer, ShardedWriter)
@@ -136,7 +138,9 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
                     path = sample.path
                     if reason is None:
                         try:
-                            writer.add(fetch(sample, task.job.policy, task.job.encoding))
+                            encoded = task.job.convert(sample)
+                            writer.add(encoded)
+                            tally.add_encoded(encoded)
                             continue
                         except ImageError as exc:
                             path, reason = exc.path, exc.reason
@@ -166,6 +170,7 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         "count": written.num_samples,
         "skipped": skipped,
         "file": asdict(entry),
+        "stats": tally.to_json(),
         # What the store says of each object just uploaded: the commit refuses a shard object
         # the listing then names otherwise (swapped or rewritten since).
         "etags": {name: storage.content_tag(fs.info(f"{root}/{name}")) for name in names},
@@ -458,6 +463,13 @@ def _receipt_problem(
     for name, size in [(entry.path, entry.bytes), *((c.path, c.bytes) for c in entry.companions)]:
         if listed.files.get(name) != size:
             return f"{name} is not in the bucket at the {size:,} bytes it records"
+    if "stats" in receipt:
+        try:
+            found = DatasetStats.from_json(receipt["stats"])
+        except (TypeError, ValueError, KeyError):
+            found = None
+        if found is None or found.samples != count:
+            return "holds statistics that do not count its samples"
     etags = receipt.get("etags")
     if not isinstance(etags, dict):
         return "records no ETags of its uploaded objects"
@@ -471,7 +483,16 @@ def _receipt_problem(
 def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
     files = [_entry(r["file"]) for r in receipts]
     skipped = [*plan.scan.unreadable, *(s for r in receipts for s in r["skipped"])]
-    manifest = manifest_for(plan, files, sum(r["count"] for r in receipts), skipped)
+    tally: DatasetStats | None = DatasetStats.empty(
+        plan.options.policy.channels, len(plan.scan.classes), plan.options.stats
+    )
+    for receipt in receipts:  # in shard order; one receipt of an older imgpack: not known
+        if tally is not None and "stats" in receipt:
+            tally.merge(DatasetStats.from_json(receipt["stats"]))
+        else:
+            tally = None
+    count = sum(r["count"] for r in receipts)
+    manifest = manifest_for(plan, files, count, skipped, tally)
     if storage.remote_source(plan.src) is not None:  # the bucket, not the listing's folder
         manifest.source["path"] = plan.where
     return manifest

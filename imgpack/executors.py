@@ -34,9 +34,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from imgpack.errors import ImageError, ImgpackError, OptionError, first_line
+from imgpack.errors import DataError, ImageError, ImgpackError, OptionError, first_line
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.scan import Sample
+from imgpack.stored import measure
 from imgpack.system import usable_cpus
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,19 @@ class Job:
     fetch: Callable[[Sample, ImagePolicy, Encoding], Encoded]
     policy: ImagePolicy
     encoding: Encoding
+    #: Measure each sample's stored pixels for the dataset statistics (:mod:`imgpack.stats`).
+    stats: bool = False
+
+    def convert(self, sample: Sample) -> Encoded:
+        """Read, validate and encode one sample, measured when the job says so; raises
+        :class:`~imgpack.errors.ImageError` for a bad file."""
+        encoded = self.fetch(sample, self.policy, self.encoding)
+        if self.stats:
+            try:
+                measure(encoded, self.policy.channels)
+            except DataError as exc:  # what would be stored does not decode: a bad file
+                raise ImageError(encoded.path, first_line(exc)) from None
+        return encoded
 
 
 class Executor(Protocol):
@@ -107,7 +121,7 @@ def process_chunk(job: Job, items: Sequence[Sample]) -> list[Outcome]:
         prefetch(items)
     for sample in items:
         try:
-            out.append(job.fetch(sample, job.policy, job.encoding))
+            out.append(job.convert(sample))
         except ImageError as exc:
             out.append(Failure(exc.path, exc.reason))
     return out

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import ManifestError
+from imgpack.stats import DatasetStats
 
 #: The encodings an output may record (:class:`imgpack.images.Encoding`).
 ENCODING_NAMES = ("original", "jpeg", "png", "raw")
@@ -76,6 +77,9 @@ class Manifest:
     #: Set for a part of a partitioned conversion: ``{"index", "count", "start", "stop"}``
     #: (the part's number, how many parts, its slice of the scan).
     part: dict[str, int] | None = None
+    #: The dataset statistics the conversion recorded (:class:`imgpack.stats.DatasetStats`'s
+    #: JSON); ``None`` in outputs made before imgpack recorded them.
+    stats: dict[str, Any] | None = None
     version: int = SCHEMA_VERSION
 
     @property
@@ -91,6 +95,8 @@ class Manifest:
         del data["version"]
         if data["part"] is None:
             del data["part"]
+        if data["stats"] is None:
+            del data["stats"]
         for entry in data["files"]:  # formats without index files keep their manifests as before
             if not entry["companions"]:
                 del entry["companions"]
@@ -164,6 +170,7 @@ class Manifest:
                 created_by=str(data.get("created_by", "")),
                 output_id=_output_id(data.get("output_id", "")),
                 part=_part(data.get("part")),
+                stats=_stats(data.get("stats"), len(classes), data["num_samples"]),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -196,6 +203,15 @@ def _part(value: Any) -> dict[str, int] | None:
     if not part["index"] < part["count"] or part["start"] > part["stop"]:
         raise ValueError(f"part {part} is not a part of a conversion")
     return part
+
+
+def _stats(value: Any, classes: int, samples: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    found = DatasetStats.from_json(value, classes)
+    if found.samples != samples:
+        raise ValueError(f"stats count {found.samples} samples, not num_samples {samples}")
+    return dict(value)
 
 
 def _output_id(value: Any) -> str:

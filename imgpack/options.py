@@ -61,6 +61,9 @@ class ConvertOptions:
     part: int = 0
     #: The format's own options (``-o KEY=VALUE``), parsed by its spec.
     format_options: dict[str, Any] = field(default_factory=dict)
+    #: Measure the stored pixels for the dataset statistics' mean and std (:mod:`imgpack.stats`):
+    #: a full decode of each kept JPEG instead of the validating 1/8-scale one.
+    stats: bool = True
 
     def __post_init__(self) -> None:
         spec = formats.get(self.format)
@@ -72,6 +75,8 @@ class ConvertOptions:
         self.policy  # noqa: B018 - validates resize, resample, max_pixels
         if self.encoding == "raw" and self.size is None:
             raise OptionError("encoding 'raw' needs a fixed image size: give --size N or HxW")
+        if not isinstance(self.stats, bool):
+            raise OptionError(f"invalid stats {self.stats!r}: expected True or False")
         if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):
             raise OptionError(f"invalid workers {self.workers!r}: expected 1 or more")
         for name in ("num_parts", "part"):
@@ -159,6 +164,7 @@ class ConvertOptions:
             "shard_size": self.shard_size,
             "on_error": self.on_error,
             "max_pixels": self.max_pixels,
+            **({} if self.stats else {"stats": False}),
             **self.format_options,
         }
 

@@ -49,6 +49,7 @@ from imgpack.errors import (
 )
 from imgpack.executors import Executor, Failure, Job, Outcome
 from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile, file_entries
+from imgpack.images import Encoded
 from imgpack.manifest import (
     MANIFEST_NAME,
     OUTPUT_ID_LENGTH,
@@ -72,6 +73,7 @@ from imgpack.recorded import manifest_for
 from imgpack.scan import Sample, Scan
 from imgpack.sources.base import ScanRequest, Source
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
+from imgpack.stats import DatasetStats
 from imgpack.version import __version__
 
 log = logging.getLogger(__name__)
@@ -98,8 +100,10 @@ class Plan:
 
     @property
     def job(self) -> Job:
-        policy, encoding = self.options.policy, self.options.encoding_spec
-        return Job(self.source.fetcher(self.scan, policy, encoding, self.run), policy, encoding)
+        policy = self.options.policy
+        encoding = replace(self.options.encoding_spec, measure=self.options.stats)
+        fetch = self.source.fetcher(self.scan, policy, encoding, self.run)
+        return Job(fetch, policy, encoding, stats=self.options.stats)
 
     @cached_property
     def run(self) -> str:
@@ -214,6 +218,9 @@ class Checkpoint:
     count: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
     writer: dict[str, Any] = field(default_factory=dict)
+    #: The statistics of the ``count`` samples written (:class:`~imgpack.stats.DatasetStats`'s
+    #: JSON); ``None`` when not known (a checkpoint of an imgpack that kept none).
+    stats: dict[str, Any] | None = None
 
     def save(self, directory: Path) -> None:
         tmp = directory / (CHECKPOINT + ".tmp")
@@ -242,6 +249,12 @@ class Checkpoint:
             or not isinstance(found.writer, dict)
         ):  # fmt: skip
             return None
+        if found.stats is not None:
+            try:
+                if DatasetStats.from_json(found.stats).samples != found.count:
+                    return None
+            except (KeyError, TypeError, ValueError):
+                return None
         return found
 
     def check(self, plan: Plan, directory: Path) -> None:
@@ -284,6 +297,9 @@ class Written:
     files: list[WrittenFile]
     count: int
     skipped: list[dict[str, str]] = field(default_factory=list)
+    #: What the conversion recorded of the samples; ``None`` when not known (resumed from a
+    #: checkpoint that kept none).
+    stats: DatasetStats | None = None
 
 
 def plan(src: str | os.PathLike[str], dst: str | os.PathLike[str], options: ConvertOptions) -> Plan:
@@ -332,6 +348,9 @@ def write(
     writer = opts.spec.writer_class()(directory, plan.writer_config())
     state = resume or Checkpoint(plan.fingerprint, skipped=plan.unreadable)
     skipped, count, position = list(state.skipped), state.count, state.position
+    # The statistics of every sample counted (for the manifest), and of the durable ones only
+    # (for the checkpoint); the samples between them wait in ``marks``.
+    tally, durable = _tallies(plan, state)
     # Samples after the checkpoint that the writer's files hold already: passed over.
     already = writer.resume(state.writer) if resume is not None else 0
     if resume is not None and writer.durable - already != state.count:
@@ -339,7 +358,8 @@ def write(
             directory,
             f"it counts {state.count} samples written, its files hold {writer.durable - already}",
         )
-    marks: deque[tuple[int, int, int]] = deque()  # (count, position, skipped) after each sample
+    # (count, position, skipped) after each sample, and the sample's figures for the statistics
+    marks: deque[tuple[int, int, int, Encoded]] = deque()
     checkpoints = _can_checkpoint(writer)
     if checkpoints and resume is None:
         state.writer = writer.checkpoint_state()
@@ -373,19 +393,25 @@ def write(
             else:
                 writer.add(outcome)
             count += 1
+            if tally is not None:
+                tally.add_encoded(outcome)
             if not checkpoints:
                 continue
-            marks.append((count, position, len(skipped)))
+            marks.append((count, position, len(skipped), _figures(outcome)))
             if writer.durable > saved:
-                while marks[0][0] < writer.durable:
-                    marks.popleft()
-                _, at, skips = marks.popleft()
+                while True:
+                    done, at, skips, figures = marks.popleft()
+                    if durable is not None:
+                        durable.add_encoded(figures)
+                    if done >= writer.durable:
+                        break
                 Checkpoint(
                     state.fingerprint,
                     at,
                     writer.durable,
                     skipped[:skips],
                     writer.checkpoint_state(),
+                    durable.to_json() if durable is not None else None,
                 ).save(directory)
                 saved = writer.durable
         if count == 0 and plan.part is None:
@@ -393,7 +419,28 @@ def write(
                 f"{plan.where}: every one of the {total} image files was skipped; nothing to write "
                 f"(first: {skipped[0]['path']}: {skipped[0]['reason']})"
             )
-    return Written(writer.close(), count, skipped)
+    return Written(writer.close(), count, skipped, tally)
+
+
+def _tallies(plan: Plan, state: Checkpoint) -> tuple[DatasetStats | None, DatasetStats | None]:
+    """Two statistics to count on from ``state``: ``None`` when its samples' are not known."""
+    if state.count and state.stats is None:
+        log.info("resuming from a checkpoint without statistics: the output records none")
+        return None, None
+
+    def start() -> DatasetStats:
+        if state.stats is not None:
+            return DatasetStats.from_json(state.stats)
+        channels, classes = plan.options.policy.channels, len(plan.scan.classes)
+        return DatasetStats.empty(channels, classes, plan.options.stats)
+
+    return start(), start()
+
+
+def _figures(outcome: Encoded) -> Encoded:
+    """What the statistics need of a sample, without its payload (kept until it is durable)."""
+    return Encoded(outcome.path, outcome.label, b"", outcome.height, outcome.width,
+                   outcome.channels, outcome.kind, outcome.sums)  # fmt: skip
 
 
 def _can_checkpoint(writer: Writer) -> bool:
@@ -404,7 +451,7 @@ def _can_checkpoint(writer: Writer) -> bool:
 def build_manifest(plan: Plan, directory: Path, written: Written) -> Manifest:
     """The manifest of the finished files in ``directory``."""
     files = file_entries(directory, written.files)
-    return manifest_for(plan, files, written.count, written.skipped)
+    return manifest_for(plan, files, written.count, written.skipped, written.stats)
 
 
 def _resume_note(tmp: Path) -> str | None:

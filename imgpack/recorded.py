@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from imgpack.manifest import FileEntry, Manifest
 from imgpack.scan import Scan
+from imgpack.stats import DatasetStats
 from imgpack.version import __version__
 
 if TYPE_CHECKING:
@@ -14,9 +15,14 @@ if TYPE_CHECKING:
 
 
 def manifest_for(
-    plan: Plan, files: list[FileEntry], count: int, skipped: list[dict[str, str]]
+    plan: Plan,
+    files: list[FileEntry],
+    count: int,
+    skipped: list[dict[str, str]],
+    stats: DatasetStats | None = None,
 ) -> Manifest:
-    """The manifest of ``plan``'s output made of ``files``, holding ``count`` samples."""
+    """The manifest of ``plan``'s output made of ``files``, holding ``count`` samples, with
+    their ``stats`` (``None``: not known)."""
     opts, scan = plan.options, plan.scan
     return Manifest(
         format=opts.format,
@@ -38,6 +44,7 @@ def manifest_for(
         created_by=f"imgpack {__version__}",
         output_id=plan.output_id,
         part=plan.part,
+        stats=stats.to_json() if stats is not None else None,
     )
 
 

@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.units",
             "imgpack.checksum",
             "imgpack.scan",
+            "imgpack.stats",
             "imgpack.manifest",
             "imgpack.publishing",
             "imgpack.handover",
@@ -40,7 +41,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # baseline lists folders too).
     (
         "images",
-        ("imgpack.jpegheader", "imgpack.images", "imgpack.decoding", "imgpack.sources.folder.scan"),
+        (
+            "imgpack.jpegheader",
+            "imgpack.images",
+            "imgpack.stored",
+            "imgpack.decoding",
+            "imgpack.sources.folder.scan",
+        ),
     ),
     # The format registry, object storage and Hugging Face's side of the formats (to_hf).
     ("registry", ("imgpack.formats", "imgpack.storage", "imgpack.lazy", "imgpack.hf")),
@@ -65,7 +72,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     # The command line, and the package's facade (imgpack.convert, ...: lazy imports of all).
-    ("facade", ("imgpack.cli", "imgpack")),
+    ("facade", ("imgpack.cli", "imgpack", "imgpack.__main__")),
 )
 
 

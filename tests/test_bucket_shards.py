@@ -75,8 +75,10 @@ def test_bucket_to_bucket_equals_a_local_conversion(
     assert not (tmp_path / "cache" / storage.BUILDS).exists()
     assert manifest.num_samples == 48 and len(manifest.files) > 4
     assert manifest.source["path"] == src_url
-    convert(images, tmp_path / "local", fmt, progress=False)
+    local = convert(images, tmp_path / "local", fmt, progress=False)
     _same_samples(url, tmp_path / "local", tmp_path / "cache")
+    # The shard tasks' statistics (in their receipts) add up to the one writer's.
+    assert manifest.stats == local.stats and manifest.stats["samples"] == 48
     listed = {"imgpack.json", *(f.path for f in manifest.files)}
     listed |= {c.path for f in manifest.files for c in f.companions}
     assert set(_bucket(url)) == listed

@@ -50,6 +50,7 @@ from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LazyOutput, Prefetcher, unpin
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.scan import UNLABELLED
+from imgpack.stats import DatasetStats
 from imgpack.storage import fetch_output, is_url, local_path
 from imgpack.units import parse_image_size, whole_number
 
@@ -674,6 +675,15 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             return (self.channels, *self.size_policy.size)
         height, width = self.manifest.image.get("height"), self.manifest.image.get("width")
         return (self.channels, height, width) if height and width else None
+
+    @property
+    def stats(self) -> DatasetStats | None:
+        """The statistics its conversion recorded of the stored samples (per-channel mean and
+        std, height and width distributions, samples per class: :mod:`imgpack.stats`), or
+        ``None`` for an output made before imgpack recorded them."""
+        if self.manifest.stats is None:
+            return None
+        return DatasetStats.from_json(self.manifest.stats, len(self.manifest.classes))
 
     @property
     def targets(self) -> list[int]:

@@ -47,6 +47,28 @@ def _gib(count: float) -> str:
     return f"{count / 2**30:.2f} GiB"
 
 
+def dataset_normalize(dataset: Dataset[Any], name: str) -> tuple[Sequence[float], Sequence[float]]:
+    """``normalize="dataset"``: the ``(mean, std)`` the dataset's conversion recorded."""
+    if name != "dataset":
+        raise OptionError(f"invalid normalize {name!r}: expected (mean, std) or 'dataset'")
+    stats = getattr(dataset, "stats", None)
+    if stats is None or stats.mean is None or stats.std is None:
+        where = getattr(dataset, "root", type(dataset).__name__)
+        why = (
+            "converted with --no-stats"
+            if stats is not None
+            else "made before imgpack recorded them"
+        )
+        raise OptionError(
+            f"{where}: normalize='dataset' needs the mean and std its conversion records, and "
+            f"this output has none ({why}): convert it again, or give normalize=(mean, std)"
+        )
+    if any(v == 0 for v in stats.std):
+        raise OptionError(f"{getattr(dataset, 'root', '')}: a channel's std is 0 (every pixel "
+                          "the same): normalize='dataset' would divide by zero")  # fmt: skip
+    return stats.mean, stats.std
+
+
 class DeviceLoader:
     """Load a dataset onto ``device`` once, then iterate batches entirely on the device.
 
@@ -57,7 +79,9 @@ class DeviceLoader:
         dtype: ``torch.uint8`` (batches as stored), ``torch.float16`` or ``torch.float32``
             (batches divided by 255).
         normalize: ``(mean, std)`` per channel on the 0-1 scale, as torchvision's ``Normalize``
-            after ``ToTensor``: ``(x / 255 - mean) / std``. Needs a float ``dtype``.
+            after ``ToTensor``: ``(x / 255 - mean) / std``; or ``"dataset"``: the mean and std
+            its conversion recorded over every stored pixel (``ds.stats``). Needs a float
+            ``dtype``.
         seed: seeds the per-epoch permutation and the augmentation (with :meth:`set_epoch`).
         crop_padding: random crop of the original size from the image zero-padded by this many
             pixels on each side (0: off).
@@ -83,7 +107,7 @@ class DeviceLoader:
         shuffle: bool = True,
         drop_last: bool = False,
         dtype: torch.dtype = torch.uint8,
-        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        normalize: tuple[Sequence[float], Sequence[float]] | str | None = None,
         seed: int = 0,
         crop_padding: int = 0,
         hflip: float = 0.0,
@@ -112,6 +136,8 @@ class DeviceLoader:
             raise OptionError(
                 "normalize needs a float dtype (dtype=torch.float16 or torch.float32)"
             )
+        if isinstance(normalize, str):
+            normalize = dataset_normalize(dataset, normalize)
         if crop_padding < 0 or not 0.0 <= hflip <= 1.0:
             raise OptionError("crop_padding must be >= 0 and hflip a probability in 0..1")
         self.device = _usable_device(device)

@@ -1,0 +1,166 @@
+"""Dataset statistics: recorded by the conversion, exact against numpy over what the readers
+return, the same however the work was split, printed by ``imgpack info``, used by
+``DeviceLoader(normalize="dataset")``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from imgpack import convert, merge, open_dataset
+from imgpack.cli import main
+from imgpack.errors import OptionError
+from imgpack.images import pixel_sums
+from imgpack.loading import DeviceLoader
+from imgpack.sample import make_sample_folder
+from imgpack.stats import DatasetStats
+
+CASES = [
+    ("pt", "raw", {"size": 24}),
+    ("lmdb", "original", {}),
+    ("hdf5", "png", {}),
+    ("tfrecord", "jpeg", {}),
+    ("webdataset", "original", {"grayscale": True}),
+]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stats") / "src"
+    make_sample_folder(root, 45, 3, seed=7)
+    return root
+
+
+def _numpy_stats(ds) -> tuple[np.ndarray, np.ndarray, Counter, Counter, Counter]:
+    """Mean and std over every pixel the reader returns (float64), sizes and labels."""
+    total = squares = None
+    count = 0
+    heights, widths, labels = Counter(), Counter(), Counter()
+    for i in range(len(ds)):
+        image, label = ds[i]
+        planes = image.numpy().reshape(image.shape[0], -1).astype(np.float64)
+        total = planes.sum(1) if total is None else total + planes.sum(1)
+        squares = (planes**2).sum(1) if squares is None else squares + (planes**2).sum(1)
+        count += planes.shape[1]
+        heights[image.shape[1]] += 1
+        widths[image.shape[2]] += 1
+        labels[int(label)] += 1
+    mean = total / count
+    std = np.sqrt(squares / count - mean**2)
+    return mean / 255, std / 255, heights, widths, labels
+
+
+@pytest.mark.parametrize(("fmt", "encoding", "extra"), CASES)
+def test_stats_equal_numpy_over_the_read_pixels(
+    fmt: str, encoding: str, extra: dict, src: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    convert(src, out, fmt, encoding=encoding, progress=False, workers=2, **extra)
+    ds = open_dataset(out)
+    stats = ds.stats
+    assert stats is not None and stats.samples == len(ds) == 45
+    mean, std, heights, widths, labels = _numpy_stats(ds)
+    assert np.allclose(stats.mean, mean, rtol=0, atol=1e-6)
+    assert np.allclose(stats.std, std, rtol=0, atol=1e-6)
+    assert stats.heights == heights and stats.widths == widths
+    assert stats.per_class == [labels[k] for k in range(len(ds.classes))]
+    assert len(stats.mean) == (1 if extra.get("grayscale") else 3)
+
+
+def test_stats_are_the_same_through_parts_and_shard_sizes(src: Path, tmp_path: Path) -> None:
+    whole = convert(src, tmp_path / "whole", "webdataset", progress=False)
+    small = convert(src, tmp_path / "small", "webdataset", shard_size=20_000, progress=False)
+    assert len(small.files) > 1
+    parts = []
+    for part in range(3):
+        parts.append(tmp_path / f"part{part}")
+        convert(src, parts[-1], "webdataset", num_parts=3, part=part, progress=False)
+    merged = merge(parts, tmp_path / "merged", progress=False)
+    assert whole.stats == small.stats == merged.stats
+    assert merged.stats is not None and merged.stats["samples"] == 45
+
+
+def test_no_stats_keeps_sizes_and_classes_and_says_so(src: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / "o"), "--format", "lmdb", "-q", "--no-stats"]
+    )
+    assert result.exit_code == 0, result.output
+    stats = open_dataset(tmp_path / "o").stats
+    assert stats is not None and stats.mean is None and stats.samples == 45
+    assert sum(stats.per_class) == 45
+    info = CliRunner().invoke(main, ["info", str(tmp_path / "o")])
+    assert "mean/std:  not measured (converted with --no-stats)" in info.output
+    with pytest.raises(OptionError, match="--no-stats"):
+        DeviceLoader(tmp_path / "o", device="cpu", dtype=torch.float32, normalize="dataset")
+
+
+def test_info_prints_the_normalize_line_and_the_preview_command(src: Path, tmp_path: Path) -> None:
+    convert(src, tmp_path / "o", "pt", encoding="raw", size=16, progress=False)
+    stats = open_dataset(tmp_path / "o").stats
+    result = CliRunner().invoke(main, ["info", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert f"normalize: {stats.normalize_line()}" in result.output
+    assert "height:    16 (every sample)" in result.output
+    assert f"preview:   imgpack preview {tmp_path / 'o'}" in result.output
+
+
+def test_an_output_made_before_stats_has_none_and_says_so(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "old"
+    convert(src, out, "pt", encoding="raw", size=16, progress=False)
+    manifest = json.loads((out / "imgpack.json").read_text())
+    del manifest["stats"]  # what imgpack wrote before it recorded statistics
+    (out / "imgpack.json").write_text(json.dumps(manifest))
+    assert open_dataset(out).stats is None
+    result = CliRunner().invoke(main, ["info", str(out)])
+    assert "stats:     none (made before imgpack recorded them" in result.output
+    with pytest.raises(OptionError, match="made before imgpack recorded them"):
+        DeviceLoader(out, device="cpu", dtype=torch.float32, normalize="dataset")
+
+
+def test_device_loader_normalizes_with_the_recorded_stats(src: Path, tmp_path: Path) -> None:
+    convert(src, tmp_path / "o", "pt", encoding="raw", size=16, progress=False)
+    ds = open_dataset(tmp_path / "o")
+    loader = DeviceLoader(ds, device="cpu", dtype=torch.float32, normalize="dataset",
+                          shuffle=False, progress=False)  # fmt: skip
+    images, _ = next(iter(loader))
+    mean = torch.tensor(ds.stats.mean).reshape(1, -1, 1, 1)
+    std = torch.tensor(ds.stats.std).reshape(1, -1, 1, 1)
+    raw = torch.stack([ds[i][0] for i in range(len(images))]).float() / 255
+    assert torch.allclose(images, (raw - mean) / std, atol=1e-5)
+    everything = torch.cat([b for b, _ in DeviceLoader(ds, device="cpu", dtype=torch.float32,
+                            normalize="dataset", shuffle=False, progress=False)])  # fmt: skip
+    # Over the whole dataset the normalized pixels have mean 0 and std 1, per channel.
+    flat = everything.transpose(0, 1).reshape(3, -1).double()
+    assert torch.allclose(flat.mean(1), torch.zeros(3, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(
+        flat.std(1, unbiased=False), torch.ones(3, dtype=torch.float64), atol=1e-5
+    )
+
+
+def test_a_tampered_stats_block_is_a_malformed_manifest(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    convert(src, out, "pt", encoding="raw", size=16, progress=False)
+    manifest = json.loads((out / "imgpack.json").read_text())
+    manifest["stats"]["samples"] = 44
+    (out / "imgpack.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["info", str(out)])
+    assert result.exit_code != 0 and "malformed manifest" in result.output
+
+
+def test_pixel_sums_and_the_combination_are_exact() -> None:
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8) for h, w in [(5, 7), (9, 2)]]
+    tally = DatasetStats.empty(3, 1)
+    for image in images:
+        tally.add(0, image.shape[0], image.shape[1], pixel_sums(image))
+    everything = np.concatenate([i.reshape(-1, 3) for i in images]).astype(np.int64)
+    assert tally.sums == everything.sum(0).tolist()
+    assert tally.squares == (everything**2).sum(0).tolist()
+    again = DatasetStats.from_json(json.loads(json.dumps(tally.to_json())))
+    assert again == tally
