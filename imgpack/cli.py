@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -458,6 +459,12 @@ RUN_OPTIONS = (
         help="The Ray cluster for --executor ray [default: RAY_ADDRESS, else a local Ray].",
     ),
     click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+    click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Print the plan (images, classes, files, estimated bytes, what the scan skips) "
+        "and stop: nothing is read or written.",
+    ),
 )
 
 
@@ -495,8 +502,22 @@ def convert(
     splits = given.pop("splits")
     if splits is not None and given["no_splits"]:
         raise click.UsageError("give --splits or --no-splits, not both")
+    if given["labels_file"] is not None and given["no_labels"]:
+        raise click.UsageError(
+            "give --labels FILE (a label list's labels) or --no-labels (no labels), not both"
+        )
     executor = _executor_spec(given.pop("executor"), given.pop("ray_address"))
+    planning = given.pop("dry_run")
     settings = convert_options(given)
+    if planning:
+        from imgpack.pipeline import dry_run
+
+        if splits is not None:
+            raise click.UsageError("--dry-run plans one SRC: run it on each split folder")
+        planned = dry_run(src, dst, options=settings, storage_options=_storage(storage_option),
+                          cache_dir=cache_dir)  # fmt: skip
+        click.echo("\n".join(printable_line(line) for line in planned.lines()))
+        return
     if splits is not None:
         if is_url(src) or is_url(dst):
             raise click.UsageError("--splits reads and writes local folders")
@@ -715,6 +736,54 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
         lines.extend(DatasetStats.from_json(manifest.stats).summary_lines())
     lines.append(f"preview:   imgpack preview {dst} -o preview.png (a contact sheet per class)")
     click.echo("\n".join(lines))
+
+
+@main.command()
+@click.argument("dst", metavar="OUTPUT")
+@click.option(
+    "-o",
+    "--output",
+    "sheet_path",
+    type=click.Path(path_type=Path),
+    default=Path("preview.png"),
+    show_default=True,
+    help="The PNG to write.",
+)
+@click.option("--per-class", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option(
+    "--classes", default=None, help="Rows for these classes, in this order: --classes cat,dog."
+)
+@click.option(
+    "--size", default=None, help="Read the images at N x N or HxW, as open_dataset(size=) does."
+)
+@reading_options
+@friendly_errors
+def preview(
+    dst: str,
+    sheet_path: Path,
+    per_class: int,
+    classes: str | None,
+    size: str | None,
+    storage_option: tuple[str, ...],
+    cache_dir: str | None,
+    cache_limit: str | None,
+) -> None:
+    """Write a contact sheet of OUTPUT (a folder or a URL): a row per class, labelled, of its
+    first samples read back through the reader, as training sees them."""
+    from imgpack.preview import contact_sheet
+    from imgpack.readers import open_dataset
+
+    options = replace(_read_options(storage_option, cache_dir, cache_limit), size=size)
+    dataset = open_dataset(dst, options=options)
+    names = [n.strip() for n in classes.split(",") if n.strip()] if classes else None
+    sheet = contact_sheet(dataset, per_class, names)
+    sheet.image.save(sheet_path, format="PNG")
+    rows = len({name for _, name, _, _ in sheet.tiles})
+    more = f"; {sheet.left_out} more classes left out (name them with --classes)"
+    click.echo(
+        f"{sheet_path}: {len(sheet.tiles)} samples in {rows} row(s), "
+        f"{sheet.image.width}x{sheet.image.height} pixels{more if sheet.left_out else ''}"
+    )
 
 
 @main.command(name="verify")
@@ -948,10 +1017,12 @@ def profile(
     from torch.utils.data import DataLoader
 
     from imgpack.loading.profiling import LoaderProfiler, TimedDataset, verdict
+    from imgpack.loading.tuning import loader_bound_advice
     from imgpack.readers import collate, open_dataset
 
     read = _read_options(storage_option, cache_dir, cache_limit)
-    timed = TimedDataset(open_dataset(dst, options=read))
+    dataset = open_dataset(dst, options=read)
+    timed = TimedDataset(dataset)
     loader = DataLoader(
         timed,
         batch_size=batch_size,
@@ -987,7 +1058,7 @@ def profile(
     click.echo(
         f"  waiting for data {loop['wait_s']:.2f} s, between batches {loop['compute_s']:.2f} s"
     )
-    click.echo(verdict(loop))
+    click.echo(verdict(loop, advice=loader_bound_advice(dataset)))
     if json_path is not None:
         json_path.write_text(json.dumps({"fetch": fetch, "loop": loop}, indent=1) + "\n")
 

@@ -242,8 +242,11 @@ def convert_to_bucket(
     if committed is not None:
         return committed
     plan_file = {"output_id": plan.output_id, "format": options.format, "shards": total}
-    dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
-    names = _shard_names(plan, total)
+    try:  # the first write: a bucket that does not exist is named here
+        dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
+    except FileNotFoundError as exc:
+        raise storage.remote_error(url, exc) from None
+    names = shard_names(plan, total)
     done = set(_receipts(dest, work, bounds, names)[0]) if options.resume else set()
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
     numbers = [k for k in range(first, last) if k not in done]
@@ -298,7 +301,7 @@ def convert_to_bucket(
     return commit(plan, dest, work, [receipts[k] for k in range(total)])
 
 
-def _shard_names(plan: Plan, total: int) -> list[str]:
+def shard_names(plan: Plan, total: int) -> list[str]:
     """Each shard's file name in the finished output (TFRecord's names hold ``-of-N``)."""
     with tempfile.TemporaryDirectory(prefix="imgpack-names-") as tmp:
         writer = format_spec(plan.options.format).writer_class()(Path(tmp), plan.writer_config())

@@ -74,6 +74,7 @@ from imgpack.scan import Sample, Scan
 from imgpack.sources.base import ScanRequest, Source
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
 from imgpack.stats import DatasetStats
+from imgpack.units import format_bytes
 from imgpack.version import __version__
 
 log = logging.getLogger(__name__)
@@ -577,6 +578,102 @@ def convert(
         return manifest
 
 
+@dataclass
+class DryRun:
+    """What ``convert`` would do, found without reading an image or writing anything
+    (``imgpack convert ... --dry-run``)."""
+
+    src: str
+    dst: str
+    format: str
+    #: The image files the conversion would read (its part of them with ``num_parts``).
+    images: int
+    classes: list[str]
+    #: Files the scan cannot take (named with why); bad images are found only by reading them.
+    skipped: list[dict[str, str]]
+    ignored_files: int
+    empty_classes: list[str]
+    #: Bytes the images would take: exact for ``raw``, the source files' sizes otherwise
+    #: (what ``original`` keeps; a re-encode differs).
+    estimated_bytes: int
+    #: The data files, by name; for sharded formats cut by :attr:`estimated_bytes`' sizes.
+    shards: list[str]
+    #: Whether :attr:`shards` is the plan the conversion follows (shard tasks writing to a
+    #: bucket), not an estimate of where one writer will roll over.
+    shards_exact: bool
+
+    def lines(self) -> list[str]:
+        """What ``--dry-run`` prints."""
+        shown = ", ".join(self.classes[:8]) + (", ..." if len(self.classes) > 8 else "")
+        shards = (
+            self.shards if len(self.shards) <= 4 else [*self.shards[:2], "...", self.shards[-1]]
+        )
+        lines = [
+            f"dry run: nothing read or written; {self.src} -> {self.dst} ({self.format})",
+            f"images:    {self.images}",
+            f"classes:   {len(self.classes)} ({shown})" if self.classes else "classes:   none",
+            f"bytes:     about {format_bytes(self.estimated_bytes)} of images",
+            f"files:     {len(self.shards)} "
+            f"({'as planned' if self.shards_exact else 'estimated'}: {', '.join(shards)})"
+            if self.shards
+            else "files:     1",
+            f"skipped:   {len(self.skipped)} by the scan, {self.ignored_files} other file(s) "
+            "ignored (bad images are found when they are read)",
+        ]
+        if self.empty_classes:
+            lines.append(
+                f"empty:     {', '.join(self.empty_classes)} (class folders with no image)"
+            )
+        for skip in self.skipped[:SHOW_SKIPPED]:
+            lines.append(f"  skipped {skip['path']}: {skip['reason']}")
+        return lines
+
+
+#: Skipped files a summary shows by name.
+SHOW_SKIPPED = 10
+
+
+def dry_run(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    format: str = "pt",
+    *,
+    options: ConvertOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> DryRun:
+    """The plan :func:`convert` would follow with these arguments: scanned as it scans (a
+    bucket image folder listed, nothing downloaded), DST checked as it checks it, nothing
+    read or written. Raises what :func:`convert` would raise before reading an image."""
+    options = _options(format, options, kwargs)
+    with storage.source_location(src, storage_options, cache_dir, _in_place(options)) as local:
+        source = sources.resolve(Path(local), options.source, options.source_options)
+        the_plan = _plan(local, dst, options, check_dst=not storage.is_url(dst))
+        exact = direct.applies(options, dst, source, executors.create(None, options.workers))
+        if exact:
+            the_plan = replace(the_plan, layout=direct.LAYOUT)
+        sizes = list(direct.sample_sizes(the_plan))[slice(*the_plan.bounds)]
+        shards: list[str] = []
+        if options.spec.sharded:
+            bounds = direct.cut(iter(sizes), options.shard_size or sys.maxsize)
+            shards = direct.shard_names(the_plan, len(bounds) - 1)
+        where = the_plan.where
+    return DryRun(
+        src=str(src) if storage.is_url(src) else where,
+        dst=str(dst),
+        format=options.format,
+        images=len(the_plan.samples),
+        classes=list(the_plan.scan.classes),
+        skipped=the_plan.unreadable,
+        ignored_files=the_plan.scan.ignored_files,
+        empty_classes=list(the_plan.scan.empty_classes),
+        estimated_bytes=sum(sizes),
+        shards=shards,
+        shards_exact=exact,
+    )
+
+
 def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
     """For a bucket SRC, given its objects' paths: whether the workers read them where they are
     (nothing downloaded first). So for an image folder: the kind asked for, or the one detection
@@ -754,11 +851,13 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 __all__ = [
+    "DryRun",
     "Plan",
     "Written",
     "build_manifest",
     "convert",
     "convert_splits",
+    "dry_run",
     "plan",
     "process",
     "write",

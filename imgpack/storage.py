@@ -116,7 +116,25 @@ def parse_storage_options(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return options
 
 
+def no_bucket(url: str, exc: BaseException) -> ImgpackError | None:
+    """The error naming ``url``'s bucket when ``exc`` says it does not exist (S3's
+    ``NoSuchBucket``, which s3fs raises as a bare ``FileNotFoundError``), else ``None``."""
+    if not isinstance(exc, FileNotFoundError) or "bucket" not in str(exc).lower():
+        return None
+    scheme, _, rest = url.partition("://")
+    bucket = f"{scheme}://{rest.split('/', 1)[0]}"
+    return StorageError(
+        f"{url}: the bucket {bucket} does not exist (create it first, or check the name and "
+        "the endpoint the filesystem uses: docs/storage.md)"
+    )
+
+
 def remote_error(url: str, exc: BaseException) -> ImgpackError:
+    if isinstance(exc, ImgpackError):  # said already, with its URL
+        return exc
+    missing = no_bucket(url, exc)
+    if missing is not None:
+        return missing
     if isinstance(exc, FileNotFoundError):
         return ManifestError(
             f"{url}: not found (no such bucket or object; check the name, and the endpoint "
@@ -136,7 +154,10 @@ def read_remote_manifest(
     fs, root = filesystem(url, storage_options)
     try:
         data = fs.cat_file(f"{root}/{MANIFEST_NAME}")
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        missing = no_bucket(url, exc)
+        if missing is not None:
+            raise missing from None
         raise ManifestError(
             f"{url}: not an imgpack output (no {MANIFEST_NAME}: nothing there, or a conversion "
             "still uploading or killed midway, which leaves none)"
@@ -534,7 +555,10 @@ def source_folder(
         try:
             try:
                 top = fs.ls(root, detail=True)  # one delimiter listing: folders and objects
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                missing = no_bucket(url, exc)
+                if missing is not None:
+                    raise missing from None
                 top = []
             folders = sorted(
                 _relative(info["name"], root) for info in top if info.get("type") == "directory"

@@ -3,8 +3,9 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k roundtrip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "== setup: .venv with imgpack[test,ray,dali,hf,plot] (the first time about 3 minutes and" \
-    "2.5 GiB, most of it DALI's CUDA wheels; later runs reuse it in seconds)" >&2
+echo "== setup: .venv with imgpack[test,ray,dali,hf,plot]: the first time about 2.5 GiB, most of" \
+    "it NVIDIA DALI's CUDA wheels (tests/test_dali.py reads the outputs with DALI), 3 minutes on a" \
+    "quiet machine with a fast mirror, up to 20 on a loaded one; later runs reuse it in seconds" >&2
 EXTRAS=test,ray,dali,hf,plot source scripts/setup_env.sh
 
 # The docs show h5ls and mdb_stat output, which tests/test_docs.py checks against the real tools:

@@ -56,7 +56,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The read side: opening outputs, loading, verifying. It never imports the engine.
     (
         "reading",
-        ("imgpack.readers", "imgpack.loading", "imgpack.loading.*", "imgpack.verification"),
+        (
+            "imgpack.readers",
+            "imgpack.loading",
+            "imgpack.loading.*",
+            "imgpack.verification",
+            "imgpack.preview",
+        ),
     ),
     # What a conversion reads (source kinds) and how it runs (executors, options).
     ("sources", ("imgpack.sources", "imgpack.sources.*", "imgpack.executors", "imgpack.options")),

@@ -303,6 +303,14 @@ class ReadOptions:
         return options
 
 
+#: Why imgpack advises ``num_workers=0`` for raw pixels: the one sentence the readers' warning,
+#: :func:`imgpack.loading.tuning.recommend_loader_settings` and the commands all give.
+RAW_WORKERS_REASON = (
+    "raw pixels: a batch is one memory gather in the training process, and a worker process "
+    "adds a hand-over per batch that costs about as much (or load it all with DeviceLoader)"
+)
+
+
 class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     """Base class of the readers: ``ds[i]`` is ``(image, label)`` with a uint8 ``(C, H, W)`` image.
 
@@ -971,11 +979,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 return
             self._steered[0] = 1
         warnings.warn_explicit(
-            f"{type(self).__name__}({str(self.root)!r}): raw memory-mapped pixels: gathering "
-            f"{count} samples took {seconds * 1e3:.2f} ms in worker 0, less than handing the "
-            "batch from a worker to the training process costs; num_workers=0 (or "
-            "imgpack.loading.DeviceLoader) reads this output faster ('imgpack tune' measures "
-            "both)",
+            f"{type(self).__name__}({str(self.root)!r}): gathering {count} samples took "
+            f"{seconds * 1e3:.2f} ms in worker 0. imgpack's advice for this output is "
+            f"num_workers=0 ({RAW_WORKERS_REASON}); 'imgpack tune OUTPUT' measures workers "
+            "against none on this machine, and its measured choice is the one to use",
             PerformanceWarning,
             filename="imgpack",
             lineno=0,

@@ -196,9 +196,10 @@ def _batch_len(batch: Any) -> int:
 MIN_VERDICT_BATCHES = 10
 
 
-def verdict(summary: dict[str, Any], threshold: float = 0.2) -> str:
+def verdict(summary: dict[str, Any], threshold: float = 0.2, advice: str | None = None) -> str:
     """A sentence saying whether the loader or the consumer is the bottleneck, or that the
-    figures are too few to tell."""
+    figures are too few to tell. ``advice``: what to do when loader-bound, for the dataset
+    measured (:func:`imgpack.loading.tuning.loader_bound_advice`)."""
     measured = summary["batches"] - 1
     if measured < MIN_VERDICT_BATCHES:
         return (
@@ -215,8 +216,8 @@ def verdict(summary: dict[str, Any], threshold: float = 0.2) -> str:
         )
     if share > threshold:
         return (
-            f"loader-bound: the training loop waited for data {share:.0%} of the time; add "
-            "workers (imgpack tune), use a raw or memory-mapped format, or preload onto the "
-            "device (DeviceLoader)"
-        )
+            f"loader-bound: the training loop waited for data {share:.0%} of the time; "
+            + (advice or "measure the loader settings (imgpack tune), or preload onto the "
+               "device (DeviceLoader)")
+        )  # fmt: skip
     return f"consumer-bound: the loader kept up (the loop waited {share:.0%} of the time)"

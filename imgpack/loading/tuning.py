@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from imgpack.errors import PerformanceWarning
-from imgpack.formats.dataset_base import ImageDataset, collate
+from imgpack.formats.dataset_base import RAW_WORKERS_REASON, ImageDataset, collate
 from imgpack.system import usable_cpus
 
 
@@ -46,6 +46,24 @@ class LoaderSettings:
         return {} if self.decode_threads is None else {"decode_threads": self.decode_threads}
 
 
+def loader_bound_advice(dataset: Dataset[Any]) -> str:
+    """What to do when the training loop waits for ``dataset``'s batches, for what it is: the
+    advice :func:`recommend_loader_settings` gives, and only the remedies that apply."""
+    advised = recommend_loader_settings(dataset)
+    if not _decodes(dataset):
+        return (
+            f"the advice for this raw output is num_workers=0 ({advised.reasons['num_workers']}); "
+            "'imgpack tune' measures workers against none here, and DeviceLoader preloads it "
+            "onto the device if it fits"
+        )
+    return (
+        f"the advice for this encoded output is num_workers={advised.num_workers} "
+        f"({advised.reasons['num_workers']}) and 'imgpack tune' measures it; raw pixels at the "
+        "training size (--encoding raw --size N) need no decode, and DeviceLoader preloads "
+        "onto the device"
+    )
+
+
 def _decodes(dataset: Dataset[Any]) -> bool:
     manifest = getattr(dataset, "manifest", None)
     return getattr(manifest, "encoding", "original") != "raw"
@@ -61,10 +79,7 @@ def recommend_loader_settings(dataset: Dataset[Any], gpu: bool | None = None) ->
     threads: int | None = None
     if not _decodes(dataset):
         workers = 0
-        reasons["num_workers"] = (
-            "raw pixels: a batch is one memory gather in the main process; worker processes "
-            "would only add a hand-over per batch (or load it all with DeviceLoader)"
-        )
+        reasons["num_workers"] = RAW_WORKERS_REASON
         reasons["decode_threads"] = "nothing to decode"
     else:
         workers = max(1, cpus - 1) if cpus > 1 else 0
@@ -240,5 +255,6 @@ __all__ = [
     "TuneResult",
     "autotune_loader",
     "candidate_settings",
+    "loader_bound_advice",
     "recommend_loader_settings",
 ]

@@ -16,12 +16,19 @@ from imgpack.images import Encoding, ImagePolicy
 from imgpack.scan import UNLABELLED, Sample, Scan
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import IMAGE_EXTENSIONS, walk_images
-from imgpack.sources.folder.source import FileFetcher, FolderSource, refuse_unreadable
+from imgpack.sources.folder.source import FileFetcher, refuse_unreadable
 
 
 class UnlabelledSource(Source):
     def check(self) -> None:
-        FolderSource(self.src).check()
+        if not self.src.exists():
+            raise FileNotFoundError(f"{self.src}: no such folder")
+        if not self.src.is_dir():
+            raise OptionError(
+                f"{self.src}: not a folder; --no-labels converts every image under a folder "
+                "SRC (any layout, no classes). A label list is converted with --labels FILE, "
+                "its rows' labels kept"
+            )
 
     def scan(self, request: ScanRequest) -> Scan:
         if request.classes is not None:
