@@ -250,12 +250,6 @@ class Checkpoint:
             or not isinstance(found.writer, dict)
         ):  # fmt: skip
             return None
-        if found.stats is not None:
-            try:
-                if DatasetStats.from_json(found.stats).samples != found.count:
-                    return None
-            except (KeyError, TypeError, ValueError):
-                return None
         return found
 
     def check(self, plan: Plan, directory: Path) -> None:
@@ -267,6 +261,8 @@ class Checkpoint:
             problem = f"position {self.position} is past the {len(plan.samples)} samples"
         elif self.skipped[: len(unreadable)] != unreadable:
             problem = "its skipped files do not start with the scan's unreadable ones"
+        elif self.stats is not None and _stats_count(self.stats) != self.count:
+            problem = f"its statistics do not count its {self.count} samples written"
         elif self.count + len(self.skipped) - len(unreadable) != self.position:
             problem = (
                 f"{self.count} written + {len(self.skipped) - len(unreadable)} skipped is not its "
@@ -281,6 +277,14 @@ class Checkpoint:
                 problem = f"it lists {stray[0]!r} as skipped, which is not a sample it passed"
         if problem:
             raise damaged_checkpoint(directory, problem)
+
+
+def _stats_count(stats: dict[str, Any]) -> int:
+    """The samples a checkpoint's statistics count; -1 when they are not statistics."""
+    try:
+        return DatasetStats.from_json(stats).samples
+    except (KeyError, TypeError, ValueError):
+        return -1
 
 
 def damaged_checkpoint(directory: Path, problem: str) -> DataError:

@@ -307,6 +307,7 @@ def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -
         {**state, "writer": {"shards": [[first[0], first[1] - 1, *first[2:]]]}},
         {**state, "writer": {"shards": [[first[0], first[1], first[2], "0" * 64, first[4]]]}},
         {**state, "position": "7"},
+        {**state, "stats": {**state["stats"], "samples": state["count"] + 1}},  # not its count
     ]
     args = ["convert", str(big), str(dst), "-q", "--format", fmt, "--shard-size", "3000"]
     for case in cases:
