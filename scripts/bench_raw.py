@@ -12,8 +12,8 @@ And once more through `DataLoader(batch_sampler=ShardSampler(ds, window=len(ds))
 collate_fn=collate)` (the same reader, a later epoch): a full shuffle as above, each batch one
 array of indices instead of 256 Python ints drawn one by one; and through imgpack's
 `Loader(ds, batch_size=256, sampler=ShardSampler(ds, window=len(ds)), collate_fn=collate)`,
-which hands an imgpack reader the sampler's batches as index arrays and opens no profiler
-range per batch while no profiler runs.
+which hands an imgpack reader the sampler's batches as index arrays through DataLoader's public
+`batch_sampler=`.
 The pt and webdataset outputs are read again written in --many-shards shards (a shuffled
 batch then touches most of them). The limit is a bare `index_select` of the same shuffled batches from one in-RAM uint8 tensor
 of all the images (no file, no label, no check): what any loader of these bytes can do at most

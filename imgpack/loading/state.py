@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import DataLoader
 
 from imgpack.errors import OptionError
 from imgpack.formats.dataset_base import ImageDataset
@@ -33,16 +32,30 @@ class Loader(DataLoader[Any]):
     ``batch_sampler=`` one's :meth:`~ShardSampler.batches`; with neither, one is made from
     ``shuffle`` and ``seed=0``).
 
-    With ``batch_size`` and an imgpack reader (or :class:`Mix`), each batch reaches the reader
-    as one index array from :meth:`ShardSampler.batches` (the same indices in the same order as
-    torch's ``BatchSampler`` over the sampler would give, one Python int at a time); and no
-    profiler range is opened around each batch unless a profiler runs."""
+    With ``batch_size`` and a ``sampler=ShardSampler(...)`` over an imgpack reader (or
+    :class:`Mix`), the loader is made with ``batch_sampler=sampler.batches(batch_size,
+    drop_last)``, DataLoader's public way to hand each batch over as one index array (the same
+    indices in the same order as torch's ``BatchSampler`` over the sampler, not one Python int
+    at a time); ``loader.batch_sampler`` is then that :class:`ShardBatches`. Only DataLoader's
+    public API is used: no private name of a class torch changes often."""
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("sampler") is None and kwargs.get("batch_sampler") is None and not args:
             kwargs["sampler"] = ShardSampler(
                 dataset, shuffle=bool(kwargs.pop("shuffle", False)), num_replicas=1, rank=0
             )
+        given = kwargs.get("sampler")
+        if (
+            not args
+            and isinstance(given, ShardSampler)
+            and isinstance(dataset, ImageDataset | Mix)
+            and kwargs.get("batch_sampler") is None
+            and kwargs.get("batch_size", 1) is not None
+            and "shuffle" not in kwargs  # DataLoader's own error says shuffle and sampler clash
+        ):
+            batch_size, drop_last = kwargs.pop("batch_size", 1), kwargs.pop("drop_last", False)
+            del kwargs["sampler"]
+            kwargs["batch_sampler"] = given.batches(batch_size, drop_last)
         super().__init__(dataset, *args, **kwargs)
         batches = self.batch_sampler
         sampler = batches.sampler if isinstance(batches, ShardBatches) else self.sampler
@@ -53,28 +66,12 @@ class Loader(DataLoader[Any]):
             )
         self._shards = sampler
         self._taken = 0  # samples of this rank handed out by the running iteration
-        # batch_size= with a ShardSampler: torch's BatchSampler would draw each batch one
-        # Python int at a time; an imgpack reader (or Mix) takes the sampler's batches as
-        # index arrays instead (the same indices in the same order, a third of a raw batch's
-        # time saved). loader.sampler and loader.batch_sampler stay what DataLoader made.
-        self._arrays: ShardBatches | None = None
-        if type(batches) is BatchSampler and isinstance(dataset, ImageDataset | Mix):
-            self._arrays = sampler.batches(batches.batch_size, batches.drop_last)
-
-    @property
-    def _index_sampler(self) -> Any:  # what DataLoader's iterators draw batches of indices from
-        arrays = getattr(self, "_arrays", None)
-        return arrays if arrays is not None else super()._index_sampler
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._taken = 0
-        batches = super().__iter__()
-        while True:
-            try:
-                batch = _next(batches)
-            except StopIteration:
-                return
-            self._taken += _count(batch, self.batch_size)
+        size = getattr(self.batch_sampler, "batch_size", None)
+        for batch in super().__iter__():
+            self._taken += _count(batch, size)
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -88,24 +85,6 @@ class Loader(DataLoader[Any]):
         ``sampler.set_epoch`` with it, or not at all) yields only what was not consumed."""
         self._shards.load_state_dict(state)  # a Loader's, or any state sampler_state reads
         self._taken = 0
-
-
-def _next(batches: Any) -> Any:
-    """The next batch of a ``DataLoader`` iterator. ``DataLoader`` opens a profiler range
-    (``torch.autograd.profiler.record_function``) around every batch, which costs ~20 µs and
-    slows every torch op inside it while no profiler is running: a third of a raw batch's
-    time. Without a profiler the batch is fetched as the iterator's ``__next__`` does, without
-    the range; with one (or an iterator without these internals) through ``__next__`` itself."""
-    fetch = getattr(batches, "_next_data", None)
-    if (
-        fetch is None
-        or getattr(batches, "_sampler_iter", None) is None
-        or torch.autograd._profiler_enabled()
-    ):
-        return next(batches)
-    data = fetch()
-    batches._num_yielded += 1
-    return data
 
 
 def _count(batch: Any, batch_size: int | None) -> int:
