@@ -18,6 +18,7 @@ import contextlib
 import copy
 import functools
 import mmap
+import operator
 import os
 import stat
 import time
@@ -301,6 +302,30 @@ class ReadOptions:
                 f"give either options= or the keyword(s) {', '.join(sorted(given))}, not both"
             )
         return options
+
+
+def integer_index(index: Any, where: str) -> int:
+    """``index`` as an int, as a sequence takes it (Python, NumPy and torch integers): a float
+    or a string is a ``TypeError`` naming ``where``, never rounded or parsed."""
+    try:
+        return operator.index(index)
+    except TypeError:
+        raise TypeError(
+            f"{where}: an index must be an integer, not {type(index).__name__} ({index!r})"
+        ) from None
+
+
+def integer_indices(indices: Any, where: str) -> np.ndarray:
+    """``indices`` (a sequence, a NumPy array or a tensor) as a flat int64 array: anything but
+    integers is a ``TypeError`` naming ``where`` (a float is not truncated, a string not
+    parsed); the range is the caller's to check."""
+    found = indices.numpy() if isinstance(indices, torch.Tensor) else np.asarray(indices)
+    if found.size and found.dtype.kind not in "iu":
+        raise TypeError(
+            f"{where}: indices must be integers, not {found.dtype} values "
+            f"({found.reshape(-1)[0]!r})"
+        )
+    return found.astype(np.int64, copy=False).reshape(-1)
 
 
 #: Why imgpack advises ``num_workers=0`` for raw pixels: the one sentence the readers' warning,
@@ -917,7 +942,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         return images, label_tensor([r.label for r in records])
 
     def _indices(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        """``indices`` as int64 positions in ``0..n-1`` (negative ones counted from the end):
+        ``TypeError`` for anything but integers (a float is not truncated, a string not parsed),
+        ``IndexError`` for one out of range."""
+        idx = integer_indices(indices, str(self.root))
         n = len(self)
         if not idx.size or int(idx.view(np.uint64).max()) < n:  # all in 0..n-1: one pass
             return idx
@@ -992,6 +1020,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def _fetch(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         """:meth:`_gather`, resized to ``size`` where the reader has one and the stored images
         are another size (raw outputs; encoded ones are resized as they are decoded)."""
+        if not len(indices):  # an empty batch: no file is touched
+            shape = self.image_shape
+            empty: Images = torch.empty((0, *shape), dtype=torch.uint8) if shape is not None else []
+            return empty, torch.empty(0, dtype=torch.int64)
         start = time.perf_counter()
         # The files of a batch stay pinned and open until it is gathered: a batch that spans
         # two windows of ShardSampler touches more of them than PINNED_FILES, and letting the
@@ -1017,7 +1049,12 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         return self.decoder.batch(pixels, lambda k: f"{self.root}: sample {indices[k]}"), labels
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        i, n = int(index), len(self)
+        try:  # an integer, as a sequence takes it: a float or a string is refused, not rounded
+            i, n = operator.index(index), len(self)
+        except TypeError:
+            raise TypeError(
+                f"{self.root}: an index must be an integer, not {type(index).__name__} ({index!r})"
+            ) from None
         if not -n <= i < n:
             raise IndexError(f"index {i} is out of range for {self.root} ({n} samples)")
         image: Any

@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from imgpack.errors import OptionError
+from imgpack.formats.dataset_base import integer_index, integer_indices
 from imgpack.units import finite_numbers, whole_number
 
 #: Samples per block of a single-file output (``lmdb``, ``hdf5``), read as its "shards".
@@ -528,12 +529,15 @@ class Mix(Dataset[tuple[Any, Any]]):
         return part, index - int(self.offsets[part])
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        part, local = self._locate(int(index))
+        part, local = self._locate(integer_index(index, "Mix"))
         image, label = self.datasets[part][local]
         return image, self._label(part, label)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        idx = np.asarray(indices, dtype=np.int64)
+        idx = integer_indices(indices, "Mix")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            bad = int(idx[(idx < 0) | (idx >= len(self))][0])
+            raise IndexError(f"index {bad} is out of range for a Mix of {len(self)} samples")
         parts = np.searchsorted(self.offsets, idx, side="right") - 1
         out: list[Any] = [None] * len(idx)
         for part in np.unique(parts).tolist():
