@@ -75,8 +75,8 @@ def export(output: Any, folder: Any, **kwargs: Any) -> Any:
 
 def to_hf(output: Any, **kwargs: Any) -> Any:
     """An imgpack output (a path, a URL or an open reader) as a Hugging Face
-    ``datasets.Dataset``; see :func:`imgpack.hf.to_hf`."""
-    from imgpack.hf import to_hf as _to_hf
+    ``datasets.Dataset``; see :func:`imgpack.exporting.to_hf`."""
+    from imgpack.exporting import to_hf as _to_hf
     from imgpack.readers import open_dataset
 
     if isinstance(output, (str, os.PathLike)):

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
@@ -41,12 +41,9 @@ from imgpack.executors import WORKER_DIED, Executor, Failure, Job, TaskDied
 from imgpack.formats import get as format_spec
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
-from imgpack.recorded import manifest_for
+from imgpack.planning import Plan, manifest_for
 from imgpack.scan import Sample, SampleTable
 from imgpack.stats import DatasetStats
-
-if TYPE_CHECKING:
-    from imgpack.pipeline import Plan
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +137,7 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
                         try:
                             encoded = task.job.convert(sample)
                             writer.add(encoded)
-                            tally.add_encoded(encoded)
+                            tally.add(encoded.label, encoded.height, encoded.width, encoded.sums)
                             continue
                         except ImageError as exc:
                             path, reason = exc.path, exc.reason

@@ -70,7 +70,7 @@ def merge(
     part), naming the offending outputs.
     """
     if is_url(dst):
-        with output_folder(dst, storage_options, overwrite) as local:
+        with output_folder(dst, storage_options, overwrite, skip=formats.runtime_files()) as local:
             return merge(parts, local, progress=progress, storage_options=storage_options,
                          cache_dir=cache_dir)  # fmt: skip
     roots = [open_location(p, storage_options, cache_dir) for p in parts]

@@ -20,25 +20,22 @@ run writes.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
-import uuid
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import direct, executors, hf, sources, storage
+from imgpack import direct, executors, formats, hf, sources, storage
 from imgpack.errors import (
     DataError,
     ImageError,
@@ -47,17 +44,17 @@ from imgpack.errors import (
     ScanError,
     StorageError,
 )
-from imgpack.executors import Executor, Failure, Job, Outcome
-from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WriterConfig, WrittenFile, file_entries
+from imgpack.executors import Executor, Failure, Outcome
+from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WrittenFile, file_entries
 from imgpack.images import Encoded
 from imgpack.manifest import (
     MANIFEST_NAME,
-    OUTPUT_ID_LENGTH,
     Manifest,
     read_manifest,
     write_manifest,
 )
 from imgpack.options import ConvertOptions
+from imgpack.planning import Plan, manifest_for
 from imgpack.publishing import (
     CHECKPOINT_NAME,
     check_destination,
@@ -69,13 +66,10 @@ from imgpack.publishing import (
     recover,
     temp_output,
 )
-from imgpack.recorded import manifest_for
-from imgpack.scan import Sample, Scan
-from imgpack.sources.base import ScanRequest, Source
+from imgpack.sources.base import ScanRequest
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
-from imgpack.stats import DatasetStats
+from imgpack.stats import DatasetStats, PixelSums
 from imgpack.units import format_bytes
-from imgpack.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -83,130 +77,6 @@ log = logging.getLogger(__name__)
 #: writers' KEEP_PREFIX, so no writer removes it.
 CHECKPOINT = CHECKPOINT_NAME
 assert CHECKPOINT.startswith(KEEP_PREFIX)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a conversion will do, decided before any image is read."""
-
-    src: Path
-    dst: Path
-    options: ConvertOptions
-    scan: Scan
-    #: What SRC is and how its samples are read (:mod:`imgpack.sources`).
-    source: Source
-    #: ``"shards"`` when shard tasks write the output by a shard plan (:mod:`imgpack.direct`):
-    #: other shard boundaries than one writer's, so another output id.
-    layout: str = ""
-
-    @property
-    def job(self) -> Job:
-        policy = self.options.policy
-        encoding = replace(self.options.encoding_spec, measure=self.options.stats)
-        fetch = self.source.fetcher(self.scan, policy, encoding, self.run)
-        return Job(fetch, policy, encoding, stats=self.options.stats)
-
-    @cached_property
-    def run(self) -> str:
-        """A token unique to this run: the readers workers open for it belong to it."""
-        return uuid.uuid4().hex
-
-    @property
-    def where(self) -> str:
-        """SRC in messages: a bucket read in place by its URL, not the folder of its listing."""
-        remote = storage.remote_source(self.src) if self.src.is_dir() else None
-        return remote[0] if remote is not None else str(self.src)
-
-    @property
-    def bounds(self) -> tuple[int, int]:
-        """The slice of the scan this conversion converts: all of it, or part ``part`` of
-        ``num_parts`` contiguous, near-equal ranges."""
-        total, parts, part = len(self.scan.samples), self.options.num_parts, self.options.part
-        return total * part // parts, total * (part + 1) // parts
-
-    @property
-    def samples(self) -> Sequence[Sample]:
-        """The samples this conversion converts, in scan order."""
-        start, stop = self.bounds
-        return self.scan.samples[start:stop]
-
-    @property
-    def unreadable(self) -> list[dict[str, str]]:
-        """The folders and names the scan could not take, recorded by the first part only (so
-        that merged parts list each once)."""
-        return list(self.scan.unreadable) if self.options.part == 0 else []
-
-    @property
-    def part(self) -> dict[str, int] | None:
-        """What the manifest records of a partitioned conversion."""
-        if self.options.num_parts == 1:
-            return None
-        start, stop = self.bounds
-        return {
-            "index": self.options.part,
-            "count": self.options.num_parts,
-            "start": start,
-            "stop": stop,
-        }
-
-    def writer_config(self) -> WriterConfig:
-        opts = self.options
-        return WriterConfig(
-            format=opts.format,
-            classes=self.scan.classes,
-            encoding=opts.encoding_spec,
-            policy=opts.policy,
-            shard_size=opts.shard_size or 0,
-            settings=dict(opts.format_options),
-            output_id=self.output_id,
-            first_index=self.bounds[0],
-        )
-
-    @cached_property
-    def output_id(self) -> str:
-        """The id written into the manifest and every data file, so that a reader never mixes
-        the files of two outputs (one replaced the other while it read).
-
-        It depends only on what the output's bytes depend on: the options, the label map and
-        every sample's path, label, size and modification time (not the source folder's
-        location), so identical runs write identical bytes and a source that changed gives a
-        new id. The parts of a partitioned conversion share the id of the whole."""
-        opts = self.options
-        digest = hashlib.sha256()
-        head = {
-            "imgpack": __version__,
-            "format": opts.format,
-            "options": opts.recorded(),
-            "image": opts.policy.describe(),
-            "classes": self.scan.classes,
-            "origin": self.scan.origin,
-            **({"layout": self.layout} if self.layout else {}),
-        }
-        # A bucket's objects are known by what the store says of each (its listing: sizes and
-        # ETags), files by their stat; other sources' contents are in the origin already.
-        listing = storage.listing_digest(self.src) if self.src.is_dir() else None
-        if listing is not None:
-            head["listing"] = listing
-        digest.update(json.dumps(head, sort_keys=True).encode())
-        stamp = self.source.stamp
-        for sample in self.scan.samples:
-            found = "" if listing is not None else stamp(sample)
-            line = f"{sample.label}\t{found}\t{sample.path}\n"
-            digest.update(line.encode("utf-8", "surrogateescape"))
-        return digest.hexdigest()[:OUTPUT_ID_LENGTH]
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """What the output depends on: the source, its scan and the options (not the workers);
-        a source file changed since an interrupted run started makes it differ."""
-        digest = hashlib.sha256()
-        # A bucket SRC's scratch copy has a new path every run: the store's stamps of every
-        # object (in the output id) identify it.
-        copied = (self.src / storage.STORE_LISTING).is_file()
-        source = "a bucket's copy" if copied else str(self.src.resolve())
-        head = {"output": self.output_id, "source": source, "part": self.part}
-        digest.update(json.dumps(head, sort_keys=True).encode())
-        return digest.hexdigest()
 
 
 @dataclass
@@ -364,7 +234,7 @@ def write(
             f"it counts {state.count} samples written, its files hold {writer.durable - already}",
         )
     # (count, position, skipped) after each sample, and the sample's figures for the statistics
-    marks: deque[tuple[int, int, int, Encoded]] = deque()
+    marks: deque[tuple[int, int, int, Figures]] = deque()
     checkpoints = _can_checkpoint(writer)
     if checkpoints and resume is None:
         state.writer = writer.checkpoint_state()
@@ -399,7 +269,7 @@ def write(
                 writer.add(outcome)
             count += 1
             if tally is not None:
-                tally.add_encoded(outcome)
+                tally.add(*_figures(outcome))
             if not checkpoints:
                 continue
             marks.append((count, position, len(skipped), _figures(outcome)))
@@ -407,7 +277,7 @@ def write(
                 while True:
                     done, at, skips, figures = marks.popleft()
                     if durable is not None:
-                        durable.add_encoded(figures)
+                        durable.add(*figures)
                     if done >= writer.durable:
                         break
                 Checkpoint(
@@ -442,10 +312,13 @@ def _tallies(plan: Plan, state: Checkpoint) -> tuple[DatasetStats | None, Datase
     return start(), start()
 
 
-def _figures(outcome: Encoded) -> Encoded:
+#: What the statistics count of a sample (:meth:`DatasetStats.add`): label, height, width, sums.
+Figures = tuple[int, int, int, PixelSums | None]
+
+
+def _figures(outcome: Encoded) -> Figures:
     """What the statistics need of a sample, without its payload (kept until it is durable)."""
-    return Encoded(outcome.path, outcome.label, b"", outcome.height, outcome.width,
-                   outcome.channels, outcome.kind, outcome.sums)  # fmt: skip
+    return outcome.label, outcome.height, outcome.width, outcome.sums
 
 
 def _can_checkpoint(writer: Writer) -> bool:
@@ -552,7 +425,12 @@ def convert(
     # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
     build = storage.build_folder(str(dst), cache_dir) if storage.is_url(dst) else None
     destination = storage.output_folder(
-        dst, storage_options, options.overwrite, build=build, resume=options.resume
+        dst,
+        storage_options,
+        options.overwrite,
+        build=build,
+        resume=options.resume,
+        skip=formats.runtime_files(),
     )
     with ExitStack() as stack:
         if hf.is_dataset_object(src):  # saved beside where the output is built

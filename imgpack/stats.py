@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from imgpack.images import Encoded
+    pass
 
 #: Per-channel sums of one image's pixels and of their squares
 #: (:func:`imgpack.images.pixel_sums`; a worker measures what it stores with
@@ -74,9 +74,6 @@ class DatasetStats:
         for c in range(self.channels):
             self.sums[c] += sums[0][c]
             self.squares[c] += sums[1][c]
-
-    def add_encoded(self, encoded: Encoded) -> None:
-        self.add(encoded.label, encoded.height, encoded.width, encoded.sums)
 
     def merge(self, other: DatasetStats) -> None:
         """Add ``other``'s counts (another part, shard or run of the same output)."""

@@ -36,7 +36,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -771,6 +771,7 @@ def output_folder(
     marker: str = MANIFEST_NAME,
     build: Path | None = None,
     resume: bool = False,
+    skip: Collection[str] = (),
 ) -> Iterator[Path]:
     """Where a command writes ``location``: itself when local; for a URL a scratch path, whose
     files are uploaded when the block ends without an error (the manifest last, so the output
@@ -781,7 +782,8 @@ def output_folder(
 
     ``build``: the scratch folder to use (:func:`build_folder`), kept when the block fails so
     that a ``resume`` can continue in it; a ``resume`` whose build is complete (a run stopped
-    while uploading) may replace the files that upload left at the URL."""
+    while uploading) may replace the files that upload left at the URL. ``skip``: names of
+    files not to upload (those a format's reader makes beside its files, as LMDB's lock)."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -800,7 +802,7 @@ def output_folder(
             shutil.rmtree(build / "out")
     try:
         yield scratch / "out"
-        upload(scratch / "out", url, storage_options, marker)
+        upload(scratch / "out", url, storage_options, marker, skip)
     except BaseException:
         if build is None or not _resumable_build(scratch / "out", marker):
             shutil.rmtree(scratch, ignore_errors=True)
@@ -843,16 +845,15 @@ def upload(
     url: str,
     storage_options: dict[str, Any] | None = None,
     marker: str = MANIFEST_NAME,
+    skip: Collection[str] = (),
 ) -> None:
     """Upload the files of the local folder ``local`` under ``url``, several at once: a
     ``marker`` (``imgpack.json``) already there is removed first, the new one is written after
     every other file (the commit), and files of the replaced output that the new one does not
-    have are removed after."""
+    have are removed after. Files named in ``skip`` (a reader's runtime files) stay here."""
     fs, root = filesystem(url, storage_options)
-    from imgpack import formats  # the registry, not the formats: no reader or writer loaded
-
-    runtime = {name for spec in formats.specs() for name in spec.runtime_files}
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name not in runtime)
+    skipped = set(skip)
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name not in skipped)
     names = {p.relative_to(local).as_posix() for p in files}
     try:
         before = {f[len(root) :].lstrip("/") for f in fs.find(root) if not f.endswith("/")}

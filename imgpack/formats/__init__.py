@@ -121,6 +121,12 @@ def specs() -> list[FormatSpec]:
     return _registry.specs()
 
 
+def runtime_files() -> frozenset[str]:
+    """The names of the files any format's reader makes beside an output's files (LMDB's
+    ``lock.mdb``): never part of an output, so never uploaded."""
+    return frozenset(name for spec in specs() for name in spec.runtime_files)
+
+
 def get(name: str) -> FormatSpec:
     """The spec of format ``name``; :class:`~imgpack.errors.OptionError` for an unknown one."""
     return _registry.get(name)

@@ -896,12 +896,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         pixels (formats that wrap pixels, like WebDataset's ``.npy`` members, unwrap them)."""
         return bytes(record.payload)
 
-    def to_hf(self, cache_dir: str | None = None) -> Any:
-        """This output as a Hugging Face ``datasets.Dataset`` (see :func:`imgpack.hf.to_hf`)."""
-        from imgpack.hf import to_hf
-
-        return to_hf(self, cache_dir)
-
     def damaged(self, indices: Sequence[int] | np.ndarray) -> Iterator[tuple[int, str]]:
         """``(index, problem)`` for every damaged record among ``indices`` (structure, label
         range, checksum), without decoding images; used by :func:`imgpack.verify`."""

@@ -1,0 +1,204 @@
+"""What a conversion will do, decided before any image is read (:class:`Plan`), and what the
+manifest of its output records (:func:`manifest_for`): one module both engines import
+(:mod:`imgpack.pipeline`'s one writer, :mod:`imgpack.direct`'s shard tasks)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from imgpack import storage
+from imgpack.executors import Job
+from imgpack.formats.writer_base import WriterConfig
+from imgpack.manifest import OUTPUT_ID_LENGTH, FileEntry, Manifest
+from imgpack.options import ConvertOptions
+from imgpack.scan import Sample, Scan
+from imgpack.sources.base import Source
+from imgpack.stats import DatasetStats
+from imgpack.version import __version__
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a conversion will do, decided before any image is read."""
+
+    src: Path
+    dst: Path
+    options: ConvertOptions
+    scan: Scan
+    #: What SRC is and how its samples are read (:mod:`imgpack.sources`).
+    source: Source
+    #: ``"shards"`` when shard tasks write the output by a shard plan (:mod:`imgpack.direct`):
+    #: other shard boundaries than one writer's, so another output id.
+    layout: str = ""
+
+    @property
+    def job(self) -> Job:
+        policy = self.options.policy
+        encoding = replace(self.options.encoding_spec, measure=self.options.stats)
+        fetch = self.source.fetcher(self.scan, policy, encoding, self.run)
+        return Job(fetch, policy, encoding, stats=self.options.stats)
+
+    @cached_property
+    def run(self) -> str:
+        """A token unique to this run: the readers workers open for it belong to it."""
+        return uuid.uuid4().hex
+
+    @property
+    def where(self) -> str:
+        """SRC in messages: a bucket read in place by its URL, not the folder of its listing."""
+        remote = storage.remote_source(self.src) if self.src.is_dir() else None
+        return remote[0] if remote is not None else str(self.src)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The slice of the scan this conversion converts: all of it, or part ``part`` of
+        ``num_parts`` contiguous, near-equal ranges."""
+        total, parts, part = len(self.scan.samples), self.options.num_parts, self.options.part
+        return total * part // parts, total * (part + 1) // parts
+
+    @property
+    def samples(self) -> Sequence[Sample]:
+        """The samples this conversion converts, in scan order."""
+        start, stop = self.bounds
+        return self.scan.samples[start:stop]
+
+    @property
+    def unreadable(self) -> list[dict[str, str]]:
+        """The folders and names the scan could not take, recorded by the first part only (so
+        that merged parts list each once)."""
+        return list(self.scan.unreadable) if self.options.part == 0 else []
+
+    @property
+    def part(self) -> dict[str, int] | None:
+        """What the manifest records of a partitioned conversion."""
+        if self.options.num_parts == 1:
+            return None
+        start, stop = self.bounds
+        return {
+            "index": self.options.part,
+            "count": self.options.num_parts,
+            "start": start,
+            "stop": stop,
+        }
+
+    def writer_config(self) -> WriterConfig:
+        opts = self.options
+        return WriterConfig(
+            format=opts.format,
+            classes=self.scan.classes,
+            encoding=opts.encoding_spec,
+            policy=opts.policy,
+            shard_size=opts.shard_size or 0,
+            settings=dict(opts.format_options),
+            output_id=self.output_id,
+            first_index=self.bounds[0],
+        )
+
+    @cached_property
+    def output_id(self) -> str:
+        """The id written into the manifest and every data file, so that a reader never mixes
+        the files of two outputs (one replaced the other while it read).
+
+        It depends only on what the output's bytes depend on: the options, the label map and
+        every sample's path, label, size and modification time (not the source folder's
+        location), so identical runs write identical bytes and a source that changed gives a
+        new id. The parts of a partitioned conversion share the id of the whole."""
+        opts = self.options
+        digest = hashlib.sha256()
+        head = {
+            "imgpack": __version__,
+            "format": opts.format,
+            "options": opts.recorded(),
+            "image": opts.policy.describe(),
+            "classes": self.scan.classes,
+            "origin": self.scan.origin,
+            **({"layout": self.layout} if self.layout else {}),
+        }
+        # A bucket's objects are known by what the store says of each (its listing: sizes and
+        # ETags), files by their stat; other sources' contents are in the origin already.
+        listing = storage.listing_digest(self.src) if self.src.is_dir() else None
+        if listing is not None:
+            head["listing"] = listing
+        digest.update(json.dumps(head, sort_keys=True).encode())
+        stamp = self.source.stamp
+        for sample in self.scan.samples:
+            found = "" if listing is not None else stamp(sample)
+            line = f"{sample.label}\t{found}\t{sample.path}\n"
+            digest.update(line.encode("utf-8", "surrogateescape"))
+        return digest.hexdigest()[:OUTPUT_ID_LENGTH]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What the output depends on: the source, its scan and the options (not the workers);
+        a source file changed since an interrupted run started makes it differ."""
+        digest = hashlib.sha256()
+        # A bucket SRC's scratch copy has a new path every run: the store's stamps of every
+        # object (in the output id) identify it.
+        copied = (self.src / storage.STORE_LISTING).is_file()
+        source = "a bucket's copy" if copied else str(self.src.resolve())
+        head = {"output": self.output_id, "source": source, "part": self.part}
+        digest.update(json.dumps(head, sort_keys=True).encode())
+        return digest.hexdigest()
+
+
+def manifest_for(
+    plan: Plan,
+    files: list[FileEntry],
+    count: int,
+    skipped: list[dict[str, str]],
+    stats: DatasetStats | None = None,
+) -> Manifest:
+    """The manifest of ``plan``'s output made of ``files``, holding ``count`` samples, with
+    their ``stats`` (``None``: not known)."""
+    opts, scan = plan.options, plan.scan
+    return Manifest(
+        format=opts.format,
+        num_samples=count,
+        classes=scan.classes,
+        encoding=opts.encoding,
+        image=opts.policy.describe(),
+        files=files,
+        options=opts.recorded(),
+        source={
+            "path": str(plan.src.resolve()),
+            "image_files": len(scan.samples),
+            "ignored_files": scan.ignored_files,
+            "empty_classes": scan.empty_classes,
+            "classes_from": opts.classes_from,
+            **_chain(scan),
+        },
+        skipped=skipped,
+        created_by=f"imgpack {__version__}",
+        output_id=plan.output_id,
+        part=plan.part,
+        stats=stats.to_json() if stats is not None else None,
+    )
+
+
+def _chain(scan: Scan) -> dict[str, Any]:
+    """What the manifest records of a source that is not an image folder: its format, its
+    output id and its own ``source`` (so a manifest holds the whole chain of conversions)."""
+    origin = scan.origin
+    if origin is None:
+        return {}
+    keys = (
+        "format",
+        "encoding",
+        "output_id",
+        "foreign",
+        "from",
+        "image_column",
+        "label_column",
+        "file",
+    )
+    return {"converted_from": {k: origin[k] for k in keys if k in origin}}
+
+
+__all__ = ["Plan", "manifest_for"]
