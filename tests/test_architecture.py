@@ -203,3 +203,18 @@ def test_converting_a_folder_loads_no_torch(tmp_path: Path) -> None:
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_no_ctypes_memory_tricks() -> None:
+    """No reader builds memory views by address (``from_address``, ``np.ctypeslib``,
+    ``MAP_FIXED`` placements): a mapping whose owner unmaps or moves it is a crash, and after a
+    fork a hang. ctypes stays for the two system calls Python has no wrapper for (prctl's
+    PR_SET_PDEATHSIG, renameat2)."""
+    tricks = ("from_address", "ctypeslib", "MAP_FIXED", "ctypes.cast", "c_void_p")
+    found = [
+        f"{path.relative_to(PACKAGE)}: {trick}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for trick in tricks
+        if trick in path.read_text(encoding="utf-8")
+    ]
+    assert found == []

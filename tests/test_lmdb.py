@@ -250,3 +250,38 @@ def test_raw_checksums_are_checked_from_the_map_on_first_reads(tmp_path: Path) -
         ds.__getitems__([49, 50])
     batch = ds.__getitems__(list(range(60, 90)))
     assert torch.equal(batch.images, expected.images[60:90])
+
+
+def test_the_record_table_is_the_files_own_mapping_and_checked_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table of record offsets maps data.mdb itself (no view of LMDB's memory), and is used
+    only when every record's bytes at its offset are LMDB's value: offsets that do not check
+    out (here: no place tried for the first value) leave the reader on ``get``, reading the
+    same."""
+    import imgpack.formats.lmdb.reader as lmdb_reader
+
+    src = build_uniform_folder(tmp_path / "src", count=90, classes=4, size=6)
+    out = tmp_path / "raw"
+    convert(src, out, "lmdb", encoding="raw", size=6, progress=False, workers=1)
+    expected = open_dataset(out).__getitems__(list(range(90)))
+    ds = open_dataset(out)
+    assert isinstance(ds, LMDBDataset)
+    ds.__getitems__(list(range(8)))
+    ds.__getitems__([8, 9])
+    spans = ds._spans
+    assert spans is not None
+    data = (out / "data.mdb").read_bytes()
+    for index in (0, 41, 89):  # each record's bytes sit at its offset in the file itself
+        start, length = int(spans.starts[index]), int(spans.lengths[index])
+        with ds.handles.begin() as txn:
+            assert data[start : start + length] == txn.get(b"%010d" % index)
+    spans.starts[41] += 1
+    assert not spans._agrees(ds.handles, 90)
+    monkeypatch.setattr(lmdb_reader, "ANCHOR_TRIES", 0)
+    fresh = open_dataset(out)
+    assert isinstance(fresh, LMDBDataset)
+    for start in range(0, 90, 10):
+        got = fresh.__getitems__(list(range(start, start + 10)))
+        assert torch.equal(got.images, expected.images[start : start + 10])  # type: ignore[call-overload]
+    assert fresh._spans is None

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,9 +91,9 @@ class LMDBDataset(ImageDataset):
     per record; raw pixels are copied from the map straight into the batch tensor.
 
     Raw records, once a process has read ``1/SLOW_SHARE`` of them that way, are served from a
-    table of where each record lies in LMDB's memory map (:class:`_MapSpans`): a batch is then
-    a gather of headers (checked at once, the first time only) and one of pixels, no call per
-    record.
+    table of where each record lies in ``data.mdb`` (:class:`_MapSpans`), over the reader's
+    own read-only mapping of the file: a batch is then a gather of headers (checked at once,
+    the first time only) and one of pixels, no call per record.
     """
 
     format = "lmdb"
@@ -133,7 +133,7 @@ class LMDBDataset(ImageDataset):
         return env
 
     def _close(self, handles: Any) -> None:
-        self._spans = None  # views of the map: gone before the map may be
+        self._spans = None  # its mapping of data.mdb goes with it
         release_environment(handles)
 
     def _check_environment(self, env: Any) -> None:
@@ -329,7 +329,7 @@ class LMDBDataset(ImageDataset):
             env = self.handles
             spans = self._spans if self._spans is not None and self._spans.env is env else None
             if spans is None and 0 <= len(self) // SLOW_SHARE <= self._slow_reads:
-                spans = self._spans = _MapSpans.build(env, len(self))
+                spans = self._spans = _MapSpans.build(env, len(self), self.root / "data.mdb")
                 if spans is None:  # a record is missing: the ``get`` path says which, always
                     self._slow_reads = -(1 << 62)
                 else:
@@ -377,17 +377,25 @@ class LMDBDataset(ImageDataset):
 SLOW_SHARE = 12
 
 
-class _MapSpans:
-    """Where each record's value lies in an environment's memory map, and a uint8 tensor over
-    the map from the first value to the end of the last (read, never written: the map is
-    read-only).
+#: Places in data.mdb where the first value's bytes are tried as its offset.
+ANCHOR_TRIES = 4
 
-    LMDB hands out values as pointers into its map, valid for the read transaction; in a
-    read-only environment of an output nothing is ever written, so they stay where they are for
-    as long as the environment is open (the reader drops this before releasing it). Built by
-    one ``get`` per record (about 2.5 us each): a reader builds it only after reading
-    ``1/SLOW_SHARE`` of the records the slow way. ``labels``: each record's label once its
-    header was checked here (``checked``), so later batches gather the pixels only.
+
+class _MapSpans:
+    """Where each record's value lies in ``data.mdb``, and a uint8 tensor over the reader's own
+    read-only mapping of that file (``torch.from_file``: a plain private file mapping, no
+    address arithmetic into LMDB's memory).
+
+    LMDB hands out values as views into its memory map of ``data.mdb``, which maps the file
+    from its first byte: two values' addresses differ by what their file offsets differ by.
+    The build reads every record once (one ``get`` each), takes those differences, anchors
+    them at the file offset of the first value (found in the file by its bytes), and checks
+    every record's bytes at its offset against the value LMDB gave: a table that does not
+    check out is not used (the ``get`` path serves the reader then). An output is never
+    written after its conversion, so the offsets hold for as long as the file is the one
+    mapped (the reader's truncation check covers a file cut meanwhile). A reader builds it only
+    after reading ``1/SLOW_SHARE`` of the records the slow way. ``labels``: each record's label
+    once its header was checked here (``checked``), so later batches gather the pixels only.
     """
 
     __slots__ = ("_tails", "checked", "env", "labels", "lengths", "starts", "tensor")
@@ -399,14 +407,16 @@ class _MapSpans:
         self._tails: tuple[int, np.ndarray] | None = None
 
     def tails(self, pixels: int) -> np.ndarray:
-        """Where each record's last ``pixels`` bytes (a raw record's pixels) start in the map:
+        """Where each record's last ``pixels`` bytes (a raw record's pixels) start in the file:
         made once, not per batch."""
         if self._tails is None or self._tails[0] != pixels:
             self._tails = (pixels, self.starts + self.lengths - pixels)
         return self._tails[1]
 
     @classmethod
-    def build(cls, env: Any, count: int) -> _MapSpans | None:
+    def build(cls, env: Any, count: int, path: Path) -> _MapSpans | None:
+        if count == 0:
+            return None
         addresses = np.empty(count, np.int64)
         lengths = np.empty(count, np.int64)
         with env.begin(buffers=True) as txn:
@@ -417,9 +427,38 @@ class _MapSpans:
                     return None  # the ``get`` path names the missing record
                 addresses[index] = np.frombuffer(value, np.uint8).__array_interface__["data"][0]
                 lengths[index] = len(value)
-        if count == 0:
-            return None
-        low = int(addresses.min())
-        high = int((addresses + lengths).max())
-        view = np.ctypeslib.as_array((ctypes.c_ubyte * (high - low)).from_address(low))
-        return cls(env, torch.from_numpy(view), addresses - low, lengths)
+            first = int(np.argmin(addresses))
+            anchor = bytes(get(_KEY(first)))
+        size = path.stat().st_size
+        tensor = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            at = mapped.find(anchor)
+            # A page an earlier transaction freed may hold an old copy of the first value:
+            # the offsets that check out for every record are the ones.
+            for _ in range(ANCHOR_TRIES):
+                if at < 0:
+                    return None
+                starts = addresses - addresses[first] + at
+                if int((starts + lengths).max()) <= size:
+                    table = cls(env, tensor, starts, lengths)
+                    if table._agrees(env, count):
+                        return table
+                at = mapped.find(anchor, at + 1)
+        return None
+
+    def _agrees(self, env: Any, count: int) -> bool:
+        """Whether every record's bytes at its offset are the value LMDB gives for it (one
+        pass of a cursor, in key order: record 0 first)."""
+        data = self.tensor.numpy().data  # a memoryview of the mapping: slices compare in C
+        starts, index = self.starts.tolist(), 0
+        with env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                if bytes(key[:1]) == record.META_KEY[:1]:
+                    continue
+                if index >= count or key != _KEY(index):
+                    return False
+                start = starts[index]
+                if data[start : start + len(value)] != value:
+                    return False
+                index += 1
+        return index == count
