@@ -46,16 +46,21 @@ ODD_INDICES = [np.int64(3), np.int32(-2), np.uint64(2**63), torch.tensor(5), np.
                slice(0, 2), [1], (1,)]  # fmt: skip
 
 
-def _reference(ds: object) -> list[tuple[torch.Tensor, int]]:
-    return [ds[i] for i in range(COUNT)]  # type: ignore[index]
+#: Each property runs this many examples per reader (hypothesis, no deadline: reads vary).
+FUZZ = settings(max_examples=60, deadline=None)
 
 
-@pytest.mark.parametrize("name", [f"{f}-{e}" for f, e in CASES])
-def test_single_indices_answer_like_a_sequence(readers: dict[str, object], name: str) -> None:
-    ds = readers[name]
-    expected = _reference(ds)
+@pytest.fixture(params=[f"{f}-{e}" for f, e in CASES])
+def case(readers: dict[str, object], request: pytest.FixtureRequest) -> tuple[object, list]:
+    """A reader and every one of its samples, read in order."""
+    ds = readers[request.param]
+    return ds, [ds[i] for i in range(COUNT)]  # type: ignore[index]
 
-    @settings(max_examples=60, deadline=None)
+
+def test_single_indices_answer_like_a_sequence(case: tuple[object, list]) -> None:
+    ds, expected = case
+
+    @FUZZ
     @given(
         st.one_of(
             st.integers(min_value=-(2**70), max_value=2**70),
@@ -83,12 +88,10 @@ def test_single_indices_answer_like_a_sequence(readers: dict[str, object], name:
     check()
 
 
-@pytest.mark.parametrize("name", [f"{f}-{e}" for f, e in CASES])
-def test_batches_answer_like_a_sequence(readers: dict[str, object], name: str) -> None:
-    ds = readers[name]
-    expected = _reference(ds)
+def test_batches_answer_like_a_sequence(case: tuple[object, list]) -> None:
+    ds, expected = case
 
-    @settings(max_examples=60, deadline=None)
+    @FUZZ
     @given(
         st.one_of(
             st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=20),
