@@ -339,7 +339,7 @@ def read_objects(fs: Any, paths: Sequence[str]) -> list[tuple[bytes, list[str]] 
     (a HEAD before every GET): on S3 the GET is made here, through s3fs's own client."""
     if not paths:
         return []
-    if "s3" in _protocols(fs) and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
+    if _is_s3fs(fs) and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
         from fsspec.asyn import sync  # type: ignore[import-untyped]
 
         async def one(path: str) -> tuple[bytes, list[str]]:
@@ -643,7 +643,9 @@ def _list_folder(fs: Any, root: str, name: str, part: Path) -> int:
     S3 page by page as the store returns them (1,000 keys a page: memory bounded by a page);
     elsewhere with ``find`` (bounded by the folder)."""
     with open(part, "wb") as out:
-        if getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
+        # s3fs's own page iterator (a private method of s3fs, used for s3fs alone); every other
+        # filesystem lists with fsspec's public ``find``.
+        if _is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
             from fsspec.asyn import sync
 
             bucket, key, _ = fs.split_path(f"{root}/{name}/")
@@ -659,6 +661,11 @@ def _list_folder(fs: Any, root: str, name: str, part: Path) -> int:
         found = fs.find(f"{root}/{name}", detail=True)
         fs.invalidate_cache(f"{root}/{name}")
         return _write_objects(out, root, listed_objects(found))
+
+
+def _is_s3fs(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's filesystem (whose private calls imgpack makes for S3 alone)."""
+    return "s3" in _protocols(fs) and type(fs).__module__.split(".")[0] == "s3fs"
 
 
 def _write_objects(out: Any, root: str, objects: Iterable[tuple[str, dict[str, Any]]]) -> int:

@@ -430,3 +430,33 @@ def test_a_bad_object_is_named_by_its_url(s3: str, src: Path, tmp_path: Path) ->
     done = convert(f"{s3}/badobj", tmp_path / "b", "pt", on_error="skip", progress=False)
     assert [s["path"] for s in done.skipped] == ["class1/zz-broken.png"]
     assert done.num_samples == 40
+
+
+def test_only_s3fs_is_listed_through_its_private_pages(tmp_path: Path) -> None:
+    """s3fs's page iterator is a private s3fs method: it is used for s3fs alone; another
+    filesystem, even one that says it is "s3" and has such a method, is listed with fsspec's
+    public ``find``."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    import imgpack.storage as storage
+
+    class LookAlike(MemoryFileSystem):
+        protocol = ("s3", "lookalike")
+        async_impl = True
+
+        def _iterdir(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("a private method of another filesystem was called")
+
+    assert storage._is_s3fs(fsspec.filesystem("s3", anon=True))
+    fs = LookAlike(skip_instance_cache=True)
+    assert not storage._is_s3fs(fs)
+    root = f"/imgpack-lookalike-{tmp_path.name}/src"  # memory filesystems share one store
+    fs.pipe_file(f"{root}/cat/a.png", b"x" * 5)
+    fs.pipe_file(f"{root}/cat/b.png", b"y" * 7)
+    part = tmp_path / "part.jsonl"
+    try:
+        assert storage._list_folder(fs, root, "cat", part) == 2
+    finally:
+        fs.rm(root.rsplit("/", 1)[0], recursive=True)
+    assert [line.split(",")[1].strip() for line in part.read_text().splitlines()] == ["5", "7"]
