@@ -187,6 +187,8 @@ class DatasetStats:
             lines.append(
                 f"per class: {counts[0]} to {counts[-1]} samples (median {_median(counts)})"
             )
+        if self.unlabelled:
+            lines.append(f"unlabelled: {self.unlabelled} samples (label -1)")
         return lines
 
 

@@ -221,3 +221,15 @@ def test_one_loader_advice_for_a_raw_output(tmp_path: Path) -> None:
                           timeout=120, env={**os.environ, "PYTHONWARNINGS": "default"})  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert RAW_WORKERS_REASON in done.stderr.replace("\n", " ")
+
+
+def test_an_unlabelled_output_previews_in_one_row_and_counts_its_samples(
+    images: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "unlabelled"
+    convert(images, out, "pt", no_labels=True, progress=False)
+    result = CliRunner().invoke(main, ["preview", str(out), "-o", str(tmp_path / "p.png"),
+                                       "--per-class", "5"])  # fmt: skip
+    assert result.exit_code == 0 and "5 samples in 1 row(s)" in result.output, result.output
+    info = CliRunner().invoke(main, ["info", str(out)])
+    assert "unlabelled: 30 samples (label -1)" in info.output
