@@ -244,3 +244,35 @@ def test_export_reads_through_a_bounded_cache(
 
     assert tree(tmp_path / "bucket-export") == tree(tmp_path / "local-export")
     assert len(tree(tmp_path / "local-export")) == 96
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_a_one_file_output_above_the_cache_limit_is_refused_before_fetching(
+    s3: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lmdb and hdf5 are one file each, fetched whole: a cache limit below it is refused in one
+    line naming both sizes, before anything is downloaded (the limit was passed silently);
+    at or above it the output reads."""
+    from imgpack.errors import OptionError
+    from imgpack.readers import reader_class
+
+    local = tmp_path / "local"
+    convert(build_uniform_folder(tmp_path / "src", count=24, size=12), local, fmt, progress=False)
+    url = f"{s3}/whole-{fmt}-{tmp_path.name}"
+    fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
+    cache = tmp_path / "cache"
+    before = storage.stats.downloads
+    with pytest.raises(OptionError, match=f"a {fmt} output is fetched whole .* cache limit"):
+        open_dataset(url, cache_dir=cache, cache_limit="1KB")
+    with pytest.raises(OptionError, match="more than the cache limit"):
+        reader_class(fmt)(url, cache_dir=cache, cache_limit="1KB")
+    monkeypatch.setenv("IMGPACK_CACHE_LIMIT", "1KB")
+    with pytest.raises(OptionError, match="IMGPACK_CACHE_LIMIT"):
+        open_dataset(url, cache_dir=cache)
+    result = CliRunner().invoke(main, ["bench", url, "--workers", "0", "--samples", "8",
+                                       "--cache-dir", str(cache)])  # fmt: skip
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert result.exit_code == 2 and len(errors) == 1 and "more than the cache limit" in errors[0]
+    assert storage.stats.downloads == before and not list(cache.rglob("data.*"))
+    monkeypatch.delenv("IMGPACK_CACHE_LIMIT")
+    assert len(open_dataset(url, cache_dir=cache, cache_limit="1GB")) == len(open_dataset(local))

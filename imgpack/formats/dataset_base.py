@@ -48,12 +48,12 @@ from imgpack.errors import (
 )
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
-from imgpack.lazy import LazyOutput, Prefetcher, unpin
+from imgpack.lazy import LIMIT_VARIABLE, LazyOutput, Prefetcher, default_limit, unpin
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.scan import UNLABELLED
 from imgpack.stats import DatasetStats
-from imgpack.storage import fetch_output, is_url, local_path
-from imgpack.units import parse_image_size, whole_number
+from imgpack.storage import fetch_output, is_url, local_path, read_remote_manifest
+from imgpack.units import format_bytes, parse_byte_size, parse_image_size, whole_number
 
 Images = torch.Tensor | list[torch.Tensor]
 
@@ -284,6 +284,29 @@ class ReadOptions:
         if self.verify not in (None, True, False):
             raise OptionError(f"invalid verify {self.verify!r}: expected None, True or False")
 
+    def fetched(self, url: str, manifest: Manifest | None = None) -> Path:
+        """The checked local copy of the output at ``url``, fetched whole (``lmdb``, ``hdf5``:
+        one file each; readers that fetch shards as they read them use :meth:`lazy_output`).
+        A ``cache_limit`` (or ``IMGPACK_CACHE_LIMIT``) below the output's bytes is refused in
+        one line before anything is fetched: the whole output would sit in the cache."""
+        limit = (
+            parse_byte_size(self.cache_limit, "cache_limit")
+            if self.cache_limit is not None
+            else default_limit()
+        )
+        if limit is not None:
+            if manifest is None:
+                manifest = read_remote_manifest(url, self.storage_options)[0]
+            if manifest.total_bytes > limit:
+                raise OptionError(
+                    f"{url}: a {manifest.format} output is fetched whole "
+                    f"({format_bytes(manifest.total_bytes)}), more than the cache limit of "
+                    f"{format_bytes(limit)}: raise the limit (cache_limit, --cache-limit, "
+                    f"{LIMIT_VARIABLE}) to at least that, or convert it to a sharded format "
+                    "(pt, tfrecord, webdataset), whose shards are fetched as they are read"
+                )
+        return fetch_output(url, self.storage_options, self.cache_dir)
+
     def lazy_output(self, url: str) -> LazyOutput:
         """The output at ``url``, its files to be fetched into the cache as they are read
         (these options' filesystem, cache folder and limit)."""
@@ -415,7 +438,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             self._lazy = self.options.lazy_output(str(root))
             root = self._lazy.root
         elif is_url(root):  # an output in a bucket: read from its checked local copy
-            root = fetch_output(str(root), self.options.storage_options, self.options.cache_dir)
+            root = self.options.fetched(str(root))
         self.root = local_path(root)
         # A reader of files imgpack did not write passes a manifest it built itself.
         self.manifest: Manifest = manifest if manifest is not None else read_manifest(self.root)

@@ -18,7 +18,7 @@ from imgpack.errors import ManifestError
 from imgpack.formats.dataset_base import Batch, ImageDataset, ReadOptions, collate
 from imgpack.manifest import MANIFEST_NAME, read_manifest
 from imgpack.publishing import recover
-from imgpack.storage import fetch_output, is_url, local_path, read_remote_manifest
+from imgpack.storage import is_url, local_path, read_remote_manifest
 
 #: Readers that are not a format's default reader.
 _OTHERS = {
@@ -64,7 +64,12 @@ def open_dataset(
             if options is None:
                 kwargs.update(storage_options=storage_options, cache_dir=cache_dir)
             return reader(str(path), **kwargs)
-        path = fetch_output(str(path), storage_options, cache_dir)
+        whole = options or ReadOptions(
+            storage_options=storage_options,
+            cache_dir=cache_dir,
+            cache_limit=kwargs.pop("cache_limit", None),
+        )
+        path = whole.fetched(str(path), remote)  # checked against the cache limit first
     path = local_path(path)
     recover(Path(path))
     try:
