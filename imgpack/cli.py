@@ -514,9 +514,10 @@ def convert(
 
         if splits is not None:
             raise click.UsageError("--dry-run plans one SRC: run it on each split folder")
-        planned = dry_run(src, dst, options=settings, storage_options=_storage(storage_option),
-                          cache_dir=cache_dir)  # fmt: skip
+        planned = dry_run(src, dst, options=settings, executor=executor,
+                          storage_options=_storage(storage_option), cache_dir=cache_dir)  # fmt: skip
         click.echo("\n".join(printable_line(line) for line in planned.lines()))
+        _skipped_lines(planned.skipped, "the conversion lists them all in its manifest")
         return
     if splits is not None:
         if is_url(src) or is_url(dst):
@@ -595,11 +596,17 @@ def _summary(dst: str, manifest: Any, seconds: float) -> None:
             "last part to finish writes imgpack.json (docs/scale.md)",
             err=True,
         )
-    for skip in manifest.skipped[:SHOW_SKIPPED]:
-        click.echo(f"  skipped {skip['path']}: {skip['reason']}", err=True)
-    if len(manifest.skipped) > SHOW_SKIPPED:
-        more = len(manifest.skipped) - SHOW_SKIPPED
-        click.echo(f"  ... and {more} more skipped (all listed in {dst}/imgpack.json)", err=True)
+    _skipped_lines(manifest.skipped, f"all listed in {dst}/imgpack.json", err=True)
+
+
+def _skipped_lines(skipped: list[dict[str, str]], where: str, err: bool = False) -> None:
+    """The first :data:`SHOW_SKIPPED` skipped files, by name with why, then how many more
+    (and ``where`` they all are)."""
+    for skip in skipped[:SHOW_SKIPPED]:
+        click.echo(printable_line(f"  skipped {skip['path']}: {skip['reason']}"), err=err)
+    if len(skipped) > SHOW_SKIPPED:
+        more = len(skipped) - SHOW_SKIPPED
+        click.echo(f"  ... and {more} more skipped ({where})", err=err)
 
 
 @main.command()

@@ -227,12 +227,8 @@ def convert_to_bucket(
     written (this run's, or with ``--num-parts`` the last part's), else this part's summary."""
     options = plan.options
     url = url.rstrip("/")
-    bounds = cut(sample_sizes(plan), options.shard_size or sys.maxsize)
+    bounds, first, last = shard_plan(plan)
     total = len(bounds) - 1
-    first, last = (
-        total * options.part // options.num_parts,
-        total * (options.part + 1) // options.num_parts,
-    )
     dest = Destination.list(url, storage_options)
     work = f"{WORK}/{plan.output_id}"
     committed = _check_destination(dest, plan, work)
@@ -296,6 +292,16 @@ def convert_to_bucket(
     if len(receipts) < total:
         return _part_summary(plan, receipts, first, last, url, total)
     return commit(plan, dest, work, [receipts[k] for k in range(total)])
+
+
+def shard_plan(plan: Plan) -> tuple[list[int], int, int]:
+    """The shard plan of the whole conversion (the bounds :func:`cut` gives, ``[0, ..., n]``)
+    and the shards ``first`` to ``last - 1`` that this part writes."""
+    options = plan.options
+    bounds = cut(sample_sizes(plan), options.shard_size or sys.maxsize)
+    total = len(bounds) - 1
+    part, parts = options.part, options.num_parts
+    return bounds, total * part // parts, total * (part + 1) // parts
 
 
 def shard_names(plan: Plan, total: int) -> list[str]:
@@ -483,14 +489,7 @@ def _receipt_problem(
 def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
     files = [_entry(r["file"]) for r in receipts]
     skipped = [*plan.scan.unreadable, *(s for r in receipts for s in r["skipped"])]
-    tally: DatasetStats | None = DatasetStats.empty(
-        plan.options.policy.channels, len(plan.scan.classes), plan.options.stats
-    )
-    for receipt in receipts:  # in shard order; one receipt of an older imgpack: not known
-        if tally is not None and "stats" in receipt:
-            tally.merge(DatasetStats.from_json(receipt["stats"]))
-        else:
-            tally = None
+    tally = DatasetStats.total(r.get("stats") for r in receipts)  # an older receipt: None
     count = sum(r["count"] for r in receipts)
     manifest = manifest_for(plan, files, count, skipped, tally)
     if storage.remote_source(plan.src) is not None:  # the bucket, not the listing's folder

@@ -257,19 +257,12 @@ def _merged_manifest(
         skipped=[skip for _, manifest in ordered for skip in manifest.skipped],
         created_by=f"imgpack {__version__}",
         output_id=first.output_id,
-        stats=_merged_stats([manifest for _, manifest in ordered]),
+        stats=_stats_json(DatasetStats.total(manifest.stats for _, manifest in ordered)),
     )
 
 
-def _merged_stats(manifests: list[Manifest]) -> dict[str, Any] | None:
-    """The parts' statistics added up (exact: they keep sums), or ``None`` when a part has
-    none (made by an imgpack that recorded none)."""
-    if any(m.stats is None for m in manifests):
-        return None
-    total = DatasetStats.from_json(manifests[0].stats)
-    for manifest in manifests[1:]:
-        total.merge(DatasetStats.from_json(manifest.stats))
-    return total.to_json()
+def _stats_json(stats: DatasetStats | None) -> dict[str, Any] | None:
+    return stats.to_json() if stats is not None else None
 
 
 __all__ = ["check_parts", "merge"]

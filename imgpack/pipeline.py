@@ -485,7 +485,7 @@ class DryRun:
     shards_exact: bool
 
     def lines(self) -> list[str]:
-        """What ``--dry-run`` prints."""
+        """What ``--dry-run`` prints (the skipped files by name are the caller's to list)."""
         shown = ", ".join(self.classes[:8]) + (", ..." if len(self.classes) > 8 else "")
         shards = (
             self.shards if len(self.shards) <= 4 else [*self.shards[:2], "...", self.shards[-1]]
@@ -506,13 +506,7 @@ class DryRun:
             lines.append(
                 f"empty:     {', '.join(self.empty_classes)} (class folders with no image)"
             )
-        for skip in self.skipped[:SHOW_SKIPPED]:
-            lines.append(f"  skipped {skip['path']}: {skip['reason']}")
         return lines
-
-
-#: Skipped files a summary shows by name.
-SHOW_SKIPPED = 10
 
 
 def dry_run(
@@ -521,6 +515,7 @@ def dry_run(
     format: str = "pt",
     *,
     options: ConvertOptions | None = None,
+    executor: Executor | str | None = None,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     **kwargs: Any,
@@ -529,28 +524,34 @@ def dry_run(
     bucket image folder listed, nothing downloaded), DST checked as it checks it, nothing
     read or written. Raises what :func:`convert` would raise before reading an image."""
     options = _options(format, options, kwargs)
+    runner = executors.create(executor, options.workers)  # made, not started
     with storage.source_location(src, storage_options, cache_dir, _in_place(options)) as local:
         source = sources.resolve(Path(local), options.source, options.source_options)
         the_plan = _plan(local, dst, options, check_dst=not storage.is_url(dst))
-        exact = direct.applies(options, dst, source, executors.create(None, options.workers))
-        if exact:
-            the_plan = replace(the_plan, layout=direct.LAYOUT)
-        sizes = list(direct.sample_sizes(the_plan))[slice(*the_plan.bounds)]
+        exact = direct.applies(options, dst, source, runner)
+        sizes = list(direct.sample_sizes(the_plan))
         shards: list[str] = []
-        if options.spec.sharded:
-            bounds = direct.cut(iter(sizes), options.shard_size or sys.maxsize)
-            shards = direct.shard_names(the_plan, len(bounds) - 1)
+        if exact:  # the shard plan the tasks follow, and this part's shards of it
+            the_plan = replace(the_plan, layout=direct.LAYOUT)
+            bounds, first, last = direct.shard_plan(the_plan)
+            shards = direct.shard_names(the_plan, len(bounds) - 1)[first:last]
+            start, stop = bounds[first], bounds[last]
+        else:  # one writer: this part's samples, where it would roll over by their sizes
+            start, stop = the_plan.bounds
+            if options.spec.sharded:
+                cuts = direct.cut(iter(sizes[start:stop]), options.shard_size or sys.maxsize)
+                shards = direct.shard_names(the_plan, len(cuts) - 1)
         where = the_plan.where
     return DryRun(
         src=str(src) if storage.is_url(src) else where,
         dst=str(dst),
         format=options.format,
-        images=len(the_plan.samples),
+        images=stop - start,
         classes=list(the_plan.scan.classes),
         skipped=the_plan.unreadable,
         ignored_files=the_plan.scan.ignored_files,
         empty_classes=list(the_plan.scan.empty_classes),
-        estimated_bytes=sum(sizes),
+        estimated_bytes=sum(sizes[start:stop]),
         shards=shards,
         shards_exact=exact,
     )

@@ -91,6 +91,22 @@ class DatasetStats:
         self.sums = [a + b for a, b in zip(self.sums, other.sums, strict=True)]
         self.squares = [a + b for a, b in zip(self.squares, other.squares, strict=True)]
 
+    @classmethod
+    def total(cls, blocks: Iterable[dict[str, Any] | None]) -> DatasetStats | None:
+        """The statistics of the pieces of one output (their JSON: shards' receipts, parts'
+        manifests) added up, or ``None`` when there is none or one is not known (made by an
+        imgpack that recorded none)."""
+        found: DatasetStats | None = None
+        for block in blocks:
+            if block is None:
+                return None
+            piece = cls.from_json(block)
+            if found is None:
+                found = piece
+            else:
+                found.merge(piece)
+        return found
+
     @property
     def measured(self) -> bool:
         """Whether the pixel mean and std are known."""

@@ -174,10 +174,9 @@ def measure(encoded: Encoded, channels: int) -> Encoded:
     if encoded.kind is Kind.RAW:
         shape = (encoded.height, encoded.width, encoded.channels)
         pixels = np.frombuffer(encoded.payload, np.uint8).reshape(shape)
-        pixels = _widen(pixels, channels)
-    else:
+    else:  # decoded as the readers decode it for this output
         pixels = decode_stored(encoded.payload, channels)
-    encoded.sums = pixel_sums(pixels)
+    encoded.sums = pixel_sums(pixels, channels)
     return encoded
 
 

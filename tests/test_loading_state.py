@@ -522,3 +522,40 @@ def test_device_loader_resumes_with_the_same_augmentation(outputs: dict[str, Pat
             outputs["pt"], device="cpu", batch_size=5, seed=5, size=8, progress=False
         )
         other.load_state_dict(part.state_dict())
+
+
+@pytest.mark.parametrize(("save", "resume"), [((2, 2), (1, 2)), ((1, 2), (3, 1)), ((2, 1), (2, 0))])
+def test_a_mix_resumes_exactly_with_workers_and_ranks_on_either_side(
+    outputs: dict[str, Path], save: tuple[int, int], resume: tuple[int, int]
+) -> None:
+    """A Loader over a Mix (index arrays through the public batch_sampler=, the Mix's own
+    range check) saved after 2 batches a rank on ``save`` (ranks, workers) and resumed on
+    ``resume``: before and after hold the epoch's draws, each once."""
+    a, b = open_dataset(outputs["pt"]), open_dataset(outputs["lmdb"])
+    mix = Mix([a, b], weights=[0.5, 0.5], samples=36)
+
+    def loaders(ranks: int, workers: int) -> list[Loader]:
+        return [
+            Loader(mix, batch_size=3, num_workers=workers, collate_fn=collate,
+                   sampler=ShardSampler(mix, seed=9, block_size=4, num_replicas=ranks, rank=r))
+            for r in range(ranks)
+        ]  # fmt: skip
+
+    def key(image: Any) -> str:
+        return hashlib.sha256(image.contiguous().numpy().tobytes()).hexdigest()
+
+    seen: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = loaders(*save)
+        for loader in first:
+            batches = iter(loader)
+            for _ in range(2):
+                seen += [key(image) for image in next(batches)[0]]
+        state = first[0].state_dict()
+        for loader in loaders(*resume):
+            loader.load_state_dict(state)
+            seen += [key(image) for images, _ in loader for image in images]
+    epoch = ShardSampler(mix, seed=9, block_size=4).global_order()  # the Mix's 36 draws
+    assert len(seen) == len(epoch) == 36
+    assert Counter(seen) == Counter(key(mix[int(i)][0]) for i in epoch)

@@ -1066,12 +1066,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         return self.decoder.batch(pixels, lambda k: f"{self.root}: sample {indices[k]}"), labels
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        try:  # an integer, as a sequence takes it: a float or a string is refused, not rounded
-            i, n = operator.index(index), len(self)
-        except TypeError:
-            raise TypeError(
-                f"{self.root}: an index must be an integer, not {type(index).__name__} ({index!r})"
-            ) from None
+        i, n = integer_index(index, str(self.root)), len(self)
         if not -n <= i < n:
             raise IndexError(f"index {i} is out of range for {self.root} ({n} samples)")
         image: Any

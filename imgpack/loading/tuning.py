@@ -53,8 +53,7 @@ def loader_bound_advice(dataset: Dataset[Any]) -> str:
     if not _decodes(dataset):
         return (
             f"the advice for this raw output is num_workers=0 ({advised.reasons['num_workers']}); "
-            "'imgpack tune' measures workers against none here, and DeviceLoader preloads it "
-            "onto the device if it fits"
+            "'imgpack tune' measures workers against none here"
         )
     return (
         f"the advice for this encoded output is num_workers={advised.num_workers} "
