@@ -97,6 +97,11 @@ def test_the_dry_run_of_shard_tasks_to_a_bucket_names_their_shards(
     manifest = convert(images, url, "tfrecord", shard_size="20KB", progress=False)
     assert planned.shards == [f.path for f in manifest.files]
     assert planned.images == manifest.num_samples
+    # A part's plan is its shards of the whole plan: the parts' shards are the whole's.
+    halves = [dry_run(images, url, "tfrecord", shard_size="20KB", num_parts=2, part=k,
+                      overwrite=True) for k in (0, 1)]  # fmt: skip
+    assert halves[0].shards + halves[1].shards == planned.shards
+    assert halves[0].images + halves[1].images == planned.images
 
 
 def _bucket_names(url: str) -> list[str]:
