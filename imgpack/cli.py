@@ -24,6 +24,7 @@ from imgpack import errors, formats, sources
 from imgpack.errors import ImgpackError, OptionError, Terminated, first_line
 from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES
 from imgpack.options import ON_ERROR, ConvertOptions
+from imgpack.scan import ignored_summary
 from imgpack.units import format_bytes
 from imgpack.version import __version__
 
@@ -597,6 +598,10 @@ def _summary(dst: str, manifest: Any, seconds: float) -> None:
             err=True,
         )
     _skipped_lines(manifest.skipped, f"all listed in {dst}/imgpack.json", err=True)
+    ignored = int((manifest.source or {}).get("ignored_files") or 0)
+    if ignored:
+        reasons = (manifest.source or {}).get("ignored")
+        click.echo(printable_line(f"  {ignored_summary(ignored, reasons)}"), err=True)
 
 
 def _skipped_lines(skipped: list[dict[str, str]], where: str, err: bool = False) -> None:
@@ -735,6 +740,10 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
         f"image:     {size}, {image.get('channels')} channel(s)",
         f"files:     {len(manifest.files)}, {format_bytes(manifest.total_bytes)}",
         f"skipped:   {len(manifest.skipped)}",
+        "ignored:   "
+        + ignored_summary(
+            int(manifest.source.get("ignored_files") or 0), manifest.source.get("ignored")
+        ),
         f"created:   {manifest.created_by}",
     ]
     if manifest.stats is None:

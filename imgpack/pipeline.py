@@ -66,6 +66,7 @@ from imgpack.publishing import (
     recover,
     temp_output,
 )
+from imgpack.scan import by_reason, ignored_summary
 from imgpack.sources.base import ScanRequest
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
 from imgpack.stats import DatasetStats, PixelSums
@@ -474,6 +475,8 @@ class DryRun:
     #: Files the scan cannot take (named with why); bad images are found only by reading them.
     skipped: list[dict[str, str]]
     ignored_files: int
+    #: The files the scan passed over, by path with why (hidden, not an image, ...).
+    ignored: list[dict[str, str]]
     empty_classes: list[str]
     #: Bytes the images would take: exact for ``raw``, the source files' sizes otherwise
     #: (what ``original`` keeps; a re-encode differs).
@@ -499,8 +502,8 @@ class DryRun:
             f"({'as planned' if self.shards_exact else 'estimated'}: {', '.join(shards)})"
             if self.shards
             else "files:     1",
-            f"skipped:   {len(self.skipped)} by the scan, {self.ignored_files} other file(s) "
-            "ignored (bad images are found when they are read)",
+            f"skipped:   {len(self.skipped)} by the scan (bad images are found when they are read)",
+            "ignored:   " + ignored_summary(self.ignored_files, by_reason(self.ignored)),
         ]
         if self.empty_classes:
             lines.append(
@@ -550,6 +553,7 @@ def dry_run(
         classes=list(the_plan.scan.classes),
         skipped=the_plan.unreadable,
         ignored_files=the_plan.scan.ignored_files,
+        ignored=list(the_plan.scan.ignored),
         empty_classes=list(the_plan.scan.empty_classes),
         estimated_bytes=sum(sizes[start:stop]),
         shards=shards,

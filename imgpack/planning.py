@@ -170,6 +170,7 @@ def manifest_for(
             "path": str(plan.src.resolve()),
             "image_files": len(scan.samples),
             "ignored_files": scan.ignored_files,
+            "ignored": scan.ignored_reasons(),
             "empty_classes": scan.empty_classes,
             "classes_from": opts.classes_from,
             **_chain(scan),

@@ -111,6 +111,9 @@ class Scan:
     samples: Sequence[Sample]
     empty_classes: list[str] = field(default_factory=list)
     ignored_files: int = 0
+    #: The files passed over, ``{"path": ..., "reason": ...}`` (hidden, not an image, ...):
+    #: with :attr:`samples` and :attr:`unreadable`, every file the scan saw.
+    ignored: list[dict[str, str]] = field(default_factory=list)
     #: What the scan could not take (folders it could not list, bad rows of a label list):
     #: ``{"path": ..., "reason": ...}``, recorded as skipped.
     unreadable: list[dict[str, str]] = field(default_factory=list)
@@ -118,9 +121,30 @@ class Scan:
     #: its own source), which also goes into the output id.
     origin: dict[str, Any] | None = None
 
+    def ignored_reasons(self) -> dict[str, int]:
+        """How many files the scan passed over, by why."""
+        return by_reason(self.ignored)
+
     @property
     def class_to_idx(self) -> dict[str, int]:
         return {name: index for index, name in enumerate(self.classes)}
+
+
+def by_reason(entries: Iterable[dict[str, str]]) -> dict[str, int]:
+    """How many of ``entries`` (``{"path", "reason"}``) there are for each reason."""
+    counts: dict[str, int] = {}
+    for entry in entries:
+        counts[entry["reason"]] = counts.get(entry["reason"], 0) + 1
+    return counts
+
+
+def ignored_summary(count: int, reasons: dict[str, int] | None) -> str:
+    """``N other file(s) ignored`` with how many for each reason, when known (a manifest made
+    before imgpack recorded them has the count only)."""
+    text = f"{count} other file(s) ignored"
+    if reasons:
+        text += " (" + "; ".join(f"{n} {why}" for why, n in sorted(reasons.items())) + ")"
+    return text
 
 
 def valid_label(label: int, num_classes: int) -> bool:

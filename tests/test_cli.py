@@ -120,7 +120,11 @@ def test_skip_is_reported(bad_folder: FakeFolder, tmp_path: Path) -> None:
             2,
         ),
         (["convert", "{src}", "{dst}", "--format", "pt", "-o", "nokey"], "expected KEY=VALUE", 2),
-        (["convert", "{bad}", "{dst}", "--format", "pt", "-q"], "text_named.jpg: not an image", 1),
+        (
+            ["convert", "{bad}", "{dst}", "--format", "pt", "-q"],
+            "zero.jpg: empty file (0 bytes)",
+            1,
+        ),
         (["info", "{missing}"], "no such imgpack output", 1),
         (["info", "{src}"], "not an imgpack output", 1),
         (["bench", "{src}", "--workers", "x"], "expected worker counts", 2),

@@ -14,7 +14,14 @@ def test_scan_finds_every_image_in_torchvision_order(edge_folder: FakeFolder) ->
     scan = scan_folder(edge_folder.root)
     assert scan.classes == edge_folder.classes
     assert [(s.path, s.label) for s in scan.samples] == edge_folder.images
-    assert scan.ignored_files == 1  # notes.txt
+    assert {e["path"]: e["reason"].split(" ")[0] for e in scan.ignored} == {
+        ".hidden_class/": "hidden",
+        "cat/.cache/": "hidden",
+        "cat/.hidden.png": "hidden",
+        "cat/notes.txt": "not",
+        "cat/nested/loop/": "a",
+    }
+    assert scan.ignored_files == 5
     assert scan.empty_classes == ["dog_empty"]
 
 

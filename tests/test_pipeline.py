@@ -78,6 +78,7 @@ def test_manifest_records_files_and_checksums(
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_failure_leaves_nothing_behind(fmt: str, bad_folder: FakeFolder, tmp_path: Path) -> None:
+    (bad_folder.root / "cat" / "zero.jpg").unlink()  # the scan refuses it before any work
     before = tree_digest(bad_folder.root)
     dst = tmp_path / "out"
     with pytest.raises(ImageError, match=r"cat/text_named.jpg: not an image.*--on-error skip"):
@@ -134,6 +135,7 @@ def test_failed_overwrite_keeps_the_old_output(
     dst = tmp_path / "out"
     convert(uniform_folder, dst, "pt", progress=False)
     before = tree_digest(dst)
+    (bad_folder.root / "cat" / "zero.jpg").unlink()  # the scan would refuse it before any work
     with pytest.raises(ImageError):
         convert(bad_folder.root, dst, "pt", overwrite=True, progress=False)
     assert tree_digest(dst) == before

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from imgpack.errors import ManifestError, ScanError
 from imgpack.scan import SampleTable, Scan, listed_id
+from imgpack.system import file_kind
 
 log = logging.getLogger(__name__)
 
@@ -129,19 +130,55 @@ def _join(folder: str, name: str) -> str:
     return f"{folder}/{name}" if folder else name
 
 
+#: Why the scan passes a file over (:attr:`imgpack.scan.Scan.ignored`).
+IGNORED_HIDDEN = "hidden (a name starting with '.')"
+IGNORED_NOT_IMAGE = "not an image file (by its extension)"
+IGNORED_LOOP = "a symbolic link back to a folder already scanned (a loop)"
+IGNORED_OUTSIDE = "not in a class folder, and not an image"
+#: An image file at SRC's top, beside the class folders: in no class, so never converted.
+STRAY_IMAGE = (
+    "an image beside the class folders, in no class: move it into SRC/<class>/, or convert "
+    "with --no-labels to take every image without labels"
+)
+
+
+def _unfit_image(path: str, entry: os.DirEntry[str]) -> str | None:
+    """Why the run would refuse image file ``entry`` without reading a byte of it (a broken
+    link, not a regular file, empty, not readable), else ``None``."""
+    try:
+        if not entry.is_file():  # follows links, as the read does
+            if entry.is_symlink() and not os.path.exists(path):
+                return "a broken symbolic link (its target does not exist)"
+            return f"not a regular file ({file_kind(os.stat(path).st_mode)})"
+        if entry.stat().st_size == 0:
+            return "empty file (0 bytes)"
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror}"
+    if not os.access(path, os.R_OK):
+        return "cannot be read: permission denied"
+    return None
+
+
 def walk_images(
-    root: Path, class_name: str, unreadable: list[dict[str, str]]
+    root: Path,
+    class_name: str,
+    unreadable: list[dict[str, str]],
+    ignored: list[dict[str, str]] | None = None,
 ) -> tuple[list[str], int]:
     """Relative POSIX paths of the image files under ``root/class_name`` (``""``: all of
-    ``root``), in torchvision's order, and the number of other files passed over.
+    ``root``), in torchvision's order, and the number of other files passed over (each added to
+    ``ignored`` by path, with why: hidden, not an image, a link back into the walk).
 
     The walk keeps its own stack (no recursion: a tree thousands of levels deep is fine), follows
     symbolic links to folders but never around a loop, and adds to ``unreadable`` the folders
-    that cannot be listed and the image files whose names are not UTF-8 (every format stores
-    source paths as UTF-8; such a name is refused here, before any work, not after).
+    that cannot be listed, the image files whose names are not UTF-8 (every format stores
+    source paths as UTF-8; such a name is refused here, before any work, not after) and those
+    the run would refuse without reading them (a broken link, a FIFO or device, an empty or
+    unreadable file): the dry run refuses what the run refuses.
     """
     found: list[tuple[str, str]] = []
-    ignored = 0
+    passed: list[dict[str, str]] = [] if ignored is None else ignored
+    count = len(passed)
     visited: set[tuple[int, int]] = set()
     stack = [class_name]
     while stack:
@@ -155,10 +192,11 @@ def walk_images(
                     "%s: skipped, it leads back to a folder already scanned (symlink loop)",
                     printable(str(folder)),
                 )
+                passed.append({"path": printable(rel_dir) + "/", "reason": IGNORED_LOOP})
                 continue
             visited.add(key)
             with os.scandir(folder) as listing:
-                entries = [(e.name, e.is_dir()) for e in listing if not _hidden(e.name)]
+                entries = list(listing)
         except OSError as exc:
             unreadable.append(
                 {
@@ -168,24 +206,60 @@ def walk_images(
             )
             continue
         subfolders = []
-        for name, is_dir in entries:
-            if is_dir:
+        for entry in entries:
+            name = entry.name
+            rel = _join(rel_dir, name)
+            if _hidden(name):
+                folder_mark = "/" if _is_dir(entry) else ""
+                passed.append({"path": printable(rel) + folder_mark, "reason": IGNORED_HIDDEN})
+            elif _is_dir(entry):
                 subfolders.append(name)
             elif not name.lower().endswith(IMAGE_EXTENSIONS):
-                ignored += 1
-            elif not is_utf8(_join(rel_dir, name)):
+                passed.append({"path": printable(rel), "reason": IGNORED_NOT_IMAGE})
+            elif not is_utf8(rel):
                 unreadable.append(
                     {
-                        "path": printable(_join(rel_dir, name)),
+                        "path": printable(rel),
                         "reason": "file name is not valid UTF-8; rename it to convert it",
                     }
                 )
+            elif (why := _unfit_image(str(folder / name), entry)) is not None:
+                unreadable.append({"path": printable(rel), "reason": why})
             else:
                 found.append((rel_dir, name))
         # Depth first, subfolders in sorted order (os.walk's order); order is restored below.
         stack.extend(_join(rel_dir, d) for d in sorted(subfolders, reverse=True))
     found.sort()
-    return [_join(d, n) for d, n in found], ignored
+    return [_join(d, n) for d, n in found], len(passed) - count
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def top_files(root: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The files at the top of image folder ``root``, beside its class folders: the image
+    files among them (in no class: never converted, so the scan must not pass them over in
+    silence) and the others, passed over with why."""
+    strays: list[str] = []
+    others: list[dict[str, str]] = []
+    with os.scandir(root) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            name = printable(entry.name)
+            if _is_dir(entry):
+                if _hidden(entry.name):
+                    others.append({"path": name + "/", "reason": IGNORED_HIDDEN})
+                continue
+            if _hidden(entry.name):
+                others.append({"path": name, "reason": IGNORED_HIDDEN})
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                strays.append(name)
+            else:
+                others.append({"path": name, "reason": IGNORED_OUTSIDE})
+    return strays, others
 
 
 def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) -> Scan:
@@ -195,6 +269,10 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
         root: the source folder, ``root/<class>/**/<image>``.
         classes: a label map to use instead of the sorted class folders (``--classes-from``); every
             class folder of ``root`` must be in it, and labels are positions in it.
+
+    Every file under ``root`` is accounted for: a sample, in :attr:`Scan.unreadable` (what the
+    run refuses or, with ``--on-error skip``, records as skipped: images beside the class
+    folders among them), or in :attr:`Scan.ignored` with why.
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
@@ -207,14 +285,15 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
     if not root.is_dir():
         raise ScanError(f"{root}: not a folder (expected an image folder {root}/<class>/<image>)")
     folders = find_classes(root)
-    unreadable: list[dict[str, str]] = []
-    return _scan(
-        str(root),
-        folders,
-        classes,
-        lambda name: (*walk_images(root, name, unreadable), None, None),
-        unreadable,
-    )
+    strays, ignored = top_files(root)
+    unreadable = [{"path": path, "reason": STRAY_IMAGE} for path in strays]
+
+    def walk(name: str) -> tuple[list[str], list[dict[str, str]], None, None]:
+        passed: list[dict[str, str]] = []
+        paths, _ = walk_images(root, name, unreadable, passed)
+        return paths, passed, None, None
+
+    return _scan(str(root), folders, classes, walk, unreadable, ignored)
 
 
 def visible(path: str) -> bool:
@@ -229,46 +308,64 @@ def scan_listing(
     folders: list[str],
     objects: Callable[[str], Iterable[tuple[str, int, str]]],
     classes: list[str] | None = None,
+    top: Iterable[tuple[str, int, str]] = (),
 ) -> Scan:
     """The scan of an image folder known by its listing (a bucket's objects): the classes,
     samples and order :func:`scan_folder` gives for the same tree, each sample with the size the
     store lists. ``folders``: the class folders (top-level folders holding a visible object);
     ``objects(folder)``: that folder's objects, ``(relative path, size)``, in any order (read
-    one folder at a time: the driver never holds the whole listing). ``where`` names it in
+    one folder at a time: the driver never holds the whole listing); ``top``: the objects at
+    SRC's top (images there are in no class: refused, or skipped). ``where`` names it in
     messages."""
     if not folders:
         raise ScanError(
             f"{where}: no class folders found. imgpack expects one folder per class: "
             f"{where}/<class>/<image>"
         )
+    unreadable: list[dict[str, str]] = []
+    ignored: list[dict[str, str]] = []
+    for path, _, _ in sorted(top):
+        if "/" in path:
+            continue
+        if _hidden(path):
+            ignored.append({"path": path, "reason": IGNORED_HIDDEN})
+        elif path.lower().endswith(IMAGE_EXTENSIONS):
+            unreadable.append({"path": path, "reason": STRAY_IMAGE})
+        else:
+            ignored.append({"path": path, "reason": IGNORED_OUTSIDE})
 
-    def walk(name: str) -> tuple[list[str], int, list[int] | None, list[int] | None]:
-        found, ignored = [], 0
+    def walk(name: str) -> tuple[list[str], list[dict[str, str]], list[int], list[int]]:
+        found, passed = [], []
         for path, size, etag in objects(name):
             if not visible(path):
+                passed.append({"path": path, "reason": IGNORED_HIDDEN})
                 continue
             folder, _, file = path.rpartition("/")
             if file.lower().endswith(IMAGE_EXTENSIONS):
                 found.append((folder, file, size, listed_id(etag)))
             else:
-                ignored += 1
+                passed.append({"path": path, "reason": IGNORED_NOT_IMAGE})
         found.sort()  # walk_images's order: folders by path, files by name
         paths = [_join(d, n) for d, n, _, _ in found]
-        return paths, ignored, [f[2] for f in found], [f[3] for f in found]
+        return paths, passed, [f[2] for f in found], [f[3] for f in found]
 
-    return _scan(where, sorted(folders), classes, walk, [])
+    return _scan(where, sorted(folders), classes, walk, unreadable, ignored)
+
+
+Walk = Callable[[str], tuple[list[str], list[dict[str, str]], list[int] | None, list[int] | None]]
 
 
 def _scan(
     root: str,
     folders: list[str],
     classes: list[str] | None,
-    walk: Callable[[str], tuple[list[str], int, list[int] | None, list[int] | None]],
+    walk: Walk,
     unreadable: list[dict[str, str]],
+    ignored: list[dict[str, str]],
 ) -> Scan:
     """A scan from the class folders and a walk of each (its image paths, in order, the other
-    files passed over, and the images' sizes when the walk knows them); the folders that could
-    not be taken go into ``unreadable``."""
+    files passed over with why, and the images' sizes when the walk knows them); the folders
+    that could not be taken go into ``unreadable``."""
     if classes is None:
         classes = folders
     else:
@@ -281,14 +378,13 @@ def _scan(
             )
     samples = SampleTable()
     empty: list[str] = []
-    ignored = 0
     present = set(folders)
     for label, name in enumerate(classes):
         if name not in present:
             empty.append(name)
             continue
-        paths, skipped, sizes, listed = walk(name)
-        ignored += skipped
+        paths, passed, sizes, listed = walk(name)
+        ignored.extend(passed)
         if not paths:
             empty.append(name)
         samples.extend(paths, label, sizes, listed)
@@ -305,6 +401,7 @@ def _scan(
         classes=list(classes),
         samples=samples,
         empty_classes=empty,
-        ignored_files=ignored,
+        ignored_files=len(ignored),
         unreadable=unreadable,
+        ignored=ignored,
     )

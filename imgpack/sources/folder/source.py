@@ -111,7 +111,10 @@ class FolderSource(Source):
             if not request.allow_split_names:
                 refuse_splits(remote[0], folders)
             objects = partial(storage.store_objects, self.src)
-            return scan_listing(remote[0], folders, objects, request.classes)
+            top = storage.store_objects(self.src, "") if "" in index else ()
+            scan = scan_listing(remote[0], folders, objects, request.classes, top)
+            refuse_unreadable(remote[0], scan, request)
+            return scan
         if not request.allow_split_names:
             refuse_split_folders(self.src)
         scan = scan_folder(self.src, request.classes)
@@ -128,7 +131,7 @@ class FolderSource(Source):
         return file_stamp(f"{self.src}/{sample.path}")
 
 
-def refuse_unreadable(src: Path, scan: Scan, request: ScanRequest) -> None:
+def refuse_unreadable(src: str | Path, scan: Scan, request: ScanRequest) -> None:
     """With ``--on-error fail``, the first thing the scan could not take stops the run."""
     if scan.unreadable and request.on_error == "fail":
         first = scan.unreadable[0]

@@ -36,7 +36,8 @@ class UnlabelledSource(Source):
                 "an unlabelled source has no classes: --classes-from does not apply to --no-labels"
             )
         unreadable: list[dict[str, str]] = []
-        paths, ignored = walk_images(self.src, "", unreadable)
+        ignored: list[dict[str, str]] = []
+        paths, _ = walk_images(self.src, "", unreadable, ignored)
         if not paths and not unreadable:
             raise ScanError(
                 f"{self.src}: found no image files. Images are recognised by the extensions "
@@ -45,7 +46,8 @@ class UnlabelledSource(Source):
         scan = Scan(
             classes=[],
             samples=[Sample(path, UNLABELLED) for path in paths],
-            ignored_files=ignored,
+            ignored_files=len(ignored),
+            ignored=ignored,
             unreadable=unreadable,
         )
         refuse_unreadable(self.src, scan, request)
