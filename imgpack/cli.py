@@ -861,10 +861,17 @@ def _parse_workers(value: str) -> list[int]:
 @click.option(
     "--samples",
     type=click.IntRange(min=1),
-    default=20_000,
-    show_default=True,
-    help="Samples to read per measurement.",
+    default=None,
+    help="Samples to read per measurement [default: 3 epochs, at most 20,000].",
 )
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Most seconds of reading per measurement.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @json_option("results")
 @click.option(
     "--plot",
@@ -879,7 +886,9 @@ def bench(
     paths: tuple[str, ...],
     workers: str,
     batch_size: int,
-    samples: int,
+    samples: int | None,
+    seconds: float,
+    quiet: bool,
     json_path: Path | None,
     plot_path: Path | None,
     storage_option: tuple[str, ...],
@@ -897,7 +906,8 @@ def bench(
     if plot_path is not None:
         pyplot()  # before measuring: a missing matplotlib fails at once
     read = _read_options(storage_option, cache_dir, cache_limit)
-    results = run_bench(paths, _parse_workers(workers), batch_size, samples, read)
+    results = run_bench(paths, _parse_workers(workers), batch_size, samples, read, seconds,
+                        progress=not quiet)  # fmt: skip
     width = max(len(r.name) for r in results)
     click.echo(f"{'loader':<{width}}  {'workers':>7}  {'samples/s':>11}  path")
     for r in results:
@@ -925,6 +935,13 @@ def bench(
     default=None,
     help="num_workers candidates to try, e.g. 0,2,4 [default: 0, 1, 2, 4, ... up to 2x the CPUs].",
 )
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Runs per candidate (taken in turn); the choice goes by their medians.",
+)
 @json_option("table")
 @reading_options
 @friendly_errors
@@ -933,6 +950,7 @@ def tune(
     batch_size: int,
     batches: int,
     workers: str | None,
+    repeats: int,
     json_path: Path | None,
     storage_option: tuple[str, ...],
     cache_dir: str | None,
@@ -950,7 +968,7 @@ def tune(
 
     dataset = open_dataset(dst, options=_read_options(storage_option, cache_dir, cache_limit))
     advice = recommend_loader_settings(dataset)
-    click.echo("starting point (from the CPUs, the GPU and the format):")
+    click.echo("starting point (a guess from the CPUs, the GPU and the format; measured below):")
     for key, value in advice.kwargs().items():
         click.echo(f"  {key:<18} {value!s:<6} {advice.reasons[key]}")
     if advice.decode_threads is not None:
@@ -965,17 +983,22 @@ def tune(
             by_workers.get(n) or LoaderSettings(n, advice.pin_memory, n > 0, 4 if n else None)
             for n in _parse_workers(workers)
         ]
-    result = autotune_loader(dataset, batch_size, candidates, batches)
-    click.echo(f"\nmeasured ({batches} batches of {batch_size} each, after one warm-up batch):")
+    result = autotune_loader(dataset, batch_size, candidates, batches, repeats=repeats)
+    click.echo(
+        f"\nmeasured ({repeats} run(s) of {batches} batches of {batch_size} per candidate, in "
+        "turn, each after one warm-up batch; median and spread, min-max):"
+    )
     click.echo(
         f"  {'num_workers':>11}  {'decode_threads':>14}  {'pin_memory':>10}  {'samples/s':>11}"
+        f"  {'spread':>17}"
     )
-    for settings, rate in result.table:
+    for (settings, rate), runs in zip(result.table, result.runs, strict=True):
         mark = "  <- chosen" if settings is result.best else ""
         threads = "-" if settings.decode_threads is None else settings.decode_threads
+        low_high = f"{min(runs):,.0f}-{max(runs):,.0f}"
         click.echo(
             f"  {settings.num_workers:>11}  {threads!s:>14}  {settings.pin_memory!s:>10}  "
-            f"{rate:>11,.0f}{mark}"
+            f"{rate:>11,.0f}  {low_high:>17}{mark}"
         )
     best = result.best.kwargs()
     reader = result.best.reader_kwargs()
@@ -989,10 +1012,19 @@ def tune(
     )
     if json_path is not None:
         rows = [
-            {**s.kwargs(), **s.reader_kwargs(), "samples_per_s": round(r, 1)}
-            for s, r in result.table
+            {
+                **s.kwargs(),
+                **s.reader_kwargs(),
+                "samples_per_s": round(r, 1),
+                "runs": [round(x, 1) for x in runs],
+            }
+            for (s, r), runs in zip(result.table, result.runs, strict=True)
         ]
-        report = {"best": {**best, **reader}, "reason": result.best.reasons.get("num_workers")}
+        report = {
+            "best": {**best, **reader},
+            "reason": result.best.reasons.get("num_workers"),
+            "within_noise": result.within_noise,
+        }
         json_path.write_text(json.dumps({**report, "table": rows}, indent=1) + "\n")
 
 

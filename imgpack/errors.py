@@ -48,6 +48,10 @@ class ManifestError(ImgpackError):
     """An ``imgpack.json`` is missing, unreadable, or of a version/format this imgpack can't read."""
 
 
+class NotAnOutput(ManifestError):
+    """A folder given where an imgpack output was expected holds no ``imgpack.json``."""
+
+
 class DataError(ImgpackError):
     """A stored record is damaged or inconsistent with its manifest."""
 

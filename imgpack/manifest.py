@@ -20,10 +20,12 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ManifestError
+from imgpack.errors import ManifestError, NotAnOutput
+from imgpack.scan import IMAGE_EXTENSIONS
 from imgpack.stats import DatasetStats
 
 #: The encodings an output may record (:class:`imgpack.images.Encoding`).
@@ -245,15 +247,48 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     if not directory.exists():
         raise FileNotFoundError(f"{directory}: no such imgpack output")
     if not path.is_file():
-        raise ManifestError(
-            f"{directory}: not an imgpack output (no {MANIFEST_NAME}; an interrupted conversion "
-            "leaves none, so convert again)"
-        )
+        raise NotAnOutput(not_an_output(directory))
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{path}: unreadable manifest: {exc}") from None
     return Manifest.from_json(data, where=str(path))
+
+
+def not_an_output(directory: Path) -> str:
+    """What to say of ``directory``, given as an imgpack output but holding no manifest: an
+    image folder is named as one, with the conversion that makes an output of it."""
+    if not directory.is_dir():
+        return f"{directory}: not an imgpack output (not a folder)"
+    images = _images_within(directory)
+    if images:
+        return (
+            f"{directory}: an image folder ({images}), not an imgpack output (no "
+            f"{MANIFEST_NAME}); convert it first: imgpack convert {directory} OUT --format pt, "
+            "then give OUT"
+        )
+    return (
+        f"{directory}: not an imgpack output (no {MANIFEST_NAME}): give the folder imgpack "
+        "convert wrote (an interrupted conversion leaves none: convert again)"
+    )
+
+
+def _images_within(folder: Path, look: int = 200) -> str:
+    """``"images at its top"``, ``"class folders of images"`` or ``""``: a look at up to ``look``
+    entries of ``folder`` and of its first few subfolders, no deeper."""
+    try:
+        with os.scandir(folder) as entries:
+            top = [e for e in islice(entries, look) if not e.name.startswith(".")]
+        if any(e.name.lower().endswith(IMAGE_EXTENSIONS) and e.is_file() for e in top):
+            return "images at its top"
+        for sub in [e for e in top if e.is_dir()][:8]:
+            with os.scandir(sub.path) as entries:
+                names = [e.name.lower() for e in islice(entries, look)]
+            if any(name.endswith(IMAGE_EXTENSIONS) for name in names):
+                return "class folders of images"
+    except OSError:
+        pass
+    return ""
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:

@@ -9,6 +9,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+#: Extensions (lower case) of files an image folder's scan picks up as images.
+IMAGE_EXTENSIONS = (
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".ppm",
+    ".pgm",
+    ".pbm",
+    ".bmp",
+    ".gif",
+    ".tif",
+    ".tiff",
+    ".webp",
+)
+
 #: The label of a sample that has none (an unlabelled source: ``classes == []``).
 UNLABELLED = -1
 #: The most classes a source's integer labels may imply (its label map is ``0..max label``):

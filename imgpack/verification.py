@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack.errors import ImgpackError
+from imgpack.errors import ImgpackError, NotAnOutput
 from imgpack.manifest import (
     MANIFEST_NAME,
     Companion,
@@ -187,7 +187,9 @@ def verify(
     report = Report(str(root), deep)
     try:
         manifest = read_manifest(root)
-    except (ImgpackError, FileNotFoundError) as exc:
+    except (NotAnOutput, FileNotFoundError):
+        raise  # the wrong folder given, not a damaged output
+    except ImgpackError as exc:
         report.problems.append(Problem(str(root / MANIFEST_NAME), str(exc)))
         report.seconds = time.perf_counter() - started
         return report

@@ -273,10 +273,15 @@ def test_an_unreadable_folder_is_never_left_out_silently(
 
 
 def test_verify_of_something_that_is_not_an_output(tmp_path: Path) -> None:
-    report = verify(tmp_path)
-    assert not report.ok and "not an imgpack output" in report.problems[0].message
+    """The wrong folder given is not a damaged output: raised (one line from the CLI), not
+    reported as DAMAGED."""
+    from imgpack.errors import NotAnOutput
+
+    with pytest.raises(NotAnOutput, match="not an imgpack output"):
+        verify(tmp_path)
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "nowhere")])
     assert result.exit_code == 1 and "no such imgpack output" in result.output
+    assert "DAMAGED" not in result.output
 
 
 @pytest.mark.parametrize("fmt", ["tfrecord", "webdataset"])

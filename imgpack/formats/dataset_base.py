@@ -1025,9 +1025,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             self._steered[0] = 1
         warnings.warn_explicit(
             f"{type(self).__name__}({str(self.root)!r}): gathering {count} samples took "
-            f"{seconds * 1e3:.2f} ms in worker 0. imgpack's advice for this output is "
-            f"num_workers=0 ({RAW_WORKERS_REASON}); 'imgpack tune OUTPUT' measures workers "
-            "against none on this machine, and its measured choice is the one to use",
+            f"{seconds * 1e3:.2f} ms in worker 0. Raw pixels need no decode, so a worker "
+            "process may cost more than it saves (a hand-over per batch): 'imgpack tune "
+            "OUTPUT' measures num_workers on this machine, and its choice is the one to use",
             PerformanceWarning,
             filename="imgpack",
             lineno=0,

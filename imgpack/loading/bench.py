@@ -8,7 +8,9 @@ so the comparison needs no torchvision.
 from __future__ import annotations
 
 import os
+import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,8 +20,9 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
+from tqdm import tqdm
 
-from imgpack.errors import OptionError
+from imgpack.errors import ImageError, OptionError, PerformanceWarning
 from imgpack.formats.dataset_base import ReadOptions, collate
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset
@@ -42,8 +45,11 @@ class FolderDataset(Dataset[tuple[torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
-        with Image.open(path) as img:
-            pixels = np.array(img.convert("RGB"))
+        try:
+            with Image.open(path) as img:
+                pixels = np.array(img.convert("RGB"))
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise ImageError(path, f"cannot be decoded: {exc}") from None
         return torch.from_numpy(pixels).permute(2, 0, 1), label
 
 
@@ -75,6 +81,19 @@ def open_for_bench(
     return "folder (Pillow)", FolderDataset(path)
 
 
+#: ``bench``'s default measurement: this many epochs of the dataset, at most
+#: :data:`MOST_SAMPLES` samples, and at most :data:`MOST_SECONDS` seconds of reading.
+EPOCHS = 3
+MOST_SAMPLES = 20_000
+MOST_SECONDS = 10.0
+
+
+def default_samples(size: int) -> int:
+    """Samples a measurement reads by default: :data:`EPOCHS` epochs of a dataset of ``size``,
+    at most :data:`MOST_SAMPLES` (a small output is not read 60 times over)."""
+    return max(1, min(EPOCHS * size, MOST_SAMPLES))
+
+
 def measure(
     dataset: Dataset[Any],
     workers: int,
@@ -82,12 +101,16 @@ def measure(
     max_samples: int | None = None,
     collate_fn: Callable[[Any], Any] | None = collate,
     seed: int = 0,
+    max_seconds: float | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> tuple[int, float]:
     """Read ``max_samples`` samples (default: one epoch; more epochs when the dataset is
-    smaller) in shuffled batches through a ``DataLoader``; return the samples counted and the
-    seconds they took. Workers (persistent) first read two batches each, and the clock starts at
-    the first batch of the measured pass, so start-up (processes, opening files) is not counted.
-    ``batch_size=None`` is for a dataset that yields whole batches itself."""
+    smaller) in shuffled batches through a ``DataLoader``, stopping early after
+    ``max_seconds``; return the samples counted and the seconds they took. Workers
+    (persistent) first read two batches each, and the clock starts at the first batch of the
+    measured pass, so start-up (processes, opening files) is not counted. ``batch_size=None``
+    is for a dataset that yields whole batches itself; ``progress`` is told of each batch's
+    samples."""
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -105,14 +128,19 @@ def measure(
                 break
     count = -1
     start = 0.0
+    deadline = float("inf")
     while count < limit:
         for images, _ in loader:
             if count < 0:
                 start = time.perf_counter()
+                deadline = start + max_seconds if max_seconds else deadline
                 count = 0
             else:
                 count += len(images)
-                if count >= limit:
+                if progress is not None:
+                    progress(len(images))
+                if count >= limit or (count > 0 and time.perf_counter() >= deadline):
+                    limit = count
                     break
     seconds = time.perf_counter() - start
     return count, seconds
@@ -122,17 +150,42 @@ def run_bench(
     paths: Sequence[str | os.PathLike[str]],
     workers: Sequence[int] = (0, 2),
     batch_size: int = 256,
-    max_samples: int | None = 20_000,
+    max_samples: int | None = None,
     read: ReadOptions | None = None,
+    max_seconds: float | None = MOST_SECONDS,
+    progress: bool = False,
 ) -> list[BenchResult]:
     """Measure every path at every worker count, side by side in one run (``read``: how the
-    outputs are opened: storage options, cache folder and limit)."""
+    outputs are opened: storage options, cache folder and limit). Each measurement reads
+    ``max_samples`` (default :func:`default_samples` of the dataset) or for ``max_seconds``,
+    whichever ends first; ``progress`` shows a bar on stderr. The readers' advice on workers
+    is not given inside the rows that measure it."""
+    opened = [(path, *open_for_bench(path, read)) for path in paths]
+    plans = [
+        max_samples or default_samples(len(dataset))  # type: ignore[arg-type]
+        for _, _, dataset in opened
+    ]
+    bar = tqdm(
+        total=sum(plans) * len(workers),
+        unit="sample",
+        unit_scale=True,
+        desc="bench",
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    )
     results = []
-    for path in paths:
-        name, dataset = open_for_bench(path, read)
-        for w in workers:
-            count, seconds = measure(dataset, w, batch_size, max_samples)
-            results.append(BenchResult(name, str(path), w, batch_size, count, seconds))
+    with bar, warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)  # workers forked here inherit it
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        for (path, name, dataset), planned in zip(opened, plans, strict=True):
+            for w in workers:
+                bar.set_postfix_str(f"{name}, {w} workers")
+                count, seconds = measure(
+                    dataset, w, batch_size, planned, max_seconds=max_seconds, progress=bar.update
+                )
+                bar.update(max(0, planned - count))  # ended early by the clock
+                results.append(BenchResult(name, str(path), w, batch_size, count, seconds))
     return results
 
 

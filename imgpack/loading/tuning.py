@@ -9,6 +9,7 @@ worker processes: workers x threads should be the CPUs this process may use.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -47,19 +48,18 @@ class LoaderSettings:
 
 
 def loader_bound_advice(dataset: Dataset[Any]) -> str:
-    """What to do when the training loop waits for ``dataset``'s batches, for what it is: the
-    advice :func:`recommend_loader_settings` gives, and only the remedies that apply."""
-    advised = recommend_loader_settings(dataset)
+    """What to do when the training loop waits for ``dataset``'s batches, for what it is: no
+    worker count of its own (``imgpack tune`` measures it), and only the remedies that apply."""
     if not _decodes(dataset):
         return (
-            f"the advice for this raw output is num_workers=0 ({advised.reasons['num_workers']}); "
-            "'imgpack tune' measures workers against none here"
+            "measure num_workers for this raw output with 'imgpack tune OUTPUT' (its measured "
+            "choice is the one to use: a worker's hand-over per batch costs about as much as "
+            "the gather), or preload onto the device with DeviceLoader"
         )
     return (
-        f"the advice for this encoded output is num_workers={advised.num_workers} "
-        f"({advised.reasons['num_workers']}) and 'imgpack tune' measures it; raw pixels at the "
-        "training size (--encoding raw --size N) need no decode, and DeviceLoader preloads "
-        "onto the device"
+        "measure num_workers for this encoded output with 'imgpack tune OUTPUT' (its measured "
+        "choice is the one to use); raw pixels at the training size (--encoding raw --size N) "
+        "need no decode, and DeviceLoader preloads onto the device"
     )
 
 
@@ -114,8 +114,14 @@ def recommend_loader_settings(dataset: Dataset[Any], gpu: bool | None = None) ->
 @dataclass
 class TuneResult:
     best: LoaderSettings
+    #: The chosen candidate's median samples/s.
     samples_per_s: float
+    #: ``(settings, median samples/s)`` for every candidate, in the order tried.
     table: list[tuple[LoaderSettings, float]]
+    #: Every run's samples/s, per candidate (the table's order): the spread behind each median.
+    runs: list[list[float]] = field(default_factory=list)
+    #: Whether the chosen candidate ties the fastest (within the noise) rather than beating it.
+    within_noise: bool = False
 
 
 def _rate(
@@ -128,7 +134,7 @@ def _rate(
     if settings.decode_threads is not None and isinstance(dataset, ImageDataset):
         dataset = dataset.with_options(decode_threads=settings.decode_threads)
     count, start = 0, 0.0
-    # The advice these runs would print (the readers' num_workers note, torch's note on more
+    # The advice these runs would print (the readers' note on workers, torch's note on more
     # workers than CPUs) is what the measurement decides: workers forked here inherit the filter.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PerformanceWarning)
@@ -176,46 +182,65 @@ def candidate_settings(dataset: Dataset[Any], gpu: bool | None = None) -> list[L
     ]
 
 
+#: The least relative margin between two medians that separates them (the machine's noise
+#: when the runs' own spread is smaller).
+NOISE = 0.10
+#: How many times :func:`autotune_loader` measures each candidate by default.
+REPEATS = 3
+
+
 def autotune_loader(
     dataset: Dataset[Any],
     batch_size: int = 256,
     candidates: Iterable[LoaderSettings] | None = None,
     batches: int = 20,
     collate_fn: Callable[[Any], Any] = collate,
+    repeats: int = REPEATS,
 ) -> TuneResult:
-    """Measure a short run (``batches`` batches after one warm-up batch) for each candidate and
-    return the chosen one with its measured samples/s, and the whole table.
-
-    The chosen candidate is the fastest, unless the one :func:`recommend_loader_settings`
-    reasons for is within :data:`NOISE` of it: a margin that small is the machine's noise, and
-    the advice stays the one the reader's warning and ``recommend_loader_settings`` give."""
-    table = [
-        (settings, _rate(dataset, settings, batch_size, batches, collate_fn))
-        for settings in (candidates if candidates is not None else candidate_settings(dataset))
-    ]
-    if not table:
+    """Measure each candidate ``repeats`` times (``batches`` batches after one warm-up batch;
+    the candidates taken in turn, so a change of load falls on all of them) and choose by the
+    medians: the cheapest candidate (fewest workers) whose median is within the noise of the
+    fastest's. The noise is the larger of :data:`NOISE` and the spread of the two candidates'
+    runs (``(max - min) / median``): one short run says too little to separate settings, and a
+    margin inside the runs' own spread is no margin. Repeated runs on a quiet machine choose
+    the same; where two settings tie, :attr:`TuneResult.within_noise` says so."""
+    tried = list(candidates if candidates is not None else candidate_settings(dataset))
+    if not tried:
         raise ValueError("autotune_loader needs at least one candidate")
-    fastest, top = max(table, key=lambda row: row[1])
-    advised = recommend_loader_settings(dataset)
-    kept = [
-        (s, r) for s, r in table if s.num_workers == advised.num_workers and r >= top / (1 + NOISE)
+    if repeats < 1:
+        raise ValueError("autotune_loader needs repeats >= 1")
+    runs: list[list[float]] = [[] for _ in tried]
+    for _ in range(repeats):
+        for row, settings in zip(runs, tried, strict=True):
+            row.append(_rate(dataset, settings, batch_size, batches, collate_fn))
+    medians = [statistics.median(row) for row in runs]
+    table = list(zip(tried, medians, strict=True))
+    top = max(range(len(tried)), key=lambda i: medians[i])
+    ties = [
+        i
+        for i in range(len(tried))
+        if medians[i] >= medians[top] / (1 + max(NOISE, spread(runs[top]), spread(runs[i])))
     ]
-    if kept and kept[0][0] is not fastest:
-        best, rate = kept[0]
+    chosen = min(ties, key=lambda i: (tried[i].num_workers, -medians[i]))
+    best, rate = tried[chosen], medians[chosen]
+    if chosen != top:
+        fastest = tried[top]
         best.reasons["num_workers"] = (
-            f"measured: {rate:,.0f} samples/s with {_workers(best)}, within {NOISE:.0%} of the "
-            f"fastest ({top:,.0f} with {_workers(fastest)}), which is noise: kept the reasoned "
-            f"choice ({advised.reasons['num_workers']})"
+            f"measured: {rate:,.0f} samples/s (median of {repeats}) with {_workers(best)}, "
+            f"within noise of the fastest ({medians[top]:,.0f} with {_workers(fastest)}; "
+            f"spread {spread(runs[top]):.0%}): the two tie, so the cheaper is chosen"
         )
-        return TuneResult(best, rate, table)
-    reason = _measured_reason(fastest, top, table, _decodes(dataset))
+        return TuneResult(best, rate, table, runs, within_noise=True)
+    reason = _measured_reason(best, rate, table, _decodes(dataset))
     if reason:
-        fastest.reasons["num_workers"] = reason
-    return TuneResult(fastest, top, table)
+        best.reasons["num_workers"] = reason
+    return TuneResult(best, rate, table, runs)
 
 
-#: How much faster than the reasoned choice a measured candidate must be to replace it.
-NOISE = 0.10
+def spread(rates: list[float]) -> float:
+    """``(max - min) / median`` of one candidate's runs: 0 for a single run."""
+    middle = statistics.median(rates) if rates else 0.0
+    return (max(rates) - min(rates)) / middle if len(rates) > 1 and middle > 0 else 0.0
 
 
 def _workers(settings: LoaderSettings) -> str:
@@ -256,4 +281,5 @@ __all__ = [
     "candidate_settings",
     "loader_bound_advice",
     "recommend_loader_settings",
+    "spread",
 ]

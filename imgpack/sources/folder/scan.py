@@ -21,25 +21,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from imgpack.errors import ManifestError, ScanError
-from imgpack.scan import SampleTable, Scan, listed_id
+from imgpack.scan import IMAGE_EXTENSIONS, SampleTable, Scan, listed_id
 from imgpack.system import file_kind
 
 log = logging.getLogger(__name__)
-
-#: Extensions (lower case) of files the scan picks up as images.
-IMAGE_EXTENSIONS = (
-    ".jpg",
-    ".jpeg",
-    ".png",
-    ".ppm",
-    ".pgm",
-    ".pbm",
-    ".bmp",
-    ".gif",
-    ".tif",
-    ".tiff",
-    ".webp",
-)
 
 
 def _hidden(name: str) -> bool:
@@ -64,9 +49,15 @@ def find_classes(root: Path) -> list[str]:
             if files
             else "it is empty (hidden files and folders are ignored)"
         )
+        images = [name for name in files if name.lower().endswith(IMAGE_EXTENSIONS)]
+        hint = (
+            f"; to convert its {len(images)} image(s) without labels, add --no-labels"
+            if images
+            else ""
+        )
         raise ScanError(
             f"{root}: no class folders found — {detail}. imgpack expects one folder per class: "
-            f"{root}/<class>/<image>"
+            f"{root}/<class>/<image>{hint}"
         )
     return classes
 
