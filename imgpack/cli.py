@@ -143,6 +143,15 @@ def friendly_errors(func: F) -> F:
 
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 _CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+# Marks that reorder or hide text on a terminal (bidirectional overrides and isolates, zero
+# width marks, the line and paragraph separators): shown as escapes, never obeyed.
+_CONTROL.update(
+    {
+        c: f"\\u{c:04x}"
+        for c in [0x061C, 0x200B, 0x200E, 0x200F, 0x2028, 0x2029, *range(0x202A, 0x202F),
+                  *range(0x2066, 0x206A), 0xFEFF]
+    }
+)  # fmt: skip
 
 
 def printable_line(text: str) -> str:
@@ -751,7 +760,7 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
     else:
         lines.extend(DatasetStats.from_json(manifest.stats).summary_lines())
     lines.append(f"preview:   imgpack preview {dst} -o preview.png (a contact sheet per class)")
-    click.echo("\n".join(lines))
+    click.echo("\n".join(printable_line(line) for line in lines))  # names from the manifest
 
 
 @main.command()
@@ -760,7 +769,7 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
     "-o",
     "--output",
     "sheet_path",
-    type=click.Path(path_type=Path),
+    type=click.Path(dir_okay=False, path_type=Path),
     default=Path("preview.png"),
     show_default=True,
     help="The PNG to write.",
@@ -788,12 +797,25 @@ def preview(
     first samples read back through the reader, as training sees them."""
     from imgpack.preview import contact_sheet
     from imgpack.readers import open_dataset
+    from imgpack.storage import is_url
 
     options = replace(_read_options(storage_option, cache_dir, cache_limit), size=size)
     dataset = open_dataset(dst, options=options)
+    if not is_url(dst) and sheet_path.resolve().is_relative_to(Path(dst).resolve()):
+        raise click.UsageError(
+            f"-o {sheet_path}: inside the output {dst}; write the sheet elsewhere (an output's "
+            "folder holds only what its manifest lists)"
+        )
     names = [n.strip() for n in classes.split(",") if n.strip()] if classes else None
     sheet = contact_sheet(dataset, per_class, names)
-    sheet.image.save(sheet_path, format="PNG")
+    try:
+        sheet.image.save(sheet_path, format="PNG")
+    except OSError as exc:
+        if sheet_path.is_file():
+            sheet_path.unlink(missing_ok=True)  # no half-written sheet
+        why = exc.strerror or str(exc)
+        message = printable_line(f"{sheet_path}: cannot write the sheet: {why}")
+        raise click.ClickException(message) from None
     rows = len({name for _, name, _, _ in sheet.tiles})
     more = f"; {sheet.left_out} more classes left out (name them with --classes)"
     click.echo(

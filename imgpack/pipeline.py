@@ -45,7 +45,13 @@ from imgpack.errors import (
     StorageError,
 )
 from imgpack.executors import Executor, Failure, Outcome
-from imgpack.formats.writer_base import KEEP_PREFIX, Writer, WrittenFile, file_entries
+from imgpack.formats.writer_base import (
+    KEEP_PREFIX,
+    Writer,
+    WrittenFile,
+    file_entries,
+    shard_size_note,
+)
 from imgpack.images import Encoded
 from imgpack.manifest import (
     MANIFEST_NAME,
@@ -486,6 +492,9 @@ class DryRun:
     #: Whether :attr:`shards` is the plan the conversion follows (shard tasks writing to a
     #: bucket), not an estimate of where one writer will roll over.
     shards_exact: bool
+    #: The shard size in bytes (0: one file), and the largest image's estimated bytes.
+    shard_size: int = 0
+    largest_image: int = 0
 
     def lines(self) -> list[str]:
         """What ``--dry-run`` prints (the skipped files by name are the caller's to list)."""
@@ -505,6 +514,8 @@ class DryRun:
             f"skipped:   {len(self.skipped)} by the scan (bad images are found when they are read)",
             "ignored:   " + ignored_summary(self.ignored_files, by_reason(self.ignored)),
         ]
+        if self.largest_image > self.shard_size > 0:
+            lines.append(f"warning:   {shard_size_note(self.shard_size, self.largest_image)}")
         if self.empty_classes:
             lines.append(
                 f"empty:     {', '.join(self.empty_classes)} (class folders with no image)"
@@ -558,6 +569,8 @@ def dry_run(
         estimated_bytes=sum(sizes[start:stop]),
         shards=shards,
         shards_exact=exact,
+        shard_size=options.shard_size or 0 if options.spec.sharded else 0,
+        largest_image=max(sizes[start:stop], default=0),
     )
 
 

@@ -21,6 +21,9 @@ GAP = 4
 BACKGROUND = (48, 48, 48)
 #: Rows a sheet shows when no classes are named (a thousand rows would not be a look).
 MAX_ROWS = 32
+#: The most pixels a sheet may take (about 300 MB of RGB, and as much again for the tiles
+#: while they are read): more is refused by its size before it is drawn.
+MAX_PIXELS = 100_000_000
 
 
 @dataclass
@@ -67,13 +70,23 @@ def contact_sheet(
     left_out = 0
     if classes is None and len(rows) > MAX_ROWS:
         left_out, rows = len(rows) - MAX_ROWS, rows[:MAX_ROWS]
-    indices = [i for _, row in rows for i in row]
-    images = {i: ds[i][0].numpy() for i in indices}  # (C, H, W) uint8, as training sees them
+    images: dict[int, np.ndarray] = {}
+    held = 0
+    for index in (i for _, row in rows for i in row):
+        images[index] = ds[index][0].numpy()  # (C, H, W) uint8, as training sees them
+        held += images[index].shape[1] * images[index].shape[2]
+        if held > MAX_PIXELS:  # the tiles alone are more than a sheet may be
+            raise OptionError(_too_large(ds, f"its tiles pass {MAX_PIXELS:,} pixels"))
     cell_h = max((a.shape[1] for a in images.values()), default=1)
     cell_w = max((a.shape[2] for a in images.values()), default=1)
     margin = GAP + 7 * min(24, max(len(name) for name, _ in rows)) + GAP
-    width = margin + per_class * (cell_w + GAP)
+    longest = max((len(row) for _, row in rows), default=1)
+    width = margin + max(1, longest) * (cell_w + GAP)
     height = GAP + len(rows) * (cell_h + GAP)
+    if width * height > MAX_PIXELS:
+        raise OptionError(
+            _too_large(ds, f"{width}x{height} pixels, over the {MAX_PIXELS:,} a sheet may take")
+        )
     sheet = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(sheet)
     tiles = []
@@ -89,4 +102,11 @@ def contact_sheet(
     return Sheet(sheet, tiles, left_out)
 
 
-__all__ = ["Sheet", "contact_sheet"]
+def _too_large(ds: ImageDataset, why: str) -> str:
+    return (
+        f"{ds.root}: the contact sheet would be too large ({why}): show fewer samples "
+        "(--per-class), fewer classes (--classes) or smaller images (--size N)"
+    )
+
+
+__all__ = ["MAX_PIXELS", "Sheet", "contact_sheet"]

@@ -163,4 +163,6 @@ def test_subset_and_bad_options(raw: Path) -> None:
     loader = DeviceLoader(raw, device="cpu", indices=[5, 6, 7], shuffle=False, progress=False)
     assert torch.equal(epoch(loader)[0], everything(raw)[0][5:8])
     with pytest.raises(OptionError, match="float dtype"):
-        DeviceLoader(raw, device="cpu", normalize=((0.5,), (0.5,)), progress=False)
+        DeviceLoader(
+            raw, device="cpu", dtype=torch.uint8, normalize=((0.5,), (0.5,)), progress=False
+        )

@@ -4,6 +4,8 @@ its bounded defaults."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,105 @@ def test_bench_defaults_scale_with_the_output_and_show_progress(
         main, ["bench", str(out), "--workers", "0", "-q", "--seconds", "0.01"]
     )
     assert quiet.exit_code == 0 and "bench:" not in quiet.output
+
+
+def test_info_escapes_class_names(tmp_path: Path) -> None:
+    src = build_uniform_folder(tmp_path / "src", count=3, size=8)
+    names = ["\x1b[31mred", "a\nsamples:   999", "rtl\u202eoverride"]
+    for folder, name in zip(sorted(p for p in src.iterdir() if p.is_dir()), names, strict=False):
+        folder.rename(src / name)
+    out = tmp_path / "out"
+    done = CliRunner().invoke(main, ["convert", str(src), str(out), "--format", "pt", "-q"])
+    assert done.exit_code == 0, done.output
+    result = CliRunner().invoke(main, ["info", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "\u202e" not in result.output
+    assert "samples:   999" not in result.output.splitlines()
+    assert "\\x1b[31mred" in result.output and "rtl\\u202eoverride" in result.output
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 3)])
+def test_an_index_array_of_the_wrong_shape_is_a_type_error(
+    folder: Path, tmp_path: Path, shape: tuple[int, int]
+) -> None:
+    import numpy as np
+
+    from imgpack.readers import open_dataset
+
+    out = tmp_path / "out"
+    assert (
+        CliRunner().invoke(main, ["convert", str(folder), str(out), "--format", "pt"]).exit_code
+        == 0
+    )
+    ds = open_dataset(out)
+    with pytest.raises(TypeError, match="one-dimensional"):
+        ds.__getitems__(np.zeros(shape, dtype=np.int64))
+    assert len(ds.__getitems__(np.array([0, 1]))) == 2
+
+
+def test_device_loader_normalizes_into_float32_unless_told(folder: Path, tmp_path: Path) -> None:
+    import torch
+
+    from imgpack.loading import DeviceLoader
+
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["convert", str(folder), str(out), "--format", "pt",
+                                     "--encoding", "raw", "--size", "8"]).exit_code == 0  # fmt: skip
+    images, _ = next(iter(DeviceLoader(out, device="cpu", normalize="dataset", progress=False)))
+    assert images.dtype == torch.float32
+    images, _ = next(iter(DeviceLoader(out, device="cpu", progress=False)))
+    assert images.dtype == torch.uint8
+    with pytest.raises(Exception, match="cannot hold normalized values"):
+        DeviceLoader(out, device="cpu", dtype=torch.uint8, normalize="dataset", progress=False)
+
+
+@pytest.fixture(scope="module")
+def small_output(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("o") / "out"
+    assert (
+        CliRunner().invoke(main, ["convert", str(folder), str(out), "--format", "pt"]).exit_code
+        == 0
+    )
+    return out
+
+
+@pytest.mark.parametrize("target", ["{out}/imgpack.json", "{out}/sheet.png", "{tmp}", "/dev/full"])
+def test_preview_refuses_an_unwritable_or_inside_target_in_one_line(
+    small_output: Path, tmp_path: Path, target: str
+) -> None:
+    manifest = (small_output / "imgpack.json").read_bytes()
+    where = target.format(out=small_output, tmp=tmp_path)
+    result = CliRunner().invoke(main, ["preview", str(small_output), "-o", where])
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output
+    assert (small_output / "imgpack.json").read_bytes() == manifest
+    assert not (small_output / "sheet.png").exists()
+
+
+def test_preview_sizes_the_sheet_by_its_longest_row_and_bounds_it(
+    small_output: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from imgpack import preview
+    from imgpack.readers import open_dataset
+
+    ds = open_dataset(small_output)
+    sheet = preview.contact_sheet(ds, per_class=1_000_000)
+    per_row = max(sum(1 for t in sheet.tiles if t[1] == name) for name in ds.classes)
+    cell = max(ds[i][0].shape[2] for i in range(len(ds)))
+    assert sheet.image.width <= 8 + 7 * 24 + per_row * (cell + preview.GAP)
+    monkeypatch.setattr(preview, "MAX_PIXELS", 200)
+    result = CliRunner().invoke(main, ["preview", str(small_output), "-o", str(tmp_path / "p.png")])
+    assert result.exit_code == 2 and "the contact sheet would be too large" in result.output
+    assert "--per-class" in result.output and not (tmp_path / "p.png").exists()
+
+
+def test_a_shard_size_below_an_image_is_said_in_one_line(folder: Path, tmp_path: Path) -> None:
+    args = ["convert", str(folder), str(tmp_path / "o"), "--format", "webdataset",
+            "--shard-size", "10"]  # fmt: skip
+    planned = CliRunner().invoke(main, [*args, "--dry-run"])
+    assert planned.exit_code == 0
+    assert "warning:   --shard-size 10 B is smaller than an image" in planned.output
+    done = subprocess.run([sys.executable, "-m", "imgpack", *args, "-q"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stderr.splitlines() if "--shard-size 10 B" in line]
+    assert len(warned) == 1 and "a shard of its own" in warned[0]

@@ -340,15 +340,21 @@ def integer_index(index: Any, where: str) -> int:
 
 def integer_indices(indices: Any, where: str) -> np.ndarray:
     """``indices`` (a sequence, a NumPy array or a tensor) as a flat int64 array: anything but
-    integers is a ``TypeError`` naming ``where`` (a float is not truncated, a string not
-    parsed); the range is the caller's to check."""
+    a one-dimensional run of integers is a ``TypeError`` naming ``where`` (a float is not
+    truncated, a string not parsed, a 2-D array not flattened); the range is the caller's to
+    check."""
     found = indices.numpy() if isinstance(indices, torch.Tensor) else np.asarray(indices)
+    if found.ndim != 1:  # a 2-D array is not a batch of indices: flattening it misreads
+        raise TypeError(
+            f"{where}: indices must be one-dimensional (a sequence of sample indices), not an "
+            f"array of shape {tuple(found.shape)}"
+        )
     if found.size and found.dtype.kind not in "iu":
         raise TypeError(
             f"{where}: indices must be integers, not {found.dtype} values "
             f"({found.reshape(-1)[0]!r})"
         )
-    return found.astype(np.int64, copy=False).reshape(-1)
+    return found.astype(np.int64, copy=False)
 
 
 #: Why imgpack advises ``num_workers=0`` for raw pixels: the one sentence the readers' warning,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import stat
 import threading
@@ -24,6 +25,9 @@ from typing import Any, BinaryIO
 from imgpack.errors import DataError
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.manifest import Companion, FileEntry, Manifest, sha256_file
+from imgpack.units import format_bytes
+
+log = logging.getLogger(__name__)
 
 #: Files of the engine's own in a temp output dir (the checkpoint), which writers leave alone.
 KEEP_PREFIX = ".imgpack-"
@@ -135,6 +139,15 @@ class Writer(ABC):
             self._files = []
 
 
+def shard_size_note(shard_size: int, largest: int) -> str:
+    """The one line said when an image is larger than the shard size."""
+    return (
+        f"--shard-size {format_bytes(shard_size)} is smaller than an image ({format_bytes(largest)}):"
+        " each such image is a shard of its own; a shard size of many images (the default) "
+        "reads faster"
+    )
+
+
 class ShardedWriter(Writer):
     """A writer whose output rolls over to a new shard file once ``shard_size`` bytes are reached.
 
@@ -151,6 +164,7 @@ class ShardedWriter(Writer):
         self._shard_bytes = 0
         self._shard_count = 0
         self._open = False
+        self._warned = False  # of a sample larger than the shard size
 
     def shard_name(self, index: int) -> str:
         return default_shard_name(self.config.format, index)
@@ -169,6 +183,9 @@ class ShardedWriter(Writer):
 
     def add(self, sample: Encoded) -> None:
         size = len(sample.payload)
+        if size > self.config.shard_size and not self._warned:
+            self._warned = True
+            log.warning("%s", shard_size_note(self.config.shard_size, size))
         if self._open and self._shard_bytes + size > self.config.shard_size:
             self._roll()
         self.open_shard()

@@ -76,12 +76,13 @@ class DeviceLoader:
         dataset_or_path: an imgpack reader (or its output directory).
         device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``...
         batch_size, shuffle, drop_last: as for ``DataLoader``.
-        dtype: ``torch.uint8`` (batches as stored), ``torch.float16`` or ``torch.float32``
-            (batches divided by 255).
+        dtype: ``torch.uint8`` (batches as stored), ``torch.float16``, ``torch.bfloat16`` or
+            ``torch.float32`` (batches divided by 255). Default: ``torch.float32`` with
+            ``normalize``, ``torch.uint8`` without.
         normalize: ``(mean, std)`` per channel on the 0-1 scale, as torchvision's ``Normalize``
             after ``ToTensor``: ``(x / 255 - mean) / std``; or ``"dataset"``: the mean and std
             its conversion recorded over every stored pixel (``ds.stats``). Needs a float
-            ``dtype``.
+            ``dtype`` (float32 unless told otherwise).
         seed: seeds the per-epoch permutation and the augmentation (with :meth:`set_epoch`).
         crop_padding: random crop of the original size from the image zero-padded by this many
             pixels on each side (0: off).
@@ -106,7 +107,7 @@ class DeviceLoader:
         batch_size: int = 256,
         shuffle: bool = True,
         drop_last: bool = False,
-        dtype: torch.dtype = torch.uint8,
+        dtype: torch.dtype | None = None,
         normalize: tuple[Sequence[float], Sequence[float]] | str | None = None,
         seed: int = 0,
         crop_padding: int = 0,
@@ -128,13 +129,16 @@ class DeviceLoader:
             dataset = dataset_or_path
         if batch_size < 1:
             raise OptionError(f"invalid batch_size {batch_size!r}: expected 1 or more")
+        if dtype is None:  # normalized values need a float; stored pixels are bytes
+            dtype = torch.uint8 if normalize is None else torch.float32
         if dtype not in (torch.uint8, torch.float16, torch.float32, torch.bfloat16):
             raise OptionError(
                 f"invalid dtype {dtype}: expected torch.uint8, float16, bfloat16 or float32"
             )
         if normalize is not None and dtype == torch.uint8:
             raise OptionError(
-                "normalize needs a float dtype (dtype=torch.float16 or torch.float32)"
+                "normalize needs a float dtype: dtype=torch.uint8 cannot hold normalized values "
+                "(leave dtype out for float32, or give torch.float16, bfloat16 or float32)"
             )
         if isinstance(normalize, str):
             normalize = dataset_normalize(dataset, normalize)
