@@ -66,3 +66,73 @@ def test_a_shard_cut_or_replaced_under_a_reader_is_refused_or_read_right(
     assert ran.returncode == 0, f"exit {ran.returncode}: {ran.stdout}{ran.stderr[-2000:]}"
     if how == "cut":
         assert "refused:" in ran.stdout and "cut while it was read" in ran.stdout, ran.stdout
+
+
+AFTER_OPEN = r"""
+import os, sys, warnings
+warnings.simplefilter("ignore")
+from imgpack import open_dataset
+from imgpack.errors import DataError
+root = sys.argv[1]
+ds = open_dataset(root)  # opened, nothing read yet
+victim = os.path.join(root, ds.manifest.files[0].path)
+os.truncate(victim, os.path.getsize(victim) // 3)
+try:
+    ds.__getitems__(list(range(len(ds))))
+except DataError as exc:
+    print("refused:", exc, flush=True)
+"""
+
+IN_WORKERS = r"""
+import os, sys, warnings
+warnings.simplefilter("ignore")
+from torch.utils.data import DataLoader
+from imgpack import open_dataset
+from imgpack.errors import DataError
+from imgpack.readers import collate
+root, warm = sys.argv[1], sys.argv[2] == "warm"
+ds = open_dataset(root)
+if warm:  # the main process maps the shards (and builds what it builds) before the fork
+    for _ in range(3):
+        ds.__getitems__(list(range(len(ds))))
+victim = os.path.join(root, ds.manifest.files[0].path)
+loader = DataLoader(ds, batch_size=4, shuffle=False, num_workers=2, collate_fn=collate,
+                    persistent_workers=True, prefetch_factor=1)
+try:
+    for epoch in range(3):
+        for step, _ in enumerate(loader):
+            if epoch == 1 and step == 1:
+                os.truncate(victim, os.path.getsize(victim) // 3)
+except DataError as exc:
+    print("refused:", exc, flush=True)
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_shard_cut_after_open_before_any_read_is_refused(outputs: Path, fmt: str) -> None:
+    out = outputs / f"{fmt}-after-open"
+    convert(outputs / "src", out, format=fmt, encoding="raw", size=16, progress=False)
+    ran = subprocess.run(
+        [sys.executable, "-c", AFTER_OPEN, str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0, f"exit {ran.returncode}: {ran.stdout}{ran.stderr[-2000:]}"
+    assert "refused:" in ran.stdout and str(out) in ran.stdout, ran.stdout
+
+
+@pytest.mark.parametrize("warm", ["warm", "cold"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_shard_cut_mid_epoch_is_a_data_error_in_dataloader_workers(
+    outputs: Path, fmt: str, warm: str
+) -> None:
+    """A worker that would read past the new end raises the DataError the main process gets,
+    named by the file; a SIGBUS would kill the worker ("killed by signal: Bus error")."""
+    out = outputs / f"{fmt}-workers-{warm}"
+    convert(outputs / "src", out, format=fmt, encoding="raw", size=16, progress=False)
+    ran = subprocess.run(
+        [sys.executable, "-c", IN_WORKERS, str(out), warm],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert ran.returncode == 0, f"exit {ran.returncode}: {ran.stdout}{ran.stderr[-2000:]}"
+    assert "refused:" in ran.stdout and "cut while it was read" in ran.stdout, ran.stdout

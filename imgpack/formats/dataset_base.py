@@ -850,7 +850,24 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         old = maps.pop(number, None)
         if old is not None:
             os.close(old[1])
-        maps[number] = (str(path), fd, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        recorded = self._recorded_bytes(path)
+        if recorded is not None and size < recorded:  # cut since the output was opened
+            os.close(fd)
+            raise DataError(
+                f"{path}: {size:,} bytes now, {recorded:,} in the manifest: the file was cut "
+                "while it was read (reading it would crash the process with SIGBUS); open the "
+                f"output again ('imgpack verify {self.root}' names what is damaged)"
+            )
+        maps[number] = (str(path), fd, size)
+
+    def _recorded_bytes(self, path: str | os.PathLike[str]) -> int | None:
+        """The size the manifest records for the output's file at ``path``, if it lists it."""
+        recorded = self.__dict__.get("_file_bytes")
+        if recorded is None:  # once: an output may have thousands of shards
+            recorded = {Path(e.path).name: e.bytes for e in self.manifest.files}
+            self.__dict__["_file_bytes"] = recorded
+        return recorded.get(Path(path).name)
 
     def _check_mapped(self, indices: np.ndarray) -> None:
         """Refuse a batch that would read a memory-mapped file that shrank since it was mapped

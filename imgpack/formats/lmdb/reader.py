@@ -123,13 +123,16 @@ class LMDBDataset(ImageDataset):
         return self._raw
 
     def _open(self) -> Any:
+        # Its size first: LMDB maps the file whole and reads its pages at once (a file cut
+        # since the output was opened is a SIGBUS there, not an error).
+        self._note_mapped(0, self.root / "data.mdb")
         env = acquire_environment(self.root)
         try:
             self._check_environment(env)
         except BaseException:
             release_environment(env)
+            self._forget_mapped(0)
             raise
-        self._note_mapped(0, self.root / "data.mdb")  # LMDB maps it whole
         return env
 
     def _close(self, handles: Any) -> None:
