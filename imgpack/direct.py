@@ -23,6 +23,7 @@ never change the output. Only receipts (a few hundred bytes per shard) come back
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -171,9 +172,19 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         # What the store says of each object just uploaded: the commit refuses a shard object
         # the listing then names otherwise (swapped or rewritten since).
         "etags": {name: storage.content_tag(fs.info(f"{root}/{name}")) for name in names},
+        # The conversion it is for: another conversion's receipt copied over is refused.
+        "output_id": task.config.output_id,
     }
+    receipt["check"] = receipt_check(receipt)
     fs.pipe_file(f"{root}/{task.receipt}", json.dumps(receipt, sort_keys=True).encode())
     return receipt
+
+
+def receipt_check(receipt: dict[str, Any]) -> str:
+    """The sha256 of a receipt's contents (all but ``check``), as its worker wrote them: an
+    edit (a checksum zeroed, a count changed) no longer matches it."""
+    body = {key: value for key, value in receipt.items() if key != "check"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def _entry(data: dict[str, Any]) -> FileEntry:
@@ -240,7 +251,7 @@ def convert_to_bucket(
     except FileNotFoundError as exc:
         raise storage.remote_error(url, exc) from None
     names = shard_names(plan, total)
-    done = set(_receipts(dest, work, bounds, names)[0]) if options.resume else set()
+    done = set(_receipts(dest, work, plan, bounds, names)[0]) if options.resume else set()
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
     numbers = [k for k in range(first, last) if k not in done]
 
@@ -282,7 +293,7 @@ def convert_to_bucket(
                     "written so far are kept: --resume continues)",
                 )
             bar.update(len(task.samples))
-    receipts, bad = _receipts(dest, work, bounds, names)
+    receipts, bad = _receipts(dest, work, plan, bounds, names)
     if bad:
         path, problem = next(iter(sorted(bad.items())))
         raise ImgpackError(
@@ -407,7 +418,7 @@ def _read_manifest(dest: Destination) -> Manifest:
 
 
 def _receipts(
-    dest: Destination, work: str, bounds: Sequence[int], names: Sequence[str]
+    dest: Destination, work: str, plan: Plan, bounds: Sequence[int], names: Sequence[str]
 ) -> tuple[dict[int, dict[str, Any]], dict[str, str]]:
     """The receipts under ``work`` that hold (:func:`_receipt_problem`), by shard number, and
     the others, by receipt path, with what is wrong; the store is listed again (other parts
@@ -430,7 +441,7 @@ def _receipts(
         except (TypeError, ValueError, KeyError):
             bad[path] = "not a receipt imgpack wrote (unreadable)"
             continue
-        problem = _receipt_problem(receipt, entry, path, work, bounds, names, fresh)
+        problem = _receipt_problem(receipt, entry, path, work, plan, bounds, names, fresh)
         if problem is None:
             found[number] = receipt
         else:
@@ -443,12 +454,26 @@ def _receipt_problem(
     entry: FileEntry,
     path: str,
     work: str,
+    plan: Plan,
     bounds: Sequence[int],
     names: Sequence[str],
     listed: Destination,
 ) -> str | None:
     """What makes a receipt disagree with the plan, with itself, or with its shard's objects
     as listed (their sizes, and the ETags the worker recorded right after uploading them)."""
+    if receipt.get("output_id") != plan.output_id:
+        return (
+            f"is another conversion's (output id {str(receipt.get('output_id'))[:16]!r}, this "
+            f"one's {plan.output_id[:16]!r})"
+        )
+    if receipt.get("check") != receipt_check(receipt):
+        return "does not match its own checksum (edited since its worker wrote it)"
+    if (
+        not isinstance(entry.sha256, str)
+        or len(entry.sha256) != 64
+        or entry.sha256.strip("0123456789abcdef")
+    ):
+        return "records no sha256 of its shard"
     number = int(receipt["shard"])
     if not 0 <= number < len(names) or path != f"{work}/{receipt_name(number)}":
         return f"names shard {number}, which is not the shard this receipt is for"
@@ -471,11 +496,11 @@ def _receipt_problem(
             return f"{name} is not in the bucket at the {size:,} bytes it records"
     if "stats" in receipt:
         try:
-            found = DatasetStats.from_json(receipt["stats"])
-        except (TypeError, ValueError, KeyError):
-            found = None
-        if found is None or found.samples != count:
-            return "holds statistics that do not count its samples"
+            DatasetStats.from_json(
+                receipt["stats"], len(plan.scan.classes), plan.options.policy.channels, count
+            )
+        except (TypeError, ValueError, KeyError) as exc:
+            return f"holds statistics that are not those of its {count} samples ({exc})"
     etags = receipt.get("etags")
     if not isinstance(etags, dict):
         return "records no ETags of its uploaded objects"

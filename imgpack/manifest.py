@@ -172,7 +172,9 @@ class Manifest:
                 created_by=str(data.get("created_by", "")),
                 output_id=_output_id(data.get("output_id", "")),
                 part=_part(data.get("part")),
-                stats=_stats(data.get("stats"), len(classes)),
+                stats=_stats(
+                    data.get("stats"), len(classes), image, _count(data["num_samples"], "n")
+                ),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -207,12 +209,25 @@ def _part(value: Any) -> dict[str, int] | None:
     return part
 
 
-def _stats(value: Any, classes: int) -> dict[str, Any] | None:
-    """The ``stats`` block, checked to add up (its own counts; the files' count is the
+def _stats(value: Any, classes: int, image: dict[str, Any], samples: int) -> dict[str, Any] | None:
+    """The ``stats`` block, checked to add up and to be this manifest's: its classes,
+    channels, samples and, for an output of one size, that size (the files' count is the
     readers' check, which names what is wrong)."""
     if value is None:
         return None
-    DatasetStats.from_json(value, classes)
+    found = DatasetStats.from_json(value, classes, image["channels"], samples)
+    height, width = image.get("height"), image.get("width")
+    if (
+        height
+        and width
+        and found.samples
+        and (set(found.heights), set(found.widths))
+        != (
+            {height},
+            {width},
+        )
+    ):
+        raise ValueError(f"stats count sizes other than the output's {height}x{width}")
     return dict(value)
 
 

@@ -20,6 +20,7 @@ run writes.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -100,9 +101,16 @@ class Checkpoint:
     #: JSON); ``None`` when not known (a checkpoint of an imgpack that kept none).
     stats: dict[str, Any] | None = None
 
+    #: Whether the checkpoint read matches the checksum it was written with (an edit of it,
+    #: even a consistent one, does not); not saved.
+    intact: bool = field(default=True, compare=False, repr=False)
+
     def save(self, directory: Path) -> None:
         tmp = directory / (CHECKPOINT + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)), encoding="utf-8")
+        body = asdict(self)
+        del body["intact"]
+        body["check"] = _checksum(body)
+        tmp.write_text(json.dumps(body), encoding="utf-8")
         os.replace(tmp, directory / CHECKPOINT)
 
     @classmethod
@@ -111,7 +119,10 @@ class Checkpoint:
         (damaged, another layout): such a folder cannot be resumed."""
         try:
             data = json.loads((directory / CHECKPOINT).read_text(encoding="utf-8"))
+            check = data.pop("check", None) if isinstance(data, dict) else None
+            data.pop("intact", None)
             found = cls(**data)
+            found.intact = check == _checksum(data)
         except (OSError, ValueError, TypeError, UnicodeDecodeError):
             return None
         ints = (found.position, found.count)
@@ -134,12 +145,14 @@ class Checkpoint:
         resuming from it would skip or repeat samples. The writer checks its files itself."""
         unreadable = plan.unreadable
         problem = None
-        if self.position > len(plan.samples):
+        if not self.intact:
+            problem = "it does not match the checksum it was written with (edited since)"
+        elif self.position > len(plan.samples):
             problem = f"position {self.position} is past the {len(plan.samples)} samples"
         elif self.skipped[: len(unreadable)] != unreadable:
             problem = "its skipped files do not start with the scan's unreadable ones"
-        elif self.stats is not None and _stats_count(self.stats) != self.count:
-            problem = f"its statistics do not count its {self.count} samples written"
+        elif self.stats is not None and (why := _stats_problem(self.stats, self.count, plan)):
+            problem = f"its statistics {why}"
         elif self.count + len(self.skipped) - len(unreadable) != self.position:
             problem = (
                 f"{self.count} written + {len(self.skipped) - len(unreadable)} skipped is not its "
@@ -156,12 +169,19 @@ class Checkpoint:
             raise damaged_checkpoint(directory, problem)
 
 
-def _stats_count(stats: dict[str, Any]) -> int:
-    """The samples a checkpoint's statistics count; -1 when they are not statistics."""
+def _stats_problem(stats: dict[str, Any], count: int, plan: Plan) -> str | None:
+    """What is wrong with a checkpoint's statistics of its ``count`` samples written, for
+    ``plan``'s output (its classes and channels), or ``None``."""
     try:
-        return DatasetStats.from_json(stats).samples
-    except (KeyError, TypeError, ValueError):
-        return -1
+        DatasetStats.from_json(stats, len(plan.scan.classes), plan.options.policy.channels, count)
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"are not those of its {count} samples written ({exc})"
+    return None
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    """The sha256 of a checkpoint's contents, as written."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def damaged_checkpoint(directory: Path, problem: str) -> DataError:

@@ -160,32 +160,79 @@ class DatasetStats:
         return data
 
     @classmethod
-    def from_json(cls, data: Any, classes: int | None = None) -> DatasetStats:
+    def from_json(
+        cls,
+        data: Any,
+        classes: int | None = None,
+        channels: int | None = None,
+        samples: int | None = None,
+    ) -> DatasetStats:
         """Parse what :meth:`to_json` wrote; ``ValueError`` (or ``TypeError``, ``KeyError``)
-        for anything else. ``mean`` and ``std`` are derived again from the sums."""
+        for anything else. ``mean`` and ``std`` are derived again from the sums.
+
+        Checked to be statistics of some samples (its counts add up; its pixels fit its sizes;
+        each sum fits 255 per pixel and its square sum; every number at most 2**62 pixels, so
+        nothing overflows a float) and, where given, of the output they are for: ``classes``,
+        ``channels`` and ``samples``. A checkpoint's, a receipt's or a part's statistics are
+        read this way before they are added to an output's, and a manifest's before use."""
         if not isinstance(data, dict):
             raise TypeError("stats is not an object")
-        channels = _int(data["channels"], "stats.channels")
+        width = _int(data["channels"], "stats.channels")
+        if width not in (1, 3) or (channels is not None and width != channels):
+            raise ValueError(
+                f"stats.channels is {width}, the output has {channels or '1 or 3'} channel(s)"
+            )
         per_class = [_int(v, "stats.per_class") for v in data["per_class"]]
         if classes is not None and len(per_class) != classes:
             raise ValueError(f"stats.per_class counts {len(per_class)} classes, not {classes}")
-        found = cls(channels, len(per_class), samples=_int(data["samples"], "stats.samples"))
+        found = cls(width, len(per_class), samples=_int(data["samples"], "stats.samples"))
+        if samples is not None and found.samples != samples:
+            raise ValueError(f"stats count {found.samples} samples, the output has {samples}")
         found.per_class = per_class
         found.unlabelled = _int(data.get("unlabelled", 0), "stats.unlabelled")
         found.heights = _counts(data["height"], "stats.height")
         found.widths = _counts(data["width"], "stats.width")
-        if "sum" in data:
-            found.pixels = _int(data["pixels"], "stats.pixels")
-            found.sums = [_int(v, "stats.sum") for v in data["sum"]]
-            found.squares = [_int(v, "stats.sum_of_squares") for v in data["sum_of_squares"]]
-            if len(found.sums) != channels or len(found.squares) != channels:
-                raise ValueError(f"stats.sum and stats.sum_of_squares need {channels} values")
         if (
             sum(found.heights.values()) != found.samples
+            or sum(found.widths.values()) != found.samples
             or sum(found.per_class) + found.unlabelled != found.samples
         ):
             raise ValueError(f"stats do not count its {found.samples} samples")
+        if "sum" in data:
+            found.pixels = _int(data["pixels"], "stats.pixels")
+            found.sums = [_int(v, "stats.sum", LIMIT * 255) for v in data["sum"]]
+            found.squares = [
+                _int(v, "stats.sum_of_squares", LIMIT * 255 * 255) for v in data["sum_of_squares"]
+            ]
+            if len(found.sums) != width or len(found.squares) != width:
+                raise ValueError(f"stats.sum and stats.sum_of_squares need {width} values")
+            found._check_pixels()
         return found
+
+    def _check_pixels(self) -> None:
+        """The pixel count fits the sizes, and each channel's sums fit the pixel count (values
+        0-255: a sum at most 255 per pixel, a sum of squares at most 255 times the sum and at
+        least its square over the pixels)."""
+        low = sum(h * n for h, n in self.heights.items()) * min(self.widths, default=0)
+        high = sum(h * n for h, n in self.heights.items()) * max(self.widths, default=0)
+        if len(self.heights) == 1 or len(self.widths) == 1:  # one side fixed: exact
+            low = high = (
+                sum(h * n for h, n in self.heights.items())
+                * sum(w * n for w, n in self.widths.items())
+                // max(1, self.samples)
+            )
+        if not low <= self.pixels <= min(high, LIMIT):
+            raise ValueError(
+                f"stats.pixels is {self.pixels}, which the sizes it counts cannot give "
+                f"({low} to {high})"
+            )
+        assert self.sums is not None and self.squares is not None
+        for s, q in zip(self.sums, self.squares, strict=True):
+            if s > 255 * self.pixels or q > 255 * s or s * s > q * max(1, self.pixels):
+                raise ValueError(
+                    f"stats.sum {s} and stats.sum_of_squares {q} are not sums of "
+                    f"{self.pixels} pixel values of 0-255"
+                )
 
     def summary_lines(self) -> list[str]:
         """What ``imgpack info`` prints of them."""
@@ -232,9 +279,16 @@ def _counts(data: Any, name: str) -> Counter[int]:
     return found
 
 
-def _int(value: Any, name: str) -> int:
+#: The most any count of the statistics may be (as the manifest's integers): larger numbers
+#: are refused by name, not an OverflowError where a mean is taken.
+LIMIT = 1 << 62
+
+
+def _int(value: Any, name: str, limit: int = LIMIT) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} holds {value!r}, expected a count")
+    if value > limit:
+        raise ValueError(f"{name} holds a number of {len(str(value))} digits, past {limit}")
     return value
 
 

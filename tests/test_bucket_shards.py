@@ -22,6 +22,7 @@ import imgpack.direct as direct
 import imgpack.storage as storage
 from imgpack import convert, open_dataset, verify
 from imgpack.cli import main
+from imgpack.direct import receipt_check
 from imgpack.errors import ImageError
 from imgpack.executors import WORKER_DIED
 from imgpack.readers import collate
@@ -394,6 +395,19 @@ def _tamper(fs: object, root: str, receipt: str, how: str) -> None:
         data["file"]["path"] = "shard-00099.pt"
     elif how == "etags":
         del data["etags"]
+    elif how == "sha256":  # zeroed (the receipt's check then disagrees)
+        data["file"]["sha256"] = "0" * 64
+    elif how == "stats-class":  # statistics of another shape, made to match its check
+        data["stats"]["per_class"].append(0)
+        data["check"] = receipt_check(data)
+    elif how == "stats-channels":
+        data["stats"]["channels"] = 1
+        data["check"] = receipt_check(data)
+    elif how == "edited":  # a consistent edit of the sums, its check not made again
+        data["stats"]["sum"][0] += 1
+    elif how == "other-run":  # another conversion's receipt: its output id is not this one's
+        data["output_id"] = "f" * len(data["output_id"])
+        data["check"] = receipt_check(data)
     if how in ("swapped", "same-size"):
         blob = bytearray(fs.cat_file(shard))  # type: ignore[attr-defined]
         if how == "swapped":
@@ -408,8 +422,12 @@ def _tamper(fs: object, root: str, receipt: str, how: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", ["count", "range", "number", "path", "etags", "swapped", "same-size", "garbage"]
-)
+    "how",
+    [
+        "count", "range", "number", "path", "etags", "swapped", "same-size", "garbage",
+        "sha256", "stats-class", "stats-channels", "edited", "other-run",
+    ],
+)  # fmt: skip
 def test_a_tampered_receipt_or_shard_is_refused_at_the_commit(
     s3: str, src_url: str, how: str
 ) -> None:

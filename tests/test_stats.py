@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from imgpack import convert, merge, open_dataset
 from imgpack.cli import main
-from imgpack.errors import OptionError
+from imgpack.errors import ManifestError, OptionError
 from imgpack.images import pixel_sums
 from imgpack.loading import DeviceLoader
 from imgpack.sample import make_sample_folder
@@ -164,3 +164,35 @@ def test_pixel_sums_and_the_combination_are_exact() -> None:
     assert tally.squares == (everything**2).sum(0).tolist()
     again = DatasetStats.from_json(json.loads(json.dumps(tally.to_json())))
     assert again == tally
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda s, m: s.update(samples=s["samples"] - 1), "samples"),
+        (lambda s, m: s["width"]["counts"][0].__setitem__(1, s["width"]["counts"][0][1] + 1),
+         "do not count"),
+        (lambda s, m: s.update(pixels=s["pixels"] * 2), "stats.pixels"),
+        (lambda s, m: s.update(channels=1, sum=s["sum"][:1], sum_of_squares=s["sum_of_squares"][:1]),
+         "stats.channels is 1, the output has 3"),
+        (lambda s, m: s.update(sum=[10**400] * 3), "digits"),
+        (lambda s, m: s.update(sum=[s["pixels"] * 256] * 3), "not sums of"),
+        (lambda s, m: m.update(num_samples=m["num_samples"] + 0) or s["height"]["counts"].append([99, 0]),
+         "other than the output's 16x16"),
+    ],
+)  # fmt: skip
+def test_a_manifest_whose_stats_contradict_it_is_refused_by_name(
+    src: Path, tmp_path: Path, edit: object, words: str
+) -> None:
+    """Checked against the manifest before anything uses them: info and ds.stats name the
+    field in one line (no OverflowError traceback for a sum of 10**400)."""
+    out = tmp_path / "o"
+    convert(src, out, "pt", encoding="raw", size=16, progress=False)
+    manifest = json.loads((out / "imgpack.json").read_text())
+    edit(manifest["stats"], manifest)  # type: ignore[operator]
+    (out / "imgpack.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["info", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "malformed manifest" in result.output and words in result.output, result.output
+    with pytest.raises(ManifestError, match="malformed manifest"):
+        open_dataset(out)

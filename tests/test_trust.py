@@ -284,6 +284,13 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_uniform_folder(tmp_path_factory.mktemp("big") / "src", count=120, classes=3)
 
 
+def _rechecked(case: dict[str, object]) -> dict[str, object]:
+    from imgpack.pipeline import _checksum
+
+    body = {key: value for key, value in case.items() if key != "check"}
+    return {**body, "check": _checksum(body)}
+
+
 @pytest.mark.parametrize("fmt", ["tfrecord", "pt"])
 def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -> None:
     """Each edit of a killed run's checkpoint is refused in one line (or, unparseable, not
@@ -308,7 +315,15 @@ def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -
         {**state, "writer": {"shards": [[first[0], first[1], first[2], "0" * 64, first[4]]]}},
         {**state, "position": "7"},
         {**state, "stats": {**state["stats"], "samples": state["count"] + 1}},  # not its count
-    ]
+        # statistics of another shape (an extra class, one channel on an RGB output), sums no
+        # pixels of 0-255 can give, each with the checksum made again: the shape is checked
+        _rechecked({**state, "stats": {**state["stats"],
+                                       "per_class": [*state["stats"]["per_class"], 0]}}),
+        _rechecked({**state, "stats": {**state["stats"], "channels": 1}}),
+        _rechecked({**state, "stats": {**state["stats"], "sum": [10**400] * 3}}),
+        # a consistent edit of the sums, the checksum not made again
+        {**state, "stats": {**state["stats"], "sum": [v + 1 for v in state["stats"]["sum"]]}},
+    ]  # fmt: skip
     args = ["convert", str(big), str(dst), "-q", "--format", fmt, "--shard-size", "3000"]
     for case in cases:
         shutil.rmtree(tmp_dir, ignore_errors=True)

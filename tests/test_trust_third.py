@@ -198,3 +198,26 @@ def test_a_shard_size_below_an_image_is_said_in_one_line(folder: Path, tmp_path:
     assert done.returncode == 0, done.stderr
     warned = [line for line in done.stderr.splitlines() if "--shard-size 10 B" in line]
     assert len(warned) == 1 and "a shard of its own" in warned[0]
+
+
+def test_two_paths_to_one_file_in_a_label_list_are_refused_by_line(tmp_path: Path) -> None:
+    src = build_uniform_folder(tmp_path / "f", count=2, size=8)
+    images = sorted(src.rglob("*.png"))
+    img = tmp_path / "img"
+    img.mkdir()
+    for i, image in enumerate(images):
+        image.rename(img / f"{i}.png")
+    listing = tmp_path / "labels.csv"
+    listing.write_text("path,label\nimg/0.png,a\n./img/0.png,a\nimg/1.png,b\nimg/../img/1.png,b\n")
+    out = tmp_path / "o"
+    refused = CliRunner().invoke(main, ["convert", str(listing), str(out), "--format", "pt"])
+    assert refused.exit_code == 1 and "line 3" in refused.output
+    assert "./img/0.png is the file img/0.png names, listed on line 2" in refused.output
+    done = CliRunner().invoke(main, ["convert", str(listing), str(out), "--format", "pt",
+                                     "--on-error", "skip"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    from imgpack.readers import open_dataset
+
+    assert len(open_dataset(out)) == 2
+    skipped = json.loads((out / "imgpack.json").read_text())["skipped"]
+    assert len(skipped) == 2 and "img/../img/1.png is the file img/1.png names" in str(skipped)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,13 +106,14 @@ class LabelListSource(Source):
         label_key = self.settings["label_column"]
         rows: list[tuple[int, str, Any]] = []
         unreadable: list[dict[str, str]] = []
-        seen: dict[str, int] = {}
+        seen: dict[Any, tuple[int, str]] = {}
         for line, record, problem in self._records():
             path = record.get(path_key) if record is not None else None
+            identity: Any = None
             if record is not None and problem is None:
-                problem = self._problem(record, path_key, label_key, seen)
+                problem, identity = self._problem(record, path_key, label_key, seen)
             if problem is None and isinstance(path, str):
-                seen[path] = line
+                seen[identity] = (line, path)
                 rows.append((line, path, record[label_key] if record else None))
                 continue
             named = path if isinstance(path, str) else None
@@ -119,23 +121,39 @@ class LabelListSource(Source):
         return rows, unreadable
 
     def _problem(
-        self, record: dict[str, Any], path_key: str, label_key: str, seen: dict[str, int]
-    ) -> str | None:
-        """What is wrong with one row, or ``None``."""
+        self,
+        record: dict[str, Any],
+        path_key: str,
+        label_key: str,
+        seen: dict[Any, tuple[int, str]],
+    ) -> tuple[str | None, Any]:
+        """What is wrong with one row (or ``None``), and the file it names: two paths to one
+        file (``./img/0.png`` and ``img/0.png``, ``img/../img/1.png``, a link) are one file,
+        so the second is refused by its line, never a second sample."""
         path, value = record.get(path_key), record.get(label_key)
         if not isinstance(path, str) or not path.strip():
-            return f"no {path_key!r} value"
+            return f"no {path_key!r} value", None
         if value is None or value == "":
-            return f"no {label_key!r} value"
+            return f"no {label_key!r} value", None
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            return f"label {value!r} is neither a class name nor an integer"
+            return f"label {value!r} is neither a class name nor an integer", None
         if isinstance(value, int) and value < 0:
-            return f"label {value} is negative"
-        if path in seen:
-            return f"{path} is listed already, on line {seen[path]}"
-        if not is_url(path) and not os.path.isfile(self._full(path)):
-            return f"{path}: no such file"
-        return None
+            return f"label {value} is negative", None
+        identity: Any = path
+        if not is_url(path):
+            try:
+                st = os.stat(self._full(path))
+            except (OSError, ValueError):
+                return f"{path}: no such file", None
+            if not stat.S_ISREG(st.st_mode):
+                return f"{path}: no such file", None
+            identity = (st.st_dev, st.st_ino)
+        if identity in seen:
+            line, other = seen[identity]
+            if other == path:
+                return f"{path} is listed already, on line {line}", None
+            return f"{path} is the file {other} names, listed on line {line}", None
+        return None, identity
 
     def _records(self) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
         """``(line, row, problem)`` for every row of the list."""
