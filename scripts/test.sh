@@ -29,8 +29,9 @@ echo "== mypy imgpack" >&2
 mypy imgpack
 # Two pytest processes (pytest-xdist), each test module in one of them: the docs pages (one
 # module, about 6 minutes) run beside the rest. -n 0 runs everything in one process.
-echo "== pytest: about 12 minutes on 2 CPUs in 2 processes (the docs pages, Ray and the" \
-    "killed-process tests take most of it); -x stops at the first failure, -k NAME runs some" >&2
+echo "== pytest: 10 minutes on 2 CPUs at load 2, up to 30 at load 6-9, in 2 processes (the" \
+    "docs pages, Ray and the killed-process tests take most of it); -x stops at the first" \
+    "failure, -k NAME runs some" >&2
 # As root (CI), the suite runs in a network namespace of its own with only loopback: the S3
 # server, the Ray clusters and everything else the tests start can reach no other address.
 pytest=(python -m pytest -q -n 2 --dist loadfile "$@")
