@@ -36,7 +36,7 @@ from typing import Any
 
 from imgpack import storage
 from imgpack.errors import StorageError
-from imgpack.manifest import MANIFEST_NAME
+from imgpack.manifest import MANIFEST_NAME, Manifest
 from imgpack.storage import (
     OutputCache,
     Remote,
@@ -75,6 +75,7 @@ class LazyOutput:
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         limit: int | str | None = None,
+        remote: tuple[Manifest, bytes] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.storage_options = storage_options
@@ -83,7 +84,8 @@ class LazyOutput:
         self.limit = parse_byte_size(limit, "cache_limit") if limit is not None else default_limit()
         self._fs: Any = None
         self._fs_pid: int | None = None
-        self.manifest, data = read_remote_manifest(self.url, storage_options)
+        # The manifest and its bytes: read here, or given by the opener that read them.
+        self.manifest, data = remote or read_remote_manifest(self.url, storage_options)
         self.root = cache.entry(self.url, self.manifest, data)
         fs, self._base = filesystem(self.url, storage_options)
         listed = _remote_files(fs, self._base, self.url, self.manifest)

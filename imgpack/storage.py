@@ -220,10 +220,16 @@ class OutputCache:
         version = manifest.output_id or hashlib.sha256(data).hexdigest()[:16]
         return self.directory / "outputs" / f"{name}-{version}"
 
-    def fetch(self, url: str, storage_options: dict[str, Any] | None = None) -> Path:
+    def fetch(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        remote: tuple[Manifest, bytes] | None = None,
+    ) -> Path:
         """The local copy of the output at ``url``: fetched (what is missing, damaged or
-        changed in the store), checked, and pinned for this process's lifetime."""
-        manifest, data = read_remote_manifest(url, storage_options)
+        changed in the store), checked, and pinned for this process's lifetime. ``remote``:
+        its manifest and bytes, when the caller read them already (one GET per open)."""
+        manifest, data = remote or read_remote_manifest(url, storage_options)
         local = self.entry(url, manifest, data)
         fs, root = filesystem(url, storage_options)
         entries = _remote_files(fs, root, url, manifest)
@@ -521,9 +527,11 @@ def fetch_output(
     url: str,
     storage_options: dict[str, Any] | None = None,
     cache_dir: Location | None = None,
+    remote: tuple[Manifest, bytes] | None = None,
 ) -> Path:
-    """The local, checked copy of the output at ``url`` (see :class:`OutputCache`)."""
-    return OutputCache(cache_dir).fetch(url, storage_options)
+    """The local, checked copy of the output at ``url`` (see :class:`OutputCache`);
+    ``remote``: its manifest and bytes, when read already."""
+    return OutputCache(cache_dir).fetch(url, storage_options, remote)
 
 
 # -- sources and destinations ------------------------------------------------------------------

@@ -51,7 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     # I/O below the formats: object storage, the cache and lazy shards, and what the engine
     # knows of Hugging Face datasets (reading them as SRC; writing them is exporting's).
-    ("storage", ("imgpack.storage", "imgpack.lazy", "imgpack.hf")),
+    ("storage", ("imgpack.storage", "imgpack.lazy", "imgpack.opening", "imgpack.hf")),
     # The format registry (its specs name readers and writers, whose types it uses), and each
     # format's codec, writer and reader.
     ("formats", ("imgpack.formats", "imgpack.formats.*", "imgpack.converters")),

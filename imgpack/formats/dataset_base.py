@@ -49,10 +49,13 @@ from imgpack.errors import (
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LIMIT_VARIABLE, LazyOutput, Prefetcher, default_limit, unpin
-from imgpack.manifest import Manifest, file_problem, read_manifest
+from imgpack.manifest import Manifest
+from imgpack.opening import MAX_IMAGE_BYTES as MAX_IMAGE_BYTES  # re-exported
+from imgpack.opening import LocalFiles, Opened, open_output
+from imgpack.opening import check_files as check_files  # re-exported for the readers
 from imgpack.scan import UNLABELLED
 from imgpack.stats import DatasetStats
-from imgpack.storage import fetch_output, is_url, local_path, read_remote_manifest
+from imgpack.storage import fetch_output, local_path, read_remote_manifest
 from imgpack.units import format_bytes, parse_byte_size, parse_image_size, whole_number
 
 Images = torch.Tensor | list[torch.Tensor]
@@ -284,11 +287,13 @@ class ReadOptions:
         if self.verify not in (None, True, False):
             raise OptionError(f"invalid verify {self.verify!r}: expected None, True or False")
 
-    def fetched(self, url: str, manifest: Manifest | None = None) -> Path:
+    def fetched(self, url: str, remote: Manifest | tuple[Manifest, bytes] | None = None) -> Path:
         """The checked local copy of the output at ``url``, fetched whole (``lmdb``, ``hdf5``:
         one file each; readers that fetch shards as they read them use :meth:`lazy_output`).
         A ``cache_limit`` (or ``IMGPACK_CACHE_LIMIT``) below the output's bytes is refused in
-        one line before anything is fetched: the whole output would sit in the cache."""
+        one line before anything is fetched: the whole output would sit in the cache.
+        ``remote``: its manifest (and bytes), when read already."""
+        manifest = remote[0] if isinstance(remote, tuple) else remote
         limit = (
             parse_byte_size(self.cache_limit, "cache_limit")
             if self.cache_limit is not None
@@ -305,7 +310,8 @@ class ReadOptions:
                     f"{LIMIT_VARIABLE}) to at least that, or convert it to a sharded format "
                     "(pt, tfrecord, webdataset), whose shards are fetched as they are read"
                 )
-        return fetch_output(url, self.storage_options, self.cache_dir)
+        whole = remote if isinstance(remote, tuple) else None
+        return fetch_output(url, self.storage_options, self.cache_dir, whole)
 
     def lazy_output(self, url: str) -> LazyOutput:
         """The output at ``url``, its files to be fetched into the cache as they are read
@@ -406,7 +412,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Opened,
         transform: Callable[[torch.Tensor], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
         manifest: Manifest | None = None,
@@ -436,25 +442,23 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         transform, target_transform = self.options.transform, self.options.target_transform
         verify, size, resize = self.options.verify, self.options.size, self.options.resize
         decode_threads = self.options.decode_threads
-        self._lazy: LazyOutput | None = None
         self._pins: tuple[int, OrderedDict[str, int | None]] = (os.getpid(), OrderedDict())
         self._prefetcher: tuple[int, Prefetcher] | None = None
         self._batch_depth = 0  # batches being gathered now (their files stay pinned)
-        if is_url(root) and self.lazy_files:  # its data files fetched as they are used
-            self._lazy = self.options.lazy_output(str(root))
-            root = self._lazy.root
-        elif is_url(root):  # an output in a bucket: read from its checked local copy
-            root = self.options.fetched(str(root))
-        self.root = local_path(root)
-        # A reader of files imgpack did not write passes a manifest it built itself.
-        self.manifest: Manifest = manifest if manifest is not None else read_manifest(self.root)
+        if manifest is not None:  # files imgpack did not write: their manifest built by a scan
+            where = local_path(root if not isinstance(root, Opened) else root.root)
+            root = Opened(where, manifest, LocalFiles(where), str(where))
+        #: The output this reader reads, as :func:`~imgpack.opening.open_output` opened it (a
+        #: location given here is opened by that route: its manifest read once).
+        self.opened: Opened = open_output(root, self.options, lazy=self.lazy_files)
+        self._lazy: LazyOutput | None = self.opened.lazy
+        self.root = self.opened.root
+        self.manifest: Manifest = self.opened.manifest
         if self.manifest.format != self.format:
             raise ManifestError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "
                 f"(open it with imgpack.open_dataset)"
             )
-        if manifest is None:  # a lazy output's files are checked as they are fetched
-            check_files(self.root, self.manifest, present=self._lazy is None)
         self.verify: bool = self._verify_by_default() if verify is None else bool(verify)
         #: Raw records checked once each (``verify=None`` on a raw output): which ones were,
         #: in memory shared with forked workers (made again in a spawned one).
@@ -1290,52 +1294,6 @@ class Record:
 #: Files a reader of a lazily read output keeps pinned per process (the cache cannot evict
 #: them): the ones it used last. ShardSampler's default window reads 8 shards at a time.
 PINNED_FILES = 10
-
-
-def check_files(root: Path, manifest: Manifest, present: bool = True) -> None:
-    """Check the files an output's manifest lists before any is opened or mapped: regular files
-    (never a FIFO or a device) of exactly the recorded size, and per-file sample counts adding up
-    to ``num_samples``. (Reading the manifest already refused names that are not plain names
-    inside the output.) ``present=False``: the files are not there yet (a lazily read output,
-    whose files are checked against their size and sha256 as they are fetched): counts only."""
-    total = 0
-    image_bytes = _raw_image_bytes(manifest)
-    for entry in manifest.files:
-        problem = file_problem(root, entry) if present else None
-        if problem is not None:
-            raise DataError(
-                f"{root / entry.path}: {problem} (the output is damaged or incomplete; "
-                "imgpack verify tells more)"
-            )
-        # Every sample takes at least a byte of its file, a raw one its pixels: counts and shapes
-        # the files cannot hold are refused before any reader sizes an array by them.
-        if entry.num_samples > entry.bytes or entry.num_samples * image_bytes > entry.bytes:
-            raise ManifestError(
-                f"{root / entry.path}: {entry.bytes} bytes cannot hold {entry.num_samples} "
-                f"samples{' of ' + str(image_bytes) + ' bytes each' if image_bytes else ''} "
-                "(the manifest is damaged)"
-            )
-        total += entry.num_samples
-    if total != manifest.num_samples:
-        raise ManifestError(
-            f"{root}: the files hold {total} samples, the manifest says {manifest.num_samples}"
-        )
-
-
-#: The largest raw image a reader accepts (1 GiB: an 18,000 x 18,000 RGB image).
-MAX_IMAGE_BYTES = 1 << 30
-
-
-def _raw_image_bytes(manifest: Manifest) -> int:
-    """Bytes of one raw image the files must hold for each sample (0: encoded, or compressed)."""
-    image = manifest.image
-    if manifest.encoding != "raw" or not image.get("height") or not image.get("width"):
-        return 0
-    size = int(image["height"]) * int(image["width"]) * int(image.get("channels", 3))
-    if size > MAX_IMAGE_BYTES:
-        raise ManifestError(f"a raw image of {size} bytes is more than imgpack reads (1 GiB)")
-    compressed = manifest.options.get("compression", "none") not in ("none", None)
-    return 0 if compressed else size
 
 
 def check_file_order(root: Path, manifest: Manifest, name: Callable[[int, int], str]) -> None:

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from imgpack import formats
-from imgpack.errors import ManifestError
+from imgpack.errors import ManifestError, NotAnOutput
 from imgpack.formats.dataset_base import Batch, ImageDataset, ReadOptions, collate
-from imgpack.manifest import MANIFEST_NAME, read_manifest
-from imgpack.publishing import recover
-from imgpack.storage import is_url, local_path, read_remote_manifest
+from imgpack.opening import open_output
+from imgpack.storage import is_url
 
 #: Readers that are not a format's default reader.
 _OTHERS = {
@@ -49,7 +48,9 @@ def open_dataset(
     :class:`~imgpack.formats.dataset_base.ReadOptions`) gives the common ones, every format the
     same. An output whose replacement
     (``convert --overwrite``) was killed midway is put back first
-    (:func:`imgpack.publishing.recover`).
+    (:func:`imgpack.publishing.recover`). The output is opened once
+    (:func:`imgpack.opening.open_output`: one manifest read, one GET for a bucket) and its
+    reader built from what was opened.
     """
     if options is not None:
         storage_options = storage_options or options.storage_options
@@ -57,33 +58,23 @@ def open_dataset(
         if (storage_options, cache_dir) != (options.storage_options, options.cache_dir):
             options = replace(options, storage_options=storage_options, cache_dir=cache_dir)
         kwargs["options"] = options
-    if is_url(path):
-        remote = read_remote_manifest(str(path), storage_options)[0]
-        reader = formats.reader_for(remote.format, str(path))
-        if reader.lazy_files:  # it fetches each data file when it first reads it
-            if options is None:
-                kwargs.update(storage_options=storage_options, cache_dir=cache_dir)
-            return reader(str(path), **kwargs)
-        whole = options or ReadOptions(
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit=kwargs.pop("cache_limit", None),
-        )
-        path = whole.fetched(str(path), remote)  # checked against the cache limit first
-    path = local_path(path)
-    recover(Path(path))
-    try:
-        manifest = read_manifest(path)
-    except ManifestError:
+    opening = options or ReadOptions(
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_limit=kwargs.get("cache_limit"),
+    )
+    try:  # the one route: the manifest read once, the files checked (or fetched) once
+        opened = open_output(path, opening, lazy=lambda m: reader_class(m.format).lazy_files)
+    except NotAnOutput:
         folder = Path(path)
-        if not (folder / MANIFEST_NAME).exists() and _holds_tfrecords(folder):
+        if not is_url(path) and _holds_tfrecords(folder):
             raise ManifestError(
                 f"{folder}: holds TFRecord files but no imgpack.json (not an imgpack output): "
                 f"read them with imgpack.readers.TFRecordDataset({str(folder)!r}) or "
                 "TFRecordStream, or convert them with imgpack convert"
             ) from None
         raise
-    return formats.reader_for(manifest.format, str(path))(path, **kwargs)
+    return formats.reader_for(opened.manifest.format, str(path))(opened, **kwargs)
 
 
 def _holds_tfrecords(folder: Path) -> bool:

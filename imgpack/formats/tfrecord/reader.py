@@ -29,7 +29,6 @@ from imgpack.formats.dataset_base import (
     Record,
     byte_rows,
     check_file_order,
-    check_files,
     check_output_id,
     label_tensor,
     new_batch_tensor,
@@ -40,7 +39,8 @@ from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.writer import example_features
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LazyOutput
-from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
+from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest
+from imgpack.opening import LocalFiles, Opened, open_output
 from imgpack.scan import MAX_CLASSES, valid_label
 from imgpack.storage import filesystem, is_url, read_remote_manifest
 
@@ -77,7 +77,7 @@ class Records:
 
     def __init__(
         self,
-        source: Source,
+        source: Source | Opened,
         check_crc: bool = True,
         label_offset: int | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -93,18 +93,24 @@ class Records:
         self._storage_options = storage_options
         self._fs: Any = None
         self._fs_pid: int | None = None
+        #: The output as opened (:func:`~imgpack.opening.open_output`); for foreign files, an
+        #: :class:`~imgpack.opening.Opened` made from their scan; ``None`` for a stream.
+        self.opened: Opened | None = None
         if isinstance(source, str) and is_url(source):
             self._remote(source.rstrip("/"), label_offset, storage_options)
             return
-        paths = _resolve(source)
+        self.opened = source if isinstance(source, Opened) else None
+        paths = [] if self.opened is not None else _resolve(source)  # type: ignore[arg-type]
         if len(paths) == 1 and paths[0].is_dir() and (paths[0] / MANIFEST_NAME).is_file():
-            self.root = paths[0]
-            self.manifest = read_manifest(self.root)
+            self.opened = open_output(paths[0])  # an imgpack output: its manifest read once
+        if self.opened is not None:
+            self.lazy = lazy = self.opened.lazy
+            self.root = self.opened.root
+            self.manifest = self.opened.manifest
             if self.manifest.format != "tfrecord":
                 raise ManifestError(
                     f"{self.root}: holds format {self.manifest.format!r}, not 'tfrecord'"
                 )
-            check_files(self.root, self.manifest, present=lazy is None)
             prefix = str(self.manifest.options.get("prefix", "data"))
             check_file_order(
                 self.root, self.manifest, lambda k, n: framing.shard_file_name(prefix, k, n)
@@ -133,6 +139,7 @@ class Records:
             self.shards = [self._shard(p) for p in _record_files(paths)]
             self.root = self.shards[0].path.parent
             self.manifest, self._labels, self._paths = self._scan_foreign()
+            self.opened = Opened(self.root, self.manifest, LocalFiles(self.root), str(self.root))
         self.channels = int(self.manifest.image.get("channels", 3))
         self.policy = ImagePolicy()
 
@@ -650,7 +657,7 @@ class TFRecordDataset(PreadDataset):
 
     def __init__(
         self,
-        source: Source,
+        source: Source | Opened,
         transform: Callable[[torch.Tensor], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
         check_crc: bool = True,
@@ -679,13 +686,11 @@ class TFRecordDataset(PreadDataset):
             prefetch=prefetch,
         )
         verify, decode_threads = options.verify, options.decode_threads
-        lazy = None
-        if isinstance(source, str) and is_url(source):  # shards fetched as they are read
-            lazy = options.lazy_output(source)
-            source = lazy.root
-        records = Records(source, check_crc if verify is None else verify, label_offset, lazy=lazy)
-        super().__init__(records.root, manifest=records.manifest, options=options)
-        self._lazy = lazy
+        if isinstance(source, (str, os.PathLike)) and is_url(source):  # shards fetched as read
+            source = open_output(source, options, lazy=True)
+        records = Records(source, check_crc if verify is None else verify, label_offset)
+        assert records.opened is not None  # not a stream
+        super().__init__(records.opened, options=options)
         self.records = records
         self.decoder = records.decoder(self.size_policy, decode_threads)
         compressed = [s for s in records.shards if s.compressed]

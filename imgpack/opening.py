@@ -1,0 +1,174 @@
+"""Opening an output: the one route from a location to what a reader reads.
+
+:func:`open_output` turns a location (a local folder or a URL) into an :class:`Opened`: the
+folder its files are read from, its manifest (read once: one GET for a bucket), and its
+:class:`OutputFiles`. A reader is built from that (``reader(opened, options)``) and never
+resolves a location itself:
+
+- a local output is put back first when a replacement of it was killed midway
+  (:func:`imgpack.publishing.recover`), and its files are checked before any is mapped
+  (:func:`check_files`): :class:`LocalFiles`;
+- an output in a bucket is fetched whole into the checked local cache (:class:`CachedFiles`),
+  or, for a reader that fetches each data file when it first reads it, opened lazily over a
+  cache entry (:class:`LazyFiles`, :mod:`imgpack.lazy`), whose files are checked as they
+  arrive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from imgpack.errors import DataError, ManifestError
+from imgpack.manifest import Manifest, file_problem, read_manifest
+from imgpack.publishing import recover
+from imgpack.storage import fetch_output, is_url, local_path, read_remote_manifest
+
+if TYPE_CHECKING:
+    from imgpack.lazy import LazyOutput
+
+#: The largest raw image a reader accepts (1 GiB: an 18,000 x 18,000 RGB image).
+MAX_IMAGE_BYTES = 1 << 30
+
+
+class OutputFiles:
+    """Where a reader finds the files of an opened output: :meth:`path` of a file by its name
+    in the manifest."""
+
+    #: The output read lazily from a bucket (its data files fetched when first used), else
+    #: ``None``: every file is at :meth:`path` already.
+    lazy: LazyOutput | None = None
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, name: str) -> Path:
+        """The local path of the output's file ``name``."""
+        return self.root / name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.root)!r})"
+
+
+class LocalFiles(OutputFiles):
+    """A local output's files, checked when it was opened."""
+
+
+class CachedFiles(OutputFiles):
+    """An output in a bucket, fetched whole into the checked local cache
+    (:class:`imgpack.storage.OutputCache`): ``lmdb`` and ``hdf5``, one file each."""
+
+
+class LazyFiles(OutputFiles):
+    """An output in a bucket whose data files are fetched into the cache when a reader first
+    uses them (:class:`imgpack.lazy.LazyOutput`): its manifest and index files are there."""
+
+    def __init__(self, lazy: LazyOutput) -> None:
+        super().__init__(lazy.root)
+        self.lazy = lazy
+
+
+@dataclass(frozen=True)
+class Opened:
+    """An output, opened: the local folder its files are read from, its manifest, and its
+    files; ``location`` is what was given (a URL names the output in messages)."""
+
+    root: Path
+    manifest: Manifest
+    files: OutputFiles
+    location: str
+
+    @property
+    def lazy(self) -> LazyOutput | None:
+        return self.files.lazy
+
+
+def open_output(
+    location: str | os.PathLike[str] | Opened,
+    options: Any = None,
+    lazy: bool | Callable[[Manifest], bool] = False,
+) -> Opened:
+    """Open the output at ``location`` (an :class:`Opened` is returned as it is): its manifest
+    read once, its files checked (a lazily read output's as they are fetched).
+
+    ``options``: a :class:`~imgpack.formats.dataset_base.ReadOptions` (its storage options,
+    cache folder and limit); ``lazy``: whether a bucket's output is read lazily (its reader
+    fetches each data file when it first reads it) rather than fetched whole, or a function of
+    its manifest that says so (the reader its format names).
+    """
+    if isinstance(location, Opened):
+        return location
+    storage_options = getattr(options, "storage_options", None)
+    if is_url(location):
+        url = str(location).rstrip("/")
+        remote = read_remote_manifest(url, storage_options)  # the one GET of the manifest
+        if lazy(remote[0]) if callable(lazy) else lazy:
+            from imgpack.lazy import LazyOutput
+
+            files: OutputFiles = LazyFiles(
+                LazyOutput(
+                    url,
+                    storage_options,
+                    getattr(options, "cache_dir", None),
+                    getattr(options, "cache_limit", None),
+                    remote=remote,
+                )
+            )
+            check_files(files.root, remote[0], present=False)
+            return Opened(files.root, remote[0], files, url)
+        if options is not None:
+            root = options.fetched(url, remote)  # the cache limit checked first
+        else:
+            root = fetch_output(url, storage_options, None, remote=remote)
+        check_files(root, remote[0])
+        return Opened(root, remote[0], CachedFiles(root), url)
+    root = local_path(location)
+    recover(root)  # a replacement killed midway: the previous output put back first
+    manifest = read_manifest(root)
+    check_files(root, manifest)
+    return Opened(root, manifest, LocalFiles(root), str(location))
+
+
+def check_files(root: Path, manifest: Manifest, present: bool = True) -> None:
+    """Check the files an output's manifest lists before any is opened or mapped: regular files
+    (never a FIFO or a device) of exactly the recorded size, and per-file sample counts adding up
+    to ``num_samples``. (Reading the manifest already refused names that are not plain names
+    inside the output.) ``present=False``: the files are not there yet (a lazily read output,
+    whose files are checked against their size and sha256 as they are fetched): counts only."""
+    total = 0
+    image_bytes = _raw_image_bytes(manifest)
+    for entry in manifest.files:
+        problem = file_problem(root, entry) if present else None
+        if problem is not None:
+            raise DataError(
+                f"{root / entry.path}: {problem} (the output is damaged or incomplete; "
+                "imgpack verify tells more)"
+            )
+        # Every sample takes at least a byte of its file, a raw one its pixels: counts and shapes
+        # the files cannot hold are refused before any reader sizes an array by them.
+        if entry.num_samples > entry.bytes or entry.num_samples * image_bytes > entry.bytes:
+            raise ManifestError(
+                f"{root / entry.path}: {entry.bytes} bytes cannot hold {entry.num_samples} "
+                f"samples{' of ' + str(image_bytes) + ' bytes each' if image_bytes else ''} "
+                "(the manifest is damaged)"
+            )
+        total += entry.num_samples
+    if total != manifest.num_samples:
+        raise ManifestError(
+            f"{root}: the files hold {total} samples, the manifest says {manifest.num_samples}"
+        )
+
+
+def _raw_image_bytes(manifest: Manifest) -> int:
+    """Bytes of one raw image the files must hold for each sample (0: encoded, or compressed)."""
+    image = manifest.image
+    if manifest.encoding != "raw" or not image.get("height") or not image.get("width"):
+        return 0
+    size = int(image["height"]) * int(image["width"]) * int(image.get("channels", 3))
+    if size > MAX_IMAGE_BYTES:
+        raise ManifestError(f"a raw image of {size} bytes is more than imgpack reads (1 GiB)")
+    compressed = manifest.options.get("compression", "none") not in ("none", None)
+    return 0 if compressed else size

@@ -1,0 +1,71 @@
+"""The read seam (#56), step 1: one route opens an output (:func:`imgpack.opening.open_output`),
+and every reader is built from what it opened: the manifest is read once per open, local or
+from a bucket (moto's S3 server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import build_uniform_folder
+
+from imgpack import convert, open_dataset
+from imgpack.converters import FORMATS
+from imgpack.manifest import Manifest
+from imgpack.opening import CachedFiles, LazyFiles, LocalFiles, Opened, open_output
+from imgpack.readers import ReadOptions, reader_class
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_uniform_folder(tmp_path_factory.mktemp("route") / "src", count=12, size=8)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every manifest parsed from now on, by where it was read."""
+    read: list[str] = []
+    real = Manifest.from_json.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Manifest], data: Any, where: str = "") -> Manifest:
+        read.append(where)
+        return real(cls, data, where)
+
+    monkeypatch.setattr(Manifest, "from_json", classmethod(counted))
+    return read
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_local_open_reads_the_manifest_once(
+    src: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    convert(src, out, fmt, progress=False)
+    read = _counting(monkeypatch)
+    ds = open_dataset(out)
+    assert len(read) == 1, read
+    assert isinstance(ds.opened, Opened) and isinstance(ds.opened.files, LocalFiles)
+    assert ds.opened.manifest is ds.manifest and ds.root == out
+    # a reader built from what the route opened reads nothing again
+    opened = open_output(out)
+    del read[:]
+    again = reader_class(fmt)(opened, options=ReadOptions(size=4))
+    assert read == [] and again[0][0].shape[1:] == (4, 4)
+    # the path-taking convenience goes through the route too
+    del read[:]
+    assert len(reader_class(fmt)(out)) == len(ds) and len(read) == 1
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_bucket_open_reads_the_manifest_once(
+    s3: str, src: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{s3}/route-{fmt}"
+    convert(src, url, fmt, progress=False)
+    read = _counting(monkeypatch)
+    ds = open_dataset(url, cache_dir=tmp_path / "cache")
+    assert len(read) == 1, read
+    lazy = reader_class(fmt).lazy_files
+    assert isinstance(ds.opened.files, LazyFiles if lazy else CachedFiles)
+    assert ds.opened.location == url and len(ds) == 12
+    assert ds[11][1] == open_dataset(url, cache_dir=tmp_path / "cache")[11][1]
