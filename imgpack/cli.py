@@ -1086,6 +1086,7 @@ def profile(
     the training loop waits for each batch."""
     from torch.utils.data import DataLoader
 
+    from imgpack.loading.advice import worker_note
     from imgpack.loading.profiling import LoaderProfiler, TimedDataset, verdict
     from imgpack.loading.tuning import loader_bound_advice
     from imgpack.readers import collate, open_dataset
@@ -1129,6 +1130,9 @@ def profile(
         f"  waiting for data {loop['wait_s']:.2f} s, between batches {loop['compute_s']:.2f} s"
     )
     click.echo(verdict(loop, advice=loader_bound_advice(dataset)))
+    note = worker_note(dataset, workers)  # the advice the loader would give, said here
+    if note is not None:
+        click.echo(f"note: {note}")
     if json_path is not None:
         json_path.write_text(json.dumps({"fetch": fetch, "loop": loop}, indent=1) + "\n")
 

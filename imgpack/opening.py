@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from imgpack.errors import DataError, ManifestError
+from imgpack.errors import DataError, ManifestError, OptionError
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.publishing import recover
 from imgpack.storage import fetch_output, is_url, local_path, read_remote_manifest
+from imgpack.units import format_bytes, parse_byte_size
 
 if TYPE_CHECKING:
     from imgpack.lazy import LazyOutput
@@ -95,36 +96,38 @@ def open_output(
     read once, its files checked (a lazily read output's as they are fetched).
 
     ``options``: a :class:`~imgpack.formats.dataset_base.ReadOptions` (its storage options,
-    cache folder and limit); ``lazy``: whether a bucket's output is read lazily (its reader
+    cache folder and limit: an output fetched whole is refused in one line, before anything is
+    fetched, when it is larger than the limit, ``IMGPACK_CACHE_LIMIT`` by default); ``lazy``: whether a bucket's output is read lazily (its reader
     fetches each data file when it first reads it) rather than fetched whole, or a function of
     its manifest that says so (the reader its format names).
     """
     if isinstance(location, Opened):
         return location
     storage_options = getattr(options, "storage_options", None)
+    cache_dir = getattr(options, "cache_dir", None)
+    limit = getattr(options, "cache_limit", None)
     if is_url(location):
+        from imgpack.lazy import LazyOutput, default_limit
+
         url = str(location).rstrip("/")
         remote = read_remote_manifest(url, storage_options)  # the one GET of the manifest
-        if lazy(remote[0]) if callable(lazy) else lazy:
-            from imgpack.lazy import LazyOutput
-
-            files: OutputFiles = LazyFiles(
-                LazyOutput(
-                    url,
-                    storage_options,
-                    getattr(options, "cache_dir", None),
-                    getattr(options, "cache_limit", None),
-                    remote=remote,
-                )
+        manifest = remote[0]
+        if lazy(manifest) if callable(lazy) else lazy:
+            output = LazyOutput(url, storage_options, cache_dir, limit, remote=remote)
+            check_files(output.root, manifest, present=False)
+            return Opened(output.root, manifest, LazyFiles(output), url)
+        bound = parse_byte_size(limit, "cache_limit") if limit is not None else default_limit()
+        if bound is not None and manifest.total_bytes > bound:  # refused before any fetch
+            raise OptionError(
+                f"{url}: a {manifest.format} output is fetched whole "
+                f"({format_bytes(manifest.total_bytes)}), more than the cache limit of "
+                f"{format_bytes(bound)}: raise the limit (cache_limit, --cache-limit, "
+                "IMGPACK_CACHE_LIMIT) to at least that, or convert it to a sharded format "
+                "(pt, tfrecord, webdataset), whose shards are fetched as they are read"
             )
-            check_files(files.root, remote[0], present=False)
-            return Opened(files.root, remote[0], files, url)
-        if options is not None:
-            root = options.fetched(url, remote)  # the cache limit checked first
-        else:
-            root = fetch_output(url, storage_options, None, remote=remote)
-        check_files(root, remote[0])
-        return Opened(root, remote[0], CachedFiles(root), url)
+        root = fetch_output(url, storage_options, cache_dir, remote=remote)
+        check_files(root, manifest)
+        return Opened(root, manifest, CachedFiles(root), url)
     root = local_path(location)
     recover(root)  # a replacement killed midway: the previous output put back first
     manifest = read_manifest(root)

@@ -218,3 +218,26 @@ def test_no_ctypes_memory_tricks() -> None:
         if trick in path.read_text(encoding="utf-8")
     ]
     assert found == []
+
+
+def test_no_read_gives_advice() -> None:
+    """The advice on loader settings is the loader's, tune's and profile's (#56): no reader
+    warns from inside a read (no PerformanceWarning below imgpack.loading)."""
+    readers = [*(PACKAGE / "formats").rglob("*.py"), PACKAGE / "opening.py", PACKAGE / "lazy.py"]
+    found = [str(p.relative_to(PACKAGE)) for p in readers if "PerformanceWarning" in p.read_text()]
+    assert found == []
+
+
+def test_readers_are_built_from_what_the_route_opened() -> None:
+    """One route opens an output (#56): readers and open_dataset go through
+    imgpack.opening.open_output; no reader reads a manifest or fetches an output itself."""
+    openers = ("read_manifest(", "read_remote_manifest(", "fetch_output(", "LazyOutput(")
+    readers = [PACKAGE / "readers" / "__init__.py", *(PACKAGE / "formats").rglob("*.py")]
+    found = [
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in readers
+        for name in openers
+        if name in path.read_text() and path.name != "writer.py"
+    ]
+    # the TFRecord stream reads an output in a bucket without a cache (Records._remote)
+    assert found == ["formats/tfrecord/reader.py: read_remote_manifest("], found

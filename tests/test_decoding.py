@@ -339,18 +339,22 @@ def test_batches_kept_or_forwarded_stay_whole(raw_outputs: dict[str, Path], fmt:
 
 
 def test_raw_memory_mapped_readers_point_workers_to_tune(raw_outputs: dict[str, Path]) -> None:
-    """The note names no worker count of its own (#55): imgpack tune measures it."""
+    """The loader gives the note (never a read: a plain DataLoader's reads say nothing), and it
+    names no worker count of its own (#55): imgpack tune measures it."""
+    from imgpack.loading import Loader
+
     for fmt in ("pt", "lmdb", "hdf5"):
         ds = open_dataset(raw_outputs[fmt])
-        assert len(list(DataLoader(ds, batch_size=16, collate_fn=collate))) == 13  # no note
-        loader = DataLoader(ds, batch_size=16, num_workers=1, collate_fn=collate)
+        assert len(list(Loader(ds, batch_size=16, collate_fn=collate))) == 13  # no note
         with warnings.catch_warnings():
             warnings.simplefilter("error", PerformanceWarning)
+            assert len(list(DataLoader(ds, batch_size=16, num_workers=1, collate_fn=collate))) == 13
+            loader = Loader(ds, batch_size=16, num_workers=1, collate_fn=collate)
             with pytest.raises(PerformanceWarning, match=r"may cost more .*imgpack tune") as said:
                 list(loader)
             assert "num_workers=0" not in str(said.value)
     for fmt in ("tfrecord", "webdataset"):  # read with pread: no note
-        loader = DataLoader(open_dataset(raw_outputs[fmt]), batch_size=16, num_workers=1)
+        loader = Loader(open_dataset(raw_outputs[fmt]), batch_size=16, num_workers=1)
         with warnings.catch_warnings():
             warnings.simplefilter("error", PerformanceWarning)
             assert sum(len(b) for b, _ in loader) == 200

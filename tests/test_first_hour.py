@@ -36,11 +36,14 @@ ADVICE = """
 import warnings
 from torch.utils.data import DataLoader
 from imgpack import open_dataset
+from imgpack.loading import Loader
 from imgpack.readers import collate
 ds = open_dataset(OUT)
-for epoch in range(3):
-    for _ in DataLoader(ds, batch_size=2, num_workers=1, collate_fn=collate):
+for epoch in range(3):  # the loader advises (once per reader), never a read
+    for _ in Loader(ds, batch_size=2, num_workers=1, collate_fn=collate):
         pass
+for _ in DataLoader(ds, batch_size=2, num_workers=1, collate_fn=collate):
+    pass  # a plain DataLoader's reads give no advice
 """
 
 

@@ -18,7 +18,7 @@ from PIL import Image
 
 from imgpack import convert, open_dataset
 from imgpack.cli import main
-from imgpack.formats.dataset_base import RAW_WORKERS_REASON
+from imgpack.loading.advice import RAW_WORKERS_REASON
 from imgpack.loading.profiling import verdict
 from imgpack.loading.tuning import loader_bound_advice, recommend_loader_settings
 from imgpack.pipeline import dry_run
@@ -215,12 +215,12 @@ def test_one_loader_advice_for_a_raw_output(tmp_path: Path) -> None:
                                          "--batch-size", "4", "--step-ms", "0"])  # fmt: skip
     assert profiled.exit_code == 0, profiled.output
     assert "use a raw" not in profiled.output
-    # The readers' warning in a DataLoader worker names no worker count: it points to tune.
+    # The loader's note on workers names no worker count: it points to tune.
     code = (
-        "import warnings; from torch.utils.data import DataLoader; from imgpack import "
+        "import warnings; from imgpack.loading import Loader; from imgpack import "
         "open_dataset; from imgpack.readers import collate\n"
         f"ds = open_dataset({str(out)!r})\n"
-        "for _ in DataLoader(ds, batch_size=2, num_workers=1, collate_fn=collate): pass\n"
+        "for _ in Loader(ds, batch_size=2, num_workers=1, collate_fn=collate): pass\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONWARNINGS": "default"})  # fmt: skip

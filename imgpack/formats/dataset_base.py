@@ -21,7 +21,6 @@ import mmap
 import operator
 import os
 import stat
-import time
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -32,7 +31,7 @@ from typing import Any, ClassVar, TypeVar, overload
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
 from imgpack.checksum import record_crc, record_crcs, records_intact
 from imgpack.decoding import Decoder, Payload
@@ -44,19 +43,18 @@ from imgpack.errors import (
     ImgpackError,
     ManifestError,
     OptionError,
-    PerformanceWarning,
 )
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
-from imgpack.lazy import LIMIT_VARIABLE, LazyOutput, Prefetcher, default_limit, unpin
+from imgpack.lazy import LazyOutput, Prefetcher, unpin
 from imgpack.manifest import Manifest
 from imgpack.opening import MAX_IMAGE_BYTES as MAX_IMAGE_BYTES  # re-exported
 from imgpack.opening import LocalFiles, Opened, open_output
 from imgpack.opening import check_files as check_files  # re-exported for the readers
 from imgpack.scan import UNLABELLED
 from imgpack.stats import DatasetStats
-from imgpack.storage import fetch_output, local_path, read_remote_manifest
-from imgpack.units import format_bytes, parse_byte_size, parse_image_size, whole_number
+from imgpack.storage import local_path
+from imgpack.units import parse_image_size, whole_number
 
 Images = torch.Tensor | list[torch.Tensor]
 
@@ -287,37 +285,6 @@ class ReadOptions:
         if self.verify not in (None, True, False):
             raise OptionError(f"invalid verify {self.verify!r}: expected None, True or False")
 
-    def fetched(self, url: str, remote: Manifest | tuple[Manifest, bytes] | None = None) -> Path:
-        """The checked local copy of the output at ``url``, fetched whole (``lmdb``, ``hdf5``:
-        one file each; readers that fetch shards as they read them use :meth:`lazy_output`).
-        A ``cache_limit`` (or ``IMGPACK_CACHE_LIMIT``) below the output's bytes is refused in
-        one line before anything is fetched: the whole output would sit in the cache.
-        ``remote``: its manifest (and bytes), when read already."""
-        manifest = remote[0] if isinstance(remote, tuple) else remote
-        limit = (
-            parse_byte_size(self.cache_limit, "cache_limit")
-            if self.cache_limit is not None
-            else default_limit()
-        )
-        if limit is not None:
-            if manifest is None:
-                manifest = read_remote_manifest(url, self.storage_options)[0]
-            if manifest.total_bytes > limit:
-                raise OptionError(
-                    f"{url}: a {manifest.format} output is fetched whole "
-                    f"({format_bytes(manifest.total_bytes)}), more than the cache limit of "
-                    f"{format_bytes(limit)}: raise the limit (cache_limit, --cache-limit, "
-                    f"{LIMIT_VARIABLE}) to at least that, or convert it to a sharded format "
-                    "(pt, tfrecord, webdataset), whose shards are fetched as they are read"
-                )
-        whole = remote if isinstance(remote, tuple) else None
-        return fetch_output(url, self.storage_options, self.cache_dir, whole)
-
-    def lazy_output(self, url: str) -> LazyOutput:
-        """The output at ``url``, its files to be fetched into the cache as they are read
-        (these options' filesystem, cache folder and limit)."""
-        return LazyOutput(url, self.storage_options, self.cache_dir, self.cache_limit)
-
     @classmethod
     def of(cls, options: ReadOptions | None, **keywords: Any) -> ReadOptions:
         """``options``, or the options the keywords give (those left at their defaults are
@@ -361,14 +328,6 @@ def integer_indices(indices: Any, where: str) -> np.ndarray:
             f"({found.reshape(-1)[0]!r})"
         )
     return found.astype(np.int64, copy=False)
-
-
-#: Why imgpack advises ``num_workers=0`` for raw pixels: the one sentence the readers' warning,
-#: :func:`imgpack.loading.tuning.recommend_loader_settings` and the commands all give.
-RAW_WORKERS_REASON = (
-    "raw pixels: a batch is one memory gather in the training process, and a worker process "
-    "adds a hand-over per batch that costs about as much (or load it all with DeviceLoader)"
-)
 
 
 class ImageDataset(Dataset[tuple[Any, Any]], ABC):
@@ -466,8 +425,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         self._seen: np.ndarray | None = None  # 1 a checked record, over an anonymous mmap
         if self._check_once:  # now, so that workers forked later share it
             self._seen = _shared_marks(len(self))
-        #: Whether the note on num_workers was given (shared with forked workers, like _seen).
-        self._steered: mmap.mmap | None = mmap.mmap(-1, 1)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
         self.transform = transform
@@ -478,9 +435,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         )
         self.decoder = Decoder(self.channels, self.size_policy, decode_threads)
         self._encoded = self.manifest.encoding != "raw"
-        # Batches gathered in this process, for the steering note (counted again in a forked
-        # worker: a fork inherits the count of the process that made it).
-        self._fetches = (os.getpid(), 0)
         self._handles: Any = None
         self._pid: int | None = None
         #: Files this process memory-mapped, by shard (0 for one-file outputs): their path, a
@@ -692,8 +646,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         state["_handles"] = None
         state["_pid"] = None
         state["_seen"] = None
-        state["_steered"] = None
-        state["_fetches"] = (0, 0)
         state["_maps"] = (0, {})
         return state
 
@@ -1038,29 +990,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         )
         return other
 
-    def _steer(self, seconds: float, count: int) -> None:
-        """In DataLoader worker 0 of a memory-mapped raw reader, at its second batch (the first
-        opens the files): say that the training process gathers batches faster itself, with
-        the gather just measured. Once per reader, whatever the epochs and workers (a flag in
-        memory its forked workers share), as one line (no source line of imgpack's)."""
-        info = get_worker_info()
-        if info is None or info.id != 0 or not self.memory_mapped():
-            return
-        if self._steered is not None:
-            if self._steered[0]:
-                return
-            self._steered[0] = 1
-        warnings.warn_explicit(
-            f"{type(self).__name__}({str(self.root)!r}): gathering {count} samples took "
-            f"{seconds * 1e3:.2f} ms in worker 0. Raw pixels need no decode, so a worker "
-            "process may cost more than it saves (a hand-over per batch): 'imgpack tune "
-            "OUTPUT' measures num_workers on this machine, and its choice is the one to use",
-            PerformanceWarning,
-            filename="imgpack",
-            lineno=0,
-            module="imgpack",
-        )
-
     def _fetch(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         """:meth:`_gather`, resized to ``size`` where the reader has one and the stored images
         are another size (raw outputs; encoded ones are resized as they are decoded)."""
@@ -1068,7 +997,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             shape = self.image_shape
             empty: Images = torch.empty((0, *shape), dtype=torch.uint8) if shape is not None else []
             return empty, torch.empty(0, dtype=torch.int64)
-        start = time.perf_counter()
         # The files of a batch stay pinned and open until it is gathered: a batch that spans
         # two windows of ShardSampler touches more of them than PINNED_FILES, and letting the
         # first go while the last are read would fetch and open them again.
@@ -1080,12 +1008,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             self._batch_depth -= 1
             if not self._batch_depth and self._lazy is not None:
                 self._trim_pins()
-        pid, count = self._fetches
-        here = os.getpid()
-        count = count + 1 if pid == here else 1
-        self._fetches = (here, count)
-        if count == 2:
-            self._steer(time.perf_counter() - start, len(indices))
         size = self.decoder.size
         if size is None or (isinstance(images, torch.Tensor) and tuple(images.shape[2:]) == size):
             return images, labels

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from imgpack.errors import OptionError
 from imgpack.formats.dataset_base import ImageDataset
+from imgpack.loading.advice import advise_workers
 from imgpack.loading.sampler import Mix, ShardBatches, ShardSampler
 
 
@@ -68,6 +69,7 @@ class Loader(DataLoader[Any]):
         self._taken = 0  # samples of this rank handed out by the running iteration
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        advise_workers(self.dataset, self.num_workers)  # the loader advises, never a read
         self._taken = 0
         size = getattr(self.batch_sampler, "batch_size", None)
         for batch in super().__iter__():

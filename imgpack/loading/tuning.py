@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from imgpack.errors import PerformanceWarning
-from imgpack.formats.dataset_base import RAW_WORKERS_REASON, ImageDataset, collate
+from imgpack.formats.dataset_base import ImageDataset, collate
+from imgpack.loading.advice import RAW_WORKERS_REASON
 from imgpack.system import usable_cpus
 
 
