@@ -401,9 +401,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         transform, target_transform = self.options.transform, self.options.target_transform
         verify, size, resize = self.options.verify, self.options.size, self.options.resize
         decode_threads = self.options.decode_threads
-        self._pins: tuple[int, OrderedDict[str, int | None]] = (os.getpid(), OrderedDict())
-        self._prefetcher: tuple[int, Prefetcher] | None = None
-        self._batch_depth = 0  # batches being gathered now (their files stay pinned)
+        #: What this reader holds in the process reading it (:meth:`_here`).
+        self._proc: _Process | None = None
         if manifest is not None:  # files imgpack did not write: their manifest built by a scan
             where = local_path(root if not isinstance(root, Opened) else root.root)
             root = Opened(where, manifest, LocalFiles(where), str(where))
@@ -435,11 +434,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         )
         self.decoder = Decoder(self.channels, self.size_policy, decode_threads)
         self._encoded = self.manifest.encoding != "raw"
-        self._handles: Any = None
-        self._pid: int | None = None
-        #: Files this process memory-mapped, by shard (0 for one-file outputs): their path, a
-        #: descriptor and their size when mapped, for :meth:`_check_mapped`.
-        self._maps: tuple[int, dict[int, tuple[str, int, int]]] = (os.getpid(), {})
         self._targets: list[int] | None = None
         self._samples: list[tuple[str, int]] | None = None
         self._stored_paths: list[str] | None = None
@@ -552,11 +546,23 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     @property
     def handles(self) -> Any:
         """This process's handles, opened on first use and again after a fork."""
+        here = self._here()
+        if not here.opened:
+            here.handles, here.opened = self._open(), True
+        return here.handles
+
+    def _here(self) -> _Process:
+        """What this reader holds in this process: made on first use, and made anew in a
+        forked or spawned process (the one pid check; the parent's handles, pins and maps are
+        the parent's: the pins' copies of its descriptors are closed here)."""
+        here = self._proc
         pid = os.getpid()
-        if self._handles is None or self._pid != pid:
-            self._handles = self._open()
-            self._pid = pid
-        return self._handles
+        if here is None or here.pid != pid:
+            if here is not None:
+                for fd in here.pins.values():
+                    unpin(fd)
+            here = self._proc = _Process(pid)
+        return here
 
     # -- files of an output read lazily ------------------------------------------------
     def local_file(self, name: str) -> Path:
@@ -567,12 +573,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         limit their handles are closed too: :meth:`_trim_pins`)."""
         if self._lazy is None:
             return self.root / name
-        pid, pins = self._pins
-        if pid != os.getpid():  # forked: the parent's pins are the parent's
-            for fd in pins.values():
-                unpin(fd)
-            pins = OrderedDict()
-            self._pins = (os.getpid(), pins)
+        here = self._here()
+        pins = here.pins
         if name in pins:
             pins.move_to_end(name)
             return self.root / name
@@ -583,9 +585,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             unpin(fd)
             raise
         pins[name] = fd
-        if self._prefetcher is not None and self._prefetcher[0] == os.getpid():
-            self._prefetcher[1].taken(name)
-        if not self._batch_depth:  # a batch keeps every file it touches until it is read
+        if here.prefetcher is not None:
+            here.prefetcher.taken(name)
+        if not here.batch_depth:  # a batch keeps every file it touches until it is read
             self._trim_pins()
         return path
 
@@ -595,9 +597,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         space comes back; one without keeps them open and mapped, as a reader of a local
         output does (no re-opening every epoch; a file another process evicts meanwhile is
         still read from the open copy, which was checked)."""
-        pid, pins = self._pins
-        if pid != os.getpid():
-            return
+        pins = self._here().pins
         bounded = self._lazy is not None and self._lazy.limit is not None
         while len(pins) > PINNED_FILES:
             old, old_fd = pins.popitem(last=False)
@@ -620,19 +620,19 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         calls it; nothing happens for a local output)."""
         if not self.fetches_ahead or self._lazy is None:
             return
-        if self._prefetcher is None or self._prefetcher[0] != os.getpid():
-            self._prefetcher = (os.getpid(), Prefetcher(self._lazy, self.options.prefetch))
+        here = self._here()
+        if here.prefetcher is None:
+            here.prefetcher = Prefetcher(self._lazy, self.options.prefetch)
         files = self.manifest.files
-        self._prefetcher[1].want([files[k].path for k in shards if 0 <= k < len(files)])
+        here.prefetcher.want([files[k].path for k in shards if 0 <= k < len(files)])
 
     def release_files(self) -> None:
         """Let every file this reader pinned in this process go (a lazily read output)."""
-        if self._prefetcher is not None and self._prefetcher[0] == os.getpid():
-            self._prefetcher[1].close()
-            self._prefetcher = None
-        pid, pins = self._pins
-        if pid != os.getpid():
-            return
+        here = self._here()
+        if here.prefetcher is not None:
+            here.prefetcher.close()
+            here.prefetcher = None
+        pins = here.pins
         while pins:
             name, fd = pins.popitem(last=False)
             self._release_file(name)
@@ -640,13 +640,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pins"] = (0, OrderedDict())
-        state["_batch_depth"] = 0
-        state["_prefetcher"] = None
-        state["_handles"] = None
-        state["_pid"] = None
+        state["_proc"] = None  # each process holds its own
         state["_seen"] = None
-        state["_maps"] = (0, {})
         return state
 
     def __del__(
@@ -654,26 +649,24 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     ) -> None:
         # ``os`` is bound at definition: a dataset still alive at interpreter exit is deleted
         # after the module's globals are cleared.
-        handles = self.__dict__.get("_handles")
-        if handles is not None and self.__dict__.get("_pid") == _getpid():
+        here = self.__dict__.get("_proc")
+        if here is None or here.pid != _getpid():
+            return
+        if here.opened and here.handles is not None:
             try:  # noqa: SIM105 (``contextlib`` may be gone as well)
-                self._close(handles)
+                self._close(here.handles)
             except Exception:
                 pass
-        pid, maps = self.__dict__.get("_maps", (0, {}))
-        if pid == _getpid():
-            for _, fd, _ in maps.values():
-                try:  # noqa: SIM105
-                    _close(fd)
-                except Exception:
-                    pass
-        pid, pins = self.__dict__.get("_pins", (0, {}))
-        if pid == _getpid():
-            for fd in pins.values():
-                try:  # noqa: SIM105
-                    unpin(fd)
-                except Exception:
-                    pass
+        for _, fd, _ in here.maps.values():
+            try:  # noqa: SIM105
+                _close(fd)
+            except Exception:
+                pass
+        for fd in here.pins.values():
+            try:  # noqa: SIM105
+                unpin(fd)
+            except Exception:
+                pass
 
     def _check_output(self, found: Any, where: str) -> None:
         """Refuse a data file that does not carry this reader's output id: the output was
@@ -795,10 +788,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """Shard ``number``'s file at ``path`` is memory-mapped in this process now: a
         descriptor of it is kept (it names the file mapped, even if another is renamed over
         the path) with its size, for :meth:`_check_mapped`."""
-        pid, maps = self._maps
-        if pid != os.getpid():  # forked: the parent's descriptors are the parent's to close
-            maps = {}
-            self._maps = (os.getpid(), maps)
+        maps = self._here().maps
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
@@ -830,9 +820,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         (truncated in place): reading past its new end is a SIGBUS that kills the process. One
         ``fstat`` per mapped shard the batch touches. A file renamed over the path is not the
         mapped one: the mapping still holds the old file whole, and so does the descriptor."""
-        pid, maps = self._maps
-        if not maps or pid != os.getpid() or not len(indices):
-            return
+        here = self._proc
+        if here is None or here.pid != os.getpid() or not here.maps or not len(indices):
+            return  # nothing mapped in this process yet
+        maps = here.maps
         if getattr(self, "_starts", None) is None or len(maps) == 1:
             touched: list[int] = list(maps)  # one file, or the one mapped so far
         else:
@@ -853,8 +844,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
 
     def _forget_mapped(self, number: int) -> None:
         """Shard ``number`` is no longer mapped here (its file let go)."""
-        pid, maps = self._maps
-        found = maps.pop(number, None) if pid == os.getpid() else None
+        here = self._proc
+        found = (
+            here.maps.pop(number, None) if here is not None and here.pid == os.getpid() else None
+        )
         if found is not None:
             os.close(found[1])
 
@@ -1000,13 +993,14 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         # The files of a batch stay pinned and open until it is gathered: a batch that spans
         # two windows of ShardSampler touches more of them than PINNED_FILES, and letting the
         # first go while the last are read would fetch and open them again.
-        self._batch_depth += 1
+        here = self._here()
+        here.batch_depth += 1
         try:
             self._check_mapped(indices)
             images, labels = self._gather(indices)
         finally:
-            self._batch_depth -= 1
-            if not self._batch_depth and self._lazy is not None:
+            here.batch_depth -= 1
+            if not here.batch_depth and self._lazy is not None:
                 self._trim_pins()
         size = self.decoder.size
         if size is None or (isinstance(images, torch.Tensor) and tuple(images.shape[2:]) == size):
@@ -1033,14 +1027,15 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
 
     def _read_one(self, index: int) -> tuple[torch.Tensor, int]:
         """Encoded sample ``index`` decoded: :meth:`_one`, then the decoder (its ``size``)."""
-        self._batch_depth += 1  # its file stays pinned until it is read (as in _fetch)
+        here = self._here()
+        here.batch_depth += 1  # its file stays pinned until it is read (as in _fetch)
         try:
             self._check_mapped(np.array([index], np.int64))
             item, label, where = self._one(index)
             return self.decoder.single(item, where), label
         finally:
-            self._batch_depth -= 1
-            if not self._batch_depth and self._lazy is not None:
+            here.batch_depth -= 1
+            if not here.batch_depth and self._lazy is not None:
                 self._trim_pins()
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
@@ -1200,6 +1195,25 @@ class ShardFiles:
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes
     windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
+
+
+@dataclass
+class _Process:
+    """What a reader holds in one process (:meth:`ImageDataset._here`): never pickled, never
+    shared with another process (a forked one makes its own)."""
+
+    pid: int
+    #: The handles :meth:`ImageDataset._open` gave (``opened``: whether it was called).
+    handles: Any = None
+    opened: bool = False
+    #: Files of a lazily read output this reader pinned here, oldest first, with their pin.
+    pins: OrderedDict[str, int | None] = field(default_factory=OrderedDict)
+    prefetcher: Prefetcher | None = None
+    #: Batches being gathered now (their files stay pinned until they are read).
+    batch_depth: int = 0
+    #: Files memory-mapped here, by shard (0 for one-file outputs): their path, a descriptor
+    #: and their size when mapped, for :meth:`ImageDataset._check_mapped`.
+    maps: dict[int, tuple[str, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
