@@ -6,6 +6,7 @@ edges to its own submodules. Read from the source with ast, so the rules hold fo
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,14 @@ def test_readers_are_built_from_what_the_route_opened() -> None:
     ]
     # the TFRecord stream reads an output in a bucket without a cache (Records._remote)
     assert found == ["formats/tfrecord/reader.py: read_remote_manifest("], found
+
+
+def test_no_reader_imports_a_writer() -> None:
+    """A format's byte-level code is its codec's, which its writer and its reader import; a
+    reader never imports a writer (#56: tfrecord's reader imported its writer for a codec)."""
+    found = [
+        str(path.relative_to(PACKAGE))
+        for path in (PACKAGE / "formats").glob("*/reader.py")
+        if re.search(r"^from imgpack\.formats\.\w+\.writer import", path.read_text(), re.M)
+    ]
+    assert found == []

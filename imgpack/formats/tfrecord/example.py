@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from imgpack.errors import DataError
+from imgpack.images import Encoded
 
 #: The feature holding the output id in every record imgpack writes.
 OUTPUT_ID_KEY = "imgpack/output_id"
@@ -285,4 +286,24 @@ def decode_example(data: bytes | memoryview) -> dict[str, FeatureValue]:
         pos = stop
     if pos != end:
         raise DataError("truncated field in Example")
+    return features
+
+
+def example_features(
+    sample: Encoded, class_name: str, label_offset: int, output_id: str = ""
+) -> dict[str, Any]:
+    """The features of one sample's record."""
+    features: dict[str, Any] = {
+        "image/encoded": [sample.payload],
+        "image/format": [sample.kind.value.encode()],
+        "image/class/label": [sample.label + label_offset],
+        "image/class/text": [class_name.encode("utf-8")],
+        "image/height": [sample.height],
+        "image/width": [sample.width],
+        "image/channels": [sample.channels],
+        "image/colorspace": [b"RGB" if sample.channels == 3 else b"Grayscale"],
+        "image/filename": [sample.path.encode("utf-8", "surrogateescape")],
+    }
+    if output_id:
+        features[OUTPUT_ID_KEY] = [output_id.encode("ascii")]
     return features

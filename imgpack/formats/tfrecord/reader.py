@@ -36,7 +36,7 @@ from imgpack.formats.dataset_base import (
     take_windows,
 )
 from imgpack.formats.tfrecord import example, framing
-from imgpack.formats.tfrecord.writer import example_features
+from imgpack.formats.tfrecord.example import example_features
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
 from imgpack.lazy import LazyOutput
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest

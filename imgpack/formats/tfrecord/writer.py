@@ -16,30 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.formats.tfrecord import example, framing
-from imgpack.formats.tfrecord.example import OUTPUT_ID_KEY
+from imgpack.formats.tfrecord.example import example_features
 from imgpack.formats.writer_base import HashedFile, ShardedWriter, WriterConfig, WrittenFile
 from imgpack.images import Encoded
-
-
-def example_features(
-    sample: Encoded, class_name: str, label_offset: int, output_id: str = ""
-) -> dict[str, Any]:
-    """The features of one sample's record."""
-    features: dict[str, Any] = {
-        "image/encoded": [sample.payload],
-        "image/format": [sample.kind.value.encode()],
-        "image/class/label": [sample.label + label_offset],
-        "image/class/text": [class_name.encode("utf-8")],
-        "image/height": [sample.height],
-        "image/width": [sample.width],
-        "image/channels": [sample.channels],
-        "image/colorspace": [b"RGB" if sample.channels == 3 else b"Grayscale"],
-        "image/filename": [sample.path.encode("utf-8", "surrogateescape")],
-    }
-    if output_id:
-        features[OUTPUT_ID_KEY] = [output_id.encode("ascii")]
-    return features
-
 
 #: Encoded feature entries a writer remembers (the repeating ones: labels, sizes, class names).
 _ENTRIES = 4096
