@@ -29,10 +29,11 @@ from tqdm import tqdm
 
 from imgpack import formats
 from imgpack.errors import DataError, OptionError
-from imgpack.formats.dataset_base import ImageDataset
+from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile, file_entries
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.manifest import Manifest, read_manifest, write_manifest
+from imgpack.opening import Opened, open_output
 from imgpack.publishing import (
     check_destination,
     clear_leftovers,
@@ -43,7 +44,7 @@ from imgpack.publishing import (
     temp_output,
 )
 from imgpack.stats import DatasetStats
-from imgpack.storage import is_url, local_path, open_location, output_folder
+from imgpack.storage import is_url, local_path, output_folder
 from imgpack.version import __version__
 
 #: Manifest fields every part of one conversion has in common.
@@ -73,9 +74,12 @@ def merge(
         with output_folder(dst, storage_options, overwrite, skip=formats.runtime_files()) as local:
             return merge(parts, local, progress=progress, storage_options=storage_options,
                          cache_dir=cache_dir)  # fmt: skip
-    roots = [open_location(p, storage_options, cache_dir) for p in parts]
-    if not roots:
+    if not parts:
         raise OptionError("give the parts to merge")
+    # Each part opened by the one route (a part in a bucket fetched whole into the cache).
+    where = ReadOptions(storage_options=storage_options, cache_dir=cache_dir, verify=True)
+    opened = [open_output(p, where) for p in parts]
+    roots = [o.root for o in opened]
     target = local_path(dst)
     for root in roots:
         if inside(root, target) or inside(target, root):
@@ -85,7 +89,7 @@ def merge(
             )
     # Pinned before the check: each part's reader (its manifest, and for streamed formats its
     # open files) is what is checked and what is merged; a part replaced meanwhile is refused.
-    readers = [_pinned_reader(root) for root in roots]
+    readers = [_pinned_reader(o) for o in opened]
     ordered = check_parts(roots, [reader.manifest for reader in readers])
     by_root = dict(zip(roots, readers, strict=True))
     with locked(target):
@@ -106,13 +110,13 @@ def merge(
     return manifest
 
 
-def _pinned_reader(root: Path) -> ImageDataset:
-    """The part at ``root`` opened for merging: its manifest read and its files checked
-    (:func:`~imgpack.formats.dataset_base.check_files`), and the files of a format that
-    streams its records opened now, so that what is merged is what was checked."""
-    from imgpack.readers import open_dataset
+def _pinned_reader(opened: Opened) -> ImageDataset:
+    """The reader of a part, as opened for merging (its manifest read and its files checked:
+    :func:`~imgpack.opening.open_output`), with the files of a format that streams its records
+    opened now, so that what is merged is what was checked."""
+    from imgpack.readers import reader_class
 
-    reader = open_dataset(root, verify=True)
+    reader = reader_class(opened.manifest.format)(opened, verify=True)
     if not isinstance(reader.manifest.part, dict):
         return reader  # check_parts refuses it
     if not issubclass(formats.get(reader.manifest.format).writer_class(), ShardedWriter):

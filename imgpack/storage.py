@@ -900,18 +900,6 @@ def manifest_of(location: Location, storage_options: dict[str, Any] | None = Non
     return read_manifest(local_path(location))
 
 
-def open_location(
-    location: Location,
-    storage_options: dict[str, Any] | None = None,
-    cache_dir: Location | None = None,
-) -> Path:
-    """The local path to read the output at ``location`` from: a URL's output is fetched through
-    the cache (:func:`fetch_output`)."""
-    if is_url(location):
-        return fetch_output(str(location), storage_options, cache_dir)
-    return local_path(location)
-
-
 @contextlib.contextmanager
 def source_location(
     location: Location,
