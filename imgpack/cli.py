@@ -55,6 +55,13 @@ batch_size_option = click.option(
 )
 
 
+def count_option(flag: str, default: int, help: str) -> Callable[[F], F]:
+    """An option taking a count of 1 or more."""
+    return click.option(
+        flag, type=click.IntRange(min=1), default=default, show_default=True, help=help
+    )
+
+
 def json_option(what: str) -> Callable[[F], F]:
     return click.option(
         "--json", "json_path", type=click.Path(path_type=Path), help=f"Also write the {what} here."
@@ -945,24 +952,14 @@ def bench(
 @main.command()
 @click.argument("dst", metavar="OUTPUT")
 @batch_size_option
-@click.option(
-    "--batches",
-    type=click.IntRange(min=1),
-    default=20,
-    show_default=True,
-    help="Batches timed per candidate.",
-)
+@count_option("--batches", 20, "Batches timed per candidate.")
 @click.option(
     "--workers",
     default=None,
     help="num_workers candidates to try, e.g. 0,2,4 [default: 0, 1, 2, 4, ... up to 2x the CPUs].",
 )
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Runs per candidate (taken in turn); the choice goes by their medians.",
+@count_option(
+    "--repeats", 3, "Runs per candidate (taken in turn); the choice goes by their medians."
 )
 @json_option("table")
 @reading_options
