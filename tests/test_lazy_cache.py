@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from conftest import build_uniform_folder
 from torch.utils.data import DataLoader
 
-import imgpack.formats.dataset_base as dataset_base
+import imgpack.opening as opening
 import imgpack.storage as storage
 from imgpack import convert, open_dataset
 from imgpack.cli import main
@@ -67,7 +67,7 @@ def test_an_epoch_through_a_cache_four_times_smaller(
     assert len(files) == SHARDS
     total, biggest = sum(f.bytes for f in files), max(f.bytes for f in files)
     limit = total // 4
-    monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)  # forked workers inherit it
+    monkeypatch.setattr(opening, "PINNED_FILES", 2)  # forked workers inherit it
     before = storage.stats.downloads
     ds = open_dataset(url, cache_dir=cache, cache_limit=limit, prefetch=2)
     indexed = fmt != "pt"  # webdataset and tfrecord shards have an .idx each, fetched at open
@@ -111,7 +111,7 @@ def test_a_batch_fetches_and_opens_each_of_its_shards_once(
     that span two windows do) holds them all until it is gathered: the raw checks and the
     gather do not fetch and open them twice; older ones are let go after the batch."""
     url, local = _output(s3, tmp_path, "pt")
-    monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)
+    monkeypatch.setattr(opening, "PINNED_FILES", 2)
     ds = open_dataset(url, cache_dir=tmp_path / "cache", prefetch=0)
     loads: Counter[int] = Counter()
     real = type(ds)._load
@@ -126,7 +126,7 @@ def test_a_batch_fetches_and_opens_each_of_its_shards_once(
     before = storage.stats.downloads
     images, labels = collate(ds.__getitems__(firsts))  # checks each record once, then gathers
     assert loads == Counter(range(6)) and storage.stats.downloads - before == 6
-    assert len(ds._here().pins) == 2  # the batch is read: the older shards are let go
+    assert len(ds._here().files.pins) == 2  # the batch is read: the older shards are let go
     reference = open_dataset(local)
     for row, index in enumerate(firsts):
         assert labels[row] == reference[index][1]
@@ -225,7 +225,7 @@ def test_export_reads_through_a_bounded_cache(
     url, local = _output(s3, tmp_path, "pt")
     files = open_dataset(local).manifest.files
     total, biggest = sum(f.bytes for f in files), max(f.bytes for f in files)
-    monkeypatch.setattr(dataset_base, "PINNED_FILES", 2)
+    monkeypatch.setattr(opening, "PINNED_FILES", 2)
     cache = tmp_path / "cache"
     runner = CliRunner()
     bad = runner.invoke(main, ["export", url, str(tmp_path / "x"), "--cache-limit", "lots"])

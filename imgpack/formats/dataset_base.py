@@ -23,7 +23,6 @@ import os
 import stat
 import warnings
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,10 +45,11 @@ from imgpack.errors import (
 )
 from imgpack.handover import Handover, in_worker
 from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
-from imgpack.lazy import LazyOutput, Prefetcher, unpin
+from imgpack.lazy import LazyOutput, unpin
 from imgpack.manifest import Manifest
 from imgpack.opening import MAX_IMAGE_BYTES as MAX_IMAGE_BYTES  # re-exported
-from imgpack.opening import LocalFiles, Opened, open_output
+from imgpack.opening import PINNED_FILES as PINNED_FILES  # re-exported
+from imgpack.opening import FileHolder, LocalFiles, Opened, open_output
 from imgpack.opening import check_files as check_files  # re-exported for the readers
 from imgpack.scan import UNLABELLED
 from imgpack.stats import DatasetStats
@@ -559,55 +559,30 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         pid = os.getpid()
         if here is None or here.pid != pid:
             if here is not None:
-                for fd in here.pins.values():
-                    unpin(fd)
-            here = self._proc = _Process(pid)
+                here.files.drop()
+            here = self._proc = _Process(pid, self.opened.files.holder(self._release_file))
         return here
 
     # -- files of an output read lazily ------------------------------------------------
     def local_file(self, name: str) -> Path:
         """The local path of the output's file ``name``. For an output read lazily from a
-        bucket, the file is fetched on first use and pinned while this reader reads it: the
-        last :data:`PINNED_FILES` files it used in this process, and every file of a batch
-        being gathered; older ones are let go, so the cache may evict them (with a cache
-        limit their handles are closed too: :meth:`_trim_pins`)."""
+        bucket, the file is fetched on first use and pinned while this reader reads it
+        (:class:`~imgpack.opening.LazyHolder`: the last
+        :data:`~imgpack.opening.PINNED_FILES` files it used in this process, and every file of
+        a batch being gathered); older ones are let go, so the cache may evict them (with a
+        cache limit their handles are closed too: :meth:`_release_file`)."""
         if self._lazy is None:
             return self.root / name
         here = self._here()
-        pins = here.pins
-        if name in pins:
-            pins.move_to_end(name)
-            return self.root / name
-        fd = self._lazy.pin(name)  # before the fetch: nothing evicts it in between
-        try:
-            path = self._lazy.file(name)
-        except BaseException:
-            unpin(fd)
-            raise
-        pins[name] = fd
-        if here.prefetcher is not None:
-            here.prefetcher.taken(name)
+        path = here.files.hold(name)
         if not here.batch_depth:  # a batch keeps every file it touches until it is read
-            self._trim_pins()
+            here.files.trim()
         return path
-
-    def _trim_pins(self) -> None:
-        """Let the files this process used longest ago go, beyond :data:`PINNED_FILES`. A
-        reader with a cache limit closes them too, so that the cache may evict them and their
-        space comes back; one without keeps them open and mapped, as a reader of a local
-        output does (no re-opening every epoch; a file another process evicts meanwhile is
-        still read from the open copy, which was checked)."""
-        pins = self._here().pins
-        bounded = self._lazy is not None and self._lazy.limit is not None
-        while len(pins) > PINNED_FILES:
-            old, old_fd = pins.popitem(last=False)
-            if bounded:
-                self._release_file(old)
-            unpin(old_fd)
 
     def _release_file(self, name: str) -> None:
         """Close what this process's handles hold of file ``name`` (a lazily read output lets
-        the file go); formats that keep files open override it."""
+        the file go: the hook this reader gives its :class:`~imgpack.opening.FileHolder`);
+        formats that keep files open override it."""
 
     @property
     def fetches_ahead(self) -> bool:
@@ -618,25 +593,15 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """Shards (by number) about to be read, in order: for an output read lazily, the next
         ``options.prefetch`` of them are fetched in the background of this process (a sampler
         calls it; nothing happens for a local output)."""
-        if not self.fetches_ahead or self._lazy is None:
+        if not self.fetches_ahead:
             return
-        here = self._here()
-        if here.prefetcher is None:
-            here.prefetcher = Prefetcher(self._lazy, self.options.prefetch)
         files = self.manifest.files
-        here.prefetcher.want([files[k].path for k in shards if 0 <= k < len(files)])
+        names = [files[k].path for k in shards if 0 <= k < len(files)]
+        self._here().files.prefetch(names, self.options.prefetch)
 
     def release_files(self) -> None:
         """Let every file this reader pinned in this process go (a lazily read output)."""
-        here = self._here()
-        if here.prefetcher is not None:
-            here.prefetcher.close()
-            here.prefetcher = None
-        pins = here.pins
-        while pins:
-            name, fd = pins.popitem(last=False)
-            self._release_file(name)
-            unpin(fd)
+        self._here().files.release()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -662,11 +627,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 _close(fd)
             except Exception:
                 pass
-        for fd in here.pins.values():
-            try:  # noqa: SIM105
-                unpin(fd)
-            except Exception:
-                pass
+        try:  # noqa: SIM105
+            here.files.drop(unpin)
+        except Exception:
+            pass
 
     def _check_output(self, found: Any, where: str) -> None:
         """Refuse a data file that does not carry this reader's output id: the output was
@@ -1000,8 +964,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             images, labels = self._gather(indices)
         finally:
             here.batch_depth -= 1
-            if not here.batch_depth and self._lazy is not None:
-                self._trim_pins()
+            if not here.batch_depth:
+                here.files.trim()
         size = self.decoder.size
         if size is None or (isinstance(images, torch.Tensor) and tuple(images.shape[2:]) == size):
             return images, labels
@@ -1035,8 +999,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             return self.decoder.single(item, where), label
         finally:
             here.batch_depth -= 1
-            if not here.batch_depth and self._lazy is not None:
-                self._trim_pins()
+            if not here.batch_depth:
+                here.files.trim()
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""
@@ -1203,12 +1167,11 @@ class _Process:
     shared with another process (a forked one makes its own)."""
 
     pid: int
+    #: What the reader holds of the output's files here (pins of a lazily read output).
+    files: FileHolder
     #: The handles :meth:`ImageDataset._open` gave (``opened``: whether it was called).
     handles: Any = None
     opened: bool = False
-    #: Files of a lazily read output this reader pinned here, oldest first, with their pin.
-    pins: OrderedDict[str, int | None] = field(default_factory=OrderedDict)
-    prefetcher: Prefetcher | None = None
     #: Batches being gathered now (their files stay pinned until they are read).
     batch_depth: int = 0
     #: Files memory-mapped here, by shard (0 for one-file outputs): their path, a descriptor
@@ -1225,11 +1188,6 @@ class Record:
     label: int
     crc: int | None  # the stored checksum; None where the output stores none
     where: str  # the file (and position) holding it, for messages
-
-
-#: Files a reader of a lazily read output keeps pinned per process (the cache cannot evict
-#: them): the ones it used last. ShardSampler's default window reads 8 shards at a time.
-PINNED_FILES = 10
 
 
 def check_file_order(root: Path, manifest: Manifest, name: Callable[[int, int], str]) -> None:
