@@ -253,3 +253,66 @@ def test_no_reader_imports_a_writer() -> None:
         if re.search(r"^from imgpack\.formats\.\w+\.writer import", path.read_text(), re.M)
     ]
     assert found == []
+
+
+#: Module-level state (a binding that changes while the program runs: a mutable container, a
+#: lock, or a name rebound with ``global``), and why each is the process's rather than an
+#: object's (#56). A new one is added here on purpose, with its reason, or made an object's.
+STATE_ALLOWED = {
+    "imgpack.checksum._label_table": "a lookup table built on first use, the same for all",
+    "imgpack.decoding._pools": "one decode thread pool per size in a process (reset on fork)",
+    "imgpack.decoding._pools_lock": "guards _pools (made again after a fork)",
+    "imgpack.formats.dataset_base._FORKED": "set after a fork: torch may not gather here",
+    "imgpack.formats.lmdb.reader._environments": "LMDB allows one environment per file and "
+    "process: readers of one output share it, counted",
+    "imgpack.formats.lmdb.reader._environments_pid": "the process _environments belong to",
+    "imgpack.handover._pools": "a worker process's shared-memory batch buffers",
+    "imgpack.handover._pool_guard": "guards the buffers",
+    "imgpack.handover._held_buffers": "the training process's views of workers' buffers",
+    "imgpack.handover._held_pids": "the workers those buffers belong to",
+    "imgpack.handover._held_lock": "guards them (pin-memory thread and main thread)",
+    "imgpack.images._strict_lock": "Pillow's decompression-bomb setting is process-global",
+    "imgpack.images._strict_users": "how many strict decodes are in progress",
+    "imgpack.images._strict_saved": "Pillow's setting to restore",
+    "imgpack.loading.advice._advised": "readers given the loader's note in this process (weak)",
+    "imgpack.sources.base._run": "the conversion run a pool worker or Ray actor serves",
+    "imgpack.sources.base._opened": "the sources that run's worker opened, dropped with it",
+    "imgpack.storage.stats": "what the cache did in this process, for tests and logs",
+    "imgpack.storage._pinned": "cache entries this process reads, locked for its lifetime "
+    "(to become the opened output's: #56)",
+    "imgpack.storage._pinned_lock": "guards _pinned",
+}
+
+_MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "Lock", "RLock",
+                  "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "CacheStats", "local"}  # fmt: skip
+
+
+def _module_state() -> set[str]:
+    found = set()
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                found.update(f"{module}.{name}" for name in node.names)
+        for node in tree.body:
+            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                value = node.value
+                call = value.func if isinstance(value, ast.Call) else None
+                name = getattr(call, "id", getattr(call, "attr", None))
+                mutable = isinstance(value, ast.Dict | ast.List | ast.Set) or name in _MUTABLE_CALLS
+                for target in targets:
+                    if (
+                        mutable
+                        and isinstance(target, ast.Name)
+                        and not target.id.isupper()  # a constant table, by convention
+                        and not target.id.startswith("__")
+                    ):
+                        found.add(f"{module}.{target.id}")
+    return found
+
+
+def test_module_level_state_only_where_allowed() -> None:
+    found = _module_state()
+    assert sorted(found - set(STATE_ALLOWED)) == [], "module state without a reason"
+    assert sorted(set(STATE_ALLOWED) - found) == [], "allowed state that is gone: remove it"
