@@ -38,10 +38,10 @@ from imgpack import storage
 from imgpack.errors import StorageError
 from imgpack.manifest import MANIFEST_NAME, Manifest
 from imgpack.storage import (
+    EntryPin,
     OutputCache,
     Remote,
     _fetch_file,
-    _pin,
     _remote_files,
     _safe_dirs,
     _write_bytes,
@@ -96,7 +96,8 @@ class LazyOutput:
         try:
             _safe_dirs(self.cache_dir, self.root)
             with storage._locked(self.root, fcntl.LOCK_EX):  # index files, then the manifest
-                _pin(self.root)  # no whole-entry eviction while this process reads it
+                # No whole-entry eviction while this output is read (the pin goes with it).
+                self._entry_pin = EntryPin(self.root)
                 _remove_stale_parts(self.root)
                 missing = [r for r in index_files if not self._good(r)]
                 if missing:

@@ -27,7 +27,7 @@ from imgpack.errors import DataError, ManifestError, OptionError
 from imgpack.lazy import LazyOutput, Prefetcher, default_limit, unpin
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.publishing import recover
-from imgpack.storage import fetch_output, is_url, local_path, read_remote_manifest
+from imgpack.storage import EntryPin, fetch_output, is_url, local_path, read_remote_manifest
 from imgpack.units import format_bytes, parse_byte_size
 
 #: The largest raw image a reader accepts (1 GiB: an 18,000 x 18,000 RGB image).
@@ -69,7 +69,12 @@ class LocalFiles(OutputFiles):
 
 class CachedFiles(OutputFiles):
     """An output in a bucket, fetched whole into the checked local cache
-    (:class:`imgpack.storage.OutputCache`): ``lmdb`` and ``hdf5``, one file each."""
+    (:class:`imgpack.storage.OutputCache`): ``lmdb`` and ``hdf5``, one file each. Its entry
+    stays pinned (no process evicts it) while these files are alive."""
+
+    def __init__(self, root: Path, pin: EntryPin | None = None) -> None:
+        super().__init__(root)
+        self.pin = pin
 
 
 class LazyFiles(OutputFiles):
@@ -223,9 +228,9 @@ def open_output(
                 "IMGPACK_CACHE_LIMIT) to at least that, or convert it to a sharded format "
                 "(pt, tfrecord, webdataset), whose shards are fetched as they are read"
             )
-        root = fetch_output(url, storage_options, cache_dir, remote=remote)
+        root, pin = fetch_output(url, storage_options, cache_dir, remote=remote)
         check_files(root, manifest)
-        return Opened(root, manifest, CachedFiles(root), url)
+        return Opened(root, manifest, CachedFiles(root, pin), url)
     root = local_path(location)
     recover(root)  # a replacement killed midway: the previous output put back first
     manifest = read_manifest(root)

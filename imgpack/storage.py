@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from imgpack.errors import (
     ImgpackError,
@@ -190,8 +190,6 @@ class CacheStats:
 
 
 stats = CacheStats()
-_pinned: dict[str, int] = {}  # cached outputs this process reads: a shared lock held on each
-_pinned_lock = threading.Lock()
 
 
 class OutputCache:
@@ -225,10 +223,11 @@ class OutputCache:
         url: str,
         storage_options: dict[str, Any] | None = None,
         remote: tuple[Manifest, bytes] | None = None,
-    ) -> Path:
+    ) -> Fetched:
         """The local copy of the output at ``url``: fetched (what is missing, damaged or
-        changed in the store), checked, and pinned for this process's lifetime. ``remote``:
-        its manifest and bytes, when the caller read them already (one GET per open)."""
+        changed in the store), checked, and pinned while the caller holds the pin it returns.
+        ``remote``: its manifest and bytes, when the caller read them already (one GET per
+        open)."""
         manifest, data = remote or read_remote_manifest(url, storage_options)
         local = self.entry(url, manifest, data)
         fs, root = filesystem(url, storage_options)
@@ -242,7 +241,7 @@ class OutputCache:
             except OSError as exc:  # a cache that cannot be written: a complete entry is read
                 if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                     if _complete(local, entries, data):
-                        return local
+                        return Fetched(local, None)
                     raise StorageError(
                         f"{self.directory}: the cache folder cannot be written ({exc.strerror}) "
                         f"and holds no complete copy of {url}; set IMGPACK_CACHE_DIR (or "
@@ -270,9 +269,9 @@ class OutputCache:
             if not same:
                 _write_bytes(manifest_path, data)  # last: the entry is complete
             _write_bytes(local / ".imgpack-used", b"")
-            _pin(local)  # before the lock goes: no eviction can slip in between
+            pin = EntryPin(local)  # before the lock goes: no eviction can slip in between
         self.evict(keep=local)
-        return local
+        return Fetched(local, pin)
 
     def evict(self, keep: Path | None = None) -> None:
         """Remove least recently used entries until the cache fits ``max_bytes``."""
@@ -435,15 +434,37 @@ def _locked(entry: Path, how: int, suffix: str = ".lock") -> Iterator[None]:
         os.close(fd)
 
 
-def _pin(entry: Path) -> None:
-    """Hold a shared lock on ``entry`` for the life of this process (and its forked workers,
-    which share the lock): eviction by another process skips it."""
-    with _pinned_lock:
-        if str(entry) in _pinned:
-            return
-        fd = os.open(str(entry) + ".pin", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        _pinned[str(entry)] = fd
+class EntryPin:
+    """A shared lock on a cache entry: no process evicts the entry while it is held. What reads
+    the entry holds it (an opened output's files, a conversion reading an output as its
+    source) and lets it go with :meth:`close`, or when it is garbage; a forked process shares
+    the lock; a pickled copy holds none (the process that opened the output keeps it)."""
+
+    def __init__(self, entry: Path) -> None:
+        self.fd: int | None = os.open(
+            str(entry) + ".pin", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644
+        )
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                _close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fd": None}
+
+
+class Fetched(NamedTuple):
+    """An output's checked copy in the cache, and the pin that keeps it there (``None`` in a
+    cache this user cannot write: nothing evicts from it either)."""
+
+    path: Path
+    pin: EntryPin | None
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -528,8 +549,8 @@ def fetch_output(
     storage_options: dict[str, Any] | None = None,
     cache_dir: Location | None = None,
     remote: tuple[Manifest, bytes] | None = None,
-) -> Path:
-    """The local, checked copy of the output at ``url`` (see :class:`OutputCache`);
+) -> Fetched:
+    """The local, checked copy of the output at ``url`` and its pin (see :class:`OutputCache`);
     ``remote``: its manifest and bytes, when read already."""
     return OutputCache(cache_dir).fetch(url, storage_options, remote)
 
@@ -920,7 +941,12 @@ def source_location(
     except OSError as exc:
         raise remote_error(url, exc) from None
     if is_output:
-        yield fetch_output(url, storage_options, cache_dir)
+        fetched = fetch_output(url, storage_options, cache_dir)
+        try:  # pinned while the conversion reads it
+            yield fetched.path
+        finally:
+            if fetched.pin is not None:
+                fetched.pin.close()
         return
     with source_folder(url, storage_options, listing_only) as folder:
         yield folder

@@ -278,9 +278,6 @@ STATE_ALLOWED = {
     "imgpack.sources.base._run": "the conversion run a pool worker or Ray actor serves",
     "imgpack.sources.base._opened": "the sources that run's worker opened, dropped with it",
     "imgpack.storage.stats": "what the cache did in this process, for tests and logs",
-    "imgpack.storage._pinned": "cache entries this process reads, locked for its lifetime "
-    "(to become the opened output's: #56)",
-    "imgpack.storage._pinned_lock": "guards _pinned",
 }
 
 _MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "Lock", "RLock",

@@ -69,3 +69,26 @@ def test_a_bucket_open_reads_the_manifest_once(
     assert isinstance(ds.opened.files, LazyFiles if lazy else CachedFiles)
     assert ds.opened.location == url and len(ds) == 12
     assert ds[11][1] == open_dataset(url, cache_dir=tmp_path / "cache")[11][1]
+
+
+def test_a_cached_outputs_entry_is_pinned_by_its_reader_and_let_go_with_it(
+    s3: str, src: Path, tmp_path: Path
+) -> None:
+    """The pin on a cache entry is the opened output's (no process-global pins): eviction
+    skips the entry while its reader lives, and may take it once the reader is gone."""
+    import gc
+
+    from imgpack import storage
+
+    url = f"{s3}/pinned-lmdb"
+    convert(src, url, "lmdb", progress=False)
+    cache = tmp_path / "cache"
+    ds = open_dataset(url, cache_dir=cache)
+    entry = ds.root
+    small = storage.OutputCache(cache, max_bytes=1)
+    small.evict()
+    assert entry.exists() and len(ds) == 12  # read now: not evicted
+    del ds
+    gc.collect()
+    small.evict()
+    assert not entry.exists()

@@ -231,17 +231,16 @@ def test_least_recently_used_outputs_are_evicted(mem: str, src: Path, cache: Pat
     for url in urls:
         convert(src, url, "pt", progress=False)
     small = storage.OutputCache(cache)
-    old, recent = small.fetch(urls[0]), small.fetch(urls[1])
+    (old, old_pin), (recent, recent_pin) = small.fetch(urls[0]), small.fetch(urls[1])
     size = storage._folder_bytes(old)
     os.utime(old / ".imgpack-used", (1, 1))  # used long ago
-    pinned = dict(storage._pinned)
     small.max_bytes = int(size * 2.5)
     small.evict()
-    assert old.exists() and recent.exists()  # both are being read by this process
-    for fd in pinned.values():  # as when the processes reading them exit
-        os.close(fd)
-    storage._pinned.clear()
-    newest = small.fetch(urls[2])
+    assert old.exists() and recent.exists()  # both are being read: their pins are held
+    assert old_pin is not None and recent_pin is not None
+    old_pin.close()  # as when what reads it lets it go (a reader, or its process, gone)
+    recent_pin.close()
+    newest, _ = small.fetch(urls[2])
     assert not old.exists() and recent.exists() and newest.exists()
     assert storage._folder_bytes(cache / "outputs") <= small.max_bytes
     assert len(open_dataset(urls[0], cache_dir=cache)) == 40  # fetched again when needed
