@@ -92,3 +92,23 @@ def test_a_cached_outputs_entry_is_pinned_by_its_reader_and_let_go_with_it(
     gc.collect()
     small.evict()
     assert not entry.exists()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_dropped_reader_is_freed_at_once(src: Path, tmp_path: Path, fmt: str) -> None:
+    """No reference cycle keeps a reader (its handles, its LMDB environment, its maps) alive
+    after its last reference goes: its files' holder keeps the reader's hook weakly."""
+    import gc
+    import weakref
+
+    out = tmp_path / "out"
+    convert(src, out, fmt, progress=False)
+    gc.disable()
+    try:
+        ds = open_dataset(out)
+        ds.__getitems__([0, 1])
+        gone = weakref.ref(ds)
+        del ds
+        assert gone() is None
+    finally:
+        gc.enable()

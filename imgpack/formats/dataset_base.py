@@ -22,6 +22,7 @@ import operator
 import os
 import stat
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -560,7 +561,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if here is None or here.pid != pid:
             if here is not None:
                 here.files.drop()
-            here = self._proc = _Process(pid, self.opened.files.holder(self._release_file))
+            here = self._proc = _Process(pid, self.opened.files.holder(_weak_hook(self)))
         return here
 
     # -- files of an output read lazily ------------------------------------------------
@@ -1159,6 +1160,20 @@ class ShardFiles:
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes
     windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
+
+
+def _weak_hook(reader: ImageDataset) -> Callable[[str], None]:
+    """``reader._release_file``, held weakly: the files' holder lives on the reader, and a strong
+    hook would make a cycle that keeps a dropped reader (its LMDB environment, its maps) alive
+    until a garbage collection."""
+    method = weakref.WeakMethod(reader._release_file)
+
+    def release(name: str) -> None:
+        hook = method()
+        if hook is not None:
+            hook(name)
+
+    return release
 
 
 @dataclass
