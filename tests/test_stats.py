@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from imgpack import convert, merge, open_dataset
 from imgpack.cli import main
-from imgpack.errors import ManifestError, OptionError
+from imgpack.errors import DataError, ManifestError, OptionError
 from imgpack.images import pixel_sums
 from imgpack.loading import DeviceLoader
 from imgpack.sample import make_sample_folder
@@ -196,3 +196,19 @@ def test_a_manifest_whose_stats_contradict_it_is_refused_by_name(
     assert "malformed manifest" in result.output and words in result.output, result.output
     with pytest.raises(ManifestError, match="malformed manifest"):
         open_dataset(out)
+
+
+def test_per_class_counts_against_the_labels_are_checked_before_use(
+    src: Path, tmp_path: Path
+) -> None:
+    """A manifest whose per-class counts add up but contradict the labels the output holds
+    (a sample moved from one class's count to another's) is refused by ds.stats, naming the
+    manifest."""
+    out = tmp_path / "o"
+    convert(src, out, "pt", encoding="raw", size=16, progress=False)
+    manifest = json.loads((out / "imgpack.json").read_text())
+    counts = manifest["stats"]["per_class"]
+    manifest["stats"]["per_class"] = [counts[0] - 1, counts[1] + 1, *counts[2:]]
+    (out / "imgpack.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="stats count samples per class"):
+        open_dataset(out).stats  # noqa: B018

@@ -659,7 +659,20 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         ``None`` for an output made before imgpack recorded them."""
         if self.manifest.stats is None:
             return None
-        return DatasetStats.from_json(self.manifest.stats, len(self.manifest.classes))
+        found = DatasetStats.from_json(self.manifest.stats, len(self.manifest.classes))
+        # The per-class counts against the labels the output holds (read once: ``targets``).
+        counts = np.bincount(
+            np.asarray([t for t in self.targets if t >= 0], np.int64),
+            minlength=len(self.classes),
+        ).tolist()
+        unlabelled = sum(1 for t in self.targets if t < 0)
+        if counts != found.per_class or unlabelled != found.unlabelled:
+            raise DataError(
+                f"{self.root}/imgpack.json: its stats count samples per class that the "
+                f"output's labels do not ({found.per_class[:8]} against {counts[:8]}): the "
+                "manifest was edited or damaged ('imgpack verify' checks the files)"
+            )
+        return found
 
     @property
     def targets(self) -> list[int]:
