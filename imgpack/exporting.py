@@ -27,11 +27,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from imgpack import formats, hf
+from imgpack import hf
 from imgpack.errors import DataError, ImgpackError, OptionError
 from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.images import Encoded, Kind, encode_pixels
-from imgpack.manifest import read_manifest
 from imgpack.options import ON_ERROR
 from imgpack.publishing import (
     check_destination,
@@ -246,7 +245,7 @@ def to_hf(output: ImageDataset | str | os.PathLike[str], cache_dir: str | None =
     output) columns, in the output's order (built by a generator: bounded memory; the arrow
     files go to ``cache_dir`` or the datasets cache). :func:`imgpack.to_hf` takes URLs too."""
     datasets = hf.import_datasets()
-    ds = _open(Path(output)) if isinstance(output, (str, os.PathLike)) else output
+    ds = open_dataset(output) if isinstance(output, (str, os.PathLike)) else output
     classes = list(ds.classes)
     label = datasets.ClassLabel(names=classes) if classes else datasets.Value("int64")
     features = datasets.Features({"image": datasets.Image(), "label": label})
@@ -260,12 +259,6 @@ def to_hf(output: ImageDataset | str | os.PathLike[str], cache_dir: str | None =
     return datasets.Dataset.from_generator(
         _rows, features=features, cache_dir=cache_dir, gen_kwargs=kwargs, keep_in_memory=False
     )
-
-
-def _open(root: Path) -> ImageDataset:
-    """The reader of the output folder ``root``, found by the format its manifest names."""
-    manifest = read_manifest(root)
-    return formats.reader_for(manifest.format, str(root))(root, manifest=manifest)
 
 
 def _rows(reader: str, root: str, output_id: str) -> Any:
