@@ -20,6 +20,8 @@ one group could cancel out, as likely as a random CRC-32C match (2**-32).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 from collections.abc import Iterable
 from functools import lru_cache
@@ -29,6 +31,12 @@ import google_crc32c
 import numpy as np
 
 _LABEL = struct.Struct("<q")
+
+
+def content_digest(body: dict[str, Any]) -> str:
+    """The sha256 of a JSON object's contents (keys sorted): what a receipt or a checkpoint
+    carries of itself, so that an edit of it, even a consistent one, no longer matches."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def crc32c(data: bytes | bytearray | memoryview) -> int:

@@ -614,10 +614,14 @@ def _summary(dst: str, manifest: Any, seconds: float) -> None:
             err=True,
         )
     _skipped_lines(manifest.skipped, f"all listed in {dst}/imgpack.json", err=True)
-    ignored = int((manifest.source or {}).get("ignored_files") or 0)
-    if ignored:
-        reasons = (manifest.source or {}).get("ignored")
-        click.echo(printable_line(f"  {ignored_summary(ignored, reasons)}"), err=True)
+    if manifest.source.get("ignored_files"):
+        click.echo(printable_line(f"  {_ignored(manifest)}"), err=True)
+
+
+def _ignored(manifest: Any) -> str:
+    """What the conversion of ``manifest`` ignored, by reason where it recorded them."""
+    count = int(manifest.source.get("ignored_files") or 0)
+    return ignored_summary(count, manifest.source.get("ignored"))
 
 
 def _skipped_lines(skipped: list[dict[str, str]], where: str, err: bool = False) -> None:
@@ -756,10 +760,7 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
         f"image:     {size}, {image.get('channels')} channel(s)",
         f"files:     {len(manifest.files)}, {format_bytes(manifest.total_bytes)}",
         f"skipped:   {len(manifest.skipped)}",
-        "ignored:   "
-        + ignored_summary(
-            int(manifest.source.get("ignored_files") or 0), manifest.source.get("ignored")
-        ),
+        f"ignored:   {_ignored(manifest)}",
         f"created:   {manifest.created_by}",
     ]
     if manifest.stats is None:

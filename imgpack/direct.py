@@ -23,7 +23,6 @@ never change the output. Only receipts (a few hundred bytes per shard) come back
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from typing import Any
 from tqdm import tqdm
 
 from imgpack import storage
+from imgpack.checksum import content_digest
 from imgpack.errors import ImageError, ImgpackError
 from imgpack.executors import WORKER_DIED, Executor, Failure, Job, TaskDied
 from imgpack.formats import get as format_spec
@@ -183,8 +183,7 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
 def receipt_check(receipt: dict[str, Any]) -> str:
     """The sha256 of a receipt's contents (all but ``check``), as its worker wrote them: an
     edit (a checksum zeroed, a count changed) no longer matches it."""
-    body = {key: value for key, value in receipt.items() if key != "check"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+    return content_digest({key: value for key, value in receipt.items() if key != "check"})
 
 
 def _entry(data: dict[str, Any]) -> FileEntry:

@@ -66,6 +66,12 @@ def default_limit() -> int | None:
     return parse_byte_size(value, LIMIT_VARIABLE) if value else None
 
 
+def cache_limit(limit: int | str | None) -> int | None:
+    """The cache limit in bytes: ``limit`` given (``"200GB"``), else :data:`LIMIT_VARIABLE`,
+    else ``None`` (no limit)."""
+    return parse_byte_size(limit, "cache_limit") if limit is not None else default_limit()
+
+
 class LazyOutput:
     """An output at ``url`` whose data files are fetched into the cache when first used."""
 
@@ -81,7 +87,7 @@ class LazyOutput:
         self.storage_options = storage_options
         cache = OutputCache(cache_dir)
         self.cache_dir = cache.directory
-        self.limit = parse_byte_size(limit, "cache_limit") if limit is not None else default_limit()
+        self.limit = cache_limit(limit)
         self._fs: Any = None
         self._fs_pid: int | None = None
         # The manifest and its bytes: read here, or given by the opener that read them.

@@ -156,12 +156,13 @@ class Manifest:
                 )
                 for entry in data["files"]
             ]
+            num_samples = _count(data["num_samples"], "num_samples")
             named = [e.path for e in files] + [c.path for e in files for c in e.companions]
             if len(set(named)) != len(named) or MANIFEST_NAME in named:
                 raise ValueError("files and their companions name one file twice")
             return cls(
                 format=fmt,
-                num_samples=_count(data["num_samples"], "num_samples"),
+                num_samples=num_samples,
                 classes=list(classes),
                 encoding=encoding,
                 image=image,
@@ -172,9 +173,7 @@ class Manifest:
                 created_by=str(data.get("created_by", "")),
                 output_id=_output_id(data.get("output_id", "")),
                 part=_part(data.get("part")),
-                stats=_stats(
-                    data.get("stats"), len(classes), image, _count(data["num_samples"], "n")
-                ),
+                stats=_stats(data.get("stats"), len(classes), image, num_samples),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -216,18 +215,17 @@ def _stats(value: Any, classes: int, image: dict[str, Any], samples: int) -> dic
     if value is None:
         return None
     found = DatasetStats.from_json(value, classes, image["channels"], samples)
-    height, width = image.get("height"), image.get("width")
+    size = (image.get("height"), image.get("width"))
     if (
-        height
-        and width
+        all(size)
         and found.samples
         and (set(found.heights), set(found.widths))
         != (
-            {height},
-            {width},
+            {size[0]},
+            {size[1]},
         )
     ):
-        raise ValueError(f"stats count sizes other than the output's {height}x{width}")
+        raise ValueError(f"stats count sizes other than the output's {size[0]}x{size[1]}")
     return dict(value)
 
 

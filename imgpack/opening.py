@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import DataError, ManifestError, OptionError
-from imgpack.lazy import LazyOutput, Prefetcher, default_limit, unpin
+from imgpack.lazy import LIMIT_VARIABLE, LazyOutput, Prefetcher, cache_limit, unpin
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.publishing import recover
 from imgpack.storage import EntryPin, fetch_output, is_url, local_path, read_remote_manifest
-from imgpack.units import format_bytes, parse_byte_size
+from imgpack.units import format_bytes
 
 #: The largest raw image a reader accepts (1 GiB: an 18,000 x 18,000 RGB image).
 MAX_IMAGE_BYTES = 1 << 30
@@ -200,11 +200,12 @@ def open_output(
     """Open the output at ``location`` (an :class:`Opened` is returned as it is): its manifest
     read once, its files checked (a lazily read output's as they are fetched).
 
-    ``options``: a :class:`~imgpack.formats.dataset_base.ReadOptions` (its storage options,
-    cache folder and limit: an output fetched whole is refused in one line, before anything is
-    fetched, when it is larger than the limit, ``IMGPACK_CACHE_LIMIT`` by default); ``lazy``: whether a bucket's output is read lazily (its reader
-    fetches each data file when it first reads it) rather than fetched whole, or a function of
-    its manifest that says so (the reader its format names).
+    ``options``: a :class:`~imgpack.formats.dataset_base.ReadOptions` (read here by name, for
+    its storage options, cache folder and limit: an output fetched whole is refused in one
+    line, before anything is fetched, when it is larger than the limit). ``lazy``: whether a
+    bucket's output is read lazily (its reader fetches each data file when it first reads it)
+    rather than fetched whole, or a function of its manifest that says so (the reader its
+    format names).
     """
     if isinstance(location, Opened):
         return location
@@ -219,13 +220,13 @@ def open_output(
             output = LazyOutput(url, storage_options, cache_dir, limit, remote=remote)
             check_files(output.root, manifest, present=False)
             return Opened(output.root, manifest, LazyFiles(output), url)
-        bound = parse_byte_size(limit, "cache_limit") if limit is not None else default_limit()
+        bound = cache_limit(limit)
         if bound is not None and manifest.total_bytes > bound:  # refused before any fetch
             raise OptionError(
                 f"{url}: a {manifest.format} output is fetched whole "
                 f"({format_bytes(manifest.total_bytes)}), more than the cache limit of "
                 f"{format_bytes(bound)}: raise the limit (cache_limit, --cache-limit, "
-                "IMGPACK_CACHE_LIMIT) to at least that, or convert it to a sharded format "
+                f"{LIMIT_VARIABLE}) to at least that, or convert it to a sharded format "
                 "(pt, tfrecord, webdataset), whose shards are fetched as they are read"
             )
         root, pin = fetch_output(url, storage_options, cache_dir, remote=remote)

@@ -20,7 +20,6 @@ run writes.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from typing import Any
 from tqdm import tqdm
 
 from imgpack import direct, executors, formats, hf, sources, storage
+from imgpack.checksum import content_digest
 from imgpack.errors import (
     DataError,
     ImageError,
@@ -109,7 +109,7 @@ class Checkpoint:
         tmp = directory / (CHECKPOINT + ".tmp")
         body = asdict(self)
         del body["intact"]
-        body["check"] = _checksum(body)
+        body["check"] = content_digest(body)
         tmp.write_text(json.dumps(body), encoding="utf-8")
         os.replace(tmp, directory / CHECKPOINT)
 
@@ -119,10 +119,12 @@ class Checkpoint:
         (damaged, another layout): such a folder cannot be resumed."""
         try:
             data = json.loads((directory / CHECKPOINT).read_text(encoding="utf-8"))
-            check = data.pop("check", None) if isinstance(data, dict) else None
+            if not isinstance(data, dict):
+                return None
+            check = data.pop("check", None)
             data.pop("intact", None)
             found = cls(**data)
-            found.intact = check == _checksum(data)
+            found.intact = check == content_digest(data)
         except (OSError, ValueError, TypeError, UnicodeDecodeError):
             return None
         ints = (found.position, found.count)
@@ -177,11 +179,6 @@ def _stats_problem(stats: dict[str, Any], count: int, plan: Plan) -> str | None:
     except (KeyError, TypeError, ValueError) as exc:
         return f"are not those of its {count} samples written ({exc})"
     return None
-
-
-def _checksum(body: dict[str, Any]) -> str:
-    """The sha256 of a checkpoint's contents, as written."""
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def damaged_checkpoint(directory: Path, problem: str) -> DataError:

@@ -285,10 +285,10 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rechecked(case: dict[str, object]) -> dict[str, object]:
-    from imgpack.pipeline import _checksum
+    from imgpack.checksum import content_digest
 
     body = {key: value for key, value in case.items() if key != "check"}
-    return {**body, "check": _checksum(body)}
+    return {**body, "check": content_digest(body)}
 
 
 @pytest.mark.parametrize("fmt", ["tfrecord", "pt"])

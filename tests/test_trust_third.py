@@ -89,7 +89,7 @@ def test_bench_defaults_scale_with_the_output_and_show_progress(
                                        "--json", str(report)])  # fmt: skip
     assert result.exit_code == 0, result.output
     rows = json.loads(report.read_text())
-    samples = rows[0]["samples"] if isinstance(rows, list) else rows["results"][0]["samples"]
+    samples = rows[0]["samples"]
     assert samples <= 3 * 8  # three epochs of an 8-image output, not 20,000 samples
     assert "bench:" in result.output  # the progress bar, on stderr
     quiet = CliRunner().invoke(
@@ -221,3 +221,13 @@ def test_two_paths_to_one_file_in_a_label_list_are_refused_by_line(tmp_path: Pat
     assert len(open_dataset(out)) == 2
     skipped = json.loads((out / "imgpack.json").read_text())["skipped"]
     assert len(skipped) == 2 and "img/../img/1.png is the file img/1.png names" in str(skipped)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"a string"', "7", "null"])
+def test_a_checkpoint_that_is_not_an_object_is_no_checkpoint(tmp_path: Path, text: str) -> None:
+    """Not resumable, and no traceback: a run over it starts afresh (the checkpoint's checksum
+    is read from an object only)."""
+    from imgpack.pipeline import CHECKPOINT, Checkpoint
+
+    (tmp_path / CHECKPOINT).write_text(text)
+    assert Checkpoint.load(tmp_path) is None

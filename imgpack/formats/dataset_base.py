@@ -775,7 +775,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if old is not None:
             os.close(old[1])
         size = os.fstat(fd).st_size
-        recorded = self._recorded_bytes(path)
+        recorded = self._file_bytes.get(Path(path).name)
         if recorded is not None and size < recorded:  # cut since the output was opened
             os.close(fd)
             raise DataError(
@@ -785,13 +785,11 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             )
         maps[number] = (str(path), fd, size)
 
-    def _recorded_bytes(self, path: str | os.PathLike[str]) -> int | None:
-        """The size the manifest records for the output's file at ``path``, if it lists it."""
-        recorded = self.__dict__.get("_file_bytes")
-        if recorded is None:  # once: an output may have thousands of shards
-            recorded = {Path(e.path).name: e.bytes for e in self.manifest.files}
-            self.__dict__["_file_bytes"] = recorded
-        return recorded.get(Path(path).name)
+    @functools.cached_property
+    def _file_bytes(self) -> dict[str, int]:
+        """The size the manifest records for each of the output's files, by name (made once:
+        an output may have thousands of shards)."""
+        return {Path(e.path).name: e.bytes for e in self.manifest.files}
 
     def _check_mapped(self, indices: np.ndarray) -> None:
         """Refuse a batch that would read a memory-mapped file that shrank since it was mapped

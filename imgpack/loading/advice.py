@@ -11,8 +11,10 @@ prints it.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from imgpack.errors import PerformanceWarning
@@ -59,4 +61,15 @@ def advise_workers(dataset: Any, num_workers: int) -> None:
     warnings.warn_explicit(note, PerformanceWarning, filename="imgpack", lineno=0, module="imgpack")
 
 
-__all__ = ["RAW_WORKERS_REASON", "advise_workers", "worker_note"]
+@contextlib.contextmanager
+def measuring() -> Iterator[None]:
+    """No advice on workers while workers are what is measured (``tune``, ``bench``): the
+    loader's note and torch's note on more workers than CPUs are silenced; DataLoader workers
+    forked inside inherit the filters."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+        yield
+
+
+__all__ = ["RAW_WORKERS_REASON", "advise_workers", "measuring", "worker_note"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,8 +21,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm import tqdm
 
-from imgpack.errors import ImageError, OptionError, PerformanceWarning
+from imgpack.errors import ImageError, OptionError
 from imgpack.formats.dataset_base import ReadOptions, collate
+from imgpack.loading.advice import measuring
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset
 from imgpack.sources.folder.scan import scan_folder
@@ -129,19 +129,20 @@ def measure(
     count = -1
     start = 0.0
     deadline = float("inf")
-    while count < limit:
+    done = False
+    while not done:
         for images, _ in loader:
-            if count < 0:
+            if count < 0:  # the clock starts at the first batch of the measured pass
                 start = time.perf_counter()
                 deadline = start + max_seconds if max_seconds else deadline
                 count = 0
-            else:
-                count += len(images)
-                if progress is not None:
-                    progress(len(images))
-                if count >= limit or (count > 0 and time.perf_counter() >= deadline):
-                    limit = count
-                    break
+                continue
+            count += len(images)
+            if progress is not None:
+                progress(len(images))
+            done = count >= limit or time.perf_counter() >= deadline
+            if done:
+                break
     seconds = time.perf_counter() - start
     return count, seconds
 
@@ -175,9 +176,7 @@ def run_bench(
         leave=False,
     )
     results = []
-    with bar, warnings.catch_warnings():
-        warnings.simplefilter("ignore", PerformanceWarning)  # workers forked here inherit it
-        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+    with bar, measuring():
         for (path, name, dataset), planned in zip(opened, plans, strict=True):
             for w in workers:
                 bar.set_postfix_str(f"{name}, {w} workers")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -19,9 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from imgpack.errors import PerformanceWarning
 from imgpack.formats.dataset_base import ImageDataset, collate
-from imgpack.loading.advice import RAW_WORKERS_REASON
+from imgpack.loading.advice import RAW_WORKERS_REASON, measuring
 from imgpack.system import usable_cpus
 
 
@@ -135,11 +133,7 @@ def _rate(
     if settings.decode_threads is not None and isinstance(dataset, ImageDataset):
         dataset = dataset.with_options(decode_threads=settings.decode_threads)
     count, start = 0, 0.0
-    # The advice these runs would print (the readers' note on workers, torch's note on more
-    # workers than CPUs) is what the measurement decides: workers forked here inherit the filter.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PerformanceWarning)
-        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+    with measuring():  # the advice these runs would give is what they decide
         loader = DataLoader(
             dataset,
             batch_size=batch_size,

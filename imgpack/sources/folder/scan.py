@@ -154,11 +154,11 @@ def walk_images(
     root: Path,
     class_name: str,
     unreadable: list[dict[str, str]],
-    ignored: list[dict[str, str]] | None = None,
-) -> tuple[list[str], int]:
+    ignored: list[dict[str, str]],
+) -> list[str]:
     """Relative POSIX paths of the image files under ``root/class_name`` (``""``: all of
-    ``root``), in torchvision's order, and the number of other files passed over (each added to
-    ``ignored`` by path, with why: hidden, not an image, a link back into the walk).
+    ``root``), in torchvision's order; every other file passed over is added to ``ignored`` by
+    path, with why (hidden, not an image, a link back into the walk).
 
     The walk keeps its own stack (no recursion: a tree thousands of levels deep is fine), follows
     symbolic links to folders but never around a loop, and adds to ``unreadable`` the folders
@@ -168,8 +168,7 @@ def walk_images(
     unreadable file): the dry run refuses what the run refuses.
     """
     found: list[tuple[str, str]] = []
-    passed: list[dict[str, str]] = [] if ignored is None else ignored
-    count = len(passed)
+    passed = ignored
     visited: set[tuple[int, int]] = set()
     stack = [class_name]
     while stack:
@@ -221,7 +220,7 @@ def walk_images(
         # Depth first, subfolders in sorted order (os.walk's order); order is restored below.
         stack.extend(_join(rel_dir, d) for d in sorted(subfolders, reverse=True))
     found.sort()
-    return [_join(d, n) for d, n in found], len(passed) - count
+    return [_join(d, n) for d, n in found]
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
@@ -281,8 +280,7 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
 
     def walk(name: str) -> tuple[list[str], list[dict[str, str]], None, None]:
         passed: list[dict[str, str]] = []
-        paths, _ = walk_images(root, name, unreadable, passed)
-        return paths, passed, None, None
+        return walk_images(root, name, unreadable, passed), passed, None, None
 
     return _scan(str(root), folders, classes, walk, unreadable, ignored)
 

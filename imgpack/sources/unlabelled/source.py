@@ -37,7 +37,7 @@ class UnlabelledSource(Source):
             )
         unreadable: list[dict[str, str]] = []
         ignored: list[dict[str, str]] = []
-        paths, _ = walk_images(self.src, "", unreadable, ignored)
+        paths = walk_images(self.src, "", unreadable, ignored)
         if not paths and not unreadable:
             raise ScanError(
                 f"{self.src}: found no image files. Images are recognised by the extensions "
