@@ -124,7 +124,7 @@ def storage_option_only(func: F) -> F:
 
 
 def _storage(items: tuple[str, ...]) -> dict[str, Any] | None:
-    from imgpack.storage import parse_storage_options
+    from imgpack.storage.location import parse_storage_options
 
     return parse_storage_options(items) or None
 
@@ -513,7 +513,7 @@ def convert(
     (s3://bucket/prefix, gs://..., memory://...; see docs/storage.md)."""
     from imgpack.pipeline import convert as run_convert
     from imgpack.pipeline import convert_splits
-    from imgpack.storage import is_url
+    from imgpack.storage.location import is_url
 
     started = time.perf_counter()
     splits = given.pop("splits")
@@ -736,13 +736,10 @@ def list_formats() -> None:
 @friendly_errors
 def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
     """Summarise the imgpack output OUTPUT (a folder or a URL) from its manifest."""
-    from imgpack.publishing import recover
+    from imgpack.opening import open_manifest
     from imgpack.stats import DatasetStats
-    from imgpack.storage import is_url, local_path, manifest_of
 
-    if not is_url(dst):
-        recover(local_path(dst))
-    manifest = manifest_of(dst, _storage(storage_option))
+    _, manifest = open_manifest(dst, _storage(storage_option))  # a local one put back first
     if as_json:
         click.echo(json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))
         return
@@ -805,7 +802,7 @@ def preview(
     first samples read back through the reader, as training sees them."""
     from imgpack.preview import contact_sheet
     from imgpack.readers import open_dataset
-    from imgpack.storage import is_url
+    from imgpack.storage.location import is_url
 
     options = replace(_read_options(storage_option, cache_dir, cache_limit), size=size)
     dataset = open_dataset(dst, options=options)
@@ -928,7 +925,7 @@ def bench(
     """Read throughput of image folders and imgpack outputs (folders or URLs), side by side
     through a DataLoader."""
     from imgpack.loading.bench import pyplot, run_bench
-    from imgpack.storage import is_url
+    from imgpack.storage.location import is_url
 
     for path in paths:
         if not is_url(path) and not Path(path).exists():

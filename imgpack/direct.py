@@ -35,7 +35,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import storage
 from imgpack.checksum import content_digest
 from imgpack.errors import ImageError, ImgpackError
 from imgpack.executors import WORKER_DIED, Executor, Failure, Job, TaskDied
@@ -44,7 +43,9 @@ from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
 from imgpack.planning import Plan, manifest_for
 from imgpack.scan import Sample, SampleTable
+from imgpack.sources import listing
 from imgpack.stats import DatasetStats
+from imgpack.storage import location
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
 
     return (
         options.spec.sharded
-        and storage.is_url(dst)
+        and location.is_url(dst)
         and not str(dst).startswith("memory://")
         and isinstance(source, FolderSource)
         and hasattr(executor, "tasks")
@@ -117,7 +118,7 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
     ``{"shard", "start", "stop", "count", "skipped", "file"}`` (``file``: its manifest entry).
     With ``--on-error fail``, the first bad file is returned as ``{"failed": {...}}`` and
     nothing is uploaded."""
-    fs, root = storage.filesystem(task.url, json.loads(task.storage_options) or None)
+    fs, root = location.filesystem(task.url, json.loads(task.storage_options) or None)
     fetch = task.job.fetch
     prefetch = getattr(fetch, "prefetch", None)
     skipped: list[dict[str, str]] = []
@@ -171,7 +172,7 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         "stats": tally.to_json(),
         # What the store says of each object just uploaded: the commit refuses a shard object
         # the listing then names otherwise (swapped or rewritten since).
-        "etags": {name: storage.content_tag(fs.info(f"{root}/{name}")) for name in names},
+        "etags": {name: location.content_tag(fs.info(f"{root}/{name}")) for name in names},
         # The conversion it is for: another conversion's receipt copied over is refused.
         "output_id": task.config.output_id,
     }
@@ -204,7 +205,7 @@ class Destination:
 
     @classmethod
     def list(cls, url: str, storage_options: dict[str, Any] | None) -> Destination:
-        fs, root = storage.filesystem(url, storage_options)
+        fs, root = location.filesystem(url, storage_options)
         return cls(url, fs, root, *_files(fs, root, url))
 
     def relisted(self) -> Destination:
@@ -212,7 +213,7 @@ class Destination:
         of the folders below it forgotten first: s3fs's ``invalidate_cache(path)`` forgets
         ``path`` and its parents only, and a cached listing of the work folder hid the
         receipts this very run wrote (a first ``--resume`` then did not commit)."""
-        storage.forget_listings(self.fs, self.root)
+        location.forget_listings(self.fs, self.root)
         return Destination(self.url, self.fs, self.root, *_files(self.fs, self.root, self.url))
 
 
@@ -223,10 +224,10 @@ def _files(fs: Any, root: str, url: str) -> tuple[dict[str, int], dict[str, str]
     except FileNotFoundError:
         found = {}
     except OSError as exc:
-        raise storage.remote_error(url, exc) from None
-    listed = [(path[len(root) :].lstrip("/"), info) for path, info in storage.listed_objects(found)]
+        raise location.remote_error(url, exc) from None
+    listed = [(path[len(root) :].lstrip("/"), info) for path, info in listing.listed_objects(found)]
     sizes = {name: int(info.get("size") or 0) for name, info in listed}
-    return sizes, {name: storage.content_tag(info) for name, info in listed}
+    return sizes, {name: location.content_tag(info) for name, info in listed}
 
 
 def convert_to_bucket(
@@ -248,7 +249,7 @@ def convert_to_bucket(
     try:  # the first write: a bucket that does not exist is named here
         dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
     except FileNotFoundError as exc:
-        raise storage.remote_error(url, exc) from None
+        raise location.remote_error(url, exc) from None
     names = shard_names(plan, total)
     done = set(_receipts(dest, work, plan, bounds, names)[0]) if options.resume else set()
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
@@ -516,7 +517,7 @@ def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
     tally = DatasetStats.total(r.get("stats") for r in receipts)  # an older receipt: None
     count = sum(r["count"] for r in receipts)
     manifest = manifest_for(plan, files, count, skipped, tally)
-    if storage.remote_source(plan.src) is not None:  # the bucket, not the listing's folder
+    if listing.remote_source(plan.src) is not None:  # the bucket, not the listing's folder
         manifest.source["path"] = plan.where
     return manifest
 

@@ -42,7 +42,8 @@ from imgpack.publishing import (
     temp_output,
 )
 from imgpack.readers import open_dataset
-from imgpack.storage import is_url, local_path, output_folder
+from imgpack.storage.destination import output_folder
+from imgpack.storage.location import is_url, local_path
 
 #: The marker an export leaves in its folder (hidden: the scan ignores it).
 EXPORT_MARKER = ".imgpack-export.json"

@@ -32,8 +32,8 @@ from imgpack.errors import DataError, OptionError
 from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile, file_entries
 from imgpack.images import Encoding, ImagePolicy
-from imgpack.manifest import Manifest, read_manifest, write_manifest
-from imgpack.opening import Opened, open_output
+from imgpack.manifest import Manifest, write_manifest
+from imgpack.opening import Opened, open_manifest, open_output
 from imgpack.publishing import (
     check_destination,
     clear_leftovers,
@@ -44,7 +44,8 @@ from imgpack.publishing import (
     temp_output,
 )
 from imgpack.stats import DatasetStats
-from imgpack.storage import is_url, local_path, output_folder
+from imgpack.storage.destination import output_folder
+from imgpack.storage.location import is_url, local_path
 from imgpack.version import __version__
 
 #: Manifest fields every part of one conversion has in common.
@@ -99,7 +100,7 @@ def merge(
         with temp_output(target) as tmp:
             files = _join(ordered, [by_root[root] for root, _ in ordered], tmp, progress)
             for root, manifest in ordered:
-                if read_manifest(root) != manifest:
+                if open_manifest(root)[1] != manifest:
                     raise DataError(
                         f"{root}: the part was replaced while it was being merged; nothing was "
                         "published: merge again"
@@ -207,7 +208,7 @@ def _join(
         if isinstance(writer, ShardedWriter):
             linked = writer.link_parts(ordered)  # each file's bytes: its recorded sha256
             for reader in readers:  # and each record: its checksum, as a stream is checked
-                reader.check_records()
+                reader.checks.all(reader)
             return linked
         total = sum(manifest.num_samples for _, manifest in ordered)
         bar = tqdm(

@@ -10,171 +10,108 @@ resolves a location itself:
   (:func:`check_files`): :class:`LocalFiles`;
 - an output in a bucket is fetched whole into the checked local cache (:class:`CachedFiles`),
   or, for a reader that fetches each data file when it first reads it, opened lazily over a
-  cache entry (:class:`LazyFiles`, :mod:`imgpack.lazy`), whose files are checked as they
+  cache entry (:class:`LazyFiles`, :mod:`imgpack.storage.lazy`), whose files are checked as they
   arrive.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from imgpack.errors import DataError, ManifestError, OptionError
-from imgpack.lazy import LIMIT_VARIABLE, LazyOutput, Prefetcher, cache_limit, unpin
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.publishing import recover
-from imgpack.storage import EntryPin, fetch_output, is_url, local_path, read_remote_manifest
-from imgpack.units import format_bytes
+from imgpack.storage.cache import fetch_output
+from imgpack.storage.files import CachedFiles, LazyFiles, LocalFiles, OutputFiles
+from imgpack.storage.lazy import LIMIT_VARIABLE, LazyOutput, cache_limit
+from imgpack.storage.location import is_url, local_path, read_remote_manifest
+from imgpack.units import format_bytes, whole_number
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Unpack
 
 #: The largest raw image a reader accepts (1 GiB: an 18,000 x 18,000 RGB image).
 MAX_IMAGE_BYTES = 1 << 30
 
 
-#: Files a reader of a lazily read output keeps pinned per process (the cache cannot evict
-#: them): the ones it used last. ShardSampler's default window reads 8 shards at a time.
-PINNED_FILES = 10
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a reader reads, the same for every format: what :class:`~imgpack.formats.dataset_base.ImageDataset` documents for
+    each. Give ``options=ReadOptions(...)`` to :func:`imgpack.open_dataset` or a reader, or the
+    keywords of the same names (not both)."""
+
+    transform: Callable[[torch.Tensor], Any] | None = None
+    target_transform: Callable[[int], Any] | None = None
+    verify: bool | None = None
+    size: int | tuple[int, int] | str | None = None
+    resize: str = "crop"
+    decode_threads: int | None = None
+    storage_options: dict[str, Any] | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    #: An output read from a URL by a reader that fetches its files lazily: the most the cache
+    #: holds beyond the files being read (``"200GB"``; default ``IMGPACK_CACHE_LIMIT``, else
+    #: no limit). See :mod:`imgpack.storage.lazy`.
+    cache_limit: int | str | None = None
+    #: An output read lazily from a URL: shards fetched ahead in the background (up to
+    #: :data:`~imgpack.storage.lazy.FETCH_THREADS` at once), in the order a sampler that gives hints
+    #: (:class:`~imgpack.loading.ShardSampler`) will read them. The default, 8, is the
+    #: sampler's default window: the next window arrives while this one is read.
+    prefetch: int = 8
+
+    def __post_init__(self) -> None:
+        whole_number(self.prefetch, "prefetch")
+        if self.decode_threads is not None:
+            whole_number(self.decode_threads, "decode_threads", 1)
+        if self.resize not in ("crop", "stretch"):
+            raise OptionError(f"invalid resize {self.resize!r}: expected 'crop' or 'stretch'")
+        if self.verify not in (None, True, False):
+            raise OptionError(f"invalid verify {self.verify!r}: expected None, True or False")
+
+    @classmethod
+    def of(cls, options: ReadOptions | None, **keywords: Unpack[ReadKeywords]) -> ReadOptions:
+        """``options``, or the options the keywords give (those left at their defaults are
+        not given); both at once is refused."""
+        if options is not None and not isinstance(options, ReadOptions):
+            raise OptionError(
+                f"options= takes a ReadOptions, not {type(options).__name__} (give transform= "
+                "and the other reading options by name, or options=ReadOptions(...))"
+            )
+        defaults = cls()
+        unknown = sorted(set(keywords) - set(ReadKeywords.__annotations__))
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword(s) {', '.join(unknown)}: a reader takes "
+                f"{', '.join(ReadKeywords.__annotations__)} and its format's own options"
+            )
+        given: dict[str, Any] = {k: v for k, v in keywords.items() if v is not getattr(defaults, k)}
+        if options is None:
+            return cls(**given)
+        if given:
+            raise OptionError(
+                f"give either options= or the keyword(s) {', '.join(sorted(given))}, not both"
+            )
+        return options
 
 
-class OutputFiles:
-    """Where a reader finds the files of an opened output: :meth:`path` of a file by its name
-    in the manifest, and :meth:`holder`, what one reader holds of them in one process."""
+class ReadKeywords(TypedDict, total=False):
+    """:class:`ReadOptions`' fields as keywords: a reader given a path takes them as
+    ``PTDataset(path, transform=...)`` (checked against ReadOptions' fields by a test)."""
 
-    #: The output read lazily from a bucket (its data files fetched when first used), else
-    #: ``None``: every file is at :meth:`path` already.
-    lazy: LazyOutput | None = None
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def path(self, name: str) -> Path:
-        """The local path of the output's file ``name``."""
-        return self.root / name
-
-    def holder(self, on_release: Callable[[str], None]) -> FileHolder:
-        """What one reader holds of these files in this process; ``on_release(name)`` is the
-        reader's hook, called when a file it held is let go (to close its handles of it)."""
-        return FileHolder(self, on_release)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.root)!r})"
-
-
-class LocalFiles(OutputFiles):
-    """A local output's files, checked when it was opened."""
-
-
-class CachedFiles(OutputFiles):
-    """An output in a bucket, fetched whole into the checked local cache
-    (:class:`imgpack.storage.OutputCache`): ``lmdb`` and ``hdf5``, one file each. Its entry
-    stays pinned (no process evicts it) while these files are alive."""
-
-    def __init__(self, root: Path, pin: EntryPin | None = None) -> None:
-        super().__init__(root)
-        self.pin = pin
-
-
-class LazyFiles(OutputFiles):
-    """An output in a bucket whose data files are fetched into the cache when a reader first
-    uses them (:class:`imgpack.lazy.LazyOutput`): its manifest and index files are there."""
-
-    def __init__(self, lazy: LazyOutput) -> None:
-        super().__init__(lazy.root)
-        self.lazy = self.output = lazy
-
-    def holder(self, on_release: Callable[[str], None]) -> FileHolder:
-        return LazyHolder(self, on_release)
-
-
-class FileHolder:
-    """What one reader holds of an output's files in one process (its own: a reader's
-    ``_Process`` keeps it, and a forked or spawned process makes another). Local and cached
-    files are there already: holding one is its path."""
-
-    def __init__(self, files: OutputFiles, on_release: Callable[[str], None]) -> None:
-        self.files = files
-        self.on_release = on_release
-
-    def hold(self, name: str) -> Path:
-        """The local path of file ``name``, there (fetched, for a lazily read output) and kept
-        there until :meth:`trim` or :meth:`release` lets it go."""
-        return self.files.path(name)
-
-    def trim(self) -> None:
-        """Let go of the files used longest ago, beyond :data:`PINNED_FILES`."""
-
-    def release(self) -> None:
-        """Let go of every file held, and of the files fetched ahead."""
-
-    def prefetch(self, names: Sequence[str], depth: int) -> None:
-        """The files to be read next, in order: the first ``depth`` fetched ahead."""
-
-    def drop(self, _unpin: Callable[[int | None], None] | None = None) -> None:
-        """Close what is held without the reader's hook (the reader is going: a fork's copy,
-        or garbage; ``_unpin`` bound early by a finalizer at interpreter exit)."""
-
-
-class LazyHolder(FileHolder):
-    """A reader's pins on the files of a lazily read output, in one process: the last
-    :data:`PINNED_FILES` files it used (and every file of a batch being gathered: the reader
-    calls :meth:`trim` between batches), each a shared lock that keeps the cache from evicting
-    it. With a cache limit a file let go is closed by the reader's hook too, so that its
-    space can come back; without one the reader keeps it open and mapped, as a local output's
-    (no re-opening every epoch; a file evicted meanwhile is read from the open copy, which was
-    checked)."""
-
-    def __init__(self, files: LazyFiles, on_release: Callable[[str], None]) -> None:
-        super().__init__(files, on_release)
-        self.lazy: LazyOutput = files.output
-        self.pins: OrderedDict[str, int | None] = OrderedDict()
-        self.prefetcher: Prefetcher | None = None
-
-    def hold(self, name: str) -> Path:
-        if name in self.pins:
-            self.pins.move_to_end(name)
-            return self.files.path(name)
-        fd = self.lazy.pin(name)  # before the fetch: nothing evicts it in between
-        try:
-            path = self.lazy.file(name)
-        except BaseException:
-            unpin(fd)
-            raise
-        self.pins[name] = fd
-        if self.prefetcher is not None:
-            self.prefetcher.taken(name)
-        return path
-
-    def trim(self) -> None:
-        bounded = self.lazy.limit is not None
-        while len(self.pins) > PINNED_FILES:
-            old, fd = self.pins.popitem(last=False)
-            if bounded:
-                self.on_release(old)
-            unpin(fd)
-
-    def release(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-            self.prefetcher = None
-        while self.pins:
-            name, fd = self.pins.popitem(last=False)
-            self.on_release(name)
-            unpin(fd)
-
-    def prefetch(self, names: Sequence[str], depth: int) -> None:
-        if depth <= 0:
-            return
-        if self.prefetcher is None:
-            self.prefetcher = Prefetcher(self.lazy, depth)
-        self.prefetcher.want(list(names))
-
-    def drop(self, _unpin: Callable[[int | None], None] | None = None) -> None:
-        release = _unpin or unpin
-        while self.pins:
-            release(self.pins.popitem()[1])
+    transform: Callable[[torch.Tensor], Any] | None
+    target_transform: Callable[[int], Any] | None
+    verify: bool | None
+    size: int | tuple[int, int] | str | None
+    resize: str
+    decode_threads: int | None
+    storage_options: dict[str, Any] | None
+    cache_dir: str | os.PathLike[str] | None
+    cache_limit: int | str | None
+    prefetch: int
 
 
 @dataclass(frozen=True)
@@ -194,24 +131,27 @@ class Opened:
 
 def open_output(
     location: str | os.PathLike[str] | Opened,
-    options: Any = None,
+    options: ReadOptions | None = None,
     lazy: bool | Callable[[Manifest], bool] = False,
 ) -> Opened:
     """Open the output at ``location`` (an :class:`Opened` is returned as it is): its manifest
     read once, its files checked (a lazily read output's as they are fetched).
 
-    ``options``: a :class:`~imgpack.formats.dataset_base.ReadOptions` (read here by name, for
-    its storage options, cache folder and limit: an output fetched whole is refused in one
-    line, before anything is fetched, when it is larger than the limit). ``lazy``: whether a
+    ``options``: the :class:`ReadOptions` a reader is built with; the route reads its storage
+    options, cache folder and limit (an output fetched whole is refused in one line, before
+    anything is fetched, when it is larger than the limit). ``lazy``: whether a
     bucket's output is read lazily (its reader fetches each data file when it first reads it)
     rather than fetched whole, or a function of its manifest that says so (the reader its
     format names).
     """
     if isinstance(location, Opened):
         return location
-    storage_options = getattr(options, "storage_options", None)
-    cache_dir = getattr(options, "cache_dir", None)
-    limit = getattr(options, "cache_limit", None)
+    options = options or ReadOptions()
+    storage_options, cache_dir, limit = (
+        options.storage_options,
+        options.cache_dir,
+        options.cache_limit,
+    )
     if is_url(location):
         url = str(location).rstrip("/")
         remote = read_remote_manifest(url, storage_options)  # the one GET of the manifest
@@ -237,6 +177,21 @@ def open_output(
     manifest = read_manifest(root)
     check_files(root, manifest)
     return Opened(root, manifest, LocalFiles(root), str(location))
+
+
+def open_manifest(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> tuple[Path | str, Manifest]:
+    """The route's manifest-only opening: ``(where, manifest)`` of the output at ``location``,
+    its files neither checked nor fetched (``imgpack info``, ``verify``, which reports damage
+    rather than refusing it, and ``--classes-from``). A local output is put back first when a
+    replacement of it was killed midway; a bucket's manifest is one GET."""
+    if is_url(location):
+        url = str(location).rstrip("/")
+        return url, read_remote_manifest(url, storage_options)[0]
+    root = local_path(location)
+    recover(root)
+    return root, read_manifest(root)
 
 
 def check_files(root: Path, manifest: Manifest, present: bool = True) -> None:

@@ -35,12 +35,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import direct, executors, formats, hf, sources, storage
+from imgpack import direct, executors, formats, hf, sources
 from imgpack.checksum import content_digest
 from imgpack.errors import (
     DataError,
     ImageError,
     ImgpackError,
+    ManifestError,
     OptionError,
     ScanError,
     StorageError,
@@ -60,6 +61,7 @@ from imgpack.manifest import (
     read_manifest,
     write_manifest,
 )
+from imgpack.opening import open_manifest
 from imgpack.options import ConvertOptions
 from imgpack.planning import Plan, manifest_for
 from imgpack.publishing import (
@@ -76,7 +78,10 @@ from imgpack.publishing import (
 from imgpack.scan import by_reason, ignored_summary
 from imgpack.sources.base import ScanRequest
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
+from imgpack.sources.listing import source_location
 from imgpack.stats import DatasetStats, PixelSums
+from imgpack.storage.destination import build_folder, output_folder
+from imgpack.storage.location import is_url
 from imgpack.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -217,7 +222,7 @@ def _plan(
     source.check()
     if check_dst:
         _check_paths(src_path, dst_path, options.overwrite)
-    classes = read_class_list(options.classes_from) if options.classes_from is not None else None
+    classes = _class_list(options.classes_from) if options.classes_from is not None else None
     if options.classes is not None:
         classes = list(options.classes)
     request = ScanRequest(classes, options.on_error, options.allow_split_names)
@@ -447,8 +452,8 @@ def convert(
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)
     # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
-    build = storage.build_folder(str(dst), cache_dir) if storage.is_url(dst) else None
-    destination = storage.output_folder(
+    build = build_folder(str(dst), cache_dir) if is_url(dst) else None
+    destination = output_folder(
         dst,
         storage_options,
         options.overwrite,
@@ -462,7 +467,7 @@ def convert(
             local_src = stack.enter_context(_saved_dataset(src, local_dst))
         else:
             local_src = stack.enter_context(
-                storage.source_location(src, storage_options, cache_dir, _in_place(options))
+                source_location(src, storage_options, cache_dir, _in_place(options))
             )
             source = sources.resolve(Path(local_src), options.source, options.source_options)
             if direct.applies(options, dst, source, runner):  # shard tasks write to the bucket
@@ -472,13 +477,13 @@ def convert(
                 )
                 return direct.convert_to_bucket(the_plan, str(dst), storage_options, runner)
             local_dst = Path(stack.enter_context(destination))
-        if storage.is_url(dst):  # the bucket's output was checked; the build is this run's
+        if is_url(dst):  # the bucket's output was checked; the build is this run's
             options = replace(options, overwrite=False)
         if build is not None and options.resume and (local_dst / MANIFEST_NAME).is_file():
             manifest = _built(Path(local_src), local_dst, options)  # stopped while uploading
         else:
             manifest = _convert_local(Path(local_src), local_dst, options, runner)
-        if storage.is_url(src):  # the source as the user named it, not the scratch copy
+        if is_url(src):  # the source as the user named it, not the scratch copy
             manifest.source["path"] = str(src).rstrip("/")
             write_manifest(Path(local_dst), manifest)
         return manifest
@@ -556,9 +561,9 @@ def dry_run(
     read or written. Raises what :func:`convert` would raise before reading an image."""
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)  # made, not started
-    with storage.source_location(src, storage_options, cache_dir, _in_place(options)) as local:
+    with source_location(src, storage_options, cache_dir, _in_place(options)) as local:
         source = sources.resolve(Path(local), options.source, options.source_options)
-        the_plan = _plan(local, dst, options, check_dst=not storage.is_url(dst))
+        the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
         exact = direct.applies(options, dst, source, runner)
         sizes = list(direct.sample_sizes(the_plan))
         shards: list[str] = []
@@ -574,7 +579,7 @@ def dry_run(
                 shards = direct.shard_names(the_plan, len(cuts) - 1)
         where = the_plan.where
     return DryRun(
-        src=str(src) if storage.is_url(src) else where,
+        src=str(src) if is_url(src) else where,
         dst=str(dst),
         format=options.format,
         images=stop - start,
@@ -601,6 +606,17 @@ def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
     if options.source is not None or set(sources.names()) - set(sources.BUILTIN):
         return None
     return lambda paths: all("/" in path or path.startswith(".") for path in paths)
+
+
+def _class_list(source: str) -> list[str]:
+    """``--classes-from``: an imgpack output's label map (its manifest, read by the route), or a
+    text file with one class per line."""
+    if not Path(source).is_dir():
+        return read_class_list(source)
+    try:
+        return list(open_manifest(source)[1].classes)
+    except ManifestError as exc:
+        raise ScanError(f"cannot take the classes from {source}: {exc}") from None
 
 
 def _built(src: Path, dst: Path, options: ConvertOptions) -> Manifest:

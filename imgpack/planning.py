@@ -13,12 +13,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from imgpack import storage
 from imgpack.executors import Job
 from imgpack.formats.writer_base import WriterConfig
 from imgpack.manifest import OUTPUT_ID_LENGTH, FileEntry, Manifest
 from imgpack.options import ConvertOptions
 from imgpack.scan import Sample, Scan
+from imgpack.sources import listing
 from imgpack.sources.base import Source
 from imgpack.stats import DatasetStats
 from imgpack.version import __version__
@@ -53,7 +53,7 @@ class Plan:
     @property
     def where(self) -> str:
         """SRC in messages: a bucket read in place by its URL, not the folder of its listing."""
-        remote = storage.remote_source(self.src) if self.src.is_dir() else None
+        remote = listing.remote_source(self.src) if self.src.is_dir() else None
         return remote[0] if remote is not None else str(self.src)
 
     @property
@@ -123,9 +123,9 @@ class Plan:
         }
         # A bucket's objects are known by what the store says of each (its listing: sizes and
         # ETags), files by their stat; other sources' contents are in the origin already.
-        listing = storage.listing_digest(self.src) if self.src.is_dir() else None
-        if listing is not None:
-            head["listing"] = listing
+        listed = listing.listing_digest(self.src) if self.src.is_dir() else None
+        if listed is not None:
+            head["listing"] = listed
         digest.update(json.dumps(head, sort_keys=True).encode())
         stamp = self.source.stamp
         for sample in self.scan.samples:
@@ -141,7 +141,7 @@ class Plan:
         digest = hashlib.sha256()
         # A bucket SRC's scratch copy has a new path every run: the store's stamps of every
         # object (in the output id) identify it.
-        copied = (self.src / storage.STORE_LISTING).is_file()
+        copied = (self.src / listing.STORE_LISTING).is_file()
         source = "a bucket's copy" if copied else str(self.src.resolve())
         head = {"output": self.output_id, "source": source, "part": self.part}
         digest.update(json.dumps(head, sort_keys=True).encode())

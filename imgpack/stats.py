@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from imgpack.errors import DataError
+
 if TYPE_CHECKING:
     pass
 
@@ -253,6 +255,28 @@ class DatasetStats:
         if self.unlabelled:
             lines.append(f"unlabelled: {self.unlabelled} samples (label -1)")
         return lines
+
+
+def against_labels(found: DatasetStats, targets: Sequence[int], where: str) -> DatasetStats:
+    """``found`` (an output's recorded statistics) when its per-class counts are those of the
+    labels the output holds (``targets``, in order; negative: unlabelled), else
+    :class:`~imgpack.errors.DataError` naming ``where``: the manifest was edited or damaged."""
+    counts = [0] * len(found.per_class)
+    unlabelled = 0
+    for label in targets:
+        if label < 0:
+            unlabelled += 1
+        elif label < len(counts):
+            counts[label] += 1
+        else:
+            counts.append(-1)  # a label past the classes: never what was recorded
+    if counts != found.per_class or unlabelled != found.unlabelled:
+        raise DataError(
+            f"{where}: its stats count samples per class that the output's labels do not "
+            f"({found.per_class[:8]} against {counts[:8]}): the manifest was edited or "
+            "damaged ('imgpack verify' checks the files)"
+        )
+    return found
 
 
 def _rounded(values: Sequence[float]) -> list[float]:

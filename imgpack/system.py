@@ -6,6 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 def usable_cpus() -> int:
@@ -62,3 +66,25 @@ def read_regular_file(path: str | os.PathLike[str], follow_links: bool = False) 
         return parts[0] if len(parts) == 2 else b"".join(parts)
     finally:
         os.close(fd)
+
+
+class PerProcess(Generic[T]):
+    """A value that belongs to the process that made it (a filesystem client with its event
+    loop, a handle): made on first use, made again in a forked or spawned process (one pid
+    check), never pickled."""
+
+    def __init__(self) -> None:
+        self._pid: int | None = None
+        self._value: T | None = None
+
+    def get(self, make: Callable[[bool], T]) -> T:
+        """This process's value; ``make(fresh)`` makes it, ``fresh`` saying that another
+        process made one before (a fork's copy must not reuse what the parent's holds)."""
+        pid = os.getpid()
+        if self._pid != pid or self._value is None:
+            self._value = make(self._pid is not None)
+            self._pid = pid
+        return self._value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_pid": None, "_value": None}

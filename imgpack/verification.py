@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from imgpack.errors import ImgpackError, NotAnOutput
@@ -32,12 +33,12 @@ from imgpack.manifest import (
     FileEntry,
     Manifest,
     file_problem,
-    read_manifest,
     sha256_file,
 )
-from imgpack.publishing import recover
+from imgpack.opening import open_manifest
 from imgpack.scan import valid_label
-from imgpack.storage import is_url, local_path, source_folder
+from imgpack.sources.listing import source_folder
+from imgpack.storage.location import is_url, local_path
 from imgpack.system import usable_cpus
 
 #: Samples checked per step (one batch read, one progress update).
@@ -125,8 +126,23 @@ def _batches(count: int) -> Iterator[range]:
 def _check_records(dataset: Any, manifest: Manifest, part: range) -> list[Problem]:
     return [
         Problem(str(dataset.root), msg, index, named=True)
-        for index, msg in dataset.damaged(list(part))
+        for index, msg in _damaged(dataset, np.arange(part.start, part.stop, dtype=np.int64))
     ]
+
+
+def _damaged(dataset: Any, indices: np.ndarray) -> Iterator[tuple[int, str]]:
+    """``(index, problem)`` for every damaged record among ``indices`` (structure, label
+    range, checksum), without decoding images: all at once, then each when one is."""
+    try:
+        dataset.checks.each(dataset, indices)
+        return
+    except ImgpackError:
+        pass
+    for index in indices.tolist():  # find each bad one
+        try:
+            dataset.checks.each(dataset, np.array([index], np.int64))
+        except ImgpackError as exc:
+            yield index, str(exc)
 
 
 def _decode(dataset: Any, manifest: Manifest, part: range) -> list[Problem]:
@@ -182,11 +198,10 @@ def verify(
         ]
         return report
     root = local_path(path)
-    recover(root)  # a replacement killed midway: put the previous output back first
     started = time.perf_counter()
     report = Report(str(root), deep)
-    try:
-        manifest = read_manifest(root)
+    try:  # the route's manifest-only opening: damage is reported, not refused
+        manifest = open_manifest(root)[1]
     except (NotAnOutput, FileNotFoundError):
         raise  # the wrong folder given, not a damaged output
     except ImgpackError as exc:

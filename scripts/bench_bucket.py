@@ -83,20 +83,20 @@ import json, sys
 from dataclasses import replace
 from pathlib import Path
 import torch  # the driver has it loaded
-import imgpack.storage as storage
+from imgpack.sources import listing
 from imgpack import direct, pipeline
 from imgpack.options import ConvertOptions
 count, folder = int(sys.argv[1]), Path(sys.argv[2])
 index = {}
-with open(folder / storage.STORE_LISTING, "wb") as out:
+with open(folder / listing.STORE_LISTING, "wb") as out:
     for c in range(10):
         start = out.tell()
         for i in range(c, count, 10):
             entry = [f"class{c:02d}/img{i:07d}.png", 3300 + i % 7, f'"{i:032x}"']
             out.write(json.dumps(entry).encode() + b"\\n")
         index[f"class{c:02d}"] = [start, out.tell(), count // 10]
-(folder / storage.STORE_FOLDERS).write_text(json.dumps(index))
-(folder / storage.STORE_REMOTE).write_text(json.dumps({"url": "s3://b/src", "storage_options": {}}))
+(folder / listing.STORE_FOLDERS).write_text(json.dumps(index))
+(folder / listing.STORE_REMOTE).write_text(json.dumps({"url": "s3://b/src", "storage_options": {}}))
 def hwm():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
 before = hwm()

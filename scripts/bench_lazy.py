@@ -43,9 +43,9 @@ from benchlib import machine, print_table, save_json
 from torch.utils.data import DataLoader
 
 from imgpack import convert, open_dataset
-from imgpack.lazy import cached_files
 from imgpack.loading import ShardSampler
 from imgpack.readers import collate
+from imgpack.storage.lazy import cached_files
 
 
 def epoch_count(ds: Any, seed: int) -> int:

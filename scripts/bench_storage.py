@@ -31,10 +31,10 @@ import fsspec
 from benchlib import machine, make_jpeg_folder, make_png_folder, print_table, save_json
 from torch.utils.data import DataLoader
 
-import imgpack.storage as storage
 from imgpack import convert, open_dataset
 from imgpack.loading.bench import measure
 from imgpack.readers import TFRecordStream, collate
+from imgpack.storage.cache import stats as cache_stats
 
 
 def start_moto(log: Path | None = None) -> subprocess.Popen[bytes]:
@@ -185,7 +185,7 @@ def main() -> None:
                     )
                 )
             print_table(f"{name} ({n} samples)", rows)
-        print(f"\ndownloads this run: {storage.stats.downloads} files")
+        print(f"\ndownloads this run: {cache_stats.downloads} files")
     save_json(args.json, {"machine": machine(), "results": results})
 
 

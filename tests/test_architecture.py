@@ -6,6 +6,7 @@ edges to its own submodules. Read from the source with ast, so the rules hold fo
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -50,9 +51,20 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.sources.folder.scan",
         ),
     ),
-    # I/O below the formats: object storage, the cache and lazy shards, and what the engine
-    # knows of Hugging Face datasets (reading them as SRC; writing them is exporting's).
-    ("storage", ("imgpack.storage", "imgpack.lazy", "imgpack.opening", "imgpack.hf")),
+    # I/O below the formats: object storage split by job (imgpack.storage.*), the one route
+    # that opens an output, a bucket source's listing (verify takes a bucket output's files as
+    # they are through it), and what the engine knows of Hugging Face datasets (reading them
+    # as SRC; writing them is exporting's).
+    (
+        "storage",
+        (
+            "imgpack.storage",
+            "imgpack.storage.*",
+            "imgpack.opening",
+            "imgpack.sources.listing",
+            "imgpack.hf",
+        ),
+    ),
     # The format registry (its specs name readers and writers, whose types it uses), and each
     # format's codec, writer and reader.
     ("formats", ("imgpack.formats", "imgpack.formats.*", "imgpack.converters")),
@@ -224,24 +236,44 @@ def test_no_ctypes_memory_tricks() -> None:
 def test_no_read_gives_advice() -> None:
     """The advice on loader settings is the loader's, tune's and profile's (#56): no reader
     warns from inside a read (no PerformanceWarning below imgpack.loading)."""
-    readers = [*(PACKAGE / "formats").rglob("*.py"), PACKAGE / "opening.py", PACKAGE / "lazy.py"]
+    readers = [*(PACKAGE / "formats").rglob("*.py"), PACKAGE / "opening.py"]
+    readers += (PACKAGE / "storage").rglob("*.py")
     found = [str(p.relative_to(PACKAGE)) for p in readers if "PerformanceWarning" in p.read_text()]
     assert found == []
 
 
-def test_readers_are_built_from_what_the_route_opened() -> None:
-    """One route opens an output (#56): readers and open_dataset go through
-    imgpack.opening.open_output; no reader reads a manifest or fetches an output itself."""
+#: The modules that may read a manifest or fetch an output besides the route
+#: (imgpack.opening, built on imgpack.manifest and imgpack.storage.*), and why.
+OPENERS_ALLOWED = {
+    "pipeline.py": "a resumed upload reads the manifest of the build it made itself",
+    "direct.py": "shard tasks read the manifest they publish to DST (receipts, resume)",
+}
+
+
+def test_one_route_opens_an_output() -> None:
+    """One route opens an output (#56): imgpack.opening.open_output (and its manifest-only
+    open_manifest). No reader, command or source reads a manifest or fetches an output
+    itself; the engine reads only what it writes."""
     openers = ("read_manifest(", "read_remote_manifest(", "fetch_output(", "LazyOutput(")
-    readers = [PACKAGE / "readers" / "__init__.py", *(PACKAGE / "formats").rglob("*.py")]
-    found = [
-        f"{path.relative_to(PACKAGE)}: {name}"
-        for path in readers
-        for name in openers
-        if name in path.read_text() and path.name != "writer.py"
-    ]
-    # the TFRecord stream reads an output in a bucket without a cache (Records._remote)
-    assert found == ["formats/tfrecord/reader.py: read_remote_manifest("], found
+    route = {PACKAGE / "opening.py", PACKAGE / "manifest.py", *(PACKAGE / "storage").rglob("*.py")}
+    found = {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path not in route and any(name in path.read_text() for name in openers)
+    }
+    assert sorted(found) == sorted(OPENERS_ALLOWED), found
+
+
+def test_readers_are_built_from_what_they_opened() -> None:
+    """Every reader's constructor takes what the route opened and one ReadOptions value; the
+    path-taking conveniences are class methods that call the route."""
+    from imgpack.formats.dataset_base import ImageDataset
+
+    for name in formats.BUILTIN:
+        reader = formats.get(name).reader_class()
+        assert issubclass(reader, ImageDataset), name
+        parameters = list(inspect.signature(reader.__init__).parameters)
+        assert parameters[:3] == ["self", "opened", "options"], (name, parameters)
 
 
 def test_no_reader_imports_a_writer() -> None:
@@ -277,7 +309,7 @@ STATE_ALLOWED = {
     "imgpack.loading.advice._advised": "readers given the loader's note in this process (weak)",
     "imgpack.sources.base._run": "the conversion run a pool worker or Ray actor serves",
     "imgpack.sources.base._opened": "the sources that run's worker opened, dropped with it",
-    "imgpack.storage.stats": "what the cache did in this process, for tests and logs",
+    "imgpack.storage.cache.stats": "what the cache did in this process, for tests and logs",
 }
 
 _MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "Lock", "RLock",

@@ -19,14 +19,16 @@ from click.testing import CliRunner
 from conftest import build_uniform_folder
 
 import imgpack.direct as direct
-import imgpack.storage as storage
 from imgpack import convert, open_dataset, verify
 from imgpack.cli import main
 from imgpack.direct import receipt_check
 from imgpack.errors import ImageError
 from imgpack.executors import WORKER_DIED
 from imgpack.readers import collate
+from imgpack.sources import listing
 from imgpack.sources.folder.source import ObjectFetcher
+from imgpack.storage import destination
+from imgpack.storage.cache import stats as cache_stats
 
 SHARDED = ("pt", "tfrecord", "webdataset")
 BUCKET = "imgpack-test"
@@ -69,11 +71,11 @@ def test_bucket_to_bucket_equals_a_local_conversion(
     downloads no image and builds nothing: the workers wrote the shards, and the bucket holds
     the output's files only (the work folder is gone)."""
     url = f"{s3}/b2b-{fmt}"
-    before = storage.stats.downloads
+    before = cache_stats.downloads
     manifest = convert(src_url, url, fmt, shard_size="4KB", workers=2, progress=False,
                        cache_dir=tmp_path / "cache")  # fmt: skip
-    assert storage.stats.downloads == before
-    assert not (tmp_path / "cache" / storage.BUILDS).exists()
+    assert cache_stats.downloads == before
+    assert not (tmp_path / "cache" / destination.BUILDS).exists()
     assert manifest.num_samples == 48 and len(manifest.files) > 4
     assert manifest.source["path"] == src_url
     local = convert(images, tmp_path / "local", fmt, progress=False)
@@ -285,8 +287,8 @@ def test_the_scan_of_a_bucket_is_listed_folder_by_folder_and_packed(
     from imgpack.sources.folder.scan import scan_folder
     from imgpack.sources.folder.source import FolderSource
 
-    with storage.source_location(src_url, listing_only=lambda names: True) as folder:
-        assert sorted(storage.store_folders(folder) or {}) == [f"class{i}" for i in range(4)]
+    with listing.source_location(src_url, listing_only=lambda names: True) as folder:
+        assert sorted(listing.store_folders(folder) or {}) == [f"class{i}" for i in range(4)]
         scan = FolderSource(folder).scan(ScanRequest())
     local = scan_folder(images)
     assert isinstance(scan.samples, SampleTable) and scan.samples == local.samples

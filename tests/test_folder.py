@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from conftest import FakeFolder, build_uniform_folder
 
+from imgpack import convert
 from imgpack.errors import ScanError
 from imgpack.sources.folder.scan import read_class_list, scan_folder
 
@@ -102,6 +103,7 @@ def test_class_list_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ScanError, match="empty"):
         read_class_list(tmp_path / "empty.txt")
-    (tmp_path / "notout").mkdir()
-    with pytest.raises(ScanError, match="not an imgpack output"):
-        read_class_list(tmp_path / "notout")
+    (tmp_path / "notout").mkdir()  # a folder is an output's label map, read by the route
+    src = build_uniform_folder(tmp_path / "src", count=4, classes=2, size=8)
+    with pytest.raises(ScanError, match=r"cannot take the classes from .*not an imgpack output"):
+        convert(src, tmp_path / "out", "pt", classes_from=tmp_path / "notout", progress=False)

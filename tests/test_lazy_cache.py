@@ -16,14 +16,14 @@ from click.testing import CliRunner
 from conftest import build_uniform_folder
 from torch.utils.data import DataLoader
 
-import imgpack.opening as opening
-import imgpack.storage as storage
+import imgpack.storage.files as storage_files
 from imgpack import convert, open_dataset
 from imgpack.cli import main
 from imgpack.errors import StorageError
-from imgpack.lazy import cached_files
 from imgpack.loading import ShardSampler
 from imgpack.readers import collate
+from imgpack.storage.cache import stats as cache_stats
+from imgpack.storage.lazy import cached_files
 
 #: 96 images in 16 shards: sharded formats only (lmdb and hdf5 are one file, fetched whole).
 SHARDS = 16
@@ -67,11 +67,11 @@ def test_an_epoch_through_a_cache_four_times_smaller(
     assert len(files) == SHARDS
     total, biggest = sum(f.bytes for f in files), max(f.bytes for f in files)
     limit = total // 4
-    monkeypatch.setattr(opening, "PINNED_FILES", 2)  # forked workers inherit it
-    before = storage.stats.downloads
+    monkeypatch.setattr(storage_files, "PINNED_FILES", 2)  # forked workers inherit it
+    before = cache_stats.downloads
     ds = open_dataset(url, cache_dir=cache, cache_limit=limit, prefetch=2)
     indexed = fmt != "pt"  # webdataset and tfrecord shards have an .idx each, fetched at open
-    assert storage.stats.downloads - before == (SHARDS if indexed else 0)
+    assert cache_stats.downloads - before == (SHARDS if indexed else 0)
     assert _data_bytes(cache) == 0  # opening fetched no data file
     peak = [0]
     done = threading.Event()
@@ -111,7 +111,7 @@ def test_a_batch_fetches_and_opens_each_of_its_shards_once(
     that span two windows do) holds them all until it is gathered: the raw checks and the
     gather do not fetch and open them twice; older ones are let go after the batch."""
     url, local = _output(s3, tmp_path, "pt")
-    monkeypatch.setattr(opening, "PINNED_FILES", 2)
+    monkeypatch.setattr(storage_files, "PINNED_FILES", 2)
     ds = open_dataset(url, cache_dir=tmp_path / "cache", prefetch=0)
     loads: Counter[int] = Counter()
     real = type(ds)._load
@@ -123,9 +123,9 @@ def test_a_batch_fetches_and_opens_each_of_its_shards_once(
     monkeypatch.setattr(type(ds), "_load", counted)
     counts = [f.num_samples for f in ds.manifest.files]
     firsts = [sum(counts[:k]) for k in range(6)]  # one sample of each of 6 shards
-    before = storage.stats.downloads
+    before = cache_stats.downloads
     images, labels = collate(ds.__getitems__(firsts))  # checks each record once, then gathers
-    assert loads == Counter(range(6)) and storage.stats.downloads - before == 6
+    assert loads == Counter(range(6)) and cache_stats.downloads - before == 6
     assert len(ds._here().files.pins) == 2  # the batch is read: the older shards are let go
     reference = open_dataset(local)
     for row, index in enumerate(firsts):
@@ -179,10 +179,10 @@ def test_a_shard_damaged_in_the_cache_is_fetched_again(s3: str, tmp_path: Path) 
     data = bytearray(shard.read_bytes())
     data[600] ^= 0xFF
     shard.write_bytes(bytes(data))
-    refetched = storage.stats.refetched
+    refetched = cache_stats.refetched
     again = open_dataset(url, cache_dir=cache)
     got = [again[i] for i in range(len(again))]
-    assert storage.stats.refetched == refetched + 1
+    assert cache_stats.refetched == refetched + 1
     reference = open_dataset(local)
     for i, (image, label) in enumerate(got):
         assert label == reference[i][1] and bool((image == reference[i][0]).all()), i
@@ -225,7 +225,7 @@ def test_export_reads_through_a_bounded_cache(
     url, local = _output(s3, tmp_path, "pt")
     files = open_dataset(local).manifest.files
     total, biggest = sum(f.bytes for f in files), max(f.bytes for f in files)
-    monkeypatch.setattr(opening, "PINNED_FILES", 2)
+    monkeypatch.setattr(storage_files, "PINNED_FILES", 2)
     cache = tmp_path / "cache"
     runner = CliRunner()
     bad = runner.invoke(main, ["export", url, str(tmp_path / "x"), "--cache-limit", "lots"])
@@ -261,7 +261,7 @@ def test_a_one_file_output_above_the_cache_limit_is_refused_before_fetching(
     url = f"{s3}/whole-{fmt}-{tmp_path.name}"
     fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
     cache = tmp_path / "cache"
-    before = storage.stats.downloads
+    before = cache_stats.downloads
     with pytest.raises(OptionError, match=f"a {fmt} output is fetched whole .* cache limit"):
         open_dataset(url, cache_dir=cache, cache_limit="1KB")
     with pytest.raises(OptionError, match="more than the cache limit"):
@@ -273,6 +273,6 @@ def test_a_one_file_output_above_the_cache_limit_is_refused_before_fetching(
                                        "--cache-dir", str(cache)])  # fmt: skip
     errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
     assert result.exit_code == 2 and len(errors) == 1 and "more than the cache limit" in errors[0]
-    assert storage.stats.downloads == before and not list(cache.rglob("data.*"))
+    assert cache_stats.downloads == before and not list(cache.rglob("data.*"))
     monkeypatch.delenv("IMGPACK_CACHE_LIMIT")
     assert len(open_dataset(url, cache_dir=cache, cache_limit="1GB")) == len(open_dataset(local))

@@ -215,7 +215,7 @@ def test_raw_reads_from_the_map_table_equal_reads_by_get(tmp_path: Path) -> None
                 batch = ds.__getitems__(indices)
                 assert torch.equal(batch.images, expected.images[indices])  # type: ignore[call-overload]
                 assert torch.equal(batch.labels, expected.labels[indices])
-        spans = ds._spans
+        spans = ds._learned.spans
         assert spans is not None and spans.env is ds.handles
         assert spans.checked.all()  # every header checked once: later batches gather pixels
         damaged = spans.tensor.clone()
@@ -239,10 +239,10 @@ def test_raw_checksums_are_checked_from_the_map_on_first_reads(tmp_path: Path) -
     assert isinstance(ds, LMDBDataset)
     ds.__getitems__(list(range(8)))  # 8 >= 90 // SLOW_SHARE records read by get
     first = ds.__getitems__([8, 9])  # the map is built here
-    assert ds._spans is not None and torch.equal(first.images, expected.images[[8, 9]])  # type: ignore[call-overload]
+    assert ds._learned.spans is not None and torch.equal(first.images, expected.images[[8, 9]])  # type: ignore[call-overload]
     rows = ds._raw_rows(np.arange(10, 90))
     assert rows is not None and len(rows[0]) == 80
-    spans = ds._spans
+    spans = ds._learned.spans
     damaged = spans.tensor.clone()
     damaged[int(spans.starts[50] + spans.lengths[50]) - 1] ^= 1  # record 50's last pixel byte
     spans.tensor = damaged
@@ -269,7 +269,7 @@ def test_the_record_table_is_the_files_own_mapping_and_checked_whole(
     assert isinstance(ds, LMDBDataset)
     ds.__getitems__(list(range(8)))
     ds.__getitems__([8, 9])
-    spans = ds._spans
+    spans = ds._learned.spans
     assert spans is not None
     data = (out / "data.mdb").read_bytes()
     for index in (0, 41, 89):  # each record's bytes sit at its offset in the file itself
@@ -284,4 +284,4 @@ def test_the_record_table_is_the_files_own_mapping_and_checked_whole(
     for start in range(0, 90, 10):
         got = fresh.__getitems__(list(range(start, start + 10)))
         assert torch.equal(got.images, expected.images[start : start + 10])  # type: ignore[call-overload]
-    assert fresh._spans is None
+    assert fresh._learned.spans is None

@@ -13,8 +13,9 @@ from conftest import build_uniform_folder
 from imgpack import convert, open_dataset
 from imgpack.converters import FORMATS
 from imgpack.manifest import Manifest
-from imgpack.opening import CachedFiles, LazyFiles, LocalFiles, Opened, open_output
+from imgpack.opening import Opened, open_output
 from imgpack.readers import ReadOptions, reader_class
+from imgpack.storage.files import CachedFiles, LazyFiles, LocalFiles
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +79,14 @@ def test_a_cached_outputs_entry_is_pinned_by_its_reader_and_let_go_with_it(
     skips the entry while its reader lives, and may take it once the reader is gone."""
     import gc
 
-    from imgpack import storage
+    from imgpack.storage.cache import OutputCache
 
     url = f"{s3}/pinned-lmdb"
     convert(src, url, "lmdb", progress=False)
     cache = tmp_path / "cache"
     ds = open_dataset(url, cache_dir=cache)
     entry = ds.root
-    small = storage.OutputCache(cache, max_bytes=1)
+    small = OutputCache(cache, max_bytes=1)
     small.evict()
     assert entry.exists() and len(ds) == 12  # read now: not evicted
     del ds
@@ -112,3 +113,36 @@ def test_a_dropped_reader_is_freed_at_once(src: Path, tmp_path: Path, fmt: str) 
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_the_keywords_are_read_options_fields() -> None:
+    """The one list of common reader keywords (typed, for the path-taking convenience) is
+    ReadOptions' fields, neither more nor fewer."""
+    from dataclasses import fields
+
+    from imgpack.opening import ReadKeywords
+
+    assert set(ReadKeywords.__annotations__) == {f.name for f in fields(ReadOptions)}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_reader_takes_options_or_keywords_not_a_stray_positional(
+    src: Path, tmp_path: Path, fmt: str
+) -> None:
+    """``(opened, options)`` positionally, keywords by name; a transform given where options go
+    (the old second positional) is refused in one line, as is options with keywords."""
+    from imgpack.errors import OptionError
+
+    out = tmp_path / "out"
+    convert(src, out, fmt, progress=False)
+    opened = open_output(out)
+    reader = reader_class(fmt)
+    by_options = reader(opened, ReadOptions(size=4))
+    by_keywords = reader(out, size=4)
+    assert by_options[3][0].equal(by_keywords[3][0]) and by_options[3][0].shape[1:] == (4, 4)
+    with pytest.raises(OptionError, match="takes a ReadOptions"):
+        reader(out, lambda image: image)  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match="not both"):
+        reader(opened, ReadOptions(), size=4)
+    with pytest.raises(TypeError):
+        reader(out, sizes=4)  # type: ignore[call-arg]

@@ -189,13 +189,13 @@ def test_a_killed_conversion_to_a_bucket_resumes_to_the_same_bytes(
     the sharded formats write shards straight to the bucket: tests/test_bucket_shards.py) is
     SIGKILLed mid-run: the bucket holds nothing that looks like an output, the build folder in the cache keeps the checkpoint, and
     ``--resume`` finishes it with the bytes of an uninterrupted run."""
-    import imgpack.storage as storage
+    from imgpack.storage import destination
 
     reference = f"{s3}/resume-{fmt}-reference"
     done = convert(many, reference, fmt, progress=False, encoding="png", shard_size=SHARD.get(fmt))
     url = f"{s3}/resume-{fmt}"
     cache = tmp_path / "cache"
-    build = storage.build_folder(url, cache) / "out"
+    build = destination.build_folder(url, cache) / "out"
     args = [*_args(fmt), "--cache-dir", str(cache)]
     target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
     reached = _kill_at(_convert(many, url, *args), build, target)
@@ -219,12 +219,12 @@ def test_a_conversion_stopped_while_uploading_resumes_by_uploading(
     there yet): ``--resume`` checks the build is this conversion's and uploads it."""
     import fsspec
 
-    import imgpack.storage as storage
+    from imgpack.storage import destination
 
     url, cache = f"{s3}/uploading", tmp_path / "cache"
     local = tmp_path / "local"
     done = convert(many, local, "hdf5", progress=False)
-    build = storage.build_folder(url, cache) / "out"
+    build = destination.build_folder(url, cache) / "out"
     build.parent.mkdir(parents=True)
     build.mkdir()
     for path in local.iterdir():

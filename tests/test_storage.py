@@ -20,11 +20,14 @@ from click.testing import CliRunner
 from conftest import build_uniform_folder
 from torch.utils.data import DataLoader
 
-import imgpack.storage as storage
 from imgpack import convert, export, merge, open_dataset, verify
 from imgpack.cli import main
 from imgpack.errors import ImageError, ImgpackError, ManifestError, OptionError
 from imgpack.readers import TFRecordStream, collate
+from imgpack.sources import listing
+from imgpack.storage import location
+from imgpack.storage.cache import OutputCache, _folder_bytes, default_cache_dir
+from imgpack.storage.cache import stats as cache_stats
 
 FORMATS = ("pt", "lmdb", "hdf5", "tfrecord", "webdataset")
 
@@ -85,26 +88,26 @@ def test_the_cache_downloads_once_and_fetches_a_damaged_shard_again(
 ) -> None:
     url = f"{s3}/cached"
     convert(src, url, "tfrecord", progress=False, shard_size=3000)
-    before = storage.stats.downloads
+    before = cache_stats.downloads
     first = open_dataset(url, cache_dir=cache)
     shards = len(first.manifest.files)
-    assert storage.stats.downloads - before == shards  # the .idx files; shards when read
+    assert cache_stats.downloads - before == shards  # the .idx files; shards when read
     expected = _read_all(first)
-    assert storage.stats.downloads - before == 2 * shards
+    assert cache_stats.downloads - before == 2 * shards
     second = open_dataset(url, cache_dir=cache)  # another process would find the same
     _same_output(second, first)
-    assert storage.stats.downloads - before == 2 * shards  # nothing new downloaded
+    assert cache_stats.downloads - before == 2 * shards  # nothing new downloaded
     first.release_files()
     second.release_files()
     shard = first.root / first.manifest.files[1].path
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    refetched = storage.stats.refetched
+    refetched = cache_stats.refetched
     third = open_dataset(url, cache_dir=cache)
     got = _read_all(third)
-    assert storage.stats.refetched == refetched + 1
-    assert storage.stats.downloads - before == 2 * shards + 1  # that shard only
+    assert cache_stats.refetched == refetched + 1
+    assert cache_stats.downloads - before == 2 * shards + 1  # that shard only
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -210,11 +213,12 @@ def test_ranks_on_one_machine_download_each_shard_once(s3: str, src: Path, cache
     manifest = convert(src, url, "tfrecord", progress=False, shard_size=2000)
     script = textwrap.dedent(
         f"""
-        import imgpack.storage as storage
+        from imgpack.storage.cache import OutputCache, _folder_bytes, default_cache_dir, stats as cache_stats
+        from imgpack.storage import location
         from imgpack import open_dataset
         ds = open_dataset({url!r}, cache_dir={str(cache)!r})
         assert len(ds) == 40 and len([ds[i] for i in range(40)]) == 40  # every shard read
-        print(storage.stats.downloads)
+        print(cache_stats.downloads)
         """
     )
     ranks = [
@@ -230,9 +234,9 @@ def test_least_recently_used_outputs_are_evicted(mem: str, src: Path, cache: Pat
     urls = [f"{mem}/o{k}" for k in range(3)]
     for url in urls:
         convert(src, url, "pt", progress=False)
-    small = storage.OutputCache(cache)
+    small = OutputCache(cache)
     (old, old_pin), (recent, recent_pin) = small.fetch(urls[0]), small.fetch(urls[1])
-    size = storage._folder_bytes(old)
+    size = _folder_bytes(old)
     os.utime(old / ".imgpack-used", (1, 1))  # used long ago
     small.max_bytes = int(size * 2.5)
     small.evict()
@@ -242,17 +246,17 @@ def test_least_recently_used_outputs_are_evicted(mem: str, src: Path, cache: Pat
     recent_pin.close()
     newest, _ = small.fetch(urls[2])
     assert not old.exists() and recent.exists() and newest.exists()
-    assert storage._folder_bytes(cache / "outputs") <= small.max_bytes
+    assert _folder_bytes(cache / "outputs") <= small.max_bytes
     assert len(open_dataset(urls[0], cache_dir=cache)) == 40  # fetched again when needed
 
 
 def test_stream_from_a_bucket_without_caching(mem: str, src: Path, cache: Path) -> None:
     url = f"{mem}/stream"
     convert(src, url, "tfrecord", progress=False, shard_size=3000)
-    before = storage.stats.downloads
+    before = cache_stats.downloads
     stream = TFRecordStream(url, batch_size=8)
     seen = torch.cat([labels for _, labels in stream])
-    assert storage.stats.downloads == before  # streamed, not cached
+    assert cache_stats.downloads == before  # streamed, not cached
     local = open_dataset(url, cache_dir=cache)
     assert sorted(seen.tolist()) == sorted(local.targets)
     images = torch.cat([imgs for imgs, _ in TFRecordStream(url, batch_size=8)])
@@ -283,17 +287,17 @@ def test_merge_export_verify_with_urls(mem: str, src: Path, tmp_path: Path, cach
 def test_urls_are_refused_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(OptionError, match=r"nosuchscheme://bucket/out: Protocol not known"):
         open_dataset("nosuchscheme://bucket/out", cache_dir=tmp_path)
-    assert storage.is_url("s3://b/x") and not storage.is_url("file:///tmp/x")
-    assert storage.local_path("file:///tmp/x") == Path("/tmp/x")
-    assert storage.parse_storage_options(["anon=true", "endpoint_url=http://h:1"]) == {
+    assert location.is_url("s3://b/x") and not location.is_url("file:///tmp/x")
+    assert location.local_path("file:///tmp/x") == Path("/tmp/x")
+    assert location.parse_storage_options(["anon=true", "endpoint_url=http://h:1"]) == {
         "anon": True,
         "endpoint_url": "http://h:1",
     }
     monkeypatch.delenv("IMGPACK_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert storage.default_cache_dir() == tmp_path / "xdg" / "imgpack"
+    assert default_cache_dir() == tmp_path / "xdg" / "imgpack"
     monkeypatch.setenv("IMGPACK_CACHE_DIR", str(tmp_path / "mine"))
-    assert storage.default_cache_dir() == tmp_path / "mine"
+    assert default_cache_dir() == tmp_path / "mine"
 
 
 def test_stream_from_s3_in_dataloader_workers(s3: str, src: Path, cache: Path) -> None:
@@ -374,9 +378,9 @@ def test_a_bucket_folder_is_read_in_place_by_the_workers(
     labels, order, paths) in every format."""
     fs = fsspec.filesystem("s3")
     fs.put(str(src), f"imgpack-test/inplace-{fmt}", recursive=True)
-    before = storage.stats.downloads
+    before = cache_stats.downloads
     got = convert(f"{s3}/inplace-{fmt}", tmp_path / "a", fmt, workers=2, progress=False)
-    assert storage.stats.downloads == before  # the driver fetched no image
+    assert cache_stats.downloads == before  # the driver fetched no image
     want = convert(src, tmp_path / "b", fmt, progress=False)
     assert got.num_samples == want.num_samples == 40 and got.classes == want.classes
     a, b = open_dataset(tmp_path / "a"), open_dataset(tmp_path / "b")
@@ -438,7 +442,7 @@ def test_only_s3fs_is_listed_through_its_private_pages(tmp_path: Path) -> None:
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
-    import imgpack.storage as storage
+    from imgpack.storage import location
 
     class LookAlike(MemoryFileSystem):
         protocol = ("s3", "lookalike")
@@ -447,15 +451,15 @@ def test_only_s3fs_is_listed_through_its_private_pages(tmp_path: Path) -> None:
         def _iterdir(self, *args: object, **kwargs: object) -> None:
             raise AssertionError("a private method of another filesystem was called")
 
-    assert storage._is_s3fs(fsspec.filesystem("s3", anon=True))
+    assert location.is_s3fs(fsspec.filesystem("s3", anon=True))
     fs = LookAlike(skip_instance_cache=True)
-    assert not storage._is_s3fs(fs)
+    assert not location.is_s3fs(fs)
     root = f"/imgpack-lookalike-{tmp_path.name}/src"  # memory filesystems share one store
     fs.pipe_file(f"{root}/cat/a.png", b"x" * 5)
     fs.pipe_file(f"{root}/cat/b.png", b"y" * 7)
     part = tmp_path / "part.jsonl"
     try:
-        assert storage._list_folder(fs, root, "cat", part) == 2
+        assert listing._list_folder(fs, root, "cat", part) == 2
     finally:
         fs.rm(root.rsplit("/", 1)[0], recursive=True)
     assert [line.split(",")[1].strip() for line in part.read_text().splitlines()] == ["5", "7"]

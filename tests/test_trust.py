@@ -219,13 +219,13 @@ def test_raw_records_are_checked_once_per_reader(src: Path, tmp_path: Path) -> N
     convert(src, out, format="pt", encoding="raw", size=16, progress=False)
     ds = open_dataset(out)
     calls: list[int] = []
-    real = ds._check_gathered  # a pt batch is checked as gathered: the bytes it returns
+    real = ds.checks.gathered  # a pt batch is checked as gathered: the bytes it returns
 
-    def counting(indices, *args):  # type: ignore[no-untyped-def]
+    def counting(reader, indices, *args):  # type: ignore[no-untyped-def]
         calls.extend(indices.tolist())
-        return real(indices, *args)
+        return real(reader, indices, *args)
 
-    ds._check_gathered = counting  # type: ignore[method-assign]
+    ds.checks.gathered = counting  # type: ignore[method-assign]
     for _ in range(2):
         for _ in DataLoader(ds, batch_size=5, shuffle=True, collate_fn=collate):
             pass
@@ -424,7 +424,8 @@ def memory_output(src: Path, tmp_path: Path) -> str:
 
 
 def test_a_planted_link_in_the_cache_is_refused(memory_output: str, tmp_path: Path) -> None:
-    from imgpack.storage import OutputCache, read_remote_manifest
+    from imgpack.storage.cache import OutputCache
+    from imgpack.storage.location import read_remote_manifest
 
     cache = tmp_path / "cache"
     manifest, data = read_remote_manifest(memory_output)
@@ -474,15 +475,13 @@ def test_a_read_only_cache_with_a_complete_entry_reads(
     clear error."""
     import errno
 
-    import imgpack.storage as storage
-
     cache = tmp_path / "cache"
     expected = _pixels(open_dataset(memory_output, cache_dir=cache))
 
     def refused(*args: object, **kwargs: object) -> None:
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(storage, "_locked", refused)
+    monkeypatch.setattr("imgpack.storage.cache.locked", refused)
     assert _pixels(open_dataset(memory_output, cache_dir=cache)) == expected
     with pytest.raises(ImgpackError, match="cannot be written"):
         open_dataset(memory_output, cache_dir=tmp_path / "empty")

@@ -27,35 +27,41 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from imgpack.checksum import record_crc, record_crcs, records_intact
 from imgpack.decoding import Decoder, Payload
 from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
 from imgpack.decoding import new_batch_tensor as new_batch_tensor
 from imgpack.decoding import scratch_tensor as scratch_tensor
 from imgpack.errors import (
     DataError,
-    ImgpackError,
     ManifestError,
-    OptionError,
 )
+from imgpack.formats.checking import Record as Record  # re-exported for the readers
+from imgpack.formats.checking import RecordChecks
+from imgpack.formats.mapping import MappedFiles
+from imgpack.formats.streaming import stored_samples
 from imgpack.handover import Handover, in_worker
-from imgpack.images import Encoded, ImagePolicy, Kind, stored_info
-from imgpack.lazy import LazyOutput, unpin
+from imgpack.images import Encoded, ImagePolicy
 from imgpack.manifest import Manifest
 from imgpack.opening import MAX_IMAGE_BYTES as MAX_IMAGE_BYTES  # re-exported
-from imgpack.opening import PINNED_FILES as PINNED_FILES  # re-exported
-from imgpack.opening import FileHolder, LocalFiles, Opened, open_output
+from imgpack.opening import Opened, open_output
+from imgpack.opening import ReadKeywords as ReadKeywords  # re-exported for the readers
+from imgpack.opening import ReadOptions as ReadOptions  # re-exported
 from imgpack.opening import check_files as check_files  # re-exported for the readers
 from imgpack.scan import UNLABELLED
-from imgpack.stats import DatasetStats
-from imgpack.storage import local_path
-from imgpack.units import parse_image_size, whole_number
+from imgpack.stats import DatasetStats, against_labels
+from imgpack.storage.files import PINNED_FILES as PINNED_FILES  # re-exported
+from imgpack.storage.files import FileHolder
+from imgpack.storage.lazy import LazyOutput, unpin
+from imgpack.units import parse_image_size
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 Images = torch.Tensor | list[torch.Tensor]
 
@@ -218,11 +224,6 @@ def readonly_tensor(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(data)
 
 
-def _shared_marks(count: int) -> np.ndarray:
-    """``count`` zero bytes in an anonymous shared mapping (what forked workers share)."""
-    return np.frombuffer(mmap.mmap(-1, max(1, count)), np.uint8)
-
-
 def label_tensor(labels: list[int]) -> torch.Tensor:
     """An int64 tensor of ``labels`` (``torch.tensor`` of a list costs ~30 µs, this ~3)."""
     return torch.from_numpy(np.array(labels, dtype=np.int64))
@@ -251,54 +252,6 @@ def collate(batch: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
     if isinstance(labels, list) and all(isinstance(label, int) for label in labels):
         labels = torch.tensor(labels, dtype=torch.int64)
     return Handover(images, labels) if in_worker() else (images, labels)
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How a reader reads, the same for every format: what :class:`ImageDataset` documents for
-    each. Give ``options=ReadOptions(...)`` to :func:`imgpack.open_dataset` or a reader, or the
-    keywords of the same names (not both)."""
-
-    transform: Callable[[torch.Tensor], Any] | None = None
-    target_transform: Callable[[int], Any] | None = None
-    verify: bool | None = None
-    size: int | tuple[int, int] | str | None = None
-    resize: str = "crop"
-    decode_threads: int | None = None
-    storage_options: dict[str, Any] | None = None
-    cache_dir: str | os.PathLike[str] | None = None
-    #: An output read from a URL by a reader that fetches its files lazily: the most the cache
-    #: holds beyond the files being read (``"200GB"``; default ``IMGPACK_CACHE_LIMIT``, else
-    #: no limit). See :mod:`imgpack.lazy`.
-    cache_limit: int | str | None = None
-    #: An output read lazily from a URL: shards fetched ahead in the background (up to
-    #: :data:`~imgpack.lazy.FETCH_THREADS` at once), in the order a sampler that gives hints
-    #: (:class:`~imgpack.loading.ShardSampler`) will read them. The default, 8, is the
-    #: sampler's default window: the next window arrives while this one is read.
-    prefetch: int = 8
-
-    def __post_init__(self) -> None:
-        whole_number(self.prefetch, "prefetch")
-        if self.decode_threads is not None:
-            whole_number(self.decode_threads, "decode_threads", 1)
-        if self.resize not in ("crop", "stretch"):
-            raise OptionError(f"invalid resize {self.resize!r}: expected 'crop' or 'stretch'")
-        if self.verify not in (None, True, False):
-            raise OptionError(f"invalid verify {self.verify!r}: expected None, True or False")
-
-    @classmethod
-    def of(cls, options: ReadOptions | None, **keywords: Any) -> ReadOptions:
-        """``options``, or the options the keywords give (those left at their defaults are
-        not given); both at once is refused."""
-        defaults = cls()
-        given = {k: v for k, v in keywords.items() if v is not getattr(defaults, k)}
-        if options is None:
-            return cls(**given)
-        if given:
-            raise OptionError(
-                f"give either options= or the keyword(s) {', '.join(sorted(given))}, not both"
-            )
-        return options
 
 
 def integer_index(index: Any, where: str) -> int:
@@ -334,6 +287,10 @@ def integer_indices(indices: Any, where: str) -> np.ndarray:
 class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     """Base class of the readers: ``ds[i]`` is ``(image, label)`` with a uint8 ``(C, H, W)`` image.
 
+    Built from ``(opened, options)``: what :func:`~imgpack.opening.open_output` opened and one
+    :class:`ReadOptions`. A path may be given instead (``PTDataset("./out", transform=f)``):
+    it is opened by the same route, and the keywords are :class:`ReadOptions`' fields.
+
     Attributes named as torchvision's ``ImageFolder``: ``classes``, ``class_to_idx``,
     ``targets``, ``samples``. A subclass sets :attr:`format` and implements **one** primitive,
     :meth:`_records` (the stored records of some indices, undecoded); everything else —
@@ -356,7 +313,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     largest DCT scale that still covers the size first (:mod:`imgpack.decoding`).
     ``decode_threads``: threads that decode a batch of encoded images (default: this process's
     share of the usable CPUs, so DataLoader workers and threads do not oversubscribe them).
-    ``root`` may be a URL (``s3://...``): the output is fetched into the local cache
+    A path may be a URL (``s3://...``): the output is fetched into the local cache
     (``cache_dir``; ``storage_options`` for the filesystem) and read from there
     (:mod:`imgpack.storage`).
 
@@ -365,51 +322,27 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     """
 
     format: ClassVar[str]
-    #: Whether the reader reads a bucket's output lazily (:mod:`imgpack.lazy`): data files
+    #: Whether the reader reads a bucket's output lazily (:mod:`imgpack.storage.lazy`): data files
     #: fetched when first used, through :meth:`local_file`; else the whole output is fetched
     #: into the cache when it is opened.
     lazy_files: ClassVar[bool] = False
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | Opened,
-        transform: Callable[[torch.Tensor], Any] | None = None,
-        target_transform: Callable[[int], Any] | None = None,
-        manifest: Manifest | None = None,
-        verify: bool | None = None,
-        size: int | tuple[int, int] | str | None = None,
-        resize: str = "crop",
-        decode_threads: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
+        opened: Opened | str | os.PathLike[str],
         options: ReadOptions | None = None,
-        cache_limit: int | str | None = None,
-        prefetch: int = 8,
+        **keywords: Unpack[ReadKeywords],
     ) -> None:
-        self.options = ReadOptions.of(
-            options,
-            transform=transform,
-            target_transform=target_transform,
-            verify=verify,
-            size=size,
-            resize=resize,
-            decode_threads=decode_threads,
-            storage_options=storage_options,
-            cache_dir=cache_dir,
-            cache_limit=cache_limit,
-            prefetch=prefetch,
-        )
+        #: How this reader reads: ``options``, or the keywords of :class:`ReadOptions`.
+        self.options = ReadOptions.of(options, **keywords)
         transform, target_transform = self.options.transform, self.options.target_transform
         verify, size, resize = self.options.verify, self.options.size, self.options.resize
         decode_threads = self.options.decode_threads
         #: What this reader holds in the process reading it (:meth:`_here`).
         self._proc: _Process | None = None
-        if manifest is not None:  # files imgpack did not write: their manifest built by a scan
-            where = local_path(root if not isinstance(root, Opened) else root.root)
-            root = Opened(where, manifest, LocalFiles(where), str(where))
         #: The output this reader reads, as :func:`~imgpack.opening.open_output` opened it (a
-        #: location given here is opened by that route: its manifest read once).
-        self.opened: Opened = open_output(root, self.options, lazy=self.lazy_files)
+        #: path given here is opened by that route: its manifest read once).
+        self.opened: Opened = open_output(opened, self.options, lazy=self.lazy_files)
         self._lazy: LazyOutput | None = self.opened.lazy
         self.root = self.opened.root
         self.manifest: Manifest = self.opened.manifest
@@ -418,13 +351,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "
                 f"(open it with imgpack.open_dataset)"
             )
-        self.verify: bool = self._verify_by_default() if verify is None else bool(verify)
-        #: Raw records checked once each (``verify=None`` on a raw output): which ones were,
-        #: in memory shared with forked workers (made again in a spawned one).
-        self._check_once = verify is None and self.manifest.encoding == "raw"
-        self._seen: np.ndarray | None = None  # 1 a checked record, over an anonymous mmap
-        if self._check_once:  # now, so that workers forked later share it
-            self._seen = _shared_marks(len(self))
+        #: The verify policy: which records are checked, when (:mod:`~imgpack.formats.checking`).
+        self.checks = RecordChecks(verify, self.manifest.encoding, len(self))
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
         self.transform = transform
@@ -438,96 +366,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         self._targets: list[int] | None = None
         self._samples: list[tuple[str, int]] | None = None
         self._stored_paths: list[str] | None = None
-
-    def _verify_by_default(self) -> bool:
-        """Whether every read is checked when ``verify`` is not given: encoded reads, bound by
-        the decode. Raw reads, which gather whole batches at memory speed, are checked once
-        per record instead (:meth:`_check_raw`; ``scripts/bench_integrity.py``)."""
-        return self.manifest.encoding != "raw"
-
-    def _check_raw(self, indices: np.ndarray) -> None:
-        """Check the raw records ``indices`` before they are gathered: all of them with
-        ``verify=True``; by default those this reader has not checked yet (then marked)."""
-        if self.verify:
-            self._check_rows(indices)
-            return
-        seen = self._checked_marks()
-        if seen is None or not len(indices):
-            return
-        marks = seen[indices]
-        if marks.all():  # every epoch after the first: one gather of 1-byte marks
-            return
-        fresh = np.unique(indices[marks == 0])
-        self._check_rows(fresh)
-        seen[fresh] = 1
-
-    def _unchecked(self, indices: np.ndarray) -> bool:
-        """Whether raw records ``indices`` are to be checked now: always with ``verify=True``;
-        by default when this reader has not checked one of them yet."""
-        if self.verify:
-            return True
-        seen = self._checked_marks()
-        return seen is not None and len(indices) > 0 and not seen[indices].all()
-
-    def _check_gathered(
-        self, indices: np.ndarray, rows: np.ndarray, labels: np.ndarray, crcs: np.ndarray | None
-    ) -> None:
-        """Check raw records ``indices`` just gathered: ``rows`` their payloads ``(n, bytes)``
-        as gathered for the batch (the pixels themselves in ``pt`` and ``hdf5``), their labels
-        and stored checksums, in batch order. The bytes checked are the bytes returned, all at
-        once (:func:`~imgpack.checksum.records_intact`) and gathered once; a mismatch goes to
-        the record path, which names the record. Marked checked as :meth:`_check_raw` marks
-        them (call when :meth:`_unchecked` says so)."""
-        if crcs is None:  # written without checksums: the record path has nothing to compare
-            self._check_raw(indices)
-            return
-        if not records_intact(rows, labels, crcs):
-            self._check_each(np.unique(indices))  # names the damaged record
-            head = ", ".join(map(str, indices[:8].tolist())) + (", ..." if len(indices) > 8 else "")
-            raise DataError(
-                f"{self.root}: samples {head}: a checksum does not match "
-                "('imgpack verify' names the damaged file)"
-            )
-        seen = None if self.verify else self._checked_marks()
-        if seen is not None:
-            seen[indices] = 1
-
-    def _checked_marks(self) -> np.ndarray | None:
-        """The bitmap of records this reader checked (1 a checked record), where raw records
-        are checked once each (``verify=None``); ``None`` otherwise."""
-        if not self._check_once:
-            return None
-        if self._seen is None:  # shared with forked workers; a spawned one makes its own
-            self._seen = _shared_marks(len(self))
-        return self._seen
-
-    def _check_rows(self, indices: np.ndarray) -> None:
-        """Check records ``indices`` against their checksums: raw ones in one pass where the
-        reader gathers them (:meth:`_raw_rows`), others record by record."""
-        rows = self._raw_rows(indices) if self.manifest.encoding == "raw" else None
-        if rows is None:
-            self._check_each(indices)
-            return
-        pixels, labels, crcs = rows
-        if records_intact(pixels, labels, crcs):  # all of them at once, the usual case
-            return
-        found = np.asarray(record_crcs(pixels, labels.tolist()), np.int64)
-        bad = indices[found != crcs]
-        if bad.size:  # the record path names the file, the sample and its source
-            self._check_each(bad)
-            raise DataError(f"{self.root}: sample {int(bad[0])}: checksum mismatch")
-
-    def _check_each(self, indices: np.ndarray) -> None:
-        """Check records ``indices`` one by one (:meth:`_checked`); the first damaged one
-        raises :class:`DataError` naming it."""
-        for _ in self._checked(self._records(indices)):
-            pass
-
-    def check_records(self, chunk: int = 4096) -> None:
-        """Check every record against its checksum (raising :class:`DataError` at the first
-        damaged one), without decoding: what ``merge`` does with the shards it links."""
-        for first in range(0, len(self), chunk):
-            self._check_rows(np.arange(first, min(len(self), first + chunk), dtype=np.int64))
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Raw records ``indices`` for checking in one pass: their pixels ``(n, bytes)``, labels
@@ -561,15 +399,23 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if here is None or here.pid != pid:
             if here is not None:
                 here.files.drop()
-            here = self._proc = _Process(pid, self.opened.files.holder(_weak_hook(self)))
+            holder = self.opened.files.holder(_weak_hook(self))
+            maps = MappedFiles(self._file_bytes, self.root)
+            here = self._proc = _Process(pid, holder, maps, learned=self._learn())
         return here
+
+    def _learn(self) -> Any:
+        """A new record of what this format's reader learns in one process as it reads (kept
+        in :meth:`_here`'s object: made again in a forked or spawned process, never pickled);
+        ``None``: nothing."""
+        return None
 
     # -- files of an output read lazily ------------------------------------------------
     def local_file(self, name: str) -> Path:
         """The local path of the output's file ``name``. For an output read lazily from a
         bucket, the file is fetched on first use and pinned while this reader reads it
-        (:class:`~imgpack.opening.LazyHolder`: the last
-        :data:`~imgpack.opening.PINNED_FILES` files it used in this process, and every file of
+        (:class:`~imgpack.storage.files.LazyHolder`: the last
+        :data:`~imgpack.storage.files.PINNED_FILES` files it used in this process, and every file of
         a batch being gathered); older ones are let go, so the cache may evict them (with a
         cache limit their handles are closed too: :meth:`_release_file`)."""
         if self._lazy is None:
@@ -582,7 +428,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
 
     def _release_file(self, name: str) -> None:
         """Close what this process's handles hold of file ``name`` (a lazily read output lets
-        the file go: the hook this reader gives its :class:`~imgpack.opening.FileHolder`);
+        the file go: the hook this reader gives its :class:`~imgpack.storage.files.FileHolder`);
         formats that keep files open override it."""
 
     @property
@@ -607,8 +453,13 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_proc"] = None  # each process holds its own
-        state["_seen"] = None
         return state
+
+    @property
+    def verify(self) -> bool:
+        """Whether every read is checked against its checksum (``verify=True``, or the default
+        on an encoded output: :class:`~imgpack.formats.checking.RecordChecks`)."""
+        return self.checks.every
 
     def __del__(
         self, _getpid: Callable[[], int] = os.getpid, _close: Callable[[int], None] = os.close
@@ -623,11 +474,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 self._close(here.handles)
             except Exception:
                 pass
-        for _, fd, _ in here.maps.values():
-            try:  # noqa: SIM105
-                _close(fd)
-            except Exception:
-                pass
+        here.maps.close(_close)
         try:  # noqa: SIM105
             here.files.drop(unpin)
         except Exception:
@@ -660,19 +507,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if self.manifest.stats is None:
             return None
         found = DatasetStats.from_json(self.manifest.stats, len(self.manifest.classes))
-        # The per-class counts against the labels the output holds (read once: ``targets``).
-        counts = np.bincount(
-            np.asarray([t for t in self.targets if t >= 0], np.int64),
-            minlength=len(self.classes),
-        ).tolist()
-        unlabelled = sum(1 for t in self.targets if t < 0)
-        if counts != found.per_class or unlabelled != found.unlabelled:
-            raise DataError(
-                f"{self.root}/imgpack.json: its stats count samples per class that the "
-                f"output's labels do not ({found.per_class[:8]} against {counts[:8]}): the "
-                "manifest was edited or damaged ('imgpack verify' checks the files)"
-            )
-        return found
+        return against_labels(found, self.targets, f"{self.root}/imgpack.json")
 
     @property
     def targets(self) -> list[int]:
@@ -731,22 +566,6 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         """The stored records of valid sample ``indices``, in that order, without decoding."""
 
-    def _checked(self, records: Iterator[Record]) -> Iterator[Record]:
-        """``records``, each checked against its stored checksum (:mod:`imgpack.checksum`)."""
-        for record in records:
-            self._check_record(record.index, record.payload, record.label, record.crc, record.where)
-            yield record
-
-    def _check_record(
-        self, index: int, payload: Payload, label: int, crc: int | None, where: str
-    ) -> None:
-        """Sample ``index``'s stored bytes and label against its stored checksum (``None``:
-        an output written without one); :class:`DataError` naming it when they differ."""
-        if crc is not None and record_crc(payload, label) != crc:
-            raise DataError(
-                f"{where}: sample {index}{self._source(index)}: checksum mismatch (damaged record)"
-            )
-
     def _count_shards(self, counts: Sequence[int]) -> None:
         """Where each shard's samples start (``counts[k]`` samples in shard ``k``), for
         :meth:`_shard_of` and :meth:`_locate`."""
@@ -762,70 +581,19 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         0): what the raw gathers take, so that the common one-shard case skips the lookup."""
         return None if len(self._starts) == 2 else self._shard_of(indices)
 
-    def _note_mapped(self, number: int, path: str | os.PathLike[str]) -> None:
-        """Shard ``number``'s file at ``path`` is memory-mapped in this process now: a
-        descriptor of it is kept (it names the file mapped, even if another is renamed over
-        the path) with its size, for :meth:`_check_mapped`."""
-        maps = self._here().maps
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return
-        old = maps.pop(number, None)
-        if old is not None:
-            os.close(old[1])
-        size = os.fstat(fd).st_size
-        recorded = self._file_bytes.get(Path(path).name)
-        if recorded is not None and size < recorded:  # cut since the output was opened
-            os.close(fd)
-            raise DataError(
-                f"{path}: {size:,} bytes now, {recorded:,} in the manifest: the file was cut "
-                "while it was read (reading it would crash the process with SIGBUS); open the "
-                f"output again ('imgpack verify {self.root}' names what is damaged)"
-            )
-        maps[number] = (str(path), fd, size)
-
     @functools.cached_property
     def _file_bytes(self) -> dict[str, int]:
         """The size the manifest records for each of the output's files, by name (made once:
         an output may have thousands of shards)."""
         return {Path(e.path).name: e.bytes for e in self.manifest.files}
 
-    def _check_mapped(self, indices: np.ndarray) -> None:
-        """Refuse a batch that would read a memory-mapped file that shrank since it was mapped
-        (truncated in place): reading past its new end is a SIGBUS that kills the process. One
-        ``fstat`` per mapped shard the batch touches. A file renamed over the path is not the
-        mapped one: the mapping still holds the old file whole, and so does the descriptor."""
-        here = self._proc
-        if here is None or here.pid != os.getpid() or not here.maps or not len(indices):
-            return  # nothing mapped in this process yet
-        maps = here.maps
-        if getattr(self, "_starts", None) is None or len(maps) == 1:
-            touched: list[int] = list(maps)  # one file, or the one mapped so far
-        else:
-            touched = np.unique(self._shard_of(indices)).tolist()
-        for number in touched:
-            found = maps.get(number)
-            if found is None:
-                continue
-            path, fd, size = found
-            now = os.fstat(fd).st_size
-            if now < size:
-                raise DataError(
-                    f"{path}: {now:,} bytes now, {size:,} when this process mapped it: the file "
-                    "was cut while it was read (reading on would crash the process with "
-                    f"SIGBUS); open the output again ('imgpack verify {self.root}' names what "
-                    "is damaged)"
-                )
+    @property
+    def _sharded(self) -> bool:
+        return getattr(self, "_starts", None) is not None
 
-    def _forget_mapped(self, number: int) -> None:
-        """Shard ``number`` is no longer mapped here (its file let go)."""
-        here = self._proc
-        found = (
-            here.maps.pop(number, None) if here is not None and here.pid == os.getpid() else None
-        )
-        if found is not None:
-            os.close(found[1])
+    def _touched(self, indices: np.ndarray) -> list[int]:
+        """The shards samples ``indices`` lie in (0: a one-file output)."""
+        return np.unique(self._shard_of(indices)).tolist() if self._sharded else [0]
 
     def _locate(self, index: int) -> tuple[int, int]:
         """The shard holding sample ``index`` and its place there (a bisect: one sample's
@@ -838,49 +606,20 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         how an error names it: what ``ds[i]`` decodes. Formats override it with a lookup
         cheaper than :meth:`_records` for one record."""
         found = self._records(np.array([index], np.int64))
-        record = next(self._checked(found) if self.verify else found)
+        record = next(self.checks.records(self, found) if self.verify else found)
         return record.payload, record.label, f"{record.where}: sample {record.index}"
 
     def encoded(self, start: int, stop: int, chunk: int = 256) -> Iterator[Encoded]:
         """Samples ``start`` to ``stop`` as a writer takes them: the stored bytes as they are
         (checksums checked), with their labels, source paths, kinds and sizes. What
-        ``imgpack merge`` streams from part to output for formats it cannot link."""
-        paths = self.stored_paths()
-        image = self.manifest.image
-        for first in range(start, stop, chunk):
-            indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
-            for record in self._checked(self._records(indices)):
-                payload = self._stored_bytes(record)
-                if self.manifest.encoding == "raw":
-                    kind, height, width = Kind.RAW, int(image["height"]), int(image["width"])
-                    channels = self.channels
-                else:
-                    try:
-                        kind, height, width, channels = stored_info(payload)
-                    except DataError as exc:
-                        raise DataError(f"{record.where}: sample {record.index}: {exc}") from None
-                path = paths[record.index] if paths is not None else ""
-                yield Encoded(path, record.label, payload, height, width, channels, kind)
+        ``imgpack merge``, ``export`` and a conversion from an output stream; the default reads
+        :meth:`_records` (:func:`~imgpack.formats.streaming.stored_samples`)."""
+        return stored_samples(self, start, stop, chunk)
 
     def _stored_bytes(self, record: Record) -> bytes:
         """A record's image bytes as a writer takes them: the JPEG/PNG file, or the raw HWC
         pixels (formats that wrap pixels, like WebDataset's ``.npy`` members, unwrap them)."""
         return bytes(record.payload)
-
-    def damaged(self, indices: Sequence[int] | np.ndarray) -> Iterator[tuple[int, str]]:
-        """``(index, problem)`` for every damaged record among ``indices`` (structure, label
-        range, checksum), without decoding images; used by :func:`imgpack.verify`."""
-        idx = self._indices(indices)
-        try:
-            self._check_each(idx)
-            return
-        except ImgpackError:
-            pass
-        for index in idx.tolist():  # find each bad one
-            try:
-                self._check_each(np.array([index], np.int64))
-            except ImgpackError as exc:
-                yield index, str(exc)
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         """Images and int64 labels of valid sample ``indices`` (an int64 array), in that order.
@@ -889,7 +628,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         ``verify=True``, by default encoded reads and each raw record once) and decodes them
         with this reader's decoder; formats override it with their fast paths."""
         if self.manifest.encoding == "raw":
-            self._check_raw(indices)
+            self.checks.raw(self, indices)
             records = list(self._records(indices))
             image = self.manifest.image
             shape = (int(image["height"]), int(image["width"]), self.channels)
@@ -900,7 +639,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 [r.label for r in records], dtype=torch.int64
             )
         found = self._records(indices)
-        records = list(self._checked(found) if self.verify else found)
+        records = list(self.checks.records(self, found) if self.verify else found)
         payloads = [self._stored_bytes(r) for r in records]
         where = [f"{r.where}: sample {r.index}" for r in records]
         images = self._decode(payloads, lambda k: where[k])
@@ -972,7 +711,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         here = self._here()
         here.batch_depth += 1
         try:
-            self._check_mapped(indices)
+            here.maps.check(lambda: self._touched(indices))
             images, labels = self._gather(indices)
         finally:
             here.batch_depth -= 1
@@ -1006,7 +745,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         here = self._here()
         here.batch_depth += 1  # its file stays pinned until it is read (as in _fetch)
         try:
-            self._check_mapped(np.array([index], np.int64))
+            here.maps.check(lambda: [self._locate(index)[0]] if self._sharded else [0])
             item, label, where = self._one(index)
             return self.decoder.single(item, where), label
         finally:
@@ -1060,7 +799,7 @@ class PreadDataset(ImageDataset):
             if os.fstat(fd).st_size == 0:
                 return b""
             mapped = files.maps[number] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-            self._note_mapped(number, self._local(number))
+            self._here().maps.note(number, self._local(number))
         return mapped
 
     def _row_windows(self, number: int, width: int) -> np.ndarray:
@@ -1136,7 +875,7 @@ class PreadDataset(ImageDataset):
             fd = files.fds.pop(number, None)
             if fd is not None:
                 os.close(fd)
-            self._forget_mapped(number)
+            self._here().maps.forget(number)
 
     def _fd(self, number: int) -> int:
         fds = self.handles.fds
@@ -1195,25 +934,16 @@ class _Process:
     pid: int
     #: What the reader holds of the output's files here (pins of a lazily read output).
     files: FileHolder
+    #: Files memory-mapped here, checked before each read (the SIGBUS guard).
+    maps: MappedFiles
     #: The handles :meth:`ImageDataset._open` gave (``opened``: whether it was called).
     handles: Any = None
     opened: bool = False
     #: Batches being gathered now (their files stay pinned until they are read).
     batch_depth: int = 0
-    #: Files memory-mapped here, by shard (0 for one-file outputs): their path, a descriptor
-    #: and their size when mapped, for :meth:`ImageDataset._check_mapped`.
-    maps: dict[int, tuple[str, int, int]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Record:
-    """One stored record as :meth:`ImageDataset._records` yields it."""
-
-    index: int
-    payload: Any  # the stored bytes (bytes or a buffer)
-    label: int
-    crc: int | None  # the stored checksum; None where the output stores none
-    where: str  # the file (and position) holding it, for messages
+    #: What the format's reader learned here (:meth:`ImageDataset._learn`): where records lie,
+    #: found while reading them; ``None`` for readers that keep nothing.
+    learned: Any = None
 
 
 def check_file_order(root: Path, manifest: Manifest, name: Callable[[int, int], str]) -> None:

@@ -27,7 +27,7 @@ from imgpack.loading.advice import measuring
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset
 from imgpack.sources.folder.scan import scan_folder
-from imgpack.storage import is_url
+from imgpack.storage.location import is_url
 
 
 class FolderDataset(Dataset[tuple[torch.Tensor, int]]):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from imgpack import formats
 from imgpack.errors import ManifestError, NotAnOutput
 from imgpack.formats.dataset_base import Batch, ImageDataset, ReadOptions, collate
 from imgpack.opening import open_output
-from imgpack.storage import is_url
+from imgpack.storage.location import is_url
 
 #: Readers that are not a format's default reader.
 _OTHERS = {
@@ -43,28 +43,23 @@ def open_dataset(
     ``path`` may be a URL (``s3://bucket/out``, ``gs://``, ``memory://``...): the output is
     fetched into the local cache (``cache_dir``, default the user's cache folder) and read from
     there; ``storage_options`` go to the fsspec filesystem (:mod:`imgpack.storage`).
-    ``kwargs`` go to the reader (``transform``, ``target_transform``, ``size``,
-    ``decode_threads`` and format options), or ``options`` (a
-    :class:`~imgpack.formats.dataset_base.ReadOptions`) gives the common ones, every format the
-    same. An output whose replacement
+    ``kwargs`` are :class:`~imgpack.opening.ReadOptions`' fields (``transform``,
+    ``target_transform``, ``size``, ``decode_threads``, ...), or ``options`` gives them as one
+    value, every format the same; other keywords are the format's own (``check_crc`` and
+    ``label_offset`` for ``tfrecord``, ``mmap`` for ``hdf5``). An output whose replacement
     (``convert --overwrite``) was killed midway is put back first
     (:func:`imgpack.publishing.recover`). The output is opened once
     (:func:`imgpack.opening.open_output`: one manifest read, one GET for a bucket) and its
     reader built from what was opened.
     """
-    if options is not None:
-        storage_options = storage_options or options.storage_options
-        cache_dir = cache_dir or options.cache_dir
-        if (storage_options, cache_dir) != (options.storage_options, options.cache_dir):
-            options = replace(options, storage_options=storage_options, cache_dir=cache_dir)
-        kwargs["options"] = options
-    opening = options or ReadOptions(
-        storage_options=storage_options,
-        cache_dir=cache_dir,
-        cache_limit=kwargs.get("cache_limit"),
-    )
+    named = {f.name for f in fields(ReadOptions)}
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k in named}  # the rest: format options
+    options = ReadOptions.of(options, **given)
+    where: dict[str, Any] = {"storage_options": storage_options, "cache_dir": cache_dir}
+    changed = {k: v for k, v in where.items() if v is not None and v != getattr(options, k)}
+    options = replace(options, **changed) if changed else options
     try:  # the one route: the manifest read once, the files checked (or fetched) once
-        opened = open_output(path, opening, lazy=lambda m: reader_class(m.format).lazy_files)
+        opened = open_output(path, options, lazy=lambda m: reader_class(m.format).lazy_files)
     except NotAnOutput:
         folder = Path(path)
         if not is_url(path) and _holds_tfrecords(folder):
@@ -74,11 +69,12 @@ def open_dataset(
                 "TFRecordStream, or convert them with imgpack convert"
             ) from None
         raise
-    return formats.reader_for(opened.manifest.format, str(path))(opened, **kwargs)
+    reader = formats.reader_for(opened.manifest.format, str(path))
+    return reader(opened, options=options, **kwargs)  # by name: a plugin's (root, **kwargs) too
 
 
 def _holds_tfrecords(folder: Path) -> bool:
-    from imgpack.formats.tfrecord.reader import tfrecord_files
+    from imgpack.formats.tfrecord.records import tfrecord_files
 
     if folder.is_file():
         return folder.suffix in (".tfrecord", ".tfrecords")

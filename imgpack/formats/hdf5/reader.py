@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -12,12 +13,19 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
+    Opened,
+    ReadKeywords,
+    ReadOptions,
     Record,
     check_labels,
     check_offsets,
     new_batch_tensor,
     take_rows,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 #: HDF5 chunk cache per open file on the chunked path (h5py's default is 1 MiB).
 CHUNK_CACHE_BYTES = 64 << 20
@@ -57,8 +65,15 @@ class HDF5Dataset(ImageDataset):
 
     format = "hdf5"
 
-    def __init__(self, root: Any, mmap: bool = True, **kwargs: Any) -> None:
-        super().__init__(root, **kwargs)
+    def __init__(
+        self,
+        opened: Opened | str | os.PathLike[str],
+        options: ReadOptions | None = None,
+        *,
+        mmap: bool = True,
+        **keywords: Unpack[ReadKeywords],
+    ) -> None:
+        super().__init__(opened, options, **keywords)
         import h5py
 
         self.path = self.root / "data.h5"
@@ -125,7 +140,7 @@ class HDF5Dataset(ImageDataset):
                 ) from None
             # Checked after mapping: a file replaced before the mapping has another id.
             self._check_open_output()
-            self._note_mapped(0, self.path)
+            self._here().maps.note(0, self.path)
             return whole[self._offset :].view(self._shape)
         import h5py
 
@@ -214,7 +229,7 @@ class HDF5Dataset(ImageDataset):
         payload = self.handles[start:end].numpy().data
         label, where = int(self._labels[index]), str(self.path)
         if self.verify and self._crcs is not None:
-            self._check_record(index, payload, label, int(self._crcs[index]), where)
+            self.checks.record(self, index, payload, label, int(self._crcs[index]), where)
         return payload, label, f"{where}: sample {index}"
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
@@ -231,13 +246,13 @@ class HDF5Dataset(ImageDataset):
                 take_rows(self.handles, indices, out)
             else:
                 out = torch.from_numpy(self._read_rows(indices))
-            if self._unchecked(indices):  # the first read of these records (or verify=True)
+            if self.checks.unchecked(indices):  # the first read of these records (or verify=True)
                 crcs = self._crcs[indices] if self._crcs is not None else None
                 rows = out.numpy().reshape(len(indices), -1)
-                self._check_gathered(indices, rows, labels.numpy(), crcs)
+                self.checks.gathered(self, indices, rows, labels.numpy(), crcs)
             return out.permute(0, 3, 1, 2), labels
         if self.verify:
-            payloads = [r.payload for r in self._checked(self._records(indices))]
+            payloads = [r.payload for r in self.checks.records(self, self._records(indices))]
         else:
             payloads = self._payloads(indices)
         images = self._decode(payloads, lambda k: f"{self.path}: sample {indices[k]}")

@@ -8,8 +8,9 @@ import json
 import mmap
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
+    Opened,
+    ReadKeywords,
+    ReadOptions,
     Record,
     byte_rows,
     label_tensor,
@@ -33,6 +37,10 @@ from imgpack.scan import UNLABELLED, valid_label
 # counted: (path, the data file's identity) -> [environment, readers using it]. The last reader
 # to let go closes it, so a dropped reader leaves nothing mapped and nothing open. A replaced
 # data.mdb (--overwrite) has a new identity, hence an environment of its own.
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
 _environments: dict[tuple[str, tuple[int, int, int]], list[Any]] = {}
 _environments_pid: int | None = None
 
@@ -83,6 +91,17 @@ _KEY = record.KEY_FORMAT.__mod__  # record.key without the call overhead
 _HEAD = record.HEADER_SIZE
 
 
+@dataclass
+class _Learned:
+    """What an :class:`LMDBDataset` learns in one process as it reads (its ``_here``)."""
+
+    #: Where every record lies in this process's map of ``data.mdb`` (built once enough raw
+    #: records were read through ``get``: :data:`SLOW_SHARE`).
+    spans: _MapSpans | None = None
+    #: Raw records this process read through ``get`` (negative: the spans cannot be built).
+    slow_reads: int = 0
+
+
 class LMDBDataset(ImageDataset):
     """Dataset over an ``lmdb`` output.
 
@@ -98,8 +117,13 @@ class LMDBDataset(ImageDataset):
 
     format = "lmdb"
 
-    def __init__(self, root: Any, **kwargs: Any) -> None:
-        super().__init__(root, **kwargs)
+    def __init__(
+        self,
+        opened: Opened | str | os.PathLike[str],
+        options: ReadOptions | None = None,
+        **keywords: Unpack[ReadKeywords],
+    ) -> None:
+        super().__init__(opened, options, **keywords)
         image = self.manifest.image
         self._raw = self.manifest.encoding == "raw"
         self._shape = (image["height"], image["width"], self.channels)
@@ -111,13 +135,14 @@ class LMDBDataset(ImageDataset):
             head = record.pack(Kind.RAW, self.channels, 0, self._shape[0], self._shape[1], "", b"")
             self._prefix = np.frombuffer(head[:8], np.uint8)
             self._dims = np.frombuffer(head[16:24], np.uint8)
-        self._spans: _MapSpans | None = None
-        self._slow_reads = 0  # raw records this process read through ``get``
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_spans"], state["_slow_reads"] = None, 0
-        return state
+    def _learn(self) -> _Learned:
+        return _Learned()
+
+    @property
+    def _learned(self) -> _Learned:
+        learned: _Learned = self._here().learned
+        return learned
 
     def memory_mapped(self) -> bool:
         return self._raw
@@ -125,19 +150,18 @@ class LMDBDataset(ImageDataset):
     def _open(self) -> Any:
         # Its size first: LMDB maps the file whole and reads its pages at once (a file cut
         # since the output was opened is a SIGBUS there, not an error).
-        self._note_mapped(0, self.root / "data.mdb")
+        self._here().maps.note(0, self.root / "data.mdb")
         env = acquire_environment(self.root)
         try:
             self._check_environment(env)
         except BaseException:
             release_environment(env)
-            self._forget_mapped(0)
+            self._here().maps.forget(0)
             raise
         return env
 
     def _close(self, handles: Any) -> None:
-        self._spans = None  # its mapping of data.mdb goes with it
-        release_environment(handles)
+        release_environment(handles)  # the spans' map of data.mdb goes with this process's state
 
     def _check_environment(self, env: Any) -> None:
         """The environment holds this output: its record count, and its id (the key
@@ -247,7 +271,7 @@ class LMDBDataset(ImageDataset):
         pixels, the labels and the stored CRCs of headers that check out), once the reader
         has its map; ``None`` before, or for a header that does not check out or has no
         checksum (version 1): those are checked record by record, which names the problem."""
-        spans = self._spans
+        spans = self._learned.spans
         if spans is None or spans.env is not self.handles or not len(indices):
             return None
         found = self._map_heads(spans, indices)
@@ -323,31 +347,34 @@ class LMDBDataset(ImageDataset):
             payload = bytes(value[header.payload_offset :])
         where = f"{self.root}: record {key.decode()}"
         if self.verify:
-            self._check_record(index, payload, header.label, header.crc, where)
+            self.checks.record(self, index, payload, header.label, header.crc, where)
         return payload, header.label, where
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         if self._raw:
-            self._check_raw(indices)
+            self.checks.raw(self, indices)
             env = self.handles
-            spans = self._spans if self._spans is not None and self._spans.env is env else None
-            if spans is None and 0 <= len(self) // SLOW_SHARE <= self._slow_reads:
-                spans = self._spans = _MapSpans.build(env, len(self), self.root / "data.mdb")
+            learned = self._learned
+            spans = (
+                learned.spans if learned.spans is not None and learned.spans.env is env else None
+            )
+            if spans is None and 0 <= len(self) // SLOW_SHARE <= learned.slow_reads:
+                spans = learned.spans = _MapSpans.build(env, len(self), self.root / "data.mdb")
                 if spans is None:  # a record is missing: the ``get`` path says which, always
-                    self._slow_reads = -(1 << 62)
+                    learned.slow_reads = -(1 << 62)
                 else:
                     self._check_heads(spans)
             if spans is not None:
                 gathered = self._from_map(spans, indices)
                 if gathered is not None:
                     return gathered
-            self._slow_reads += len(indices)
+            learned.slow_reads += len(indices)
             keys = list(map(_KEY, indices.tolist()))
             with env.begin(buffers=True) as txn:  # one read transaction for the batch
                 return self._raw_batch(keys, self._values(txn, keys))
         records = self._records(indices)
         if self.verify:
-            records = self._checked(records)
+            records = self.checks.records(self, records)
         batch = list(records)
         images = self._decode([r.payload for r in batch], lambda k: batch[k].where)
         return images, label_tensor([r.label for r in batch])

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
+    Opened,
+    ReadKeywords,
+    ReadOptions,
     Record,
     check_file_order,
     check_labels,
@@ -25,6 +29,9 @@ from imgpack.formats.dataset_base import (
 )
 from imgpack.formats.writer_base import default_shard_name
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 class PTDataset(ImageDataset):
     """Dataset over a ``pt`` output. Shards are memory-mapped with
@@ -36,8 +43,13 @@ class PTDataset(ImageDataset):
 
     format = "pt"
 
-    def __init__(self, root: Any, **kwargs: Any) -> None:
-        super().__init__(root, **kwargs)
+    def __init__(
+        self,
+        opened: Opened | str | os.PathLike[str],
+        options: ReadOptions | None = None,
+        **keywords: Unpack[ReadKeywords],
+    ) -> None:
+        super().__init__(opened, options, **keywords)
         check_file_order(self.root, self.manifest, lambda k, _: default_shard_name(self.format, k))
         self._count_shards([f.num_samples for f in self.manifest.files])
         self._raw = self.manifest.encoding == "raw"
@@ -56,7 +68,7 @@ class PTDataset(ImageDataset):
         for number, entry in enumerate(self.manifest.files):
             if entry.path == name:
                 shards[number] = None  # its tensors go when the last batch using them does
-                self._forget_mapped(number)
+                self._here().maps.forget(number)
 
     def _shard(self, number: int) -> dict[str, Any]:
         shards = self.handles.loaded
@@ -72,7 +84,7 @@ class PTDataset(ImageDataset):
             shard = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         except Exception as exc:
             raise DataError(f"{path}: cannot load shard: {exc}") from None
-        self._note_mapped(number, path)
+        self._here().maps.note(number, path)
         n = entry.num_samples
         if isinstance(shard, dict):
             self._check_output(shard.get("output_id"), str(path))
@@ -127,7 +139,7 @@ class PTDataset(ImageDataset):
         payload = data[offsets[i] : offsets[i + 1]].data
         label = int(labels[i])
         if self.verify and crcs is not None:
-            self._check_record(index, payload, label, int(crcs[i]), where)
+            self.checks.record(self, index, payload, label, int(crcs[i]), where)
         return payload, label, f"{where}: sample {index}"
 
     def _columns(self, number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, str]:
@@ -150,14 +162,14 @@ class PTDataset(ImageDataset):
         if self._raw:
             shard_of, local = self._placed(indices)
             out, labels = self._gather_raw(shard_of, local)
-            if self._unchecked(indices):  # the first read of these records (or verify=True)
+            if self.checks.unchecked(indices):  # the first read of these records (or verify=True)
                 rows = out.numpy().reshape(len(indices), -1)
                 crcs = self._raw_crcs(shard_of, local)
-                self._check_gathered(indices, rows, labels.numpy(), crcs)
+                self.checks.gathered(self, indices, rows, labels.numpy(), crcs)
             return out.permute(0, 3, 1, 2), labels
         records = self._records(indices)
         if self.verify:
-            records = self._checked(records)
+            records = self.checks.records(self, records)
         batch = list(records)
         images = self._decode(
             [r.payload for r in batch],

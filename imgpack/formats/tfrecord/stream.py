@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from imgpack.formats.dataset_base import collate, label_tensor
-from imgpack.formats.tfrecord.reader import Records, Source
+from imgpack.formats.tfrecord.records import Records, Source
 from imgpack.handover import Handover, in_worker
 from imgpack.images import ImagePolicy
 from imgpack.units import parse_image_size

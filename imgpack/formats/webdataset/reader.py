@@ -7,7 +7,7 @@ import mmap
 import os
 import tarfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,7 +15,10 @@ import torch
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     Images,
+    Opened,
     PreadDataset,
+    ReadKeywords,
+    ReadOptions,
     Record,
     check_file_order,
     check_labels,
@@ -24,6 +27,9 @@ from imgpack.formats.dataset_base import (
     scratch_tensor,
 )
 from imgpack.formats.webdataset import layout
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class WebDatasetDataset(PreadDataset):
@@ -38,8 +44,13 @@ class WebDatasetDataset(PreadDataset):
 
     format = "webdataset"
 
-    def __init__(self, root: Any, **kwargs: Any) -> None:
-        super().__init__(root, **kwargs)
+    def __init__(
+        self,
+        opened: Opened | str | os.PathLike[str],
+        options: ReadOptions | None = None,
+        **keywords: Unpack[ReadKeywords],
+    ) -> None:
+        super().__init__(opened, options, **keywords)
         check_file_order(self.root, self.manifest, lambda number, _: layout.shard_name(number))
         self._raw = self.manifest.encoding == "raw"
         self._paths = self.shard_files = [self.root / f.path for f in self.manifest.files]
@@ -142,17 +153,17 @@ class WebDatasetDataset(PreadDataset):
         labels = torch.from_numpy(self._labels[indices])
         if self._raw:
             gathered = None
-            if self._unchecked(indices):
+            if self.checks.unchecked(indices):
                 gathered = self._gather_checked(indices)
                 if gathered is None:  # not the output's .npy arrays: the record path names it
-                    self._check_raw(indices)
+                    self.checks.raw(self, indices)
             if gathered is None:
                 gathered = self._gather_raw(indices)
             if gathered is not None:
                 return gathered, labels
         records = self._records(indices)
         if self.verify:
-            records = self._checked(records)
+            records = self.checks.records(self, records)
         if not self._raw:
             batch = list(records)
             images = self._decode([r.payload for r in batch], lambda k: self._where(batch[k].index))
@@ -196,7 +207,7 @@ class WebDatasetDataset(PreadDataset):
         if found is None:
             return None
         members = found[0]
-        self._check_gathered(indices, *found)
+        self.checks.gathered(self, indices, *found)
         out = new_batch_tensor((len(indices), *self._shape))
         out.numpy().reshape(len(indices), -1)[:] = members[:, len(self._npy) :]
         return out.permute(0, 3, 1, 2)
@@ -212,7 +223,7 @@ class WebDatasetDataset(PreadDataset):
             return None
         shard_of, offsets = found
         head = len(self._npy)
-        if not (self.verify or self._check_once):  # no checksum covered the headers
+        if not (self.verify or self.checks.once):  # no checksum covered the headers
             heads = scratch_tensor((len(indices), head))
             self._gather_rows(shard_of, offsets, heads)
             if not (heads.numpy() == np.frombuffer(self._npy, np.uint8)).all():
@@ -235,7 +246,9 @@ class WebDatasetDataset(PreadDataset):
         number = self._locate(index)[0]
         data, label = self._read(index, number), int(self._labels[index])
         if self.verify:
-            self._check_record(index, data, label, int(self._crcs[index]), str(self._paths[number]))
+            self.checks.record(
+                self, index, data, label, int(self._crcs[index]), str(self._paths[number])
+            )
         return data, label, self._where(index, number)
 
     def _where(self, index: int, number: int | None = None) -> str:

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from imgpack.errors import ManifestError, ScanError
+from imgpack.errors import ScanError
 from imgpack.scan import IMAGE_EXTENSIONS, SampleTable, Scan, listed_id
 from imgpack.system import file_kind
 
@@ -76,15 +76,9 @@ def find_splits(root: Path) -> list[str]:
 
 
 def read_class_list(source: str | os.PathLike[str]) -> list[str]:
-    """Read a label map: an imgpack output directory (its manifest) or a text file, one class per line."""
+    """Read a label map from a text file, one class per line (an imgpack output's label map is
+    its manifest's, read by the route: :func:`imgpack.pipeline` takes a folder there)."""
     path = Path(source)
-    if path.is_dir():
-        from imgpack.manifest import read_manifest
-
-        try:
-            return list(read_manifest(path).classes)
-        except ManifestError as exc:
-            raise ScanError(f"cannot take the classes from {path}: {exc}") from None
     if not path.is_file():
         raise FileNotFoundError(
             f"{path}: no such file or imgpack output (for --classes-from give an imgpack output "

@@ -10,10 +10,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from imgpack import storage
 from imgpack.errors import DataError, ImageError, OptionError, ScanError
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, process_file
 from imgpack.scan import Sample, Scan, listed_id
+from imgpack.sources import listing
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import (
     SPLIT_NAMES,
@@ -22,6 +22,7 @@ from imgpack.sources.folder.scan import (
     scan_folder,
     scan_listing,
 )
+from imgpack.storage import location
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,14 @@ class ObjectFetcher(Fetcher):
         fs, root = _filesystem(self.url, self.storage_options)
         paths = [f"{root}/{sample.path}" for sample in samples]
         _FETCHED.clear()
-        _FETCHED.update(zip(paths, storage.read_objects(fs, paths), strict=True))
+        _FETCHED.update(zip(paths, location.read_objects(fs, paths), strict=True))
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         fs, root = _filesystem(self.url, self.storage_options)
         path = f"{root}/{sample.path}"
         found = _FETCHED.pop(path, None)
         if found is None:
-            (found,) = storage.read_objects(fs, [path])
+            (found,) = location.read_objects(fs, [path])
         if isinstance(found, BaseException):
             raise ImageError(
                 sample.path, f"cannot read {self.url}/{sample.path}: {found}"
@@ -81,7 +82,7 @@ _FETCHED: dict[str, Any] = {}
 def _filesystem(url: str, options: str) -> tuple[Any, str]:
     """The filesystem of ``url`` in this process: fsspec's instance cache starts afresh in a
     forked process, so a pool worker never uses the driver's."""
-    return storage.filesystem(url, json.loads(options) or None)
+    return location.filesystem(url, json.loads(options) or None)
 
 
 class FolderSource(Source):
@@ -91,9 +92,9 @@ class FolderSource(Source):
 
     @property
     def remote(self) -> tuple[str, dict[str, Any]] | None:
-        """A bucket folder whose listing only SRC holds (:func:`imgpack.storage.source_folder`):
+        """A bucket folder whose listing only SRC holds (:func:`imgpack.listing.source_folder`):
         its URL and storage options."""
-        return storage.remote_source(self.src) if self.src.is_dir() else None
+        return listing.remote_source(self.src) if self.src.is_dir() else None
 
     def check(self) -> None:
         if not self.src.exists():
@@ -106,12 +107,12 @@ class FolderSource(Source):
     def scan(self, request: ScanRequest) -> Scan:
         remote = self.remote
         if remote is not None:
-            index = storage.store_folders(self.src) or {}
+            index = listing.store_folders(self.src) or {}
             folders = sorted(name for name, (_, _, shown) in index.items() if name and shown)
             if not request.allow_split_names:
                 refuse_splits(remote[0], folders)
-            objects = partial(storage.store_objects, self.src)
-            top = storage.store_objects(self.src, "") if "" in index else ()
+            objects = partial(listing.store_objects, self.src)
+            top = listing.store_objects(self.src, "") if "" in index else ()
             scan = scan_listing(remote[0], folders, objects, request.classes, top)
             refuse_unreadable(remote[0], scan, request)
             return scan

@@ -278,7 +278,7 @@ class LabelListFetcher(Fetcher):
 
 
 def _read_url(url: str) -> bytes:
-    from imgpack.storage import filesystem, read_objects
+    from imgpack.storage.location import filesystem, read_objects
 
     fs, where = filesystem(url)
     if "file" in _protocols(fs):  # file:///dev/zero: a device, read only as a regular file

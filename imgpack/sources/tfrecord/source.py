@@ -31,7 +31,7 @@ from imgpack.sources.output.source import scan_reader
 def tfrecord_files(src: str | os.PathLike[str]) -> list[Path] | None:
     """The TFRecord files ``src`` names (a folder holding ``*.tfrecord`` files, a glob, or a
     ``.tfrecord`` file), or ``None`` when it names none."""
-    from imgpack.formats.tfrecord.reader import tfrecord_files as files_of
+    from imgpack.formats.tfrecord.records import tfrecord_files as files_of
 
     path = Path(src)
     if path.is_file() and path.suffix not in (".tfrecord", ".tfrecords"):
@@ -79,7 +79,7 @@ class TFRecordFetcher(Fetcher):
     run: str
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
-        from imgpack.formats.tfrecord.reader import stored_image
+        from imgpack.formats.tfrecord.records import stored_image
 
         ds = opened(self.run, ("tfrecord", self.root, self.identity), self._open)
         try:

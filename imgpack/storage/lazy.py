@@ -3,7 +3,7 @@
 Opening fetches the manifest and the small index files only. A data file (a shard) is fetched
 the first time a reader uses it, checked against the manifest's size and sha256, and read from
 the local copy (memory-mapped, as any local output). The cache is the one of
-:class:`~imgpack.storage.OutputCache` (``CACHE/outputs/<url hash>-<output id>/``), file by file:
+:class:`~imgpack.storage.cache.OutputCache` (``CACHE/outputs/<url hash>-<output id>/``), file by file:
 
 - ``.<name>.checked``: the file's size, modification time, sha256 and ETag once checked; its
   modification time says when the file was last used (eviction order);
@@ -34,20 +34,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from imgpack import storage
 from imgpack.errors import StorageError
 from imgpack.manifest import MANIFEST_NAME, Manifest
-from imgpack.storage import (
+from imgpack.storage import cache as cache_module
+from imgpack.storage.cache import (
     EntryPin,
     OutputCache,
     Remote,
-    _fetch_file,
-    _remote_files,
-    _safe_dirs,
-    _write_bytes,
-    filesystem,
-    read_remote_manifest,
+    fetch_file,
+    remote_files,
+    safe_dirs,
+    write_bytes,
 )
+from imgpack.storage.location import filesystem, read_remote_manifest
 from imgpack.system import read_regular_file
 from imgpack.units import parse_byte_size
 
@@ -94,14 +93,14 @@ class LazyOutput:
         self.manifest, data = remote or read_remote_manifest(self.url, storage_options)
         self.root = cache.entry(self.url, self.manifest, data)
         fs, self._base = filesystem(self.url, storage_options)
-        listed = _remote_files(fs, self._base, self.url, self.manifest)
+        listed = remote_files(fs, self._base, self.url, self.manifest)
         data_files = {entry.path for entry in self.manifest.files}
         self._remote = {r.path: r for r in listed if r.path in data_files}
         index_files = [r for r in listed if r.path not in data_files]
         manifest_path = self.root / MANIFEST_NAME
         try:
-            _safe_dirs(self.cache_dir, self.root)
-            with storage._locked(self.root, fcntl.LOCK_EX):  # index files, then the manifest
+            safe_dirs(self.cache_dir, self.root)
+            with cache_module.locked(self.root, fcntl.LOCK_EX):  # index files, then the manifest
                 # No whole-entry eviction while this output is read (the pin goes with it).
                 self._entry_pin = EntryPin(self.root)
                 _remove_stale_parts(self.root)
@@ -111,7 +110,7 @@ class LazyOutput:
                     with ThreadPoolExecutor(FETCH_THREADS) as pool:
                         list(pool.map(self._fetch, missing))
                 if not _same(manifest_path, data):
-                    _write_bytes(manifest_path, data)
+                    write_bytes(manifest_path, data)
         except StorageError:
             raise
         except OSError as exc:
@@ -128,7 +127,7 @@ class LazyOutput:
         remote = self._remote[name]
         target = self.root / name
         try:
-            with storage._locked(self.root / f".{name}", fcntl.LOCK_EX):
+            with cache_module.locked(self.root / f".{name}", fcntl.LOCK_EX):
                 if self._good(remote):
                     os.utime(self._marker(name))  # used now: last in the eviction order
                     return target
@@ -229,10 +228,10 @@ class LazyOutput:
         return self._fs
 
     def _fetch(self, remote: Remote) -> None:
-        name, size, mtime = _fetch_file(
+        name, size, mtime = fetch_file(
             self._filesystem(), f"{self._base}/{remote.path}", self.root, remote, self.url
         )
-        _write_bytes(
+        write_bytes(
             self._marker(name), json.dumps([size, mtime, remote.sha256, remote.etag]).encode()
         )
 

@@ -1,0 +1,303 @@
+"""A conversion source in a bucket: listed, or downloaded, into a local folder.
+
+An image folder in a bucket is listed, not downloaded (the workers GET each sample's object,
+:func:`source_folder` with ``listing_only``); other kinds (TFRecord or WebDataset files, a label
+list) are downloaded into a scratch folder first; an imgpack output is opened by the one route
+(:func:`imgpack.opening.open_output`, through the cache). Either way the scan's classes and
+order are those of a local copy of the same tree.
+
+It sits with the storage layer (below the readers): ``imgpack verify`` of a bucket output takes
+its files as they are through :func:`source_folder`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from imgpack.errors import (
+    ManifestError,
+    ScanError,
+)
+from imgpack.manifest import MANIFEST_NAME, sha256_file
+from imgpack.opening import ReadOptions, open_output
+from imgpack.storage.cache import stats
+from imgpack.storage.location import (
+    TRANSFERS,
+    Location,
+    content_tag,
+    filesystem,
+    is_s3fs,
+    is_url,
+    local_path,
+    no_bucket,
+    remote_error,
+)
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def source_folder(
+    location: Location,
+    storage_options: dict[str, Any] | None = None,
+    listing_only: Callable[[list[str]], bool] | None = None,
+) -> Iterator[Path]:
+    """A local folder holding what ``location`` holds: itself when local; a scratch copy of a
+    URL's files (removed afterwards) when not, with what the store says of each object (its
+    size and ETag or version) in :data:`STORE_LISTING`: a conversion identifies the source by
+    those, not by the copy's modification times, so two conversions of one bucket (and the
+    parts of one) get one output id.
+
+    ``listing_only``: given SRC's top-level entries (folders as ``name/``, objects as ``name``),
+    whether to download nothing: the scratch folder then holds the listing only
+    (:data:`STORE_LISTING`, :data:`STORE_FOLDERS`, and the URL in :data:`STORE_REMOTE`), and the
+    conversion's workers read each object from the bucket (:func:`remote_source`). The listing
+    is taken one top-level folder at a time (several at once) and written to disk as it comes:
+    the driver never holds the whole of it."""
+    if not is_url(location):
+        yield local_path(location)
+        return
+    url = str(location).rstrip("/")
+    fs, root = filesystem(url, storage_options)
+    scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
+    try:
+        try:
+            try:
+                top = fs.ls(root, detail=True)  # one delimiter listing: folders and objects
+            except FileNotFoundError as exc:
+                missing = no_bucket(url, exc)
+                if missing is not None:
+                    raise missing from None
+                top = []
+            folders = sorted(
+                _relative(info["name"], root) for info in top if info.get("type") == "directory"
+            )
+            files = sorted((info["name"], info) for info in top if info.get("type") != "directory")
+            if not folders and not files:
+                raise ManifestError(f"{url}: nothing there")
+            names = [f"{name}/" for name in folders] + [_relative(n, root) for n, _ in files]
+            if listing_only is not None and listing_only(sorted(names)):
+                _write_listing(scratch, fs, root, files, folders)
+                remote = {"url": url, "storage_options": storage_options or {}}
+                (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
+            else:
+                found = listed_objects(fs.find(root, detail=True))
+                _write_listing(scratch, fs, root, found, [])
+                with ThreadPoolExecutor(TRANSFERS) as pool:
+                    list(pool.map(lambda f: _download(fs, f[0], root, scratch), found))
+                del found
+        except OSError as exc:
+            raise remote_error(url, exc) from None
+        fs.invalidate_cache(root)
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def listed_objects(found: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The objects of a ``find(..., detail=True)`` result, by path: folder markers and
+    directory entries left out."""
+    return sorted(
+        (path, info)
+        for path, info in found.items()
+        if not path.endswith("/") and info.get("type", "file") != "directory"
+    )
+
+
+def _relative(path: str, root: str) -> str:
+    return path.rstrip("/")[len(root) :].lstrip("/")
+
+
+def _write_listing(
+    scratch: Path,
+    fs: Any,
+    root: str,
+    top: list[tuple[str, dict[str, Any]]],
+    folders: list[str],
+) -> None:
+    """:data:`STORE_LISTING` and :data:`STORE_FOLDERS`: the objects ``top`` (listed already),
+    then each of ``folders`` listed into a part file of its own, ``TRANSFERS`` folders at once,
+    the parts joined in order as they complete."""
+    index: dict[str, list[int]] = {}
+    parts = scratch / ".imgpack-store-parts"
+    parts.mkdir()
+    with open(scratch / STORE_LISTING, "wb") as out, ThreadPoolExecutor(TRANSFERS) as pool:
+        shown = _write_objects(out, root, top)
+        if top:
+            index[""] = [0, out.tell(), shown]
+        window: collections.deque[tuple[str, Path, Any]] = collections.deque()
+        pending = iter(enumerate(folders))
+        while True:
+            while len(window) < 2 * TRANSFERS:
+                number, name = next(pending, (-1, ""))
+                if number < 0:
+                    break
+                part = parts / f"{number}.jsonl"
+                window.append((name, part, pool.submit(_list_folder, fs, root, name, part)))
+            if not window:
+                break
+            name, part, future = window.popleft()
+            shown, start = future.result(), out.tell()
+            with open(part, "rb") as listed:
+                shutil.copyfileobj(listed, out)
+            part.unlink()
+            if out.tell() > start:
+                index[name] = [start, out.tell(), shown]
+    parts.rmdir()
+    (scratch / STORE_FOLDERS).write_text(json.dumps(index, sort_keys=True))
+
+
+def _list_folder(fs: Any, root: str, name: str, part: Path) -> int:
+    """List the objects under ``root/name`` into the file ``part``; how many are visible. On
+    S3 page by page as the store returns them (1,000 keys a page: memory bounded by a page);
+    elsewhere with ``find`` (bounded by the folder)."""
+    with open(part, "wb") as out:
+        # s3fs's own page iterator (a private method of s3fs, used for s3fs alone); every other
+        # filesystem lists with fsspec's public ``find``.
+        if is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
+            from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+            bucket, key, _ = fs.split_path(f"{root}/{name}/")
+            shown = [0]
+
+            async def pages() -> None:
+                async for info in fs._iterdir(bucket, delimiter="", prefix=key):
+                    if info.get("type", "file") != "directory" and not info["name"].endswith("/"):
+                        shown[0] += _write_objects(out, root, [(info["name"], info)])
+
+            sync(fs.loop, pages)
+            return shown[0]
+        found = fs.find(f"{root}/{name}", detail=True)
+        fs.invalidate_cache(f"{root}/{name}")
+        return _write_objects(out, root, listed_objects(found))
+
+
+def _write_objects(out: Any, root: str, objects: Iterable[tuple[str, dict[str, Any]]]) -> int:
+    """One :data:`STORE_LISTING` line per object; how many are visible (:func:`visible`)."""
+    from imgpack.sources.folder.scan import visible
+
+    shown = 0
+    for path, info in objects:
+        relative = path[len(root) :].lstrip("/")
+        _check_key(relative, path)
+        shown += visible(relative)
+        line = json.dumps([relative, int(info.get("size") or 0), content_tag(info)])
+        out.write(line.encode("ascii") + b"\n")
+    return shown
+
+
+def _check_key(relative: str, key: str) -> None:
+    """Refuse an object whose key cannot be a path under SRC: an empty, ``.`` or ``..``
+    segment (``a//b.png``, ``dots/../x.png``) would name another object's path or one outside
+    the scratch folder, so it is neither dropped nor followed."""
+    parts = relative.split("/")
+    if not relative or any(part in ("", ".", "..") for part in parts) or "\0" in relative:
+        raise ScanError(
+            f"{key!r}: a key with an empty, '.' or '..' path segment; imgpack cannot take it "
+            "as a path under SRC (it would be another object's path, or outside SRC): rename "
+            "the object, or convert a SRC without it"
+        )
+
+
+#: In a scratch folder of a bucket source: one JSON line ``[relative path, size, "etag"]`` per
+#: object as the store listed it (an ETag, version or generation: what identifies its content),
+#: top-level objects first, then each top-level folder's, folders in sorted order (a hidden
+#: file: no scan takes it).
+STORE_LISTING = ".imgpack-store.jsonl"
+#: Beside it: ``{folder: [first byte, end byte, visible objects]}`` of each top-level folder's
+#: lines in :data:`STORE_LISTING` (``""``: the top-level objects).
+STORE_FOLDERS = ".imgpack-store-folders.json"
+#: In a scratch folder that holds a bucket source's listing only: its URL and storage options.
+STORE_REMOTE = ".imgpack-remote.json"
+
+
+def remote_source(folder: Path) -> tuple[str, dict[str, Any]] | None:
+    """``(url, storage options)`` of the bucket source whose listing only ``folder`` holds
+    (:func:`source_folder` with ``listing_only``), else ``None``."""
+    try:
+        found = json.loads((folder / STORE_REMOTE).read_text(encoding="utf-8"))
+        return str(found["url"]), dict(found["storage_options"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_folders(folder: Path) -> dict[str, list[int]] | None:
+    """The index of a bucket source's listing (:data:`STORE_FOLDERS`), else ``None``."""
+    try:
+        found = json.loads((folder / STORE_FOLDERS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def store_objects(folder: Path, top: str) -> Iterator[tuple[str, int, str]]:
+    """``(relative path, size, etag)`` of the objects under the top-level folder ``top`` of a
+    bucket source's listing, read from :data:`STORE_LISTING`."""
+    start, end, _ = (store_folders(folder) or {}).get(top, (0, 0, 0))
+    with open(folder / STORE_LISTING, "rb") as listing:
+        listing.seek(start)
+        for line in listing:  # one line at a time: the folder is never read whole
+            if start >= end:
+                return
+            start += len(line)
+            path, size, etag = json.loads(line)
+            yield path, size, etag
+
+
+def listing_digest(folder: Path) -> str | None:
+    """The sha256 of a bucket source's listing (what the store says of every object), else
+    ``None``."""
+    try:
+        return sha256_file(folder / STORE_LISTING, chunk=1 << 20)
+    except OSError:
+        return None
+
+
+def _download(fs: Any, remote: str, root: str, scratch: Path) -> None:
+    relative = remote[len(root) :].lstrip("/")
+    _check_key(relative, remote)  # listed already; never a path outside the scratch folder
+    target = scratch / relative
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fs.get_file(remote, str(target))
+    stats.downloads += 1
+
+
+@contextlib.contextmanager
+def source_location(
+    location: Location,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: Location | None = None,
+    listing_only: Callable[[list[str]], bool] | None = None,
+) -> Iterator[Path]:
+    """A local path holding the conversion source ``location``: an output in a bucket opened by
+    the route (:func:`imgpack.opening.open_output`: fetched whole into the cache, checked), any
+    other URL (an image folder, TFRecord files) downloaded to a scratch folder, or only listed
+    there when ``listing_only`` says so (:func:`source_folder`)."""
+    if not is_url(location):
+        yield local_path(location)
+        return
+    url = str(location).rstrip("/")
+    fs, root = filesystem(url, storage_options)
+    try:
+        is_output = fs.exists(f"{root}/{MANIFEST_NAME}")
+    except OSError as exc:
+        raise remote_error(url, exc) from None
+    if is_output:  # by the route, fetched whole and checked; pinned while the conversion reads it
+        options = ReadOptions(storage_options=storage_options, cache_dir=cache_dir)
+        files = open_output(url, options).files
+        try:
+            yield files.root
+        finally:
+            files.close()
+        return
+    with source_folder(url, storage_options, listing_only) as folder:
+        yield folder

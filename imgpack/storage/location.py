@@ -1,0 +1,199 @@
+"""Where a location is: a local path or an fsspec URL, its filesystem, and the store's words.
+
+Wherever imgpack takes a path it also takes an fsspec URL (``s3://bucket/prefix``, ``gs://``,
+``az://``, ``memory://``; ``file://`` is a local path). Credentials and endpoints come from each
+filesystem's usual settings (for S3 the standard AWS variables and config files, including
+``AWS_ENDPOINT_URL`` for MinIO and other S3-compatible stores); ``storage_options`` passes
+anything else to the filesystem. Errors the store raises are said here in one line that names
+the URL (:func:`remote_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from imgpack.errors import (
+    ImgpackError,
+    ManifestError,
+    OptionError,
+    StorageError,
+    first_line,
+)
+from imgpack.manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger(__name__)
+
+Location = str | os.PathLike[str]
+#: Files transferred at once.
+TRANSFERS = 8
+
+
+def is_url(location: Any) -> bool:
+    """Whether ``location`` names something an fsspec filesystem other than the local one holds
+    (``file://`` URLs are local paths)."""
+    if not isinstance(location, str) or "://" not in location:
+        return False
+    return not location.startswith("file://")
+
+
+def local_path(location: Location) -> Path:
+    """``location`` as a local path (a ``file://`` URL stripped of its scheme)."""
+    text = os.fspath(location)
+    return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+def filesystem(
+    url: str, storage_options: dict[str, Any] | None = None, fresh: bool = False
+) -> tuple[Any, str]:
+    """``(fsspec filesystem, path in it)`` for ``url``; a clear error when the scheme's package
+    is missing (``pip install 'imgpack[s3]'``, ``'imgpack[gcs]'``). ``fresh``: a new instance,
+    not fsspec's cached one (in a forked process, whose inherited instance is not usable)."""
+    try:
+        import fsspec  # type: ignore[import-untyped]
+    except ImportError:  # pragma: no cover - fsspec comes with torch
+        raise OptionError(f"{url}: URLs need fsspec (pip install fsspec)") from None
+    try:
+        options = {**(storage_options or {}), **({"skip_instance_cache": True} if fresh else {})}
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        scheme = url.split("://", 1)[0]
+        extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
+        hint = f"pip install 'imgpack[{extra}]'" if extra else str(exc)
+        raise OptionError(f"{url}: reading {scheme}:// needs another package: {hint}") from None
+    except ValueError as exc:
+        raise OptionError(f"{url}: {exc}") from None
+    return fs, str(path).rstrip("/")
+
+
+def parse_storage_options(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings (``--storage-option``) as a dict; JSON values are decoded
+    (``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``), others stay strings."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise OptionError(f"invalid storage option {item!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def no_bucket(url: str, exc: BaseException) -> ImgpackError | None:
+    """The error naming ``url``'s bucket when ``exc`` says it does not exist (S3's
+    ``NoSuchBucket``, which s3fs raises as a bare ``FileNotFoundError``), else ``None``."""
+    if not isinstance(exc, FileNotFoundError) or "bucket" not in str(exc).lower():
+        return None
+    scheme, _, rest = url.partition("://")
+    bucket = f"{scheme}://{rest.split('/', 1)[0]}"
+    return StorageError(
+        f"{url}: the bucket {bucket} does not exist (create it first, or check the name and "
+        "the endpoint the filesystem uses: docs/storage.md)"
+    )
+
+
+def remote_error(url: str, exc: BaseException) -> ImgpackError:
+    if isinstance(exc, ImgpackError):  # said already, with its URL
+        return exc
+    missing = no_bucket(url, exc)
+    if missing is not None:
+        return missing
+    if isinstance(exc, FileNotFoundError):
+        return ManifestError(
+            f"{url}: not found (no such bucket or object; check the name, and the endpoint "
+            "and credentials the filesystem uses)"
+        )
+    if isinstance(exc, PermissionError):
+        return StorageError(f"{url}: access denied ({exc})")
+    return StorageError(
+        f"{url}: {type(exc).__name__}: {first_line(exc) if str(exc).strip() else ''}"
+    )
+
+
+def read_remote_manifest(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Manifest, bytes]:
+    """The manifest of the output at ``url`` (validated) and its bytes."""
+    fs, root = filesystem(url, storage_options)
+    try:
+        data = fs.cat_file(f"{root}/{MANIFEST_NAME}")
+    except FileNotFoundError as exc:
+        missing = no_bucket(url, exc)
+        if missing is not None:
+            raise missing from None
+        raise ManifestError(
+            f"{url}: not an imgpack output (no {MANIFEST_NAME}: nothing there, or a conversion "
+            "still uploading or killed midway, which leaves none)"
+        ) from None
+    except OSError as exc:
+        raise remote_error(url, exc) from None
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{url}/{MANIFEST_NAME}: unreadable manifest: {exc}") from None
+    return Manifest.from_json(parsed, where=f"{url}/{MANIFEST_NAME}"), data
+
+
+def read_objects(fs: Any, paths: Sequence[str]) -> list[tuple[bytes, list[str]] | BaseException]:
+    """Each object's bytes and what the store said of its content as it sent them (its ETag
+    and version, where the protocol says: S3; ``[]`` elsewhere), or the exception that reading
+    it raised; one GET each, all at once. s3fs's ``cat_file`` asks for each object's size first
+    (a HEAD before every GET): on S3 the GET is made here, through s3fs's own client."""
+    if not paths:
+        return []
+    if is_s3fs(fs) and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
+        from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+        async def one(path: str) -> tuple[bytes, list[str]]:
+            bucket, key, version = fs.split_path(path)
+            given = {"VersionId": version} if version else {}
+            response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **given)
+            try:
+                body = await response["Body"].read()
+            finally:
+                response["Body"].close()
+            said = [str(response[k]) for k in ("ETag", "VersionId") if response.get(k)]
+            return body, said
+
+        async def every() -> list[Any]:
+            return await asyncio.gather(*(one(p) for p in paths), return_exceptions=True)
+
+        return list(sync(fs.loop, every))
+    found = fs.cat_ranges(list(paths), None, None, on_error="return")
+    return [f if isinstance(f, BaseException) else (bytes(f), []) for f in found]
+
+
+def forget_listings(fs: Any, root: str) -> None:
+    """Forget every cached listing of ``root`` and of the folders below it (fsspec's
+    ``dircache``), so that the next ``ls``/``find`` asks the store."""
+    fs.invalidate_cache(root)
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        prefix = root.rstrip("/") + "/"
+        for path in [p for p in list(cache) if str(p).startswith(prefix)]:
+            fs.invalidate_cache(path)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def content_tag(info: dict[str, Any]) -> str:
+    """What the store says identifies an object's content (ETag, version, generation)."""
+    for key in ("VersionId", "ETag", "etag", "generation", "version_id", "md5Hash"):
+        if info.get(key):
+            return str(info[key])
+    return ""
+
+
+def is_s3fs(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's filesystem (whose private calls imgpack makes for S3 alone)."""
+    return "s3" in _protocols(fs) and type(fs).__module__.split(".")[0] == "s3fs"
