@@ -255,10 +255,25 @@ def test_raw_batches_across_shards_are_gathered_exactly(tmp_path: Path) -> None:
     ds, reference = open_dataset(tmp_path / "wds"), open_dataset(tmp_path / "pt")
     assert len(ds.manifest.files) > 3
     order = np.random.default_rng(0).permutation(40).tolist()
-    for batch in (order[:17], order[17:], [5], [0, 0, 39]):
-        images, labels = collate(ds.__getitems__(batch))
-        expected = collate(reference.__getitems__(batch))
-        assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+    starts = np.cumsum([0] + [f.num_samples for f in ds.manifest.files]).tolist()
+    first, second, third = (list(range(starts[k], starts[k + 1])) for k in range(3))
+    shapes = [
+        order[:17],  # every shard, none with half the batch
+        order[17:],
+        [5],
+        [0, 0, 39],
+        first[:3] + second[:1],  # most in one shard, the rest in one other
+        second[:1] + first[:3],  # the first row in the shard with fewer
+        first[:4] + second[:1] + third[:1],  # most in one shard, the rest in two others
+        second[:2] + first[:1] + third[:1],  # no shard with more than half
+        first[:2] + second[:2],  # exactly half
+        (first[:2] + second[:1]) * 3,  # the same samples again
+    ]
+    for _ in range(2):  # the first reads (checked as gathered), then the later ones
+        for batch in shapes:
+            images, labels = collate(ds.__getitems__(batch))
+            expected = collate(reference.__getitems__(batch))
+            assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
     index = (tmp_path / "wds" / ds.manifest.files[1].path).with_suffix(".idx")
     offset = int(index.read_text().splitlines()[2].split()[0])
     shard = tmp_path / "wds" / ds.manifest.files[1].path

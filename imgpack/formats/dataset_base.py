@@ -831,27 +831,38 @@ class PreadDataset(ImageDataset):
         self, shard_of: np.ndarray | None, starts: np.ndarray, out: torch.Tensor
     ) -> None:
         """:meth:`_rows_into` for a batch whose rows lie in shards ``shard_of`` (``None``: all
-        in shard 0) at ``starts``: straight into ``out`` from one shard; from several, each
-        shard's rows gathered and put in their places in ``out`` with one numpy assignment (rows as :func:`void_rows`: a memcpy each)."""
+        in shard 0) at ``starts``: straight into ``out`` from one shard. From several: when one
+        shard holds at least half the batch (a webdataset output's default two shards), the
+        whole batch is gathered from it in one call, the other shards' rows standing in for
+        one of its own (a call costs more than a few rows' copy), then theirs put over them;
+        each other shard's rows are placed with one numpy assignment (rows as
+        :func:`void_rows`: a memcpy each)."""
         if shard_of is None:
             self._rows_into(0, starts, out)
             return
         first = int(shard_of[0]) if len(shard_of) else 0
-        if not len(shard_of) or (shard_of == first).all():
+        others = np.flatnonzero(shard_of != first)
+        if not len(others):
             self._rows_into(first, starts, out)
             return
-        order, runs = shard_runs(shard_of)
-        ordered, width = starts[order], out.shape[1]
-        most = max(runs, key=lambda run: run[2] - run[1])
-        if 2 * (most[2] - most[1]) >= len(order):
-            # Most rows in one shard (a webdataset output's default two): the whole batch is
-            # gathered from it in one call, the other shards' rows standing in for one of its
-            # own, then their rows put over them (a call costs more than a few rows' copy).
-            self._rows_into(most[0], np.where(shard_of == most[0], starts, ordered[most[1]]), out)
-            runs = [run for run in runs if run is not most]
-        rows = void_rows(out.numpy())
+        if 2 * len(others) > len(shard_of):  # the first row's shard holds less than half
+            first = int(np.bincount(shard_of).argmax())
+            others = np.flatnonzero(shard_of != first)
+        if 2 * len(others) <= len(shard_of):
+            stand_in = starts[int(np.argmax(shard_of == first))]
+            self._rows_into(first, np.where(shard_of == first, starts, stand_in), out)
+        else:  # no shard holds half the batch: every row placed by its shard
+            others = np.arange(len(shard_of))
+        target, width = void_rows(out.numpy()), out.shape[1]
+        numbers = shard_of[others]
+        second = int(numbers[0])
+        if (numbers == second).all():  # one other shard: no sort
+            target[others] = self._row_windows(second, width)[starts[others]]
+            return
+        order, runs = shard_runs(numbers)
+        placed, ordered = others[order], starts[others][order]
         for number, start, stop in runs:
-            rows[order[start:stop]] = self._row_windows(number, width)[ordered[start:stop]]
+            target[placed[start:stop]] = self._row_windows(number, width)[ordered[start:stop]]
 
     def _local(self, number: int) -> Path:
         """Shard ``number``'s local path (fetched first, for an output read lazily)."""
