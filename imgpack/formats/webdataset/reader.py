@@ -70,6 +70,9 @@ class WebDatasetDataset(PreadDataset):
             self._shape = (int(image["height"]), int(image["width"]), self.channels)
             self._npy = layout.npy_header(self._shape)
             self._member_size = len(self._npy) + int(np.prod(self._shape))
+            #: Whether every image member is the size the image shape gives (else each batch's
+            #: are compared, and one that is not goes through the record path).
+            self._regular = bool((self._sizes == self._member_size).all())
 
     @staticmethod
     def _read_index(shard: Any, count: int, size: int) -> np.ndarray:
@@ -184,7 +187,9 @@ class WebDatasetDataset(PreadDataset):
         """Shard numbers (``None`` for a one-shard output) and member offsets of raw samples
         ``indices``, or ``None`` when one of their ``.npy`` members is not the size the
         output's image shape gives (the record path then names it)."""
-        if not len(indices) or (self._sizes[indices] != self._member_size).any():
+        if not len(indices):
+            return None
+        if not self._regular and (self._sizes[indices] != self._member_size).any():
             return None
         return self._shards(indices), self._offsets[indices]
 
