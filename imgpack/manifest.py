@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import ManifestError, NotAnOutput
+from imgpack.fields import Field, fields_from_json, fields_to_json
 from imgpack.scan import IMAGE_EXTENSIONS
 from imgpack.stats import DatasetStats
 
@@ -82,6 +83,9 @@ class Manifest:
     #: The dataset statistics the conversion recorded (:class:`imgpack.stats.DatasetStats`'s
     #: JSON); ``None`` in outputs made before imgpack recorded them.
     stats: dict[str, Any] | None = None
+    #: The per-sample fields beside the image and the label (:mod:`imgpack.fields`), in the
+    #: order records store them; ``[]`` (no ``fields`` key) for an output without any.
+    fields: list[Field] = field(default_factory=list)
     version: int = SCHEMA_VERSION
 
     @property
@@ -99,6 +103,10 @@ class Manifest:
             del data["part"]
         if data["stats"] is None:
             del data["stats"]
+        if self.fields:
+            data["fields"] = fields_to_json(self.fields)
+        else:
+            del data["fields"]
         for entry in data["files"]:  # formats without index files keep their manifests as before
             if not entry["companions"]:
                 del entry["companions"]
@@ -174,6 +182,7 @@ class Manifest:
                 output_id=_output_id(data.get("output_id", "")),
                 part=_part(data.get("part")),
                 stats=_stats(data.get("stats"), len(classes), image, num_samples),
+                fields=fields_from_json(data.get("fields"), where),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.system",
             "imgpack.units",
             "imgpack.checksum",
+            "imgpack.fields",
             "imgpack.scan",
             "imgpack.stats",
             "imgpack.manifest",

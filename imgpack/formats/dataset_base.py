@@ -351,6 +351,12 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "
                 f"(open it with imgpack.open_dataset)"
             )
+        if self.manifest.fields:  # never read with its fields dropped
+            raise ManifestError(
+                f"{self.root}: its samples carry fields "
+                f"({', '.join(f.spec for f in self.manifest.fields)}), which this imgpack's "
+                f"{self.format} reader does not read; use an imgpack that does"
+            )
         #: The verify policy: which records are checked, when (:mod:`~imgpack.formats.checking`).
         self.checks = RecordChecks(verify, self.manifest.encoding, len(self))
         self.classes: list[str] = list(self.manifest.classes)
