@@ -326,6 +326,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     #: fetched when first used, through :meth:`local_file`; else the whole output is fetched
     #: into the cache when it is opened.
     lazy_files: ClassVar[bool] = False
+    #: What a format's reader learns in one process as it reads (where its records lie), made
+    #: empty in each process that reads (:meth:`_here`; never pickled); ``None``: nothing.
+    learns: ClassVar[type[Any] | None] = None
 
     def __init__(
         self,
@@ -372,6 +375,12 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         self._targets: list[int] | None = None
         self._samples: list[tuple[str, int]] | None = None
         self._stored_paths: list[str] | None = None
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Read what the format needs of the opened output (its index, its layout), once, in
+        the process that opens it: the hook a reader implements instead of a constructor of
+        its own (one that takes options of its own, ``mmap=``, keeps a constructor)."""
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Raw records ``indices`` for checking in one pass: their pixels ``(n, bytes)``, labels
@@ -407,14 +416,14 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 here.files.drop()
             holder = self.opened.files.holder(_weak_hook(self))
             maps = MappedFiles(self._file_bytes, self.root)
-            here = self._proc = _Process(pid, holder, maps, learned=self._learn())
+            learned = self.learns() if self.learns is not None else None
+            here = self._proc = _Process(pid, holder, maps, learned=learned)
         return here
 
-    def _learn(self) -> Any:
-        """A new record of what this format's reader learns in one process as it reads (kept
-        in :meth:`_here`'s object: made again in a forked or spawned process, never pickled);
-        ``None``: nothing."""
-        return None
+    @property
+    def _learned(self) -> Any:
+        """What this reader learned in this process (a :attr:`learns`)."""
+        return self._here().learned
 
     # -- files of an output read lazily ------------------------------------------------
     def local_file(self, name: str) -> Path:
@@ -958,7 +967,7 @@ class _Process:
     opened: bool = False
     #: Batches being gathered now (their files stay pinned until they are read).
     batch_depth: int = 0
-    #: What the format's reader learned here (:meth:`ImageDataset._learn`): where records lie,
+    #: What the format's reader learned here (:attr:`ImageDataset.learns`): where records lie,
     #: found while reading them; ``None`` for readers that keep nothing.
     learned: Any = None
 

@@ -20,9 +20,6 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
-    Opened,
-    ReadKeywords,
-    ReadOptions,
     Record,
     byte_rows,
     label_tensor,
@@ -38,7 +35,7 @@ from imgpack.scan import UNLABELLED, valid_label
 # to let go closes it, so a dropped reader leaves nothing mapped and nothing open. A replaced
 # data.mdb (--overwrite) has a new identity, hence an environment of its own.
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    pass
 
 
 _environments: dict[tuple[str, tuple[int, int, int]], list[Any]] = {}
@@ -116,14 +113,9 @@ class LMDBDataset(ImageDataset):
     """
 
     format = "lmdb"
+    learns = _Learned
 
-    def __init__(
-        self,
-        opened: Opened | str | os.PathLike[str],
-        options: ReadOptions | None = None,
-        **keywords: Unpack[ReadKeywords],
-    ) -> None:
-        super().__init__(opened, options, **keywords)
+    def _prepare(self) -> None:
         image = self.manifest.image
         self._raw = self.manifest.encoding == "raw"
         self._shape = (image["height"], image["width"], self.channels)
@@ -135,14 +127,6 @@ class LMDBDataset(ImageDataset):
             head = record.pack(Kind.RAW, self.channels, 0, self._shape[0], self._shape[1], "", b"")
             self._prefix = np.frombuffer(head[:8], np.uint8)
             self._dims = np.frombuffer(head[16:24], np.uint8)
-
-    def _learn(self) -> _Learned:
-        return _Learned()
-
-    @property
-    def _learned(self) -> _Learned:
-        learned: _Learned = self._here().learned
-        return learned
 
     def memory_mapped(self) -> bool:
         return self._raw

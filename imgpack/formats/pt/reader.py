@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,9 +13,6 @@ from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     ImageDataset,
     Images,
-    Opened,
-    ReadKeywords,
-    ReadOptions,
     Record,
     check_file_order,
     check_labels,
@@ -30,7 +26,7 @@ from imgpack.formats.dataset_base import (
 from imgpack.formats.writer_base import default_shard_name
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    pass
 
 
 class PTDataset(ImageDataset):
@@ -43,13 +39,7 @@ class PTDataset(ImageDataset):
 
     format = "pt"
 
-    def __init__(
-        self,
-        opened: Opened | str | os.PathLike[str],
-        options: ReadOptions | None = None,
-        **keywords: Unpack[ReadKeywords],
-    ) -> None:
-        super().__init__(opened, options, **keywords)
+    def _prepare(self) -> None:
         check_file_order(self.root, self.manifest, lambda k, _: default_shard_name(self.format, k))
         self._count_shards([f.num_samples for f in self.manifest.files])
         self._raw = self.manifest.encoding == "raw"

@@ -78,6 +78,7 @@ class TFRecordDataset(PreadDataset):
 
     format = "tfrecord"
     lazy_files = True
+    learns = _Learned
 
     def __init__(
         self,
@@ -118,14 +119,6 @@ class TFRecordDataset(PreadDataset):
 
     def _check_shard(self, number: int, fd: int) -> None:
         self.records.check_first(number, fd)
-
-    def _learn(self) -> _Learned:
-        return _Learned()
-
-    @property
-    def _learned(self) -> _Learned:
-        learned: _Learned = self._here().learned
-        return learned
 
     def _gather_raw(self, indices: np.ndarray, layout: RawLayout) -> tuple[Images, torch.Tensor]:
         """A batch of raw records sliced from the memory-mapped shards, each matched against

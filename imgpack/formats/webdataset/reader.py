@@ -15,10 +15,7 @@ import torch
 from imgpack.errors import DataError
 from imgpack.formats.dataset_base import (
     Images,
-    Opened,
     PreadDataset,
-    ReadKeywords,
-    ReadOptions,
     Record,
     check_file_order,
     check_labels,
@@ -29,7 +26,7 @@ from imgpack.formats.dataset_base import (
 from imgpack.formats.webdataset import layout
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    pass
 
 
 class WebDatasetDataset(PreadDataset):
@@ -44,13 +41,7 @@ class WebDatasetDataset(PreadDataset):
 
     format = "webdataset"
 
-    def __init__(
-        self,
-        opened: Opened | str | os.PathLike[str],
-        options: ReadOptions | None = None,
-        **keywords: Unpack[ReadKeywords],
-    ) -> None:
-        super().__init__(opened, options, **keywords)
+    def _prepare(self) -> None:
         check_file_order(self.root, self.manifest, lambda number, _: layout.shard_name(number))
         self._raw = self.manifest.encoding == "raw"
         self._paths = self.shard_files = [self.root / f.path for f in self.manifest.files]
