@@ -10,7 +10,7 @@ the JPEGs into them.
 
 Here each worker keeps a small pool of shared buffers. A reader in a worker asks
 :func:`lease` for its batch tensor and gathers or decodes straight into a buffer;
-:func:`collate <imgpack.formats.dataset_base.collate>` returns the batch as a :class:`Handover`
+:func:`collate <imgpack.formats.batch.collate>` returns the batch as a :class:`Handover`
 (a plain ``(images, labels)`` tuple everywhere but in pickling), and pickled it carries only the
 buffer's name and the batch's layout. The training process builds the batch as a view of the
 buffer, no copy. A buffer is lent again only when nothing in either process can see it: the

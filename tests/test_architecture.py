@@ -295,7 +295,7 @@ STATE_ALLOWED = {
     "imgpack.checksum._label_table": "a lookup table built on first use, the same for all",
     "imgpack.decoding._pools": "one decode thread pool per size in a process (reset on fork)",
     "imgpack.decoding._pools_lock": "guards _pools (made again after a fork)",
-    "imgpack.formats.dataset_base._FORKED": "set after a fork: torch may not gather here",
+    "imgpack.formats.gather._FORKED": "set after a fork: torch may not gather here",
     "imgpack.formats.lmdb.reader._environments": "LMDB allows one environment per file and "
     "process: readers of one output share it, counted",
     "imgpack.formats.lmdb.reader._environments_pid": "the process _environments belong to",

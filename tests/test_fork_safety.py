@@ -104,9 +104,9 @@ def test_the_read_side_has_no_address_tricks_and_gathers_in_one_place() -> None:
     for path in sorted(package.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         assert "MAP_FIXED" not in text and "libc.mmap" not in text, path
-        if "formats" in path.parts and path.name != "dataset_base.py":
+        if "formats" in path.parts and path.name != "gather.py":
             assert "index_select(" not in text, path
-    base = (package / "formats" / "dataset_base.py").read_text(encoding="utf-8")
+    base = (package / "formats" / "gather.py").read_text(encoding="utf-8")
     assert base.count("index_select(") == base.count("if torch_may_gather():") == 2
     assert not (package / "formats" / "span.py").exists()
 
@@ -116,14 +116,14 @@ def test_a_forked_child_with_threads_gathers_without_torch(
 ) -> None:
     """The rule itself: torch gathers in the process that opened the reader and in a child on
     one thread; numpy in a forked child with several threads."""
-    from imgpack.formats import dataset_base
+    from imgpack.formats import gather
 
-    assert dataset_base.torch_may_gather()
+    assert gather.torch_may_gather()
     pid = os.fork()
     if pid == 0:
         threads = torch.get_num_threads()
-        ok = dataset_base.torch_may_gather() == (threads == 1)
+        ok = gather.torch_may_gather() == (threads == 1)
         torch.set_num_threads(1)
-        os._exit(0 if ok and dataset_base.torch_may_gather() else 3)
+        os._exit(0 if ok and gather.torch_may_gather() else 3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

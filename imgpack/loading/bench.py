@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm import tqdm
 
 from imgpack.errors import ImageError, OptionError
-from imgpack.formats.dataset_base import ReadOptions, collate
+from imgpack.formats.batch import collate
+from imgpack.formats.dataset_base import ReadOptions
 from imgpack.loading.advice import measuring
 from imgpack.manifest import MANIFEST_NAME
 from imgpack.readers import open_dataset

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from imgpack.errors import ImgpackError, OptionError
-from imgpack.formats.dataset_base import ImageDataset, collate
+from imgpack.formats.batch import collate
+from imgpack.formats.dataset_base import ImageDataset
 from imgpack.images import ImagePolicy, resize_pixels
 from imgpack.units import parse_image_size
 

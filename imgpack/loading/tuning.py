@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from imgpack.formats.dataset_base import ImageDataset, collate
+from imgpack.formats.batch import collate
+from imgpack.formats.dataset_base import ImageDataset
 from imgpack.loading.advice import RAW_WORKERS_REASON, measuring
 from imgpack.system import usable_cpus
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from imgpack import formats
 from imgpack.errors import ManifestError, NotAnOutput
-from imgpack.formats.dataset_base import Batch, ImageDataset, ReadOptions, collate
+from imgpack.formats.batch import Batch, collate
+from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.opening import open_output
 from imgpack.storage.location import is_url
 

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
+from imgpack.formats.batch import Images
 from imgpack.formats.dataset_base import (
     ImageDataset,
-    Images,
     Opened,
     ReadKeywords,
     ReadOptions,
@@ -20,8 +20,8 @@ from imgpack.formats.dataset_base import (
     check_labels,
     check_offsets,
     new_batch_tensor,
-    take_rows,
 )
+from imgpack.formats.gather import take_rows
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -17,15 +17,9 @@ import torch
 from torch.utils.data import get_worker_info
 
 from imgpack.errors import DataError
-from imgpack.formats.dataset_base import (
-    ImageDataset,
-    Images,
-    Record,
-    byte_rows,
-    label_tensor,
-    new_batch_tensor,
-    take_windows,
-)
+from imgpack.formats.batch import Images, label_tensor
+from imgpack.formats.dataset_base import ImageDataset, Record, new_batch_tensor
+from imgpack.formats.gather import byte_rows, take_windows
 from imgpack.formats.lmdb import record
 from imgpack.images import Kind
 from imgpack.scan import UNLABELLED, valid_label

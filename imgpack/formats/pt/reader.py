@@ -10,19 +10,16 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
+from imgpack.formats.batch import Images, label_tensor
 from imgpack.formats.dataset_base import (
     ImageDataset,
-    Images,
     Record,
     check_file_order,
     check_labels,
     check_offsets,
-    label_tensor,
     new_batch_tensor,
-    shard_runs,
-    take_rows,
-    void_rows,
 )
+from imgpack.formats.gather import shard_runs, take_rows, void_rows
 from imgpack.formats.writer_base import default_shard_name
 
 if TYPE_CHECKING:

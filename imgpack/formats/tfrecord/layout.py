@@ -15,10 +15,7 @@ import numpy as np
 import torch
 
 from imgpack.checksum import crcs_intact
-from imgpack.formats.dataset_base import (
-    byte_rows,
-    readonly_tensor,
-)
+from imgpack.formats.gather import byte_rows, readonly_tensor
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.example import example_features
 from imgpack.images import Encoded, Kind

@@ -17,17 +17,15 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
+from imgpack.formats.batch import Images, label_tensor
 from imgpack.formats.dataset_base import (
-    Images,
     PreadDataset,
     ReadKeywords,
     ReadOptions,
     Record,
-    byte_rows,
-    label_tensor,
     new_batch_tensor,
-    take_windows,
 )
+from imgpack.formats.gather import byte_rows, take_windows
 from imgpack.formats.tfrecord import example, framing
 from imgpack.formats.tfrecord.layout import RawLayout, data_crcs_match
 from imgpack.formats.tfrecord.records import (

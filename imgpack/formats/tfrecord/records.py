@@ -18,10 +18,7 @@ import numpy as np
 
 from imgpack.decoding import Decoder
 from imgpack.errors import DataError, ManifestError
-from imgpack.formats.dataset_base import (
-    check_file_order,
-    check_output_id,
-)
+from imgpack.formats.dataset_base import check_file_order, check_output_id
 from imgpack.formats.tfrecord import example, framing
 from imgpack.images import ImagePolicy, Kind
 from imgpack.manifest import MANIFEST_NAME, FileEntry, Manifest

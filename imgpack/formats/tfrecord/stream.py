@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from imgpack.formats.dataset_base import collate, label_tensor
+from imgpack.formats.batch import collate, label_tensor
 from imgpack.formats.tfrecord.records import Records, Source
 from imgpack.handover import Handover, in_worker
 from imgpack.images import ImagePolicy

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
+from imgpack.formats.batch import Images
 from imgpack.formats.dataset_base import (
-    Images,
     PreadDataset,
     Record,
     check_file_order,

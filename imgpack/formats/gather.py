@@ -1,0 +1,119 @@
+"""Gathering rows of bytes into a batch, the readers' fast path: whole rows of a contiguous
+array (:func:`take_rows`), or windows at any offsets of a file's bytes (:func:`take_windows`,
+:func:`byte_rows`), with torch's ``index_select`` where it may run (:func:`torch_may_gather`: not
+in a process forked with several threads) and numpy's fancy indexing, a memcpy a row, elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def void_rows(data: np.ndarray) -> np.ndarray:
+    """A C-contiguous array of ``n`` rows (``(n, width)`` uint8, or ``(n, H, W, C)``) as ``n``
+    items of one row's bytes each: numpy's fancy indexing then copies a row with one memcpy
+    (it copies a uint8 row element by element), ~0.4 µs a 3 KB row, gathering or placing."""
+    flat = data.reshape(len(data), -1)
+    return flat.view(np.dtype((np.void, flat.shape[1]))).reshape(len(data))
+
+
+def shard_runs(shard_of: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """A batch's positions grouped by the shard holding each (``shard_of``): ``order`` (the
+    positions sorted by shard, in batch order within one) and ``(shard, start, stop)`` of each
+    shard's run in it. A reader gathers each run with one call into a contiguous slice, then
+    puts the rows in batch order with one assignment, whatever the number of shards."""
+    order = np.argsort(shard_of, kind="stable")
+    ordered = shard_of[order]
+    cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
+    starts, stops = [0, *cuts], [*cuts, len(ordered)]
+    numbers = ordered[starts].tolist() if len(ordered) else []
+    return order, list(zip(numbers, starts, stops, strict=True))
+
+
+def row_windows(data: Any, width: int) -> np.ndarray:
+    """The bytes of ``data`` (a buffer: a memory map, bytes, a 1-D uint8 array) as a read-only
+    array of ``len - width + 1`` items of ``width`` bytes: item ``s`` is the ``width`` bytes at
+    offset ``s`` (no copy; numpy's fancy indexing of it gathers rows at any offsets, a memcpy
+    each)."""
+    size = len(data) if not isinstance(data, np.ndarray) else data.nbytes
+    count = max(0, size - width + 1)
+    return np.ndarray((count,), np.dtype((np.void, width)), buffer=data, strides=(1,))
+
+
+#: Whether this process was forked from another (after which torch's OpenMP pool, if the
+#: parent started it, no longer works: see :func:`torch_may_gather`).
+_FORKED = False
+
+
+def _forked() -> None:
+    global _FORKED
+    _FORKED = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def torch_may_gather() -> bool:
+    """Whether a gather may use torch's ``index_select`` here: it runs on torch's intra-op
+    threads (OpenMP), and GNU OpenMP's pool does not survive ``fork()``: a forked child that
+    enters it after its parent did waits forever. So torch gathers in a process that was not
+    forked (its pool is its own) or that runs torch on one thread (DataLoader workers: no
+    OpenMP region is entered); elsewhere (a process forked with several threads) numpy
+    copies the rows, single-threaded, at about half the speed."""
+    return not _FORKED or torch.get_num_threads() == 1
+
+
+def take_rows(
+    rows: np.ndarray | torch.Tensor, index: np.ndarray, out: np.ndarray | torch.Tensor
+) -> None:
+    """``out[k] = rows[index[k]]`` for whole rows (a contiguous array whose first axis is the
+    row; ``out`` contiguous, of the rows' shape): torch's ``index_select`` where
+    :func:`torch_may_gather`, else numpy's fancy indexing (a memcpy a row)."""
+    target = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
+    if torch_may_gather():
+        source = rows if isinstance(rows, torch.Tensor) else readonly_tensor(rows)
+        flat = source.reshape(len(source), -1)
+        torch.index_select(flat, 0, torch.from_numpy(index), out=target.view(len(index), -1))
+        return
+    array = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+    void_rows(target.numpy())[:] = void_rows(array)[index]
+
+
+def take_windows(
+    data: np.ndarray | torch.Tensor, width: int, starts: np.ndarray, out: np.ndarray | torch.Tensor
+) -> None:
+    """Row ``k`` of ``out`` (contiguous ``(n, width)`` uint8) is ``data[starts[k] : starts[k] +
+    width]`` (``data``: 1-D uint8, each row inside it): one gather over a sliding-window view,
+    torch's or numpy's as :func:`take_rows` chooses."""
+    target = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
+    if torch_may_gather():
+        source = data if isinstance(data, torch.Tensor) else readonly_tensor(data)
+        windows = source.as_strided((len(source) - width + 1, width), (1, 1))
+        torch.index_select(windows, 0, torch.from_numpy(starts), out=target.view(-1, width))
+        return
+    array = data.numpy() if isinstance(data, torch.Tensor) else data
+    void_rows(target.numpy())[:] = row_windows(array, width)[starts]
+
+
+def byte_rows(data: torch.Tensor | np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
+    """``(len(start), width)`` uint8: ``data[s : s + width]`` (``data``: 1-D uint8) for each
+    ``s`` of ``start``, in one gather (:func:`take_windows`), a start past ``len(data) - width``
+    moved back to it. ``data`` holds at least ``width`` bytes."""
+    last = len(data) - width
+    out = np.empty((len(start), width), np.uint8)
+    take_windows(data, width, np.minimum(np.maximum(start, 0), last), out)
+    return out
+
+
+def readonly_tensor(data: np.ndarray) -> torch.Tensor:
+    """A tensor over the bytes of a read-only array (a memory map opened for reading), to be
+    read only (torch has no read-only tensors and warns)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
