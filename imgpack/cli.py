@@ -22,7 +22,7 @@ import click
 
 from imgpack import errors, formats, sources
 from imgpack.errors import ImgpackError, OptionError, Terminated, first_line
-from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES
+from imgpack.images import ENCODINGS, RESAMPLE, RESIZE_MODES, size_words
 from imgpack.options import ON_ERROR, ConvertOptions
 from imgpack.scan import ignored_summary
 from imgpack.units import format_bytes
@@ -343,7 +343,9 @@ IMAGE_OPTIONS = (
         type=click.Choice(RESIZE_MODES),
         default=_default("resize"),
         show_default=True,
-        help="crop: shorter side to fit, then centre crop; stretch: ignore the aspect ratio.",
+        help="crop: shorter side to fit, then centre crop; stretch: ignore the aspect ratio; "
+        "shorter: the shorter side to N, aspect kept (torchvision's Resize(N)); longer: the "
+        "longer side at most N, aspect kept (smaller images as they are).",
     ),
     click.option(
         "--resample",
@@ -744,7 +746,7 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
         click.echo(json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))
         return
     image = manifest.image
-    size = f"{image.get('height')}x{image.get('width')}" if image.get("height") else "as source"
+    size = size_words(image)
     classes = ", ".join(manifest.classes[:8]) + (", ..." if len(manifest.classes) > 8 else "")
     lines = [
         f"path:      {dst}",

@@ -361,8 +361,9 @@ def sample_sizes(plan: Plan) -> Iterator[int]:
     size, else the source file's size as the store lists it (or as the file system says)."""
     opts = plan.options
     if opts.encoding_spec.name == "raw":
-        assert opts.policy.size is not None  # raw needs a size (checked with the options)
-        height, width = opts.policy.size
+        fixed = opts.policy.fixed_size
+        assert fixed is not None  # raw needs a fixed size (checked with the options)
+        height, width = fixed
         record = height * width * opts.policy.channels
         for _ in plan.scan.samples:
             yield record

@@ -19,9 +19,14 @@ One policy, applied at conversion and identical for every format (``docs/images.
    - 16-bit RGB PNGs are reduced to 8 bits by Pillow on decode (the high byte of each sample);
    - ``channels=1`` converts the RGB result with Pillow's ITU-R 601-2 luma (``convert("L")``).
 
-5. With a size, the image is resized with Pillow (``bilinear`` by default) either by ``crop``
-   (scale the shorter side to fit, then centre-crop: ``ImageOps.fit``) or ``stretch`` (to
-   exactly H x W, aspect ratio not kept).
+5. With a size, the image is resized with Pillow (``bilinear`` by default) by ``crop`` (scale
+   the shorter side to fit, then centre-crop: ``ImageOps.fit``), ``stretch`` (to exactly H x W,
+   aspect ratio not kept), ``shorter`` (the shorter side to exactly N, the longer one to
+   ``longer * N // shorter``, as torchvision's ``Resize(N)``; smaller images enlarged) or
+   ``longer`` (the longer side to at most N, the shorter one to ``shorter * N // longer``;
+   smaller images kept as they are, as FFCV's ``max_resolution``). The last two keep the
+   aspect ratio, so the sizes vary (no ``raw`` encoding); an image already at its target size
+   is not resized.
 
 Encodings of the result: ``raw`` (HWC uint8 pixels), ``png`` (lossless), ``jpeg`` (lossy, at
 ``quality``) and ``original``: the source bytes when a plain decode of them already gives the
@@ -57,7 +62,9 @@ except ImportError:  # Pillow validates everything then
 from imgpack.units import parse_image_size
 
 ENCODINGS = ("original", "png", "jpeg", "raw")
-RESIZE_MODES = ("crop", "stretch")
+RESIZE_MODES = ("crop", "stretch", "shorter", "longer")
+#: The resize modes that keep the aspect ratio: ``--size N`` is one side, the sizes vary.
+ASPECT_MODES = ("shorter", "longer")
 RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
     "bilinear": Image.Resampling.BILINEAR,
@@ -132,6 +139,11 @@ class ImagePolicy:
             raise OptionError(
                 f"invalid resize mode {self.resize!r}: expected one of {', '.join(RESIZE_MODES)}"
             )
+        if self.resize in ASPECT_MODES and self.size is not None and self.size[0] != self.size[1]:
+            raise OptionError(
+                f"--resize {self.resize} keeps the aspect ratio: give one side, --size N, not "
+                f"{self.size[0]}x{self.size[1]}"
+            )
         if self.resample not in RESAMPLE:
             raise OptionError(
                 f"invalid resample {self.resample!r}: expected one of {', '.join(RESAMPLE)}"
@@ -145,15 +157,56 @@ class ImagePolicy:
                 f"invalid max_pixels {self.max_pixels!r}: expected a positive number or None"
             )
 
+    @property
+    def fixed_size(self) -> tuple[int, int] | None:
+        """``(H, W)`` of every image under this policy, or ``None`` when sizes vary (no size,
+        or a resize that keeps the aspect ratio)."""
+        return self.size if self.resize not in ASPECT_MODES else None
+
+    def target_size(self, height: int, width: int) -> tuple[int, int] | None:
+        """``(H, W)`` an image of ``height`` x ``width`` is resized to (step 5), or ``None``
+        when it is kept at its size."""
+        if self.size is None:
+            return None
+        if self.resize not in ASPECT_MODES:
+            return None if self.size == (height, width) else self.size
+        side = self.size[0]
+        short, long = min(height, width), max(height, width)
+        if self.resize == "shorter":
+            if short == side:
+                return None
+            other = max(1, long * side // short)
+            return (side, other) if height <= width else (other, side)
+        if long <= side:
+            return None
+        other = max(1, short * side // long)
+        return (side, other) if height >= width else (other, side)
+
     def describe(self) -> dict[str, Any]:
-        return {
-            "height": self.size[0] if self.size else None,
-            "width": self.size[1] if self.size else None,
+        fixed = self.fixed_size
+        described = {
+            "height": fixed[0] if fixed else None,
+            "width": fixed[1] if fixed else None,
             "channels": self.channels,
             "resize": self.resize if self.size else None,
             "resample": self.resample if self.size else None,
             "background": list(self.background),
         }
+        if self.size is not None and fixed is None:  # one side (shorter or longer) of each
+            described["size"] = self.size[0]
+        return described
+
+
+def size_words(image: dict[str, Any]) -> str:
+    """An output's image size in words, from its manifest's ``image`` (:meth:`ImagePolicy.
+    describe`): ``224x224``, ``shorter side 256 (aspect kept)``, ``as source``."""
+    if image.get("height") and image.get("width"):
+        return f"{image['height']}x{image['width']}"
+    if image.get("size") and image.get("resize") == "shorter":
+        return f"shorter side {image['size']} (aspect kept; smaller images enlarged)"
+    if image.get("size") and image.get("resize") == "longer":
+        return f"longer side at most {image['size']} (aspect kept; smaller images as they are)"
+    return "as source"
 
 
 @dataclass(frozen=True)
@@ -303,18 +356,18 @@ def _to_rgb_array(img: Image.Image, background: tuple[int, int, int]) -> np.ndar
 
 
 def resize_pixels(pixels: np.ndarray, policy: ImagePolicy) -> np.ndarray:
-    """Resize HxWxC uint8 pixels to ``policy.size`` by the policy's method (step 5)."""
-    assert policy.size is not None
-    height, width = policy.size
-    if pixels.shape[:2] == (height, width):
+    """Resize HxWxC uint8 pixels as the policy says (step 5; :meth:`ImagePolicy.target_size`)."""
+    target = policy.target_size(pixels.shape[0], pixels.shape[1])
+    if target is None:
         return pixels
+    height, width = target
     gray = pixels.ndim == 3 and pixels.shape[2] == 1
     img = Image.fromarray(pixels[:, :, 0] if gray else pixels)
     method = RESAMPLE[policy.resample]
-    if policy.resize == "stretch":
-        img = img.resize((width, height), method)
-    else:
+    if policy.resize == "crop":
         img = ImageOps.fit(img, (width, height), method=method, centering=(0.5, 0.5))
+    else:  # stretch, shorter, longer: to exactly the target (the last two keep the aspect)
+        img = img.resize((width, height), method)
     out = np.asarray(img)
     return out[:, :, None] if gray else out
 
@@ -420,7 +473,8 @@ def _is_plain(img: Image.Image, kind: str, policy: ImagePolicy) -> bool:
     already gives exactly the policy's pixels, so its bytes can be stored as they are."""
     return (
         kind in _KEEPABLE
-        and policy.size is None
+        and (policy.size is None or policy.fixed_size is None)  # crop and stretch re-encode
+        and policy.target_size(img.height, img.width) is None
         and getattr(img, "n_frames", 1) == 1
         and _orientation(img) == 1
         and "transparency" not in img.info
@@ -438,8 +492,7 @@ def _policy_pixels(img: Image.Image, kind: str, path: str, policy: ImagePolicy) 
         raise ImageError(
             path, f"cannot convert {kind} image (mode {img.mode}): {describe(exc)}"
         ) from None
-    if policy.size is not None:
-        pixels = resize_pixels(pixels, policy)
+    pixels = resize_pixels(pixels, policy)
     if policy.channels == 1:
         pixels = np.asarray(Image.fromarray(pixels).convert("L"))[:, :, None]
     return np.ascontiguousarray(pixels)
@@ -492,7 +545,7 @@ def process_bytes(
     data: bytes, path: str, label: int, policy: ImagePolicy, encoding: Encoding
 ) -> Encoded:
     """Validate and encode the bytes of one image file (``path`` names it in errors)."""
-    if encoding.name == "original" and policy.size is None:
+    if encoding.name == "original" and policy.fixed_size is None:  # kept unless resized
         kept = _kept_jpeg(data, path, label, policy, encoding.measure)
         if kept is not None:
             return kept
@@ -534,6 +587,8 @@ def _kept_jpeg(
     if header is None:
         return None
     height, width, channels = header
+    if policy.target_size(height, width) is not None:
+        return None  # resized: re-encoded
     if policy.max_pixels is not None and height * width > policy.max_pixels:
         return None  # Pillow's path refuses it, saying why
     if channels == 3 and policy.channels != 3:

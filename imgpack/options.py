@@ -17,7 +17,7 @@ from typing import Any
 from imgpack import formats, sources
 from imgpack.errors import OptionError
 from imgpack.formats import FormatSpec
-from imgpack.images import Encoding, ImagePolicy, parse_color
+from imgpack.images import ASPECT_MODES, Encoding, ImagePolicy, parse_color
 from imgpack.units import parse_byte_size, parse_image_size
 
 ON_ERROR = ("fail", "skip")
@@ -73,8 +73,16 @@ class ConvertOptions:
         set_(self, "background", parse_color(self.background))
         self.encoding_spec  # noqa: B018 - validates encoding and quality
         self.policy  # noqa: B018 - validates resize, resample, max_pixels
+        if self.resize in ASPECT_MODES and self.size is None:
+            raise OptionError(f"--resize {self.resize} needs --size N (the side it sets)")
         if self.encoding == "raw" and self.size is None:
             raise OptionError("encoding 'raw' needs a fixed image size: give --size N or HxW")
+        if self.encoding == "raw" and self.resize in ASPECT_MODES:
+            raise OptionError(
+                f"encoding 'raw' needs one image size, and --resize {self.resize} keeps each "
+                "image's aspect ratio (sizes vary): use --resize crop or stretch, or encoding "
+                "jpeg, png or original"
+            )
         if not isinstance(self.stats, bool):
             raise OptionError(f"invalid stats {self.stats!r}: expected True or False")
         if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):

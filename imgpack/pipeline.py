@@ -54,7 +54,7 @@ from imgpack.formats.writer_base import (
     file_entries,
     shard_size_note,
 )
-from imgpack.images import Encoded
+from imgpack.images import Encoded, size_words
 from imgpack.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -423,7 +423,7 @@ def convert(
             ``kwargs`` must not be given), else built from ``format`` and ``kwargs``:
         **kwargs: ``encoding`` (``original``, ``png``, ``jpeg`` or ``raw``; ``raw`` needs
             ``size``), ``size`` (``N``, ``"HxW"`` or ``(H, W)``), ``quality`` (JPEG),
-            ``resize`` (``crop`` or ``stretch``), ``resample`` (Pillow filter), ``grayscale``,
+            ``resize`` (``crop``, ``stretch``, or ``shorter``/``longer`` with one ``size``: the aspect kept), ``resample`` (Pillow filter), ``grayscale``,
             ``background`` (colour under transparent pixels), ``max_pixels`` (``None``: no
             decompression-bomb guard), ``workers`` (default: the usable CPUs), ``shard_size``
             (``"512MB"``, ``"1GiB"``, an int), ``overwrite``, ``on_error`` (``fail`` stops at the
@@ -517,6 +517,8 @@ class DryRun:
     #: The shard size in bytes (0: one file), and the largest image's estimated bytes.
     shard_size: int = 0
     largest_image: int = 0
+    #: The images as the manifest will describe them (:meth:`ImagePolicy.describe`).
+    image: dict[str, Any] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """What ``--dry-run`` prints (the skipped files by name are the caller's to list)."""
@@ -526,7 +528,7 @@ class DryRun:
         )
         lines = [
             f"dry run: nothing read or written; {self.src} -> {self.dst} ({self.format})",
-            f"images:    {self.images}",
+            f"images:    {self.images}, stored at {size_words(self.image)}",
             f"classes:   {len(self.classes)} ({shown})" if self.classes else "classes:   none",
             f"bytes:     about {format_bytes(self.estimated_bytes)} of images",
             f"files:     {len(self.shards)} "
@@ -593,6 +595,7 @@ def dry_run(
         shards_exact=exact,
         shard_size=options.shard_size or 0 if options.spec.sharded else 0,
         largest_image=max(sizes[start:stop], default=0),
+        image=options.policy.describe(),
     )
 
 

@@ -165,7 +165,7 @@ class HDF5Writer(Writer):
             f.attrs["imgpack"] = SCHEMA_VERSION
             f.attrs["classes"] = np.array(self.config.classes, dtype=h5py.string_dtype())
             f.attrs["encoding"] = self.config.encoding.name
-            height, width = policy.size or (0, 0)
+            height, width = policy.fixed_size or (0, 0)
             f.attrs["height"], f.attrs["width"] = height, width
             f.attrs["channels"] = policy.channels
             if self.config.output_id:

@@ -55,7 +55,7 @@ class PTWriter(ShardedWriter):
         if self.config.output_id:
             common["output_id"] = self.config.output_id
         if self.config.encoding.name == "raw":
-            height, width = self.config.policy.size or (0, 0)
+            height, width = self.config.policy.fixed_size or (0, 0)
             shape = (len(self._labels), height, width, self.config.policy.channels)
             payload = {"images": data.reshape(shape), **common}
         else:
