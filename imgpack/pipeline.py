@@ -423,7 +423,8 @@ def convert(
             ``kwargs`` must not be given), else built from ``format`` and ``kwargs``:
         **kwargs: ``encoding`` (``original``, ``png``, ``jpeg`` or ``raw``; ``raw`` needs
             ``size``), ``size`` (``N``, ``"HxW"`` or ``(H, W)``), ``quality`` (JPEG),
-            ``resize`` (``crop``, ``stretch``, or ``shorter``/``longer`` with one ``size``: the aspect kept), ``resample`` (Pillow filter), ``grayscale``,
+            ``resize`` (``crop``, ``stretch``, or ``shorter``/``longer`` with one ``size``:
+            the aspect ratio kept), ``resample`` (Pillow filter), ``grayscale``,
             ``background`` (colour under transparent pixels), ``max_pixels`` (``None``: no
             decompression-bomb guard), ``workers`` (default: the usable CPUs), ``shard_size``
             (``"512MB"``, ``"1GiB"``, an int), ``overwrite``, ``on_error`` (``fail`` stops at the
