@@ -224,7 +224,7 @@ def check_destination(
 ) -> None:
     """``dst`` may be written: it does not exist, it is an empty folder, or ``overwrite`` and
     it is ``what`` (a folder holding the file ``marker``). The same words for every command,
-    local or bucket (:func:`imgpack.storage.output_folder`)."""
+    local or bucket (:func:`imgpack.storage.destination.output_folder`)."""
     if not (dst.exists() or dst.is_symlink()):
         return
     if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
