@@ -12,6 +12,13 @@ resolves a location itself:
   or, for a reader that fetches each data file when it first reads it, opened lazily over a
   cache entry (:class:`LazyFiles`, :mod:`imgpack.storage.lazy`), whose files are checked as they
   arrive.
+
+:func:`open_manifest` is the same route for the manifest alone (nothing checked or fetched:
+``info``, ``verify``, which reports damage rather than refusing it, ``--classes-from``).
+:class:`ReadOptions` is what a reader is built with beside what was opened, the same for every
+format; the route reads its storage options, cache folder and limit. The files' classes live
+in :mod:`imgpack.storage.files`: this module is the seam between storage and the readers, and
+storage knows nothing of readers.
 """
 
 from __future__ import annotations
