@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.images",
             "imgpack.stored",
             "imgpack.decoding",
+            "imgpack.recipe",
             "imgpack.sources.folder.scan",
         ),
     ),

@@ -1,0 +1,136 @@
+"""The training recipe's random crops, drawn as a pure function of ``(seed, epoch, index)``.
+
+:class:`RandomResizedCrop` draws each sample's box with torchvision's parameters and its
+algorithm (``RandomResizedCrop.get_params``: ten tries at an area share in ``scale`` and a
+log-uniform aspect ratio in ``ratio``, then the centre crop that fits the ratio), and a
+horizontal flip with probability ``flip``. The random numbers are not a generator's stream but
+a counter-based hash of ``(seed, epoch, index, draw)`` (SplitMix64): sample ``index`` of epoch
+``epoch`` gets the same box whichever process draws it, in whatever batch, under any number of
+workers, ranks or nodes, and after a resume from any saved state. A box is drawn from the
+image's size alone, before it is decoded, so the decode can do only the work the box needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from imgpack.errors import OptionError
+from imgpack.units import parse_image_size
+
+#: The tries torchvision makes before it falls back to the centre crop.
+TRIES = 10
+#: Draw numbers within a sample's stream: two per try, then the box's place, then the flip.
+_TOP, _LEFT, _FLIP = 2 * TRIES, 2 * TRIES + 1, 2 * TRIES + 2
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser of uint64 ``x`` (a bijection that scatters every input bit)."""
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seed: int, epoch: int, indices: np.ndarray, draw: int) -> np.ndarray:
+    """Draw number ``draw`` of each sample of ``indices`` in ``epoch``: floats in ``[0, 1)``
+    (53 random bits each), a pure function of ``(seed, epoch, index, draw)``."""
+    key = _splitmix(np.full(1, seed & (2**64 - 1), np.uint64))
+    key = _splitmix(key ^ np.uint64(epoch & (2**64 - 1)))
+    with np.errstate(over="ignore"):
+        x = _splitmix(key ^ (np.asarray(indices, np.int64).astype(np.uint64) * _GOLDEN))
+        x = _splitmix(x ^ np.uint64(draw))
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class Boxes:
+    """One box per sample, in the source image's pixels: rows ``top:top + height``, columns
+    ``left:left + width``, then flipped left to right where ``flip``."""
+
+    top: np.ndarray
+    left: np.ndarray
+    height: np.ndarray
+    width: np.ndarray
+    flip: np.ndarray
+
+
+@dataclass(frozen=True)
+class RandomResizedCrop:
+    """torchvision's ``RandomResizedCrop(size, scale, ratio)`` followed by
+    ``RandomHorizontalFlip(flip)``: the box's content is resized to ``size`` (``N`` or
+    ``(H, W)``)."""
+
+    size: tuple[int, int] | int | str
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: float = 0.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", parse_image_size(self.size))
+        low, high = (float(v) for v in self.scale)
+        if not 0 < low <= high <= 1:
+            raise OptionError(f"invalid scale {self.scale!r}: expected 0 < low <= high <= 1")
+        low_ratio, high_ratio = (float(v) for v in self.ratio)
+        if not 0 < low_ratio <= high_ratio:
+            raise OptionError(f"invalid ratio {self.ratio!r}: expected 0 < low <= high")
+        if not 0 <= float(self.flip) <= 1:
+            raise OptionError(f"invalid flip {self.flip!r}: expected a probability, 0 to 1")
+        object.__setattr__(self, "scale", (low, high))
+        object.__setattr__(self, "ratio", (low_ratio, high_ratio))
+        object.__setattr__(self, "flip", float(self.flip))
+
+    def boxes(
+        self,
+        seed: int,
+        epoch: int,
+        indices: np.ndarray,
+        heights: np.ndarray,
+        widths: np.ndarray,
+    ) -> Boxes:
+        """The boxes of samples ``indices`` in ``epoch`` (images of ``heights`` x ``widths``),
+        torchvision's ``get_params`` for each, on the numbers :func:`uniforms` draws."""
+        indices = np.asarray(indices, np.int64)
+        height = np.asarray(heights, np.int64)
+        width = np.asarray(widths, np.int64)
+        area = (height * width).astype(np.float64)
+        log_low, log_high = math.log(self.ratio[0]), math.log(self.ratio[1])
+        found = np.zeros(len(indices), bool)
+        box_h = np.zeros(len(indices), np.int64)
+        box_w = np.zeros(len(indices), np.int64)
+        for attempt in range(TRIES):
+            share = uniforms(seed, epoch, indices, 2 * attempt)
+            target = area * (self.scale[0] + share * (self.scale[1] - self.scale[0]))
+            aspect = np.exp(
+                log_low + uniforms(seed, epoch, indices, 2 * attempt + 1) * (log_high - log_low)
+            )
+            w = np.rint(np.sqrt(target * aspect)).astype(np.int64)
+            h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
+            fits = ~found & (w > 0) & (w <= width) & (h > 0) & (h <= height)
+            box_h[fits], box_w[fits] = h[fits], w[fits]
+            found |= fits
+        top = np.floor(uniforms(seed, epoch, indices, _TOP) * (height - box_h + 1)).astype(np.int64)
+        left = np.floor(uniforms(seed, epoch, indices, _LEFT) * (width - box_w + 1)).astype(
+            np.int64
+        )
+        # The fallback: the whole image, or its centre cut to the nearer end of ``ratio``.
+        rest = ~found
+        if rest.any():
+            in_ratio = width[rest] / height[rest]
+            w, h = width[rest].copy(), height[rest].copy()
+            narrow = in_ratio < self.ratio[0]
+            wide = in_ratio > self.ratio[1]
+            h[narrow] = np.rint(w[narrow] / self.ratio[0]).astype(np.int64)
+            w[wide] = np.rint(h[wide] * self.ratio[1]).astype(np.int64)
+            box_h[rest], box_w[rest] = h, w
+            top[rest] = (height[rest] - h) // 2
+            left[rest] = (width[rest] - w) // 2
+        flip = uniforms(seed, epoch, indices, _FLIP) < self.flip
+        return Boxes(top, left, box_h, box_w, flip)
