@@ -16,9 +16,16 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from imgpack.errors import OptionError
+from imgpack.stored import Payload, decode_stored, widen
 from imgpack.units import parse_image_size
+
+try:
+    import simplejpeg as _simplejpeg
+except ImportError:  # Pillow decodes every JPEG whole then
+    _simplejpeg = None
 
 #: The tries torchvision makes before it falls back to the centre crop.
 TRIES = 10
@@ -68,7 +75,7 @@ class RandomResizedCrop:
     ``RandomHorizontalFlip(flip)``: the box's content is resized to ``size`` (``N`` or
     ``(H, W)``)."""
 
-    size: tuple[int, int] | int | str
+    size: tuple[int, int]  # (H, W); an int N or "HxW" is accepted and normalised
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: float = 0.5
@@ -134,3 +141,107 @@ class RandomResizedCrop:
             left[rest] = (width[rest] - w) // 2
         flip = uniforms(seed, epoch, indices, _FLIP) < self.flip
         return Boxes(top, left, box_h, box_w, flip)
+
+
+class EpochIndices(np.ndarray):
+    """A batch's sample indices that carry the epoch they were drawn for
+    (:meth:`imgpack.loading.ShardSampler.batches` yields them): a reader's random crops follow
+    the epoch of the batch, not the one the reader was last told, so DataLoader workers that
+    persist across epochs draw each epoch's boxes."""
+
+    epoch: int
+
+    def __new__(cls, indices: np.ndarray, epoch: int) -> EpochIndices:
+        found = np.asarray(indices, np.int64).view(cls)
+        found.epoch = int(epoch)
+        return found
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.epoch = int(getattr(obj, "epoch", 0))
+
+    def __reduce__(self) -> tuple[object, ...]:  # to a worker: the indices and the epoch
+        return _epoch_indices, (np.asarray(self), self.epoch)
+
+
+def _epoch_indices(indices: np.ndarray, epoch: int) -> EpochIndices:
+    return EpochIndices(indices, epoch)
+
+
+def crop_resize(
+    pixels: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int], flip: bool
+) -> np.ndarray:
+    """The ``box`` (top, left, height, width, in ``pixels``' coordinates) of HxWxC uint8
+    ``pixels``, resized to ``size`` (H, W) with Pillow's bilinear filter, flipped left to right
+    when ``flip``. A box of whole pixels is cropped, then resized: what torchvision's
+    ``RandomResizedCrop`` does to a PIL image; a box in a JPEG decoded at a reduced scale has
+    fractional edges and is resized in one step from there (Pillow's ``resize(box=)``)."""
+    top, left, height, width = box
+    gray = pixels.shape[2] == 1
+    img = Image.fromarray(pixels[:, :, 0] if gray else pixels)
+    region = (float(left), float(top), float(left + width), float(top + height))
+    target = (size[1], size[0])
+    if all(v.is_integer() for v in region):
+        img = img.crop(region).resize(target, Image.Resampling.BILINEAR)
+    else:
+        img = img.resize(target, Image.Resampling.BILINEAR, box=region)
+    out = np.asarray(img)
+    if gray:
+        out = out[:, :, None]
+    return out[:, ::-1] if flip else out
+
+
+def decode_box(
+    payload: Payload | np.ndarray,
+    channels: int,
+    box: tuple[int, int, int, int],
+    size: tuple[int, int],
+    flip: bool,
+) -> np.ndarray:
+    """A stored record's ``box`` (top, left, height, width in the stored image), resized to
+    ``size`` and flipped when ``flip``: HxWxC uint8 (C = ``channels``). A JPEG is decoded at the
+    smallest DCT scale whose scaled box still covers ``size`` (libjpeg-turbo through
+    ``simplejpeg``), the box taken from that; a PNG, or raw pixels (an array), in full."""
+    top, left, height, width = box
+    if isinstance(payload, np.ndarray):
+        return widen(crop_resize(payload, (top, left, height, width), size, flip), channels)
+    pixels = None
+    if _simplejpeg is not None and bytes(payload[:3]) == b"\xff\xd8\xff":
+        pixels = _scaled_jpeg(payload, channels, box, size)
+    if pixels is not None:
+        scaled, full = pixels
+        sy, sx = scaled.shape[0] / full[0], scaled.shape[1] / full[1]
+        region = (top * sy, left * sx, height * sy, width * sx)
+        return widen(crop_resize(scaled, region, size, flip), channels)
+    whole = decode_stored(payload, channels)
+    return widen(crop_resize(whole, (top, left, height, width), size, flip), channels)
+
+
+def _scaled_jpeg(
+    payload: Payload,
+    channels: int,
+    box: tuple[int, int, int, int],
+    size: tuple[int, int],
+) -> tuple[np.ndarray, tuple[int, int]] | None:
+    """A JPEG decoded at the smallest DCT scale that keeps the box at least ``size``, and the
+    image's full (H, W); ``None`` for Pillow's path (a colour space or damage simplejpeg
+    declines)."""
+    assert _simplejpeg is not None
+    try:
+        height, width, colorspace, _ = _simplejpeg.decode_jpeg_header(payload)
+        if colorspace == "Gray":
+            mode = "gray"
+        elif colorspace in ("YCbCr", "RGB") and channels == 3:
+            mode = "rgb"
+        else:
+            return None
+        _, _, box_h, box_w = box
+        need_h = min(height, -(-height * size[0] // max(1, box_h)))
+        need_w = min(width, -(-width * size[1] // max(1, box_w)))
+        pixels = _simplejpeg.decode_jpeg(
+            payload, colorspace=mode, min_height=need_h, min_width=need_w, strict=True
+        )
+    except (ValueError, TypeError):
+        return None
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    return pixels, (int(height), int(width))

@@ -41,7 +41,7 @@ def draft_scale(height: int, width: int, size: tuple[int, int] | None) -> int:
     return next((s for s in _DRAFT_SCALES if scale >= s), 1)
 
 
-def _widen(pixels: np.ndarray, channels: int) -> np.ndarray:
+def widen(pixels: np.ndarray, channels: int) -> np.ndarray:
     """HxWx1 gray pixels widened to ``channels`` (replicated into R, G and B)."""
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
@@ -135,7 +135,7 @@ def decode_stored(
 def _place(pixels: np.ndarray, channels: int, out: np.ndarray | None) -> np.ndarray:
     """``pixels`` widened to ``channels``, in ``out`` when given (unless already there)."""
     if out is None:
-        return _widen(pixels, channels)
+        return widen(pixels, channels)
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     if pixels.shape[:2] != out.shape[:2]:

@@ -24,6 +24,7 @@ from imgpack.errors import OptionError
 from imgpack.loading import Loader, Mix, ShardSampler
 from imgpack.loading.sampler import ShardBatches
 from imgpack.readers import collate
+from imgpack.recipe import EpochIndices
 
 N = 24  # samples: 2 ranks x batches of 2 x 3 batches = 12 consumed, 12 left for 3 or 4 ranks
 
@@ -421,7 +422,8 @@ def test_a_loaders_batches_reach_an_imgpack_reader_as_index_arrays(
         assert loader.batch_sampler.drop_last is drop_last
         assert len(loader) == len(plain) == (N // 5 if drop_last else -(-N // 5))
         mine = list(loader)
-        assert set(got) == {np.ndarray}  # one index array a batch, not 5 Python ints
+        # one index array a batch (carrying its epoch), not 5 Python ints
+        assert set(got) == {EpochIndices} and issubclass(EpochIndices, np.ndarray)
         got.clear()
         assert len(mine) == len(plain)
         for (a, x), (b, y) in zip(mine, plain, strict=True):

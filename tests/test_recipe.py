@@ -4,11 +4,18 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from conftest import jpeg_bytes, png_bytes, smooth_rgb
+from PIL import Image
 
+from imgpack import convert, open_dataset
 from imgpack.errors import OptionError
+from imgpack.loading import Loader, ShardSampler
+from imgpack.readers import collate
 from imgpack.recipe import TRIES, RandomResizedCrop, uniforms
 
 
@@ -127,3 +134,106 @@ def test_bad_parameters_are_refused_in_one_line(options: dict[str, object], says
     given = {"size": 224, **options}
     with pytest.raises(OptionError, match=says):
         RandomResizedCrop(**given)  # type: ignore[arg-type]
+
+
+# -- the readers: boxes drawn before the decode, in every process ---------------------------------
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PNG and JPEG sources of different sizes, in two classes."""
+    root = tmp_path_factory.mktemp("recipe") / "src"
+    rng = np.random.default_rng(1)
+    for k in range(24):
+        height, width = int(rng.integers(24, 90)), int(rng.integers(24, 90))
+        folder = root / ("a" if k % 2 else "b")
+        folder.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(smooth_rgb(rng, height, width))
+        name = folder / f"{k:02d}.{'png' if k % 3 else 'jpg'}"
+        name.write_bytes(png_bytes(img) if k % 3 else jpeg_bytes(img))
+    return root
+
+
+def _expected(
+    full: np.ndarray, box: tuple[int, int, int, int], size: int, flip: bool
+) -> np.ndarray:
+    """torchvision's ``RandomResizedCrop`` on a PIL image for this box: crop, then a bilinear
+    resize; then the flip."""
+    top, left, height, width = box
+    img = Image.fromarray(full).crop((left, top, left + width, top + height))
+    out = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR))
+    return out[:, ::-1] if flip else out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "encoding"), [("pt", "original"), ("webdataset", "jpeg"), ("lmdb", "raw")]
+)
+def test_a_reader_crops_each_sample_as_torchvision_would(
+    photos: Path, tmp_path: Path, fmt: str, encoding: str
+) -> None:
+    out = tmp_path / "out"
+    size = {"size": 48} if encoding == "raw" else {}
+    convert(photos, out, fmt, encoding=encoding, progress=False, **size)  # type: ignore[arg-type]
+    crop = RandomResizedCrop(20, scale=(0.3, 1.0))
+    ds = open_dataset(out, recipe=crop, seed=11)
+    plain = open_dataset(out)
+    assert ds.image_shape == (3, 20, 20)
+    ds.set_epoch(4)
+    batch = collate(ds.__getitems__(list(range(len(ds)))))
+    assert tuple(batch[0].shape) == (len(ds), 3, 20, 20)
+    assert batch[1].tolist() == plain.targets
+    for index in range(len(ds)):
+        full = plain[index][0].permute(1, 2, 0).numpy()
+        boxes = crop.boxes(11, 4, np.array([index]), [full.shape[0]], [full.shape[1]])
+        box = (int(boxes.top[0]), int(boxes.left[0]), int(boxes.height[0]), int(boxes.width[0]))
+        expected = _expected(full, box, 20, bool(boxes.flip[0])).astype(np.int64)
+        found = batch[0][index].permute(1, 2, 0).numpy().astype(np.int64)
+        source = plain.samples[index][0]
+        stored_jpeg = encoding == "jpeg" or (encoding == "original" and source.endswith(".jpg"))
+        if stored_jpeg:  # decoded at a reduced DCT scale where the box allows: close
+            assert np.abs(found - expected).mean() < 8, index
+        else:  # PNG and raw: exactly torchvision's pixels
+            assert np.array_equal(found, expected), index
+        single = ds[index][0].permute(1, 2, 0).numpy().astype(np.int64)
+        assert np.array_equal(single, found)  # ds[i]: the same crop as in a batch
+
+
+def test_the_crops_follow_the_epoch_in_every_worker(photos: Path, tmp_path: Path) -> None:
+    """Batches from ShardSampler carry their epoch: workers that persist across epochs, and
+    any number of them, draw the same crops as one process."""
+    out = tmp_path / "out"
+    convert(photos, out, "pt", encoding="png", progress=False)
+    crop = RandomResizedCrop(16)
+
+    def epochs(workers: int, persistent: bool) -> list[torch.Tensor]:
+        ds = open_dataset(out, recipe=crop, seed=5)
+        sampler = ShardSampler(ds, seed=1)
+        loader = Loader(
+            ds, batch_size=5, sampler=sampler, num_workers=workers, collate_fn=collate,
+            persistent_workers=persistent,
+        )  # fmt: skip
+        found = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            found.append(torch.cat([images for images, _ in loader]))
+        return found
+
+    alone = epochs(0, False)
+    assert not torch.equal(alone[0], alone[1])  # another epoch, other crops (and order)
+    for workers, persistent in ((2, False), (2, True)):
+        found = epochs(workers, persistent)
+        assert all(torch.equal(a, b) for a, b in zip(alone, found, strict=True)), (
+            workers,
+            persistent,
+        )
+
+
+def test_a_recipe_is_refused_with_a_size_and_a_seed_must_be_whole(
+    photos: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    convert(photos, out, "pt", progress=False)
+    with pytest.raises(OptionError, match="recipe= or size=, not both"):
+        open_dataset(out, recipe=RandomResizedCrop(8), size=8)
+    with pytest.raises(OptionError, match="invalid seed"):
+        open_dataset(out, recipe=RandomResizedCrop(8), seed=1.5)
+    with pytest.raises(OptionError, match="invalid recipe"):
+        open_dataset(out, recipe="train")

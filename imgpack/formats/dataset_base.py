@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from imgpack.decoding import Decoder, Payload
+from imgpack.decoding import Decoder, Payload, default_threads, run_threaded
 from imgpack.decoding import arrays_to_batch as arrays_to_batch  # re-exported for readers
 from imgpack.decoding import new_batch_tensor as new_batch_tensor
 from imgpack.decoding import scratch_tensor as scratch_tensor
@@ -53,11 +53,13 @@ from imgpack.opening import Opened, open_output
 from imgpack.opening import ReadKeywords as ReadKeywords  # re-exported for the readers
 from imgpack.opening import ReadOptions as ReadOptions  # re-exported
 from imgpack.opening import check_files as check_files  # re-exported for the readers
+from imgpack.recipe import decode_box
 from imgpack.scan import UNLABELLED
 from imgpack.stats import DatasetStats, against_labels
 from imgpack.storage.files import PINNED_FILES as PINNED_FILES  # re-exported
 from imgpack.storage.files import FileHolder
 from imgpack.storage.lazy import LazyOutput, unpin
+from imgpack.stored import decode_stored, stored_shape
 from imgpack.units import parse_image_size
 
 if TYPE_CHECKING:
@@ -193,6 +195,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         self._targets: list[int] | None = None
         self._samples: list[tuple[str, int]] | None = None
         self._stored_paths: list[str] | None = None
+        #: The epoch whose random crops a batch without one of its own gets (:meth:`set_epoch`).
+        self.epoch = 0
         self._prepare()
 
     def _prepare(self) -> None:
@@ -323,10 +327,19 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def __len__(self) -> int:
         return self.manifest.num_samples
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose random crops (``recipe=``) the next reads draw, for batches that do
+        not carry theirs (:meth:`imgpack.loading.ShardSampler.batches` does, and its
+        ``set_epoch`` calls this): the name ``DistributedSampler`` and Hugging Face use."""
+        self.epoch = int(epoch)
+
     @property
     def image_shape(self) -> tuple[int, int, int] | None:
         """``(C, H, W)`` of every image this reader hands out (before ``transform``): the
-        reader's ``size``, else the output's fixed size; ``None`` when sizes vary."""
+        recipe's or the reader's ``size``, else the output's fixed size; ``None`` when sizes
+        vary."""
+        if self.options.recipe is not None:
+            return (self.channels, *self.options.recipe.size)
         if self.size_policy is not None and self.size_policy.size is not None:
             return (self.channels, *self.size_policy.size)
         height, width = self.manifest.image.get("height"), self.manifest.image.get("width")
@@ -531,9 +544,11 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         )
         return other
 
-    def _fetch(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+    def _fetch(self, indices: np.ndarray, epoch: int | None = None) -> tuple[Images, torch.Tensor]:
         """:meth:`_gather`, resized to ``size`` where the reader has one and the stored images
         are another size (raw outputs; encoded ones are resized as they are decoded)."""
+        if self.options.recipe is not None:
+            return self._cropped(indices, self.epoch if epoch is None else epoch)
         if not len(indices):  # an empty batch: no file is touched
             shape = self.image_shape
             empty: Images = torch.empty((0, *shape), dtype=torch.uint8) if shape is not None else []
@@ -556,13 +571,68 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         pixels = [img.permute(1, 2, 0).numpy() for img in images]
         return self.decoder.batch(pixels, lambda k: f"{self.root}: sample {indices[k]}"), labels
 
+    def _cropped(self, indices: np.ndarray, epoch: int) -> tuple[Images, torch.Tensor]:
+        """Samples ``indices`` under the recipe's random crop in ``epoch``: each box drawn from
+        the stored image's size before it is decoded (:mod:`imgpack.recipe`), the decode doing
+        what the box needs (a JPEG at the smallest DCT scale that covers it), resized to the
+        recipe's size and flipped, on the decode threads."""
+        recipe = self.options.recipe
+        assert recipe is not None
+        items: list[Any]
+        here = self._here()
+        here.batch_depth += 1
+        try:
+            here.maps.check(lambda: self._touched(indices))
+            if self._encoded:
+                found = self._records(indices)
+                records = list(self.checks.records(self, found) if self.verify else found)
+                items = [record.payload for record in records]
+                labels = torch.tensor([record.label for record in records], dtype=torch.int64)
+                names = [f"{record.where}: sample {record.index}" for record in records]
+                sizes = [self._stored_size(i, n) for i, n in zip(items, names, strict=True)]
+            else:
+                images, labels = self._gather(indices)
+                items = [image.permute(1, 2, 0).numpy() for image in images]
+                names = [f"{self.root}: sample {index}" for index in indices.tolist()]
+                sizes = [item.shape[:2] for item in items]
+        finally:
+            here.batch_depth -= 1
+            if not here.batch_depth:
+                here.files.trim()
+        heights = np.array([size[0] for size in sizes], np.int64)
+        widths = np.array([size[1] for size in sizes], np.int64)
+        boxes = recipe.boxes(self.options.seed, epoch, indices, heights, widths)
+        out = new_batch_tensor((len(indices), *recipe.size, self.channels))
+        rows = out.numpy()
+
+        def crop(k: int) -> None:
+            box = (boxes.top[k], boxes.left[k], boxes.height[k], boxes.width[k])
+            try:
+                rows[k] = decode_box(items[k], self.channels, box, recipe.size, boxes.flip[k])
+            except DataError as exc:
+                raise DataError(f"{names[k]}: {exc}") from None
+
+        threads = self.decoder.threads or default_threads()
+        run_threaded(len(items), crop, threads if self._encoded else 1)
+        return out.permute(0, 3, 1, 2), labels
+
+    def _stored_size(self, item: Any, where: str) -> tuple[int, int]:
+        """The (H, W) a stored record decodes to: from its header, else from its decode."""
+        shape = stored_shape(item, self.channels)
+        if shape is None:
+            try:
+                shape = decode_stored(item, self.channels).shape
+            except DataError as exc:
+                raise DataError(f"{where}: {exc}") from None
+        return int(shape[0]), int(shape[1])
+
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         i, n = integer_index(index, str(self.root)), len(self)
         if not -n <= i < n:
             raise IndexError(f"index {i} is out of range for {self.root} ({n} samples)")
         image: Any
         label: Any
-        if self._encoded:  # one record looked up and decoded, nothing batched around it
+        if self._encoded and self.options.recipe is None:  # one record, nothing batched
             image, label = self._read_one(i + n if i < 0 else i)
         else:
             images, labels = self._fetch(np.array([i + n if i < 0 else i], np.int64))
@@ -588,7 +658,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""
-        images, labels = self._fetch(self._indices(indices))
+        epoch = getattr(indices, "epoch", None)  # a batch drawn for its epoch (EpochIndices)
+        images, labels = self._fetch(self._indices(indices), epoch)
         if self.transform is None and self.target_transform is None:
             return Batch(images, labels)
         imgs: list[Any] = list(images)

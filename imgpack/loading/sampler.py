@@ -37,6 +37,7 @@ from torch.utils.data import Dataset, Sampler
 
 from imgpack.errors import OptionError
 from imgpack.formats.dataset_base import integer_index, integer_indices
+from imgpack.recipe import EpochIndices
 from imgpack.units import finite_numbers, whole_number
 
 #: Samples per block of a single-file output (``lmdb``, ``hdf5``), read as its "shards".
@@ -225,8 +226,12 @@ class ShardSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order from the next iteration on (as ``DistributedSampler``).
-        After :meth:`load_state_dict`, setting the saved epoch keeps its consumed count."""
+        After :meth:`load_state_dict`, setting the saved epoch keeps its consumed count. The
+        dataset is told too (a reader's random crops follow the epoch: ``ds.set_epoch``)."""
         self.epoch = int(epoch)
+        told = getattr(self.dataset, "set_epoch", None)
+        if callable(told):
+            told(self.epoch)
 
     # -- state -------------------------------------------------------------------------------
     def consumed(self, samples: int | None = None) -> int:
@@ -410,6 +415,7 @@ class _Batches(Iterator[np.ndarray]):
 
     def __init__(self, batches: ShardBatches, indices: np.ndarray, start: int) -> None:
         self.batches, self.indices, self.at, self.start = batches, indices, 0, start
+        self.epoch = batches.sampler.epoch  # carried by every batch (EpochIndices)
         hints = batches.sampler._hints(indices)
         self.hints = sorted(hints.items())  # (position, shards to fetch) in position order
         self.begun = False
@@ -429,7 +435,7 @@ class _Batches(Iterator[np.ndarray]):
         while self.hints and self.hints[0][0] < stop:  # shards first read in this batch
             sampler.dataset.prefetch(self.hints.pop(0)[1])  # type: ignore[attr-defined]
         self.at = sampler._yielded = stop
-        return self.indices[start:stop]
+        return EpochIndices(self.indices[start:stop], self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return self.batches.sampler.state_dict(self.at)
