@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from imgpack.errors import DataError, ManifestError, OptionError
 from imgpack.manifest import Manifest, file_problem, read_manifest
 from imgpack.publishing import recover
-from imgpack.recipe import RandomResizedCrop
+from imgpack.recipe import CenterCrop, Crop, RandomResizedCrop
 from imgpack.storage.cache import fetch_output
 from imgpack.storage.files import CachedFiles, LazyFiles, LocalFiles, OutputFiles
 from imgpack.storage.lazy import LIMIT_VARIABLE, LazyOutput, cache_limit
@@ -70,10 +70,11 @@ class ReadOptions:
     #: (:class:`~imgpack.loading.ShardSampler`) will read them. The default, 8, is the
     #: sampler's default window: the next window arrives while this one is read.
     prefetch: int = 8
-    #: The training recipe's random crop (:class:`imgpack.recipe.RandomResizedCrop`): each
-    #: sample's box and flip drawn from ``(seed, epoch, index)`` before its decode, the box
-    #: resized to the recipe's size (``size`` and ``resize`` then do not apply).
-    recipe: RandomResizedCrop | None = None
+    #: The training recipe's random crop (:class:`imgpack.recipe.RandomResizedCrop`: each
+    #: sample's box and flip drawn from ``(seed, epoch, index)`` before its decode) or the
+    #: evaluation's centre crop (:class:`imgpack.recipe.CenterCrop`), resized to its size
+    #: (``size`` and ``resize`` then do not apply).
+    recipe: Crop | None = None
     #: The seed of the recipe's boxes.
     seed: int = 0
 
@@ -83,9 +84,10 @@ class ReadOptions:
             whole_number(self.decode_threads, "decode_threads", 1)
         if self.resize not in ("crop", "stretch"):
             raise OptionError(f"invalid resize {self.resize!r}: expected 'crop' or 'stretch'")
-        if self.recipe is not None and not isinstance(self.recipe, RandomResizedCrop):
+        if self.recipe is not None and not isinstance(self.recipe, RandomResizedCrop | CenterCrop):
             raise OptionError(
-                f"invalid recipe {self.recipe!r}: expected an imgpack.recipe.RandomResizedCrop"
+                f"invalid recipe {self.recipe!r}: expected an imgpack.recipe.RandomResizedCrop "
+                "(training) or CenterCrop (evaluation)"
             )
         if self.recipe is not None and self.size is not None:
             raise OptionError("give recipe= or size=, not both (the recipe's crop has a size)")
@@ -134,7 +136,7 @@ class ReadKeywords(TypedDict, total=False):
     cache_dir: str | os.PathLike[str] | None
     cache_limit: int | str | None
     prefetch: int
-    recipe: RandomResizedCrop | None
+    recipe: Crop | None
     seed: int
 
 

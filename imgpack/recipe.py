@@ -143,6 +143,58 @@ class RandomResizedCrop:
         return Boxes(top, left, box_h, box_w, flip)
 
 
+@dataclass(frozen=True)
+class CenterCrop:
+    """The evaluation half: torchvision's ``Resize(resize)`` then ``CenterCrop(size)`` (the
+    shorter side to ``resize``, the centre ``size`` taken), as one box in the stored image,
+    resized in one bilinear step (within rounding of torchvision's two steps). No randomness:
+    the same box in every epoch."""
+
+    size: tuple[int, int]  # (H, W); an int N or "HxW" is accepted and normalised
+    resize: int = 0  # the shorter side before the crop; 0: 8/7 of the crop (256 for 224)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", parse_image_size(self.size))
+        resize = int(self.resize) or round(max(self.size) * 8 / 7)
+        if resize < max(self.size):
+            raise OptionError(
+                f"invalid resize {self.resize!r}: the shorter side must be at least the crop "
+                f"({max(self.size)})"
+            )
+        object.__setattr__(self, "resize", resize)
+
+    def boxes(
+        self,
+        seed: int,
+        epoch: int,
+        indices: np.ndarray,
+        heights: np.ndarray,
+        widths: np.ndarray,
+    ) -> Boxes:
+        """The centre boxes (``seed`` and ``epoch`` play no part)."""
+        height = np.asarray(heights, np.int64)
+        width = np.asarray(widths, np.int64)
+        short = np.minimum(height, width)
+        # torchvision's Resize(resize): the shorter side to ``resize``, the longer floored.
+        resized_h = np.where(height <= width, self.resize, height * self.resize // short)
+        resized_w = np.where(height <= width, width * self.resize // short, self.resize)
+        crop_h, crop_w = self.size
+        top = np.rint((resized_h - crop_h) / 2.0)  # torchvision's CenterCrop
+        left = np.rint((resized_w - crop_w) / 2.0)
+        scale_y, scale_x = height / resized_h, width / resized_w
+        return Boxes(
+            top * scale_y,
+            left * scale_x,
+            crop_h * scale_y,
+            crop_w * scale_x,
+            np.zeros(len(height), bool),
+        )
+
+
+#: The crops a reader takes as ``recipe=``.
+Crop = RandomResizedCrop | CenterCrop
+
+
 class EpochIndices(np.ndarray):
     """A batch's sample indices that carry the epoch they were drawn for
     (:meth:`imgpack.loading.ShardSampler.batches` yields them): a reader's random crops follow
@@ -193,7 +245,7 @@ def crop_resize(
 def decode_box(
     payload: Payload | np.ndarray,
     channels: int,
-    box: tuple[int, int, int, int],
+    box: tuple[float, float, float, float],
     size: tuple[int, int],
     flip: bool,
 ) -> np.ndarray:
@@ -219,7 +271,7 @@ def decode_box(
 def _scaled_jpeg(
     payload: Payload,
     channels: int,
-    box: tuple[int, int, int, int],
+    box: tuple[float, float, float, float],
     size: tuple[int, int],
 ) -> tuple[np.ndarray, tuple[int, int]] | None:
     """A JPEG decoded at the smallest DCT scale that keeps the box at least ``size``, and the
@@ -235,8 +287,8 @@ def _scaled_jpeg(
         else:
             return None
         _, _, box_h, box_w = box
-        need_h = min(height, -(-height * size[0] // max(1, box_h)))
-        need_w = min(width, -(-width * size[1] // max(1, box_w)))
+        need_h = min(height, math.ceil(height * size[0] / max(1.0, float(box_h))))
+        need_w = min(width, math.ceil(width * size[1] / max(1.0, float(box_w))))
         pixels = _simplejpeg.decode_jpeg(
             payload, colorspace=mode, min_height=need_h, min_width=need_w, strict=True
         )

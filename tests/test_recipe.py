@@ -237,3 +237,33 @@ def test_a_recipe_is_refused_with_a_size_and_a_seed_must_be_whole(
         open_dataset(out, recipe=RandomResizedCrop(8), seed=1.5)
     with pytest.raises(OptionError, match="invalid recipe"):
         open_dataset(out, recipe="train")
+
+
+def test_the_evaluation_crop_is_torchvisions_resize_then_centre_crop(
+    photos: Path, tmp_path: Path
+) -> None:
+    """``CenterCrop(24, resize=28)``: one box in the stored image that Resize(28) then
+    CenterCrop(24) would keep, resized in one step: within rounding of torchvision's two."""
+    from imgpack.recipe import CenterCrop
+
+    out = tmp_path / "out"
+    convert(photos, out, "pt", encoding="png", progress=False)
+    plain = open_dataset(out)
+    ds = open_dataset(out, recipe=CenterCrop(24, resize=28))
+    first = collate(ds.__getitems__(list(range(len(ds)))))[0]
+    ds.set_epoch(3)
+    assert torch.equal(collate(ds.__getitems__(list(range(len(ds)))))[0], first)  # no randomness
+    for index in range(len(ds)):
+        full = Image.fromarray(plain[index][0].permute(1, 2, 0).numpy())
+        short, long = min(full.size), max(full.size)
+        other = long * 28 // short
+        resized = full.resize(
+            (28, other) if full.width <= full.height else (other, 28), Image.Resampling.BILINEAR
+        )
+        top, left = round((resized.height - 24) / 2), round((resized.width - 24) / 2)
+        expected = np.asarray(resized.crop((left, top, left + 24, top + 24)), np.int64)
+        found = first[index].permute(1, 2, 0).numpy().astype(np.int64)
+        assert np.abs(found - expected).mean() < 4, index
+    assert CenterCrop(224).resize == 256
+    with pytest.raises(OptionError, match="at least the crop"):
+        CenterCrop(224, resize=200)
