@@ -267,3 +267,78 @@ def test_the_evaluation_crop_is_torchvisions_resize_then_centre_crop(
     assert CenterCrop(224).resize == 256
     with pytest.raises(OptionError, match="at least the crop"):
         CenterCrop(224, resize=200)
+
+
+def test_the_crops_after_a_resume_are_the_epochs_on_other_workers_and_ranks(
+    photos: Path, tmp_path: Path
+) -> None:
+    """Saved after 2 batches of epoch 1 with 2 workers, resumed by 2 ranks with none: every
+    crop read before and after is the one ``(seed, 1, index)`` gives, each sample once (the
+    resumed readers were told no epoch: the batches carry it)."""
+    import hashlib
+    from collections import Counter
+
+    out = tmp_path / "out"
+    convert(photos, out, "pt", encoding="png", progress=False)
+    crop = RandomResizedCrop(12)
+
+    def digest(image: torch.Tensor) -> str:
+        return hashlib.sha256(image.contiguous().numpy().tobytes()).hexdigest()
+
+    reference = open_dataset(out, recipe=crop, seed=9)
+    reference.set_epoch(1)
+    expected = Counter(digest(reference[i][0]) for i in range(len(reference)))
+
+    ds = open_dataset(out, recipe=crop, seed=9)
+    sampler = ShardSampler(ds, seed=4)
+    sampler.set_epoch(1)
+    loader = Loader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=collate)
+    seen: list[str] = []
+    for step, (images, _) in enumerate(loader):
+        seen += [digest(image) for image in images]
+        if step == 1:
+            state = loader.state_dict()
+            break
+    del loader
+    for rank in range(2):
+        fresh = open_dataset(out, recipe=crop, seed=9)  # its own epoch: 0
+        ranked = ShardSampler(fresh, seed=4, num_replicas=2, rank=rank)
+        resumed = Loader(fresh, batch_size=4, sampler=ranked, collate_fn=collate)
+        resumed.load_state_dict(state)
+        seen += [digest(image) for images, _ in resumed for image in images]
+    assert Counter(seen) == expected
+
+
+def test_awkward_images_are_cropped_like_any_other(tmp_path: Path) -> None:
+    """A grayscale JPEG (kept one channel), a progressive JPEG, a CMYK JPEG and an EXIF-rotated
+    one (both stored as PNGs of the policy's pixels), a 1-pixel-wide PNG (the fallback box):
+    each crop against torchvision's on the reader's full decode of the same record."""
+    rng = np.random.default_rng(3)
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    rgb = Image.fromarray(smooth_rgb(rng, 60, 80))
+    (src / "gray.jpg").write_bytes(jpeg_bytes(rgb.convert("L")))
+    (src / "progressive.jpg").write_bytes(jpeg_bytes(rgb, progressive=True))
+    (src / "cmyk.jpg").write_bytes(jpeg_bytes(rgb.convert("CMYK")))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees
+    (src / "rotated.jpg").write_bytes(jpeg_bytes(rgb, exif=exif.tobytes()))
+    (src / "sliver.png").write_bytes(png_bytes(Image.fromarray(smooth_rgb(rng, 1, 40))))
+    out = tmp_path / "out"
+    convert(tmp_path / "src", out, "pt", progress=False)
+    crop = RandomResizedCrop(8)
+    ds, plain = open_dataset(out, recipe=crop, seed=2), open_dataset(out)
+    batch = collate(ds.__getitems__(list(range(len(ds)))))[0]
+    for index, (path, _) in enumerate(plain.samples):
+        full = plain[index][0].permute(1, 2, 0).numpy()
+        boxes = crop.boxes(2, 0, np.array([index]), [full.shape[0]], [full.shape[1]])
+        box = (int(boxes.top[0]), int(boxes.left[0]), int(boxes.height[0]), int(boxes.width[0]))
+        expected = _expected(full, box, 8, bool(boxes.flip[0])).astype(np.int64)
+        found = batch[index].permute(1, 2, 0).numpy().astype(np.int64)
+        assert found.shape == (8, 8, 3), path
+        difference = np.abs(found - expected)
+        assert difference.mean() < 8 and difference.max() < 96, (path, difference.mean())
+        if path.endswith(".png") or "rotated" in path or "cmyk" in path:  # stored as PNG
+            assert np.array_equal(found, expected), path
+        if "sliver" in path:  # too thin for the ratio: the centre fallback, full height
+            assert box[2] == 1
