@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from imgpack.errors import OptionError
-from imgpack.stored import Payload, decode_stored, widen
+from imgpack.stored import Payload, decode_stored, jpeg_mode, widen
 from imgpack.units import parse_image_size
 
 try:
@@ -279,13 +279,10 @@ def _scaled_jpeg(
     declines)."""
     assert _simplejpeg is not None
     try:
-        height, width, colorspace, _ = _simplejpeg.decode_jpeg_header(payload)
-        if colorspace == "Gray":
-            mode = "gray"
-        elif colorspace in ("YCbCr", "RGB") and channels == 3:
-            mode = "rgb"
-        else:
+        found = jpeg_mode(payload, channels)
+        if found is None:
             return None
+        height, width, mode = found
         _, _, box_h, box_w = box
         need_h = min(height, math.ceil(height * size[0] / max(1.0, float(box_h))))
         need_w = min(width, math.ceil(width * size[1] / max(1.0, float(box_w))))

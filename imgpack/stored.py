@@ -52,6 +52,20 @@ def widen(pixels: np.ndarray, channels: int) -> np.ndarray:
     raise DataError(f"stored image has {pixels.shape[2]} channels, expected {channels}")
 
 
+def jpeg_mode(payload: Payload, channels: int) -> tuple[int, int, str] | None:
+    """``(height, width, colorspace)`` simplejpeg decodes a stored JPEG to (``gray`` or
+    ``rgb``, as ``channels`` allows), from its header; ``None`` for Pillow's path (a colour
+    space simplejpeg does not give, or a header it declines). Raises what the header read
+    raises (``ValueError``)."""
+    assert _simplejpeg is not None
+    height, width, colorspace, _ = _simplejpeg.decode_jpeg_header(payload)
+    if colorspace == "Gray":
+        return int(height), int(width), "gray"
+    if colorspace in ("YCbCr", "RGB") and channels == 3:
+        return int(height), int(width), "rgb"
+    return None
+
+
 def _fast_jpeg(
     payload: Payload, channels: int, size: tuple[int, int] | None, out: np.ndarray | None
 ) -> np.ndarray | None:
@@ -59,13 +73,10 @@ def _fast_jpeg(
     shape), or ``None`` for Pillow to decide. Gray stays one channel (the caller widens it)."""
     assert _simplejpeg is not None
     try:
-        height, width, colorspace, _ = _simplejpeg.decode_jpeg_header(payload)
-        if colorspace == "Gray":
-            mode = "gray"
-        elif colorspace in ("YCbCr", "RGB") and channels == 3:
-            mode = "rgb"
-        else:
+        found = jpeg_mode(payload, channels)
+        if found is None:
             return None
+        height, width, mode = found
         scale = draft_scale(height, width, size)
         shape = (-(-height // scale), -(-width // scale), 1 if mode == "gray" else 3)
         buffer = out if out is not None and out.shape == shape and scale == 1 else None
