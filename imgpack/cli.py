@@ -788,6 +788,16 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
 @click.option(
     "--size", default=None, help="Read the images at N x N or HxW, as open_dataset(size=) does."
 )
+@click.option(
+    "--recipe",
+    type=click.Choice(["train", "eval"]),
+    default=None,
+    help="Show the crops training sees: train, RandomResizedCrop(--size) and a flip; eval, "
+    "Resize(8/7 of --size) then CenterCrop(--size).",
+)
+@click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The epoch whose crops --recipe train shows.")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="The crops' seed.")
 @reading_options
 @friendly_errors
 def preview(
@@ -796,18 +806,32 @@ def preview(
     per_class: int,
     classes: str | None,
     size: str | None,
+    recipe: str | None,
+    epoch: int,
+    seed: int,
     storage_option: tuple[str, ...],
     cache_dir: str | None,
     cache_limit: str | None,
 ) -> None:
     """Write a contact sheet of OUTPUT (a folder or a URL): a row per class, labelled, of its
-    first samples read back through the reader, as training sees them."""
+    first samples read back through the reader, as training sees them (with --recipe, the
+    crops of that epoch)."""
     from imgpack.preview import contact_sheet
     from imgpack.readers import open_dataset
     from imgpack.storage.location import is_url
 
     options = replace(_read_options(storage_option, cache_dir, cache_limit), size=size)
+    if recipe is not None:
+        from imgpack.recipe import CenterCrop, RandomResizedCrop
+        from imgpack.units import parse_image_size
+
+        if size is None:
+            raise click.UsageError(f"--recipe {recipe} needs --size N (the crop's size)")
+        side = parse_image_size(size)
+        crop = RandomResizedCrop(side) if recipe == "train" else CenterCrop(side)
+        options = replace(options, size=None, recipe=crop, seed=seed)
     dataset = open_dataset(dst, options=options)
+    dataset.set_epoch(epoch)
     if not is_url(dst) and sheet_path.resolve().is_relative_to(Path(dst).resolve()):
         raise click.UsageError(
             f"-o {sheet_path}: inside the output {dst}; write the sheet elsewhere (an output's "

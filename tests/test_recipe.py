@@ -342,3 +342,28 @@ def test_awkward_images_are_cropped_like_any_other(tmp_path: Path) -> None:
             assert np.array_equal(found, expected), path
         if "sliver" in path:  # too thin for the ratio: the centre fallback, full height
             assert box[2] == 1
+
+
+def test_preview_shows_the_crops_training_sees(photos: Path, tmp_path: Path) -> None:
+    """``imgpack preview OUT --recipe train --size N --epoch E``: each tile is the sample's crop
+    in that epoch, as the reader gives it; ``--recipe`` without ``--size`` is refused."""
+    from click.testing import CliRunner
+
+    from imgpack.cli import main
+
+    out = tmp_path / "out"
+    convert(photos, out, "pt", encoding="png", progress=False)
+    sheet = tmp_path / "sheet.png"
+    args = ["preview", str(out), "-o", str(sheet), "--per-class", "3"]
+    done = CliRunner().invoke(main, [*args, "--recipe", "train", "--size", "16", "--epoch", "2"])
+    assert done.exit_code == 0, done.output
+    ds = open_dataset(out, recipe=RandomResizedCrop(16), seed=0)
+    ds.set_epoch(2)
+    from imgpack.preview import contact_sheet
+
+    expected = contact_sheet(ds, 3)
+    with Image.open(sheet) as found:
+        assert np.array_equal(np.asarray(found), np.asarray(expected.image))
+    assert {tile[2:] for tile in expected.tiles}  # tiles were drawn
+    refused = CliRunner().invoke(main, [*args, "--recipe", "eval"])
+    assert refused.exit_code == 2 and "--recipe eval needs --size N" in refused.output
