@@ -269,14 +269,19 @@ def test_the_evaluation_crop_is_torchvisions_resize_then_centre_crop(
         CenterCrop(224, resize=200)
 
 
+@pytest.mark.parametrize("resume_workers", [0, 2])
+@pytest.mark.parametrize("through", ["loader", "dataloader"])
 def test_the_crops_after_a_resume_are_the_epochs_on_other_workers_and_ranks(
-    photos: Path, tmp_path: Path
+    photos: Path, tmp_path: Path, resume_workers: int, through: str
 ) -> None:
-    """Saved after 2 batches of epoch 1 with 2 workers, resumed by 2 ranks with none: every
-    crop read before and after is the one ``(seed, 1, index)`` gives, each sample once (the
-    resumed readers were told no epoch: the batches carry it)."""
+    """Saved after 2 batches of epoch 1 with 2 workers, resumed by 2 ranks with 0 or 2 workers,
+    through ``Loader`` (batches that carry their epoch) or a plain ``DataLoader`` over the
+    sampler (Python ints: the reader takes the epoch the loaded state tells it): every crop read
+    before and after is the one ``(seed, 1, index)`` gives, each sample once."""
     import hashlib
     from collections import Counter
+
+    from torch.utils.data import DataLoader
 
     out = tmp_path / "out"
     convert(photos, out, "pt", encoding="png", progress=False)
@@ -303,8 +308,13 @@ def test_the_crops_after_a_resume_are_the_epochs_on_other_workers_and_ranks(
     for rank in range(2):
         fresh = open_dataset(out, recipe=crop, seed=9)  # its own epoch: 0
         ranked = ShardSampler(fresh, seed=4, num_replicas=2, rank=rank)
-        resumed = Loader(fresh, batch_size=4, sampler=ranked, collate_fn=collate)
-        resumed.load_state_dict(state)
+        made = {"batch_size": 4, "num_workers": resume_workers, "collate_fn": collate}
+        if through == "loader":
+            resumed = Loader(fresh, sampler=ranked, **made)
+            resumed.load_state_dict(state)
+        else:
+            ranked.load_state_dict(state["sampler"])
+            resumed = DataLoader(fresh, sampler=ranked, **made)
         seen += [digest(image) for images, _ in resumed for image in images]
     assert Counter(seen) == expected
 

@@ -284,7 +284,7 @@ class ShardSampler(Sampler[int]):
                 f"the saved loader state is damaged: epoch {epoch!r} and consumed {consumed!r} "
                 f"must be whole numbers, epoch >= 0 and consumed 0..{self._total}"
             )
-        self.epoch = epoch
+        self.set_epoch(epoch)  # the dataset is told too: its random crops follow the epoch
         self._resume = (epoch, consumed)
         self._start, self._yielded = consumed, 0
 
