@@ -735,38 +735,36 @@ class PreadDataset(ImageDataset):
         self, shard_of: np.ndarray | None, starts: np.ndarray, out: torch.Tensor
     ) -> None:
         """:meth:`_rows_into` for a batch whose rows lie in shards ``shard_of`` (``None``: all
-        in shard 0) at ``starts``: straight into ``out`` from one shard. From several: when one
-        shard holds at least half the batch (a webdataset output's default two shards), the
-        whole batch is gathered from it in one call, the other shards' rows standing in for
-        one of its own (a call costs more than a few rows' copy), then theirs put over them;
-        each other shard's rows are placed with one numpy assignment (rows as
-        :func:`void_rows`: a memcpy each)."""
+        in shard 0) at ``starts``: straight into ``out`` from one shard. From two, one of them
+        holding at least half the batch (a webdataset output's default two shards): the whole
+        batch is gathered from that one in one call, the other's rows standing in for one of
+        its own (a call costs more than a few hot rows' copy), then the other's rows gathered
+        into scratch space with one more and put over them (rows as :func:`void_rows`: a
+        memcpy each, from memory just written). Otherwise each shard's rows are gathered with
+        one numpy assignment, straight into their places."""
         if shard_of is None:
             self._rows_into(0, starts, out)
             return
-        first = int(shard_of[0]) if len(shard_of) else 0
-        others = np.flatnonzero(shard_of != first)
-        if not len(others):
+        counts = np.bincount(shard_of)
+        first = int(counts.argmax())
+        if counts[first] == len(shard_of):
             self._rows_into(first, starts, out)
             return
-        if 2 * len(others) > len(shard_of):  # the first row's shard holds less than half
-            first = int(np.bincount(shard_of).argmax())
-            others = np.flatnonzero(shard_of != first)
-        if 2 * len(others) <= len(shard_of):
-            stand_in = starts[int(np.argmax(shard_of == first))]
-            self._rows_into(first, np.where(shard_of == first, starts, stand_in), out)
-        else:  # no shard holds half the batch: every row placed by its shard
-            others = np.arange(len(shard_of))
         target, width = void_rows(out.numpy()), out.shape[1]
-        numbers = shard_of[others]
-        second = int(numbers[0])
-        if (numbers == second).all():  # one other shard: no sort
-            target[others] = self._row_windows(second, width)[starts[others]]
+        if 2 * counts[first] >= len(shard_of) and np.count_nonzero(counts) == 2:
+            elsewhere = shard_of != first
+            others = np.flatnonzero(elsewhere)
+            filled = starts.copy()
+            filled[others] = starts[int(elsewhere.argmin())]
+            self._rows_into(first, filled, out)
+            scratch = scratch_tensor((len(others), width))
+            self._rows_into(int(shard_of[others[0]]), starts[others], scratch)
+            target[others] = void_rows(scratch.numpy())
             return
-        order, runs = shard_runs(numbers)
-        placed, ordered = others[order], starts[others][order]
+        order, runs = shard_runs(shard_of)
+        ordered = starts[order]
         for number, start, stop in runs:
-            target[placed[start:stop]] = self._row_windows(number, width)[ordered[start:stop]]
+            target[order[start:stop]] = self._row_windows(number, width)[ordered[start:stop]]
 
     def _local(self, number: int) -> Path:
         """Shard ``number``'s local path (fetched first, for an output read lazily)."""
