@@ -308,6 +308,22 @@ OUTPUT_OPTIONS = (
         help="Reuse the label map of an imgpack output or a text file (one class per line).",
     ),
     click.option(
+        "--fields",
+        "fields",
+        default=None,
+        metavar="NAME,...",
+        help="The source's per-sample fields to keep (a label list's other columns), in this "
+        "order; '' keeps none. Default: every field the source has (the summary lists them).",
+    ),
+    click.option(
+        "--field",
+        "field_types",
+        multiple=True,
+        metavar="NAME:TYPE",
+        help="Take the source's field NAME as TYPE instead of the inferred one: str, bytes, int, "
+        "float, json, int[], float[], optional with a trailing ? (e.g. boxes:json).",
+    ),
+    click.option(
         "--no-stats",
         is_flag=True,
         help="Do not measure the stored pixels for the dataset's mean and std (imgpack info): "
@@ -615,6 +631,11 @@ def _summary(dst: str, manifest: Any, seconds: float) -> None:
             "last part to finish writes imgpack.json (docs/scale.md)",
             err=True,
         )
+    if manifest.fields:
+        kept = ", ".join(f.spec for f in manifest.fields)
+        click.echo(
+            printable_line(f"  fields kept: {kept} (--fields NAME,... keeps some)"), err=True
+        )
     _skipped_lines(manifest.skipped, f"all listed in {dst}/imgpack.json", err=True)
     if manifest.source.get("ignored_files"):
         click.echo(printable_line(f"  {_ignored(manifest)}"), err=True)
@@ -757,6 +778,7 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
         else "classes:   none (unlabelled: every label is -1)",
         f"encoding:  {manifest.encoding}",
         f"image:     {size}, {image.get('channels')} channel(s)",
+        *([f"fields:    {', '.join(f.spec for f in manifest.fields)}"] if manifest.fields else []),
         f"files:     {len(manifest.files)}, {format_bytes(manifest.total_bytes)}",
         f"skipped:   {len(manifest.skipped)}",
         f"ignored:   {_ignored(manifest)}",

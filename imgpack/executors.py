@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from imgpack.errors import DataError, ImageError, ImgpackError, OptionError, first_line
+from imgpack.fields import Field, sample_values
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.scan import Sample
 from imgpack.stored import measure
@@ -69,11 +70,23 @@ class Job:
     encoding: Encoding
     #: Measure each sample's stored pixels for the dataset statistics (:mod:`imgpack.stats`).
     stats: bool = False
+    #: The fields the output keeps (:mod:`imgpack.fields`): each sample's values, from the
+    #: fetcher or else from the scan (:attr:`Sample.fields`), checked against them.
+    fields: tuple[Field, ...] = ()
 
     def convert(self, sample: Sample) -> Encoded:
         """Read, validate and encode one sample, measured when the job says so; raises
-        :class:`~imgpack.errors.ImageError` for a bad file."""
+        :class:`~imgpack.errors.ImageError` for a bad file or a bad field value."""
         encoded = self.fetch(sample, self.policy, self.encoding)
+        if self.fields:
+            values = encoded.fields if encoded.fields is not None else (sample.fields or {})
+            try:
+                encoded.fields = sample_values(self.fields, values, encoded.path)
+            except DataError as exc:
+                reason = first_line(exc).removeprefix(f"{encoded.path}: ")
+                raise ImageError(encoded.path, reason) from None
+        else:
+            encoded.fields = None
         if self.stats:
             try:
                 measure(encoded, self.policy.channels)

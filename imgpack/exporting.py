@@ -93,6 +93,7 @@ def export(
         done.folder = folder  # type: ignore[assignment]
         return done
     ds = open_dataset(output, options=replace(options, verify=True))
+    _no_fields(ds, "export writes no sidecar files")
     source, target = ds.root, local_path(folder)
     if inside(target, source):
         raise OptionError(f"{target}: must not be the output or inside it")
@@ -240,6 +241,16 @@ def _create(tmp: Path, name: str, data: bytes, index: int) -> None:
 # -- Hugging Face datasets ------------------------------------------------------------
 
 
+def _no_fields(ds: ImageDataset, why: str) -> None:
+    """Refuse an output with fields where they would be left behind (not yet carried)."""
+    if ds.manifest.fields:
+        names = ", ".join(f.spec for f in ds.manifest.fields)
+        raise OptionError(
+            f"{ds.root}: its samples carry fields ({names}), and {why} yet: they would be "
+            "lost (convert it with --fields '' first to leave them behind on purpose)"
+        )
+
+
 def to_hf(output: ImageDataset | str | os.PathLike[str], cache_dir: str | None = None) -> Any:
     """An imgpack output (an open reader, or a local output folder) as a ``datasets.Dataset``
     with ``image`` (``Image``) and ``label`` (``ClassLabel``; a plain integer for an unlabelled
@@ -247,6 +258,7 @@ def to_hf(output: ImageDataset | str | os.PathLike[str], cache_dir: str | None =
     files go to ``cache_dir`` or the datasets cache). :func:`imgpack.to_hf` takes URLs too."""
     datasets = hf.import_datasets()
     ds = open_dataset(output) if isinstance(output, (str, os.PathLike)) else output
+    _no_fields(ds, "to_hf makes no columns of them")
     classes = list(ds.classes)
     label = datasets.ClassLabel(names=classes) if classes else datasets.Value("int64")
     features = datasets.Features({"image": datasets.Image(), "label": label})

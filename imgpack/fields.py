@@ -135,9 +135,7 @@ def check_name(name: Any) -> str:
         )
     if name.lower() in RESERVED:
         raise OptionError(
-            f"the field name {name!r} is one of imgpack's own keys "
-            f"({', '.join(sorted(RESERVED))}): rename it (--field NEW:TYPE takes the column "
-            "under another name)"
+            f"the field name {name!r} is one of imgpack's own keys ({', '.join(sorted(RESERVED))})"
         )
     return name
 
@@ -177,16 +175,92 @@ def sample_values(fields: Sequence[Field], values: Mapping[str, Any], where: str
 def fields_crc(crc: int, fields: Sequence[Field], values: Mapping[str, Any]) -> int:
     """The record checksum ``crc`` (of the payload and the label) extended over a sample's
     field ``values`` (as :meth:`Field.value` returned them), in ``fields``' order: a presence
-    byte, then the stored bytes' length and the bytes."""
+    byte, then the stored bytes' length and the bytes (:func:`extend_crc`)."""
+    return extend_crc(crc, stored_values(fields, values))
+
+
+def stored_values(fields: Sequence[Field], values: Mapping[str, Any]) -> list[bytes | None]:
+    """The stored bytes of a sample's field ``values``, in ``fields``' order (``None``: absent)."""
+    out: list[bytes | None] = []
     for f in fields:
         value = values.get(f.name)
-        if value is None:
+        out.append(None if value is None else f.encode(value))
+    return out
+
+
+def extend_crc(crc: int, stored: Iterable[bytes | memoryview | None]) -> int:
+    """``crc`` extended over a record's stored field bytes in the manifest's order (``None``:
+    absent): what a reader checks a record's fields with, without decoding them."""
+    for data in stored:
+        if data is None:
             crc = google_crc32c.extend(crc, b"\x00")
             continue
-        data = f.encode(value)
         crc = google_crc32c.extend(crc, b"\x01" + _LENGTH.pack(len(data)))
-        crc = google_crc32c.extend(crc, data)
+        crc = google_crc32c.extend(crc, bytes(data))
     return int(crc)
+
+
+def infer_field(name: str, values: Sequence[Any], text: bool = False) -> Field:
+    """The field a source's column ``name`` holds, from its ``values`` (one per sample, ``None``
+    or ``""`` where a sample has none: the field is then optional). ``text``: the values are
+    text as a CSV holds them, typed ``int`` when every one is an integer, else ``float`` when
+    every one is a number, else ``str`` (a CSV column of JSON text is ``--field NAME:json``).
+    Otherwise JSON values: integers ``int``, numbers ``float``, text ``str``, flat lists of
+    integers ``int[]`` or of numbers ``float[]``, and anything else (objects, nested lists,
+    ``true``, a column of mixed kinds) ``json``."""
+    present = [v for v in values if v is not None and not (text and v == "")]
+    optional = len(present) < len(values)
+    kinds = {_kind(v, text) for v in present}
+    if not kinds:
+        found = "str"
+    elif len(kinds) == 1:
+        found = kinds.pop()
+    elif kinds <= {"int", "float"}:
+        found = "float"
+    elif kinds <= {"int[]", "float[]"}:
+        found = "float[]"
+    else:
+        found = "str" if text else "json"
+    return Field(name, found, optional)
+
+
+def from_text(kind: str, value: str) -> Any:
+    """A CSV cell's text as the value of a field of type ``kind`` (``json`` and the arrays are
+    JSON text in a cell); :class:`ValueError` when it is not JSON."""
+    if kind in ("json", "int[]", "float[]"):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+    if kind == "bytes":
+        return value.encode("utf-8")
+    return value
+
+
+def _kind(value: Any, text: bool) -> str:
+    if text:
+        stripped = str(value).strip()
+        if re.fullmatch(r"[+-]?\d{1,18}", stripped):
+            return "int"
+        try:
+            return "float" if math.isfinite(float(stripped)) else "str"
+        except ValueError:
+            return "str"
+    if isinstance(value, bool):
+        return "json"
+    if isinstance(value, int):
+        return "int" if -_INT_LIMIT <= value < _INT_LIMIT else "json"
+    if isinstance(value, float):
+        return "float" if math.isfinite(value) else "json"
+    if isinstance(value, str):
+        return "str"
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
+        return "int[]" if all(isinstance(v, int) for v in value) else "float[]"
+    return "json"
 
 
 def _unique(found: list[Field]) -> list[Field]:

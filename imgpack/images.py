@@ -253,6 +253,10 @@ class Encoded:
     #: Per-channel sums of the stored pixels and of their squares
     #: (:func:`imgpack.stats.pixel_sums`), set where they are known: ``None`` until measured.
     sums: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: The sample's field values by name (:mod:`imgpack.fields`), as the output keeps them
+    #: (:meth:`~imgpack.executors.Job.convert` checks them against the output's fields);
+    #: ``None``: the output has none.
+    fields: dict[str, Any] | None = None
 
 
 _strict_lock = threading.Lock()

@@ -49,7 +49,7 @@ from imgpack.storage.location import is_url, local_path
 from imgpack.version import __version__
 
 #: Manifest fields every part of one conversion has in common.
-SHARED = ("format", "classes", "encoding", "image", "options", "output_id")
+SHARED = ("format", "classes", "encoding", "image", "options", "output_id", "fields")
 
 
 def merge(
@@ -263,6 +263,7 @@ def _merged_manifest(
         created_by=f"imgpack {__version__}",
         output_id=first.output_id,
         stats=_stats_json(DatasetStats.total(manifest.stats for _, manifest in ordered)),
+        fields=list(first.fields),
     )
 
 

@@ -77,6 +77,9 @@ class ReadOptions:
     recipe: Crop | None = None
     #: The seed of the recipe's boxes.
     seed: int = 0
+    #: Fields of the output to read with each sample (:mod:`imgpack.fields`), by name:
+    #: ``ds[i]`` is then ``(image, label, *values)`` in this order.
+    fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         whole_number(self.prefetch, "prefetch")
@@ -93,6 +96,12 @@ class ReadOptions:
             raise OptionError("give recipe= or size=, not both (the recipe's crop has a size)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise OptionError(f"invalid seed {self.seed!r}: expected an integer")
+        if isinstance(self.fields, str):
+            object.__setattr__(self, "fields", (self.fields,))
+        names = tuple(self.fields)
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise OptionError(f"invalid fields {self.fields!r}: expected distinct field names")
+        object.__setattr__(self, "fields", names)
         if self.verify not in (None, True, False):
             raise OptionError(f"invalid verify {self.verify!r}: expected None, True or False")
 
@@ -138,6 +147,7 @@ class ReadKeywords(TypedDict, total=False):
     prefetch: int
     recipe: Crop | None
     seed: int
+    fields: tuple[str, ...] | list[str] | str
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 from imgpack import formats, sources
 from imgpack.errors import OptionError
+from imgpack.fields import Field, check_name, parse_fields
 from imgpack.formats import FormatSpec
 from imgpack.images import ASPECT_MODES, Encoding, ImagePolicy, parse_color
 from imgpack.units import parse_byte_size, parse_image_size
@@ -64,6 +65,12 @@ class ConvertOptions:
     #: Measure the stored pixels for the dataset statistics' mean and std (:mod:`imgpack.stats`):
     #: a full decode of each kept JPEG instead of the validating 1/8-scale one.
     stats: bool = True
+    #: The source's fields to keep (:mod:`imgpack.fields`), by name, in the output's order;
+    #: ``None``: every field the source offers; ``()``: none.
+    fields: tuple[str, ...] | None = None
+    #: Types of source fields as ``NAME:TYPE`` (``--field caption:str``), taken instead of the
+    #: ones the source would infer.
+    field_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         spec = formats.get(self.format)
@@ -83,6 +90,14 @@ class ConvertOptions:
                 "image's aspect ratio (sizes vary): use --resize crop or stretch, or encoding "
                 "jpeg, png or original"
             )
+        if self.fields is not None:
+            names = self.fields.split(",") if isinstance(self.fields, str) else self.fields
+            kept = tuple(check_name(str(n).strip()) for n in names if str(n).strip())
+            if len(set(kept)) != len(kept):
+                raise OptionError(f"fields: a name is given twice ({', '.join(kept)})")
+            set_(self, "fields", kept)
+        types = (self.field_types,) if isinstance(self.field_types, str) else self.field_types
+        set_(self, "field_types", tuple(f.spec for f in parse_fields(types)))
         if not isinstance(self.stats, bool):
             raise OptionError(f"invalid stats {self.stats!r}: expected True or False")
         if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):
@@ -159,6 +174,11 @@ class ConvertOptions:
             background=self.background,
             max_pixels=self.max_pixels,
         )
+
+    @property
+    def typed_fields(self) -> tuple[Field, ...]:
+        """:attr:`field_types` as fields."""
+        return tuple(parse_fields(self.field_types))
 
     @property
     def encoding_spec(self) -> Encoding:

@@ -225,8 +225,12 @@ def _plan(
     classes = _class_list(options.classes_from) if options.classes_from is not None else None
     if options.classes is not None:
         classes = list(options.classes)
-    request = ScanRequest(classes, options.on_error, options.allow_split_names)
-    return Plan(src_path, dst_path, options, source.scan(request), source)
+    request = ScanRequest(
+        classes, options.on_error, options.allow_split_names, options.typed_fields, options.fields
+    )
+    the_plan = Plan(src_path, dst_path, options, source.scan(request), source)
+    the_plan.fields  # noqa: B018 - refuses an unknown --fields name, or fields a format cannot store
+    return the_plan
 
 
 def process(

@@ -13,7 +13,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from imgpack.errors import OptionError
 from imgpack.executors import Job
+from imgpack.fields import Field
 from imgpack.formats.writer_base import WriterConfig
 from imgpack.manifest import OUTPUT_ID_LENGTH, FileEntry, Manifest
 from imgpack.options import ConvertOptions
@@ -43,7 +45,40 @@ class Plan:
         policy = self.options.policy
         encoding = replace(self.options.encoding_spec, measure=self.options.stats)
         fetch = self.source.fetcher(self.scan, policy, encoding, self.run)
-        return Job(fetch, policy, encoding, stats=self.options.stats)
+        return Job(fetch, policy, encoding, stats=self.options.stats, fields=self.fields)
+
+    @cached_property
+    def fields(self) -> tuple[Field, ...]:
+        """The fields the output keeps: every one the scan found, or those ``--fields`` names
+        (in that order); :class:`~imgpack.errors.OptionError` for a name the source does not
+        offer, or fields kept in a format that stores none."""
+        offered = {f.name: f for f in self.scan.fields}
+        names = self.scan.field_names or list(offered)
+        has = ", ".join(names) or "none"
+        typed = [f.name for f in self.options.typed_fields if f.name not in names]
+        if typed:
+            raise OptionError(
+                f"--field: {self.where} has no field {', '.join(map(repr, typed))} (its fields: "
+                f"{has})"
+            )
+        chosen = self.options.fields
+        if chosen is None:
+            kept = tuple(self.scan.fields)
+        else:
+            unknown = [name for name in chosen if name not in offered]
+            if unknown:
+                raise OptionError(
+                    f"--fields: {self.where} has no field {', '.join(map(repr, unknown))} "
+                    f"(its fields: {has})"
+                )
+            kept = tuple(offered[name] for name in chosen)
+        if kept and not self.options.spec.stores_fields:
+            raise OptionError(
+                f"format {self.options.format!r} cannot store fields yet, and {self.where} has "
+                f"{', '.join(f.spec for f in kept)}: convert to a format that stores them "
+                "(pt), or give --fields '' to convert without them"
+            )
+        return kept
 
     @cached_property
     def run(self) -> str:
@@ -99,6 +134,7 @@ class Plan:
             settings=dict(opts.format_options),
             output_id=self.output_id,
             first_index=self.bounds[0],
+            fields=self.fields,
         )
 
     @cached_property
@@ -120,6 +156,7 @@ class Plan:
             "classes": self.scan.classes,
             "origin": self.scan.origin,
             **({"layout": self.layout} if self.layout else {}),
+            **({"fields": [f.spec for f in self.fields]} if self.fields else {}),
         }
         # A bucket's objects are known by what the store says of each (its listing: sizes and
         # ETags), files by their stat; other sources' contents are in the origin already.
@@ -129,7 +166,7 @@ class Plan:
         digest.update(json.dumps(head, sort_keys=True).encode())
         stamp = self.source.stamp
         for sample in self.scan.samples:
-            found = "" if listing is not None else stamp(sample)
+            found = "" if listed is not None else stamp(sample)
             line = f"{sample.label}\t{found}\t{sample.path}\n"
             digest.update(line.encode("utf-8", "surrogateescape"))
         return digest.hexdigest()[:OUTPUT_ID_LENGTH]
@@ -180,6 +217,7 @@ def manifest_for(
         output_id=plan.output_id,
         part=plan.part,
         stats=stats.to_json() if stats is not None else None,
+        fields=list(plan.fields),
     )
 
 

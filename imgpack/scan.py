@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
+
+from imgpack.fields import Field
 
 #: Extensions (lower case) of files an image folder's scan picks up as images.
 IMAGE_EXTENSIONS = (
@@ -44,6 +46,9 @@ class Sample:
     #: A bucket object's content as the listing named it (:func:`listed_id` of its ETag or
     #: version; 0: not known): the worker that GETs it refuses another content.
     listed: int = field(default=0, compare=False)
+    #: The values of the fields the scan found for it (a label list's other columns), by
+    #: name; ``None`` where the source has none or reads them with the image.
+    fields: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 def listed_id(etag: str) -> int:
@@ -135,6 +140,12 @@ class Scan:
     #: When SRC is not an image folder: what the manifest records of it (its format, output id,
     #: its own source), which also goes into the output id.
     origin: dict[str, Any] | None = None
+    #: The per-sample fields the source offers beyond the image and the label
+    #: (:mod:`imgpack.fields`), in the order the output keeps them.
+    fields: list[Field] = field(default_factory=list)
+    #: The names of every field the source has, kept or not (``--fields`` names some): what
+    #: an unknown name is told; empty: those of :attr:`fields`.
+    field_names: list[str] = field(default_factory=list)
 
     def ignored_reasons(self) -> dict[str, int]:
         """How many files the scan passed over, by why."""

@@ -69,6 +69,8 @@ class FormatSpec:
     #: Files the format's libraries create beside the data while it is read or written, which
     #: are no part of the output (LMDB's ``lock.mdb``): not uploaded, not checked.
     runtime_files: tuple[str, ...] = ()
+    #: Whether the format stores per-sample fields (:mod:`imgpack.fields`).
+    stores_fields: bool = False
 
     def __post_init__(self) -> None:
         if self.sharded and not self.default_shard_size:

@@ -12,7 +12,7 @@ checked. It keeps no reference to the reader: a dropped reader is freed at once.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,6 +22,7 @@ import numpy as np
 from imgpack.checksum import record_crc, record_crcs, records_intact
 from imgpack.decoding import Payload
 from imgpack.errors import DataError
+from imgpack.fields import extend_crc
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class Record:
     label: int
     crc: int | None  # the stored checksum; None where the output stores none
     where: str  # the file (and position) holding it, for messages
+    #: The stored bytes of its fields in the manifest's order (``None``: absent), which its
+    #: checksum covers (:func:`imgpack.fields.extend_crc`); ``None``: the output has none.
+    fields: Sequence[bytes | None] | None = None
 
 
 class CheckedReader(Protocol):
@@ -62,10 +66,15 @@ class RecordChecks:
     the marks are made now, so that workers forked later share them, and made again in a
     spawned one)."""
 
-    def __init__(self, verify: bool | None, encoding: str, count: int) -> None:
+    def __init__(
+        self, verify: bool | None, encoding: str, count: int, fields: bool = False
+    ) -> None:
         self.every: bool = encoding != "raw" if verify is None else bool(verify)
         self.once: bool = verify is None and encoding == "raw"
         self._raw = encoding == "raw"
+        #: Whether records carry fields: their checksums then cover the fields' bytes, which a
+        #: gather of pixels does not hold, so raw records are checked record by record.
+        self._fields = fields
         self._count = count
         self._seen: np.ndarray | None = shared_marks(count) if self.once else None
 
@@ -125,7 +134,7 @@ class RecordChecks:
         once (:func:`~imgpack.checksum.records_intact`) and gathered once; a mismatch goes to
         the record path, which names the record. Marked checked as :meth:`raw` marks them
         (call when :meth:`unchecked` says so)."""
-        if crcs is None:  # written without checksums: the record path has nothing to compare
+        if crcs is None or self._fields:  # the record path compares what the rows lack
             self.raw(reader, indices)
             return
         if not records_intact(rows, labels, crcs):
@@ -142,7 +151,7 @@ class RecordChecks:
     def rows(self, reader: CheckedReader, indices: np.ndarray) -> None:
         """Check records ``indices``: raw ones in one pass where the reader gathers them
         (its ``_raw_rows``), others record by record."""
-        rows = reader._raw_rows(indices) if self._raw else None
+        rows = reader._raw_rows(indices) if self._raw and not self._fields else None
         if rows is None:
             self.each(reader, indices)
             return
@@ -165,17 +174,35 @@ class RecordChecks:
         """``records``, each checked against its stored checksum (:mod:`imgpack.checksum`)."""
         for record in records:
             self.record(
-                reader, record.index, record.payload, record.label, record.crc, record.where
+                reader,
+                record.index,
+                record.payload,
+                record.label,
+                record.crc,
+                record.where,
+                record.fields,
             )
             yield record
 
     @staticmethod
     def record(
-        reader: CheckedReader, index: int, payload: Payload, label: int, crc: int | None, where: str
+        reader: CheckedReader,
+        index: int,
+        payload: Payload,
+        label: int,
+        crc: int | None,
+        where: str,
+        fields: Sequence[bytes | None] | None = None,
     ) -> None:
-        """Sample ``index``'s stored bytes and label against its stored checksum (``None``:
-        an output written without one); :class:`DataError` naming it when they differ."""
-        if crc is not None and record_crc(payload, label) != crc:
+        """Sample ``index``'s stored bytes, label and fields' bytes against its stored
+        checksum (``None``: an output written without one); :class:`DataError` naming it when
+        they differ."""
+        if crc is None:
+            return
+        found = record_crc(payload, label)
+        if fields is not None:
+            found = extend_crc(found, fields)
+        if found != crc:
             raise DataError(
                 f"{where}: sample {index}{reader._source(index)}: checksum mismatch (damaged record)"
             )

@@ -39,8 +39,10 @@ from imgpack.decoding import scratch_tensor as scratch_tensor
 from imgpack.errors import (
     DataError,
     ManifestError,
+    OptionError,
 )
-from imgpack.formats.batch import Batch, Images, label_tensor
+from imgpack.fields import Field
+from imgpack.formats.batch import Batch, Images, field_column, label_tensor
 from imgpack.formats.checking import Record as Record  # re-exported for the readers
 from imgpack.formats.checking import RecordChecks
 from imgpack.formats.gather import readonly_tensor, row_windows, shard_runs, take_windows, void_rows
@@ -149,6 +151,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     #: What a format's reader learns in one process as it reads (where its records lie), made
     #: empty in each process that reads (:meth:`_here`; never pickled); ``None``: nothing.
     learns: ClassVar[type[Any] | None] = None
+    #: Whether the format's reader reads per-sample fields (:meth:`_stored_fields`); an output
+    #: with fields is refused by one that does not, never read with them dropped.
+    reads_fields: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -174,14 +179,24 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.format!r} "
                 f"(open it with imgpack.open_dataset)"
             )
-        if self.manifest.fields:  # never read with its fields dropped
+        if self.manifest.fields and not self.reads_fields:  # never read with its fields dropped
             raise ManifestError(
                 f"{self.root}: its samples carry fields "
                 f"({', '.join(f.spec for f in self.manifest.fields)}), which this imgpack's "
                 f"{self.format} reader does not read; use an imgpack that does"
             )
+        #: The output's fields by name, and their positions in a record.
+        self.fields: dict[str, Field] = {f.name: f for f in self.manifest.fields}
+        unknown = [name for name in self.options.fields if name not in self.fields]
+        if unknown:
+            raise OptionError(
+                f"{self.root}: has no field {', '.join(map(repr, unknown))} (its fields: "
+                f"{', '.join(self.fields) or 'none'})"
+            )
         #: The verify policy: which records are checked, when (:mod:`~imgpack.formats.checking`).
-        self.checks = RecordChecks(verify, self.manifest.encoding, len(self))
+        self.checks = RecordChecks(
+            verify, self.manifest.encoding, len(self), fields=bool(self.manifest.fields)
+        )
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = self.manifest.class_to_idx
         self.transform = transform
@@ -322,6 +337,50 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         replaced (``convert --overwrite``) after the reader read its manifest, and serving the
         new files with what was read from the old ones would mix two outputs."""
         check_output_id(self.manifest.output_id, found, where, self.root)
+
+    # -- fields ------------------------------------------------------------------------------
+    def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
+        """The stored bytes of every field (in the manifest's order) of samples ``indices``:
+        one list per field, ``None`` where a sample has no value. Readers that
+        :attr:`reads_fields` implement it."""
+        raise NotImplementedError(f"the {self.format} reader reads no fields")
+
+    def field(self, name: str, chunk: int = 65536) -> Any:
+        """The whole column of field ``name``, in sample order, without decoding an image: an
+        int64 or float32 tensor for an ``int`` or ``float`` field every sample has, else a
+        list (``None`` where a sample has no value; a tensor each for ``int[]`` and
+        ``float[]``). Its bytes are not checked against the records' checksums, which cover
+        the images too (``imgpack verify`` checks everything)."""
+        found = self.fields.get(name)
+        if found is None:
+            raise OptionError(
+                f"{self.root}: has no field {name!r} (its fields: {', '.join(self.fields) or 'none'})"
+            )
+        position = list(self.fields).index(name)
+        values: list[Any] = []
+        for first in range(0, len(self), chunk):
+            indices = np.arange(first, min(len(self), first + chunk), dtype=np.int64)
+            values += self._decoded(found, self._stored_fields(indices)[position])
+        return field_column(found.type, values)
+
+    def _field_values(self, indices: np.ndarray) -> tuple[Any, ...]:
+        """The columns of the fields this reader reads (``fields=``) for samples ``indices``."""
+        names = self.options.fields
+        if not names:
+            return ()
+        stored = self._stored_fields(indices)
+        positions = {name: k for k, name in enumerate(self.fields)}
+        return tuple(
+            field_column(self.fields[n].type, self._decoded(self.fields[n], stored[positions[n]]))
+            for n in names
+        )
+
+    @staticmethod
+    def _decoded(found: Field, stored: list[bytes | None]) -> list[Any]:
+        values = [None if data is None else found.decode(data) for data in stored]
+        if found.type in ("int[]", "float[]"):
+            return [None if v is None else torch.from_numpy(v) for v in values]
+        return values
 
     # -- the dataset protocol ------------------------------------------------------------
     def __len__(self) -> int:
@@ -641,6 +700,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             image = self.transform(image)
         if self.target_transform is not None:
             label = self.target_transform(label)
+        if self.options.fields:
+            columns = self._field_values(np.array([i + n if i < 0 else i], np.int64))
+            return (image, label, *(_first(c) for c in columns))
         return image, label
 
     def _read_one(self, index: int) -> tuple[torch.Tensor, int]:
@@ -659,22 +721,29 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""
         epoch = getattr(indices, "epoch", None)  # a batch drawn for its epoch (EpochIndices)
-        images, labels = self._fetch(self._indices(indices), epoch)
+        wanted = self._indices(indices)
+        images, labels = self._fetch(wanted, epoch)
+        columns = self._field_values(wanted)
         if self.transform is None and self.target_transform is None:
-            return Batch(images, labels)
+            return Batch(images, labels, columns)
         imgs: list[Any] = list(images)
         targets: list[Any] = labels.tolist()
         if self.transform is not None:
             imgs = [self.transform(img) for img in imgs]
         if self.target_transform is not None:
             targets = [self.target_transform(t) for t in targets]
-        return Batch(imgs, targets)
+        return Batch(imgs, targets, columns)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(root={str(self.root)!r}, samples={len(self)}, "
             f"classes={len(self.classes)}, encoding={self.manifest.encoding!r})"
         )
+
+
+def _first(column: Any) -> Any:
+    value = column[0]
+    return value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
 
 
 class PreadDataset(ImageDataset):

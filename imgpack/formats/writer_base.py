@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any, BinaryIO
 
 from imgpack.errors import DataError
+from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.manifest import Companion, FileEntry, Manifest, sha256_file
 from imgpack.units import format_bytes
@@ -57,6 +58,8 @@ class WriterConfig:
     #: formats that number samples in their files (webdataset keys) start there, so the parts'
     #: numbers never collide and merged parts need no renumbering.
     first_index: int = 0
+    #: The per-sample fields every sample carries (:attr:`Encoded.fields`), in stored order.
+    fields: tuple[Field, ...] = ()
 
     def class_name(self, label: int) -> str | None:
         """The class of ``label``; ``None`` for an unlabelled sample (an output without

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import DataError, ScanError
+from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.scan import MAX_CLASSES, Sample, Scan
 
@@ -38,6 +39,12 @@ class ScanRequest:
     on_error: str = "fail"
     #: Convert top-level folders named like splits (``train``, ``test``) as classes.
     allow_split_names: bool = False
+    #: The types of fields the user gave (``--field NAME:TYPE``), by name: a source takes its
+    #: column ``NAME`` as that type instead of the one it would infer.
+    field_types: tuple[Field, ...] = ()
+    #: The fields to keep (``--fields``), by name; ``None``: every one the source has. A
+    #: source need not offer the others (nor check their names or values).
+    fields: tuple[str, ...] | None = None
 
 
 class Fetcher(ABC):

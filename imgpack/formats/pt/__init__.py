@@ -9,4 +9,5 @@ SPEC = FormatSpec(
     summary="memory-mappable torch.save shards (shard-00000.pt ...)",
     sharded=True,
     default_shard_size=1 << 30,
+    stores_fields=True,
 )

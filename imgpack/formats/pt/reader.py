@@ -33,6 +33,7 @@ class PTDataset(ImageDataset):
     reads on)."""
 
     lazy_files = True
+    reads_fields = True
 
     format = "pt"
 
@@ -96,9 +97,79 @@ class PTDataset(ImageDataset):
             problem = f"paths lists {len(paths)} samples, expected {n}"
         if problem is None and crcs is not None and tuple(crcs.shape) != (n,):
             problem = f"crc32c has shape {tuple(crcs.shape)}, expected ({n},)"
+        if problem is None and self.manifest.fields:
+            problem = self._check_fields(shard.get("fields"), n)
+            if problem is None:
+                shard["_fields"] = self.__dict__.pop("_columns_found")
         if problem:
             raise DataError(f"{path}: damaged shard: {problem}")
         return shard
+
+    def _check_fields(self, found: Any, n: int) -> str | None:
+        """What is wrong with a shard's ``fields`` (``n`` samples), or ``None``; sets each
+        column's numpy views aside (values, offsets, present, per field) for :meth:`_load`."""
+        if not isinstance(found, dict):
+            return "no fields, and the manifest lists some"
+        columns: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = []
+        for f in self.manifest.fields:
+            column = found.get(f.name)
+            if not isinstance(column, dict) or not isinstance(column.get("values"), torch.Tensor):
+                return f"no values of the field {f.name!r}"
+            values = column["values"].numpy()
+            want = FIELD_DTYPES[f.type]
+            if values.dtype != want or values.ndim != 1:
+                return f"field {f.name!r}: values should be 1-D {want}, found {values.dtype}"
+            offsets = column.get("offsets")
+            if f.type in ("int", "float"):
+                if len(values) != n:
+                    return f"field {f.name!r}: {len(values)} values, expected {n}"
+                offsets = None
+            else:
+                if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64:
+                    return f"field {f.name!r}: no int64 offsets"
+                offsets = offsets.numpy()
+                problem = check_offsets(offsets, n, len(values))
+                if problem:
+                    return f"field {f.name!r}: {problem}"
+            present = column.get("present")
+            if f.optional:
+                if not isinstance(present, torch.Tensor) or tuple(present.shape) != (n,):
+                    return f"field {f.name!r}: no presence column of {n} samples"
+                present = present.numpy().astype(bool)
+            else:
+                present = None
+            columns.append((values, offsets, present))
+        self._columns_found = columns
+        return None
+
+    def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
+        out: list[list[bytes | None]] = [[] for _ in self.manifest.fields]
+        shard_of = self._shard_of(indices)
+        local = (indices - self._starts[shard_of]).tolist()
+        for number, i in zip(shard_of.tolist(), local, strict=True):
+            for column, data in zip(out, self._field_bytes(number, i), strict=True):
+                column.append(data)
+        return out
+
+    def _field_bytes(self, number: int, i: int) -> list[bytes | None]:
+        """The stored bytes of row ``i`` of shard ``number``'s fields, in the manifest's
+        order (``None``: absent)."""
+        found: list[bytes | None] = []
+        for values, offsets, present in self._shard_fields(number):
+            if present is not None and not present[i]:
+                found.append(None)
+            elif offsets is None:
+                found.append(values[i : i + 1].tobytes())
+            else:
+                found.append(values[offsets[i] : offsets[i + 1]].tobytes())
+        return found
+
+    def _shard_fields(
+        self, number: int
+    ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
+        found: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]
+        found = self._shard(number)["_fields"]
+        return found
 
     def _load_targets(self) -> list[int]:
         return [
@@ -118,7 +189,8 @@ class PTDataset(ImageDataset):
             data, offsets, labels, crcs, where = self._columns(number)
             payload = data[i] if self._raw else data[offsets[i] : offsets[i + 1]]
             crc = int(crcs[i]) if crcs is not None else None
-            yield Record(index, payload.data, int(labels[i]), crc, where)
+            fields = self._field_bytes(number, i) if self.manifest.fields else None
+            yield Record(index, payload.data, int(labels[i]), crc, where, fields)
 
     def _one(self, index: int) -> tuple[memoryview, int, str]:
         number, i = self._locate(index)
@@ -126,7 +198,8 @@ class PTDataset(ImageDataset):
         payload = data[offsets[i] : offsets[i + 1]].data
         label = int(labels[i])
         if self.verify and crcs is not None:
-            self.checks.record(self, index, payload, label, int(crcs[i]), where)
+            fields = self._field_bytes(number, i) if self.manifest.fields else None
+            self.checks.record(self, index, payload, label, int(crcs[i]), where, fields)
         return payload, label, f"{where}: sample {index}"
 
     def _columns(self, number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, str]:
@@ -165,6 +238,8 @@ class PTDataset(ImageDataset):
         return images, label_tensor([r.label for r in batch])
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        if self.manifest.fields:
+            return None  # the checksums cover the fields too: checked record by record
         shard_of, local = self._placed(indices)
         crcs = self._raw_crcs(shard_of, local)
         if crcs is None:
@@ -241,6 +316,18 @@ class PTDataset(ImageDataset):
     def _batch(self, count: int) -> torch.Tensor:
         image = self.manifest.image
         return new_batch_tensor((count, image["height"], image["width"], self.channels))
+
+
+#: The dtype of each field type's stored values in a shard.
+FIELD_DTYPES = {
+    "int": np.dtype(np.int64),
+    "float": np.dtype(np.float32),
+    "int[]": np.dtype(np.int64),
+    "float[]": np.dtype(np.float32),
+    "str": np.dtype(np.uint8),
+    "bytes": np.dtype(np.uint8),
+    "json": np.dtype(np.uint8),
+}
 
 
 @dataclass

@@ -11,9 +11,13 @@ Labels are class names or integers. When every label is an integer ``>= 0`` they
 and the classes are ``"0"`` to the largest; otherwise the classes are the sorted names. With
 ``--classes-from`` the names are looked up in that label map (integers are positions in it).
 
+The list's other columns are per-sample fields (:mod:`imgpack.fields`), typed from their values
+(:func:`~imgpack.fields.infer_field`) or as ``--field NAME:TYPE`` says; ``--fields`` keeps some.
+
 A row that cannot be taken (no such file, a label that is not a class of the given label map, a
-path listed twice, a line that is not UTF-8, a missing column) stops the run naming its line, or
-with ``--on-error skip`` is recorded as skipped (``"<list>:<line>"`` when the row names no path).
+path listed twice, a line that is not UTF-8, a missing column, a field value that is not its
+type) stops the run naming its line, or with ``--on-error skip`` is recorded as skipped
+(``"<list>:<line>"`` when the row names no path).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ImageError, OptionError, ScanError
+from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
+from imgpack.fields import Field, check_name, from_text, infer_field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
 from imgpack.manifest import sha256_file
 from imgpack.scan import Sample, Scan
@@ -40,6 +45,9 @@ from imgpack.sources.base import (
     file_stamp,
     label_map,
 )
+
+#: One good row of a list: its line, path, label value and all its columns.
+Row = tuple[int, str, Any, dict[str, Any]]
 
 #: The suffixes of files taken for a label list when given as SRC.
 LIST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
@@ -75,14 +83,16 @@ class LabelListSource(Source):
 
     def scan(self, request: ScanRequest) -> Scan:
         rows, unreadable = self._rows(request)
-        classes, label_of = label_map([value for _, _, value in rows], request.classes)
+        classes, label_of = label_map([value for _, _, value, _ in rows], request.classes)
+        fields, names = self._fields(rows, request)
         samples: list[Sample] = []
-        for line, path, value in rows:
+        for line, path, value, record in rows:
             label = label_of(value)
-            if isinstance(label, str):
-                self._bad(request, unreadable, line, path, label)
+            values, problem = self._values(fields, record)
+            if isinstance(label, str) or problem is not None:
+                self._bad(request, unreadable, line, path, problem or str(label))
             else:
-                samples.append(Sample(path, label, line))
+                samples.append(Sample(path, label, line, fields=values))
         if not samples and not unreadable:
             raise ScanError(f"{self.list_file}: lists no image")
         origin = {
@@ -96,15 +106,69 @@ class LabelListSource(Source):
             empty_classes=empty_classes(classes, [s.label for s in samples]),
             unreadable=unreadable,
             origin=origin,
+            fields=fields,
+            field_names=names,
         )
 
-    def _rows(
-        self, request: ScanRequest
-    ) -> tuple[list[tuple[int, str, Any]], list[dict[str, str]]]:
-        """``(line, path, label)`` of every good row, and the bad rows skipped so far."""
+    def _fields(self, rows: list[Row], request: ScanRequest) -> tuple[list[Field], list[str]]:
+        """The list's other columns as fields, in the list's order (those ``--fields`` names,
+        if given): each of the type given (``--field NAME:TYPE``) or inferred from its values
+        (:func:`infer_field`); and the names of all of them."""
+        own = (self.settings["path_column"], self.settings["label_column"])
+        names: dict[str, None] = {}
+        for *_, record in rows:
+            names.update((k, None) for k in record if k not in own)
+        every = list(names)
+        if request.fields is not None:
+            names = {k: None for k in names if k in request.fields}
+        given = {f.name: f for f in request.field_types}
+        text = not self._json_lines
+        found = []
+        for name in names:
+            if name in given:
+                found.append(given[name])
+                continue
+            try:
+                check_name(name)
+            except OptionError as exc:
+                raise ScanError(
+                    f"{self.list_file}: column {name!r} cannot be kept as a field: {exc}; "
+                    "--fields NAME,... keeps only the columns it names"
+                ) from None
+            found.append(infer_field(name, [r.get(name) for *_, r in rows], text=text))
+        return found, every
+
+    def _values(
+        self, fields: list[Field], record: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """One row's field values (each as its field holds it), or why the row is refused."""
+        if not fields:
+            return None, None
+        values: dict[str, Any] = {}
+        for f in fields:
+            value = record.get(f.name)
+            if value is None or (not self._json_lines and value == ""):
+                value = None
+            elif not self._json_lines:
+                try:
+                    value = from_text(f.type, value)
+                except ValueError as exc:
+                    return None, f"column {f.name!r} ({f.type}): {exc}"
+            try:
+                values[f.name] = f.value(value, "row")
+            except DataError as exc:
+                return None, first_line(exc).removeprefix("row: ")
+        return values, None
+
+    @property
+    def _json_lines(self) -> bool:
+        return self.list_file.suffix.lower() in (".jsonl", ".ndjson")
+
+    def _rows(self, request: ScanRequest) -> tuple[list[Row], list[dict[str, str]]]:
+        """``(line, path, label, row)`` of every good row, and the bad rows skipped so far."""
         path_key = self.settings["path_column"]
         label_key = self.settings["label_column"]
-        rows: list[tuple[int, str, Any]] = []
+        rows: list[Row] = []
         unreadable: list[dict[str, str]] = []
         seen: dict[Any, tuple[int, str]] = {}
         for line, record, problem in self._records():
@@ -114,7 +178,7 @@ class LabelListSource(Source):
                 problem, identity = self._problem(record, path_key, label_key, seen)
             if problem is None and isinstance(path, str):
                 seen[identity] = (line, path)
-                rows.append((line, path, record[label_key] if record else None))
+                rows.append((line, path, record[label_key] if record else None, record or {}))
                 continue
             named = path if isinstance(path, str) else None
             self._bad(request, unreadable, line, named, problem or "unreadable row")
@@ -173,7 +237,7 @@ class LabelListSource(Source):
             except UnicodeDecodeError as exc:
                 bad[number] = f"not valid UTF-8 text ({exc.reason} at byte {exc.start})"
                 lines.append("\n")
-        if self.list_file.suffix.lower() in (".jsonl", ".ndjson"):
+        if self._json_lines:
             for number, text in enumerate(lines, 1):
                 if number in bad:
                     yield number, None, bad[number]

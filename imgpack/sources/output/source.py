@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from imgpack.errors import DataError, ImageError
+from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy, Kind, process_bytes, process_pixels
 from imgpack.manifest import MANIFEST_NAME, Manifest
 from imgpack.scan import Sample, Scan
@@ -71,6 +73,18 @@ class OutputSource(Source):
         )
 
 
+def _fields(ds: Any, request: ScanRequest) -> tuple[list[Field], dict[str, list[Any]]]:
+    """The fields of an output read as SRC (those ``--fields`` names, if given; a
+    ``--field`` type instead of the stored one), and each one's values, read whole."""
+    given = {f.name: f for f in request.field_types}
+    kept = [f for f in ds.manifest.fields if request.fields is None or f.name in request.fields]
+    columns: dict[str, list[Any]] = {}
+    for found in kept:
+        column = ds.field(found.name)
+        columns[found.name] = column.tolist() if isinstance(column, torch.Tensor) else column
+    return [given.get(f.name, f) for f in kept], columns
+
+
 def scan_reader(src: Path, ds: Any, request: ScanRequest, origin: dict[str, Any]) -> Scan:
     """The scan of a dataset (an imgpack output, TFRecord files): its samples in its order, its
     label map (or ``request.classes``, remapped by name) and its stored source paths."""
@@ -85,8 +99,9 @@ def scan_reader(src: Path, ds: Any, request: ScanRequest, origin: dict[str, Any]
         ]
     )
     classes, labels = relabel(src, source_classes, labels, request.classes)
+    fields, columns = _fields(ds, request)
     samples = [
-        Sample(name, label, index)
+        Sample(name, label, index, fields={k: v[index] for k, v in columns.items()} or None)
         for index, (name, label) in enumerate(zip(names, labels, strict=True))
     ]
     return Scan(
@@ -94,6 +109,8 @@ def scan_reader(src: Path, ds: Any, request: ScanRequest, origin: dict[str, Any]
         samples=samples,
         empty_classes=empty_classes(classes, labels),
         origin=origin,
+        fields=fields,
+        field_names=[f.name for f in ds.manifest.fields],
     )
 
 

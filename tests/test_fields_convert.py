@@ -1,0 +1,299 @@
+"""Fields through a conversion and back (#43, the label list's columns into ``pt``): every value
+read back exactly, in order, through ``ds[i]``, a multi-worker DataLoader and ``ds.field``; the
+bad rows named by line; the fields covered by the record checksum; formats that store no fields
+yet refuse them in one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from imgpack import convert, open_dataset
+from imgpack.cli import main
+from imgpack.errors import DataError, OptionError, ScanError
+from imgpack.manifest import read_manifest
+from imgpack.readers import collate
+
+COUNT = 12
+
+
+def coco_like(root: Path, count: int = COUNT, seed: int = 3) -> list[dict[str, Any]]:
+    """``count`` PNGs under ``root/img`` and their rows: a path, a class name, boxes (JSON), a
+    score (float), multi-labels (an int list) and, on odd rows only, a caption."""
+    rng = np.random.default_rng(seed)
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(count):
+        pixels = rng.integers(0, 256, size=(8 + i % 3, 10, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "img" / f"{i:03d}.png")
+        boxes = [[int(v) for v in rng.integers(0, 50, 4)] for _ in range(i % 3)]
+        row: dict[str, Any] = {
+            "path": f"img/{i:03d}.png",
+            "label": ["cat", "dog", "emu"][i % 3],
+            "boxes": {"boxes": boxes, "crowd": bool(i % 2)},
+            "score": float(np.float32(rng.random())),
+            "tags": [int(v) for v in rng.integers(0, 80, 1 + i % 4)],
+        }
+        if i % 2:
+            row["caption"] = f"sample {i}: ünïcode ✓"
+        rows.append(row)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
+    return path
+
+
+def expected(rows: list[dict[str, Any]], name: str) -> list[Any]:
+    return [row.get(name) for row in rows]
+
+
+def plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.parametrize("encoding", ["png", "raw"])
+def test_a_label_lists_columns_round_trip_through_pt(encoding: str, tmp_path: Path) -> None:
+    """Every column beside path and label is kept by default with its inferred type, and read
+    back exactly and in order: ``ds[i]``, batches through two DataLoader workers, ``ds.field``."""
+    rows = coco_like(tmp_path)
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    options: dict[str, Any] = {"encoding": encoding, "progress": False}
+    if encoding == "raw":
+        options["size"] = 8
+    manifest = convert(src, tmp_path / "out", "pt", **options)
+    assert [f.spec for f in manifest.fields] == [
+        "boxes:json", "score:float", "tags:int[]", "caption:str?",
+    ]  # fmt: skip
+    names = ("caption", "boxes", "score", "tags")
+    ds = open_dataset(tmp_path / "out", fields=names)
+    for i in (0, 1, COUNT - 1):
+        _image, label, caption, boxes, score, tags = ds[i]
+        assert label == ds.class_to_idx[rows[i]["label"]]
+        assert caption == rows[i].get("caption")
+        assert boxes == rows[i]["boxes"] and score == rows[i]["score"]
+        assert tags.dtype == torch.int64 and tags.tolist() == rows[i]["tags"]
+    loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=collate)
+    seen: dict[str, list[Any]] = {n: [] for n in names}
+    labels: list[int] = []
+    for _images, batch_labels, *columns in loader:
+        labels += batch_labels.tolist()
+        for name, column in zip(names, columns, strict=True):
+            if name == "score":
+                assert isinstance(column, torch.Tensor) and column.dtype == torch.float32
+            seen[name] += [plain(v) for v in column]
+    assert labels == [ds.class_to_idx[r["label"]] for r in rows]
+    for name in names:
+        assert seen[name] == expected(rows, name), name
+    assert ds.field("score").tolist() == expected(rows, "score")
+    assert ds.field("caption") == expected(rows, "caption")
+    assert [t.tolist() for t in ds.field("tags")] == expected(rows, "tags")
+
+
+def test_a_csv_lists_columns_are_typed_and_given_types_win(tmp_path: Path) -> None:
+    """A CSV's cells are text: a column of integers is ``int``, of numbers ``float``, else
+    ``str``; ``--field NAME:TYPE`` takes a column of JSON text as JSON. Through the CLI, the
+    summary and ``info`` say which fields the output keeps."""
+    rows = coco_like(tmp_path)
+    with (tmp_path / "list.csv").open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["path", "label", "boxes", "score", "count", "caption"])
+        for i, row in enumerate(rows):
+            writer.writerow(
+                [row["path"], row["label"], json.dumps(row["boxes"]), row["score"], i * 7,
+                 row.get("caption", "")]
+            )  # fmt: skip
+    runner = CliRunner()
+    out = tmp_path / "out"
+    result = runner.invoke(
+        main,
+        [
+            "convert",
+            str(tmp_path / "list.csv"),
+            str(out),
+            "--format",
+            "pt",
+            "--field",
+            "boxes:json",
+            "-q",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "fields kept: boxes:json, score:float, count:int, caption:str?" in result.output
+    info = runner.invoke(main, ["info", str(out)])
+    assert "fields:    boxes:json, score:float, count:int, caption:str?" in info.output
+    ds = open_dataset(out, fields=("boxes", "count", "caption", "score"))
+    batch = collate(ds.__getitems__(list(range(COUNT))))
+    assert batch[2] == expected(rows, "boxes")
+    assert batch[3].dtype == torch.int64 and batch[3].tolist() == [i * 7 for i in range(COUNT)]
+    assert batch[4] == expected(rows, "caption")
+    assert batch[5].tolist() == expected(rows, "score")
+
+
+def test_fields_keeps_the_named_ones_in_order_or_none(tmp_path: Path) -> None:
+    """``--fields b,a`` keeps those, in that order; ``--fields ''`` none (the manifest then has
+    no fields, as an output of a list without other columns); a name the list lacks, or a
+    ``--field`` for one, is refused in one line naming the fields it has."""
+    src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path))
+    some = convert(src, tmp_path / "some", "pt", fields=("tags", "boxes"), progress=False)
+    assert [f.name for f in some.fields] == ["tags", "boxes"]
+    assert open_dataset(tmp_path / "some", fields="tags")[3][2].tolist() == read_tags(src, 3)
+    none = convert(src, tmp_path / "none", "pt", fields="", progress=False)
+    assert none.fields == []
+    assert "fields" not in json.loads((tmp_path / "none" / "imgpack.json").read_text())
+    with pytest.raises(OptionError, match=r"has no field 'nope' \(its fields: boxes, score"):
+        convert(src, tmp_path / "bad", "pt", fields=("nope",), progress=False)
+    with pytest.raises(OptionError, match=r"--field: .* has no field 'size'"):
+        convert(src, tmp_path / "bad", "pt", field_types=("size:int",), progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def read_tags(src: Path, line: int) -> list[int]:
+    return list(json.loads(src.read_text().splitlines()[line])["tags"])
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "tfrecord", "webdataset"])
+def test_a_format_that_stores_no_fields_yet_refuses_them(fmt: str, tmp_path: Path) -> None:
+    """Never a column silently dropped: a format that stores no fields yet refuses a source
+    that has some, in one line saying how to go on; ``--fields ''`` converts without them."""
+    src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path, count=4))
+    with pytest.raises(OptionError, match=rf"format '{fmt}' cannot store fields yet.*--fields ''"):
+        convert(src, tmp_path / "out", fmt, progress=False)
+    assert not (tmp_path / "out").exists()
+    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--format", fmt])
+    assert result.exit_code != 0 and "cannot store fields yet" in result.output
+    assert "Traceback" not in result.output
+    manifest = convert(src, tmp_path / "out", fmt, fields="", progress=False)
+    assert manifest.num_samples == 4 and manifest.fields == []
+
+
+def test_bad_field_values_are_refused_by_line_or_skipped(tmp_path: Path) -> None:
+    """A cell that is not JSON in a JSON column, or text in an int column, stops the run naming
+    its line; with ``--on-error skip`` the row is recorded as skipped and the rest converted."""
+    rows = coco_like(tmp_path, count=5)
+    with (tmp_path / "list.csv").open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["path", "label", "boxes", "count"])
+        for i, row in enumerate(rows):
+            boxes = "{not json" if i == 1 else json.dumps(row["boxes"])
+            writer.writerow([row["path"], row["label"], boxes, "seven" if i == 3 else i])
+    src = tmp_path / "list.csv"
+    types = ("boxes:json", "count:int")
+    with pytest.raises(ScanError, match=r"list.csv: line 3: column 'boxes' \(json\): not JSON"):
+        convert(src, tmp_path / "out", "pt", field_types=types, progress=False)
+    manifest = convert(
+        src, tmp_path / "out", "pt", field_types=types, on_error="skip", progress=False
+    )
+    assert manifest.num_samples == 3
+    reasons = sorted(s["reason"] for s in manifest.skipped)
+    assert reasons[0].startswith("line 3: column 'boxes' (json): not JSON")
+    assert reasons[1].startswith("line 5: field 'count' (int): expected an integer, not 'seven'")
+    ds = open_dataset(tmp_path / "out", fields=("count",))
+    assert ds.field("count").tolist() == [0, 2, 4]
+
+
+def test_a_required_value_missing_or_a_bad_name_is_refused(tmp_path: Path) -> None:
+    """A column given as required that a row lacks names the row; a column whose name cannot
+    be a field (imgpack's own key) is refused in one line that says how to leave it out."""
+    rows = coco_like(tmp_path, count=4)
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    with pytest.raises(ScanError, match=r"line 1: no value for the field 'caption'"):
+        convert(src, tmp_path / "out", "pt", field_types=("caption:str",), progress=False)
+    for row in rows:
+        row["data"] = 1
+    write_jsonl(src, rows)
+    with pytest.raises(ScanError, match=r"column 'data' cannot be kept as a field.*--fields"):
+        convert(src, tmp_path / "out", "pt", progress=False)
+    manifest = convert(src, tmp_path / "out", "pt", fields=("score",), progress=False)
+    assert [f.name for f in manifest.fields] == ["score"]
+
+
+def test_an_edited_field_is_caught_by_the_reader_and_by_verify(tmp_path: Path) -> None:
+    """The record checksum covers the fields: a caption edited in a stored shard (same length,
+    the file's size unchanged) is refused when its record is read, and ``verify`` names it."""
+    rows = coco_like(tmp_path, count=6)
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    convert(src, tmp_path / "out", "pt", progress=False)
+    shard = tmp_path / "out" / "shard-00000.pt"
+    data = shard.read_bytes()
+    assert data.count(b"sample 3:") == 1
+    shard.write_bytes(data.replace(b"sample 3:", b"sample 8:"))
+    ds = open_dataset(tmp_path / "out", fields=("caption",))
+    assert ds[1][2] == rows[1]["caption"]
+    with pytest.raises(DataError, match=r"sample 3 \(source img/003.png\): checksum mismatch"):
+        ds[3]
+    raw = open_dataset(tmp_path / "out", verify=False, fields=("caption",))
+    assert raw[3][2] == "sample 8: ünïcode ✓"  # unchecked reads take what is stored
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "shard-00000.pt" in result.output
+
+
+def test_the_same_plan_writes_the_same_bytes_with_fields(tmp_path: Path) -> None:
+    """Two conversions of one list give byte-identical shards and one output id; the kept
+    fields are part of the id (``--fields`` another selection: another id)."""
+    src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path, count=6))
+    first = convert(src, tmp_path / "a", "pt", progress=False)
+    second = convert(src, tmp_path / "b", "pt", progress=False)
+    assert first.output_id == second.output_id
+    assert [f.sha256 for f in first.files] == [f.sha256 for f in second.files]
+    other = convert(src, tmp_path / "c", "pt", fields=("score",), progress=False)
+    assert other.output_id != first.output_id
+    loaded = torch.load(tmp_path / "a" / "shard-00000.pt", weights_only=True)
+    assert loaded["fields"]["score"]["values"].dtype == torch.float32  # plain torch.load reads it
+    assert bytes(loaded["fields"]["caption"]["values"][:5].tolist()) == b"sampl"
+    assert read_manifest(tmp_path / "a").fields == first.fields
+
+
+def test_an_output_with_fields_converts_and_merges_with_them(tmp_path: Path) -> None:
+    """An imgpack output as SRC carries its fields into the new output (``--fields`` keeps
+    some), and the parts of a partitioned conversion merge with them: never dropped."""
+    from imgpack import merge
+
+    rows = coco_like(tmp_path, count=8)
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    convert(src, tmp_path / "first", "pt", progress=False)
+    again = convert(tmp_path / "first", tmp_path / "again", "pt", encoding="raw", size=8,
+                    progress=False)  # fmt: skip
+    assert [f.spec for f in again.fields] == [
+        "boxes:json", "score:float", "tags:int[]", "caption:str?",
+    ]  # fmt: skip
+    ds = open_dataset(tmp_path / "again", fields=("caption", "boxes"))
+    assert ds.field("caption") == expected(rows, "caption")
+    assert collate(ds.__getitems__([2, 5]))[3] == [rows[2]["boxes"], rows[5]["boxes"]]
+    some = convert(tmp_path / "first", tmp_path / "some", "pt", fields="score", progress=False)
+    assert [f.name for f in some.fields] == ["score"]
+    parts = []
+    for part in range(2):
+        out = tmp_path / f"part{part}"
+        convert(src, out, "pt", num_parts=2, part=part, progress=False)
+        parts.append(out)
+    merged = merge(parts, tmp_path / "merged", progress=False)
+    assert merged.fields == again.fields
+    whole = open_dataset(tmp_path / "merged", fields=("tags",), verify=True)
+    assert [t.tolist() for t in whole.field("tags")] == expected(rows, "tags")
+    assert [whole[i][2].tolist() for i in range(8)] == expected(rows, "tags")
+
+
+def test_export_and_to_hf_refuse_fields_they_would_lose(tmp_path: Path) -> None:
+    """``export`` and ``to_hf`` carry no fields yet: an output with some is refused in one
+    line saying how to leave them behind on purpose, through the API and the CLI."""
+    from imgpack import export
+
+    src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path, count=3))
+    convert(src, tmp_path / "out", "pt", progress=False)
+    with pytest.raises(OptionError, match=r"carry fields .* export writes no sidecar files yet"):
+        export(tmp_path / "out", tmp_path / "folder", progress=False)
+    assert not (tmp_path / "folder").exists()
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / "f2")])
+    assert result.exit_code != 0 and "--fields ''" in result.output
+    assert "Traceback" not in result.output
