@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from imgpack.errors import DataError, ImageError
 from imgpack.fields import Field
@@ -81,7 +80,7 @@ def _fields(ds: Any, request: ScanRequest) -> tuple[list[Field], dict[str, list[
     columns: dict[str, list[Any]] = {}
     for found in kept:
         column = ds.field(found.name)
-        columns[found.name] = column.tolist() if isinstance(column, torch.Tensor) else column
+        columns[found.name] = column if isinstance(column, list) else column.tolist()  # a tensor
     return [given.get(f.name, f) for f in kept], columns
 
 
