@@ -21,7 +21,11 @@ on this machine. Beside it, the DataLoader's own cost: a dataset that returns on
 batch each time, through `shuffle=True`, through a batch sampler that yields index arrays and
 through `Loader` with `ShardSampler` batches.
 Every figure is the best of --repeats rounds, the formats measured in turn
-within each round, the limit at the start of each.
+within each round, the limit at the start of each. On a machine whose memory bandwidth drifts
+(a VM: the limit itself moved 1.7x between runs here), a share of the best limit says little;
+so each format's Loader epoch is also paired with the limit measured just before and just after
+it, and the share printed as "paired" is the median over rounds of the Loader rate over the mean
+of those two limits.
 
     python scripts/bench_raw.py [--count 50000] [--formats pt,lmdb] [--repeats 3]
 """
@@ -139,6 +143,7 @@ def main() -> None:
     n = len(in_ram)
     del images, reference
     best: dict[str, dict[str, float]] = {name: {} for name in outputs}
+    paired: dict[str, list[float]] = {name: [] for name in outputs}
     limits, floors, array_floors, loader_floors = [], [], [], []
     prepared = Batch(in_ram[:256].permute(0, 3, 1, 2), torch.zeros(256, dtype=torch.int64))
     for round_ in range(args.repeats):
@@ -153,7 +158,10 @@ def main() -> None:
             rates["first"] = _rate(measure(ds, 0, 256, n, collate, seed=round_))
             rates["later"] = _rate(measure(ds, 0, 256, n, collate, seed=round_ + 100))
             rates["batches"] = batches_rate(ds, round_)
+            before = _rate(index_select_limit(in_ram, 256, n, seed=round_))
             rates["loader"] = loader_rate(ds, round_)
+            after = _rate(index_select_limit(in_ram, 256, n, seed=round_))
+            paired[fmt].append(rates["loader"] / ((before + after) / 2))
             unchecked = open_dataset(outputs[fmt], verify=False)
             measure(unchecked, 0, 256, n, collate, seed=round_)  # its files opened, as above
             rates["unchecked"] = _rate(measure(unchecked, 0, 256, n, collate, seed=round_ + 100))
@@ -179,7 +187,8 @@ def main() -> None:
                 f"unchecked {r['unchecked']:>10,.0f} ({r['unchecked'] / limit:5.1%})  "
                 f"first epoch {r['first'] / r['unchecked']:.2f}x unchecked  "
                 f"ShardSampler batches {r['batches']:>10,.0f} ({r['batches'] / limit:5.1%})  "
-                f"Loader {r['loader']:>10,.0f} ({r['loader'] / limit:5.1%})",
+                f"Loader {r['loader']:>10,.0f} ({r['loader'] / limit:5.1%}; paired "
+                f"{float(np.median(paired[fmt])):5.1%})",
             )
         )
     print_table(f"raw 32x32, {n} samples, batch 256, shuffle=True, num_workers=0", rows)
@@ -194,6 +203,7 @@ def main() -> None:
             "dataloader_floor_array_batches": max(array_floors),
             "loader_floor": max(loader_floors),
             "formats": best,
+            "paired_loader_shares": paired,
         },
     )
 
