@@ -263,6 +263,33 @@ def _kind(value: Any, text: bool) -> str:
     return "json"
 
 
+def member_bytes(found: Field, value: Any) -> bytes:
+    """A value (as :meth:`Field.value` returned it) as a file or archive member holds it, the
+    way the ``webdataset`` package and a reader by eye take it: text (UTF-8) for ``str``, the
+    bytes for ``bytes``, compact JSON for ``json``, decimal text for ``int`` and ``float`` (a
+    float as Python's ``repr`` of its float32 value, which reads back to it), a JSON list for
+    ``int[]`` and ``float[]``."""
+    if found.type in ("int", "float"):
+        return repr(value).encode("ascii")
+    if found.type in ("int[]", "float[]"):
+        return _json_text(np.asarray(value).tolist()).encode("ascii")
+    return found.encode(value)
+
+
+def member_value(found: Field, data: bytes) -> Any:
+    """The value of a member's ``data`` (:func:`member_bytes`' form; text with surrounding
+    whitespace for numbers, as a hand-written ``.cls``-like member holds them), checked as
+    :meth:`Field.value` checks it: :class:`ValueError` or :class:`DataError` for data that
+    holds no value of the field's type."""
+    if found.type in ("int", "float", "int[]", "float[]"):
+        text = data.decode("utf-8").strip()
+        value: Any = json.loads(text) if found.type.endswith("[]") else text
+        return found.value(value, "member")
+    if found.type == "json":
+        return found.value(json.loads(data.decode("utf-8")), "member")
+    return found.decode(data)
+
+
 def _unique(found: list[Field]) -> list[Field]:
     names = [f.name for f in found]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -162,7 +162,7 @@ def read_tags(src: Path, line: int) -> list[int]:
     return list(json.loads(src.read_text().splitlines()[line])["tags"])
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "tfrecord", "webdataset"])
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "tfrecord"])
 def test_a_format_that_stores_no_fields_yet_refuses_them(fmt: str, tmp_path: Path) -> None:
     """Never a column silently dropped: a format that stores no fields yet refuses a source
     that has some, in one line saying how to go on; ``--fields ''`` converts without them."""
@@ -297,3 +297,134 @@ def test_export_and_to_hf_refuse_fields_they_would_lose(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / "f2")])
     assert result.exit_code != 0 and "--fields ''" in result.output
     assert "Traceback" not in result.output
+
+
+def laion_like(root: Path, shards: int = 2, per_shard: int = 4) -> list[tuple[str, dict[str, Any]]]:
+    """WebDataset tars as img2dataset writes them: ``key.jpg``, a ``key.txt`` caption and a
+    ``key.json`` of url, width and similarity; no ``.cls``. Returns each sample's caption and
+    JSON, in order."""
+    import io
+    import tarfile
+
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    samples = []
+    for shard in range(shards):
+        with tarfile.open(root / f"{shard:05d}.tar", "w") as tar:
+            for k in range(per_shard):
+                key = f"{shard}{k:04d}"
+                buffer = io.BytesIO()
+                pixels = rng.integers(0, 256, size=(12, 9 + k, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(buffer, "JPEG")
+                meta = {"url": f"https://example.com/{key}.jpg", "width": 9 + k,
+                        "similarity": round(float(rng.random()), 6)}  # fmt: skip
+                caption = f"caption {key}: ünïcode ✓"
+                samples.append((caption, meta))
+                for name, data in (
+                    (f"{key}.jpg", buffer.getvalue()),
+                    (f"{key}.txt", caption.encode("utf-8")),
+                    (f"{key}.json", json.dumps(meta).encode("utf-8")),
+                ):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return samples
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+def test_a_laion_like_set_converts_without_labels_with_its_fields(fmt: str, tmp_path: Path) -> None:
+    """LAION-like tars (no ``.cls``) with ``--no-labels``: every caption and JSON value read
+    back exactly, in order, label -1; the images are the source JPEGs' pixels."""
+    samples = laion_like(tmp_path / "laion")
+    result = CliRunner().invoke(
+        main,
+        ["convert", str(tmp_path / "laion"), str(tmp_path / "out"), "--format", fmt,
+         "--no-labels", "-q"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "fields kept: txt:str, json:json" in result.output
+    ds = open_dataset(tmp_path / "out", fields=("txt", "json"))
+    assert ds.classes == [] and ds.manifest.fields[0].spec == "txt:str"
+    loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=collate)
+    got: list[tuple[str, dict[str, Any]]] = []
+    for _images, labels, captions, metas in loader:
+        assert labels.tolist() == [-1] * len(labels)
+        got += list(zip(captions, metas, strict=True))
+    assert got == samples
+    assert ds.field("txt") == [caption for caption, _ in samples]
+
+
+# The webdataset package leaves its last shard's file to the garbage collector.
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_webdataset_fields_read_by_the_webdataset_package(tmp_path: Path) -> None:
+    """An output with fields back to WebDataset: the ``webdataset`` package reads each sample's
+    ``.txt`` and ``.json`` as the source held them, and imgpack's own metadata as
+    ``.imgpack.json``; numbers are decimal text, int lists JSON."""
+    wds = pytest.importorskip("webdataset")
+    samples = laion_like(tmp_path / "laion")
+    convert(tmp_path / "laion", tmp_path / "pt", "pt", no_labels=True, progress=False)
+    convert(tmp_path / "pt", tmp_path / "out", "webdataset", shard_size="4KB", progress=False)
+    shards = sorted(str(p) for p in (tmp_path / "out").glob("*.tar"))
+    assert len(shards) > 1
+    read = list(wds.WebDataset(shards, shardshuffle=False).decode())
+    assert [(s["txt"], s["json"]) for s in read] == samples
+    assert all(s["imgpack.json"]["output_id"] for s in read)
+    rows = coco_like(tmp_path / "coco", count=4)
+    src = write_jsonl(tmp_path / "coco" / "list.jsonl", rows)
+    convert(src, tmp_path / "coco-wds", "webdataset", progress=False)
+    tar = str(tmp_path / "coco-wds" / "data-000000.tar")
+    first, *_ = list(wds.WebDataset(tar, shardshuffle=False))
+    assert float(first["score"]) == rows[0]["score"]
+    assert json.loads(first["tags"]) == rows[0]["tags"]
+    assert "caption" not in first  # absent in row 0: no member
+    ds = open_dataset(tmp_path / "coco-wds", fields=("caption", "boxes", "score", "tags"))
+    batch = collate(ds.__getitems__([0, 1, 2, 3]))
+    assert batch[2] == expected(rows, "caption") and batch[3] == expected(rows, "boxes")
+    assert batch[4].tolist() == expected(rows, "score")
+    assert [t.tolist() for t in batch[5]] == expected(rows, "tags")
+
+
+@pytest.mark.parametrize("encoding", ["original", "raw"])
+def test_an_edited_webdataset_field_member_is_caught(encoding: str, tmp_path: Path) -> None:
+    """A caption member edited in the tar (same length) is refused when its record is read
+    (raw: the first time), and by ``verify``."""
+    laion_like(tmp_path / "laion", shards=1)
+    options: dict[str, Any] = {"encoding": encoding, "progress": False, "no_labels": True}
+    if encoding == "raw":
+        options["size"] = 8
+    convert(tmp_path / "laion", tmp_path / "out", "webdataset", **options)
+    shard = tmp_path / "out" / "data-000000.tar"
+    data = shard.read_bytes()
+    assert data.count(b"caption 00002:") == 1
+    shard.write_bytes(data.replace(b"caption 00002:", b"caption 00009:"))
+    ds = open_dataset(tmp_path / "out", fields=("txt",))
+    assert ds[1][2].startswith("caption 00001:")
+    with pytest.raises(DataError, match=r"sample 2 .*checksum mismatch"):
+        ds.__getitems__([0, 2])
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "data-000000.tar" in result.output
+
+
+def test_a_tar_member_that_is_not_its_type_is_refused_by_sample(tmp_path: Path) -> None:
+    """A ``.json`` member that is not JSON names the sample and the member; ``--on-error skip``
+    records it and converts the rest."""
+    laion_like(tmp_path / "laion", shards=1)
+    import tarfile
+
+    broken = tmp_path / "broken.tar"
+    with tarfile.open(tmp_path / "laion" / "00000.tar") as tar, tarfile.open(broken, "w") as out:
+        for member in tar:
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]
+            if member.name == "00001.json":
+                data = b"{not json" + b" " * (len(data) - 9)
+            member.size = len(data)
+            import io
+
+            out.addfile(member, io.BytesIO(data))
+    with pytest.raises(Exception, match=r"00001.jpg: member 00001.json: .*not JSON|Expecting"):
+        convert(broken, tmp_path / "out", "pt", no_labels=True, progress=False)
+    manifest = convert(broken, tmp_path / "out", "pt", no_labels=True, on_error="skip",
+                       progress=False)  # fmt: skip
+    assert manifest.num_samples == 3
+    assert [s["path"] for s in manifest.skipped] == ["broken.tar/00001.jpg"]

@@ -13,6 +13,16 @@ its first scan position, so merged parts keep unique, increasing keys):
 - ``<key>.json``: ``{"class": <class name>, "path": <source path relative to the source folder>,
   "output_id": <the output's id>}`` (a reader refuses a shard of another output).
 
+An output with per-sample fields (:mod:`imgpack.fields`) adds, after ``<key>.cls``, one member
+``<key>.<field name>`` for each field the sample has, in the manifest's order: text for ``str``
+(UTF-8, as ``webdataset`` decodes ``.txt``), the bytes for ``bytes``, compact JSON for ``json``
+(as it decodes ``.json``), decimal text for ``int`` and ``float`` (as ``.cls`` holds a label; a
+float as Python's ``repr`` of its float32 value, which reads back to it), and a JSON list for ``int[]`` and
+``float[]``; an absent value has no member. Its own metadata member is then
+``<key>.imgpack.json``, so that a field named ``json`` (LAION's metadata) keeps its name. The
+index gains two columns per field, ``offset size`` of its member's data (``-1 0``: absent), and
+the checksum covers the fields' values (:func:`imgpack.fields.fields_crc`).
+
 Members are written with mode ``0444``, owner ``0:0`` and ``mtime`` 0, so the same input gives
 the same bytes (:func:`member_header`: the header Python's ``tarfile`` writes for them, built
 without it), and a shard ends as ``tarfile`` ends one: two zero blocks, then zeros to a multiple
@@ -30,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from imgpack.fields import Field, member_value
 from imgpack.images import Kind
 
 KEY_FORMAT = "%010d"
@@ -37,7 +48,9 @@ BLOCK = 512
 #: A shard's size is a multiple of this (tar's blocking factor 20, as ``tarfile`` writes).
 RECORD = 20 * BLOCK
 INDEX_SUFFIX = ".idx"
-INDEX_COLUMNS = 4  # offset size label crc32c
+INDEX_COLUMNS = 4  # offset size label crc32c (then offset size of each field's member)
+#: The metadata member's extension in an output with fields (``<key>.json`` without).
+FIELDS_METADATA = "imgpack.json"
 #: Extensions a kept original file may keep, by content.
 KEEPABLE_EXTENSIONS = {Kind.JPEG: ("jpg", "jpeg"), Kind.PNG: ("png",)}
 EXTENSIONS = {Kind.JPEG: "jpg", Kind.PNG: "png", Kind.RAW: "npy"}
@@ -110,3 +123,11 @@ def padding(size: int) -> bytes:
 def member(name: str, data: bytes) -> bytes:
     """A whole member: its header, its data and the zeros to the next block."""
     return member_header(name, len(data)) + data + padding(len(data))
+
+
+def field_stored(found: Field, data: bytes) -> bytes:
+    """The bytes the checksum covers for a field member's ``data`` (the member's own for text,
+    bytes and JSON; the encoded value for numbers and arrays)."""
+    if found.type in ("str", "bytes", "json"):
+        return data
+    return found.encode(member_value(found, data))

@@ -38,6 +38,7 @@ class WebDatasetDataset(PreadDataset):
     """
 
     lazy_files = True
+    reads_fields = True
 
     format = "webdataset"
 
@@ -50,9 +51,15 @@ class WebDatasetDataset(PreadDataset):
             self._read_index(path, entry.num_samples, entry.bytes)
             for path, entry in zip(self._paths, self.manifest.files, strict=True)
         ]
-        table = np.concatenate(parts) if parts else np.empty((0, layout.INDEX_COLUMNS), np.int64)
+        width = self._index_width
+        table = np.concatenate(parts) if parts else np.empty((0, width), np.int64)
         self._offsets, self._sizes = table[:, 0].copy(), table[:, 1].copy()
         self._labels, self._crcs = table[:, 2].copy(), table[:, 3].copy()
+        #: Each field's member data ``(offset, size)`` columns (``-1``: absent), in order.
+        self._field_spots = [
+            (table[:, 4 + 2 * k].copy(), table[:, 5 + 2 * k].copy())
+            for k in range(len(self.manifest.fields))
+        ]
         problem = check_labels(self._labels, len(self), len(self.classes))
         if problem:
             raise DataError(f"{self.root}: damaged index: {problem}")
@@ -65,20 +72,34 @@ class WebDatasetDataset(PreadDataset):
             #: are compared, and one that is not goes through the record path).
             self._regular = bool((self._sizes == self._member_size).all())
 
-    @staticmethod
-    def _read_index(shard: Any, count: int, size: int) -> np.ndarray:
+    @property
+    def _index_width(self) -> int:
+        """Columns of a line of the index: four, then two per field."""
+        return layout.INDEX_COLUMNS + 2 * len(self.manifest.fields)
+
+    def _read_index(self, shard: Any, count: int, size: int) -> np.ndarray:
         """The index of ``shard`` (``size`` bytes, as the manifest says and the opening checked,
         or the fetch will), checked against it."""
         path = layout.index_path(shard)
         try:
             text = path.read_text(encoding="ascii")
-            table = np.array(text.split(), dtype=np.int64).reshape(-1, layout.INDEX_COLUMNS)
+            table = np.array(text.split(), dtype=np.int64).reshape(-1, self._index_width)
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise DataError(f"{path}: cannot read the sample index: {exc}") from None
         if len(table) != count:
             raise DataError(f"{path}: lists {len(table)} samples, the manifest says {count}")
         if count and ((table[:, :2] < 0).any() or int((table[:, 0] + table[:, 1]).max()) > size):
             raise DataError(f"{path}: an entry points outside {shard.name} ({size} bytes)")
+        for k in range(len(self.manifest.fields)):
+            at, length = table[:, 4 + 2 * k], table[:, 5 + 2 * k]
+            present = at >= 0
+            if count and (
+                (at < -1).any()
+                or (length < 0).any()
+                or (~present & (length != 0)).any()
+                or int((at + length)[present].max(initial=0)) > size
+            ):
+                raise DataError(f"{path}: a field's entry points outside {shard.name}")
         return table
 
     def _load_targets(self) -> list[int]:
@@ -90,14 +111,16 @@ class WebDatasetDataset(PreadDataset):
             try:
                 with tarfile.open(self._local(number), "r:") as tar:
                     for member in tar:
-                        if member.name.endswith(".json"):
+                        if member.name.endswith(self._metadata):
                             data = tar.extractfile(member)
                             assert data is not None
                             paths.append(str(json.loads(data.read())["path"]))
             except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
                 raise DataError(f"{shard}: cannot read the sample metadata: {exc}") from None
         if len(paths) != len(self):
-            raise DataError(f"{self.root}: holds {len(paths)} .json members, expected {len(self)}")
+            raise DataError(
+                f"{self.root}: holds {len(paths)} {self._metadata} members, expected {len(self)}"
+            )
         return paths
 
     def _check_shard(self, number: int, fd: int) -> None:
@@ -116,17 +139,54 @@ class WebDatasetDataset(PreadDataset):
         found = None
         try:
             with open(fd, "rb", closefd=False) as fh, tarfile.open(fileobj=fh, mode="r:") as tar:
-                for _ in range(3):  # image, .cls, .json
+                for _ in range(3 + len(self.manifest.fields)):  # image, .cls, fields, metadata
                     member = tar.next()
                     if member is None:
                         break
-                    if member.name.endswith(".json") and member.size < 1 << 20:
+                    if member.name.endswith(self._metadata) and member.size < 1 << 20:
                         data = tar.extractfile(member)
                         found = json.loads(data.read()).get("output_id") if data else None
                         break
         except (OSError, tarfile.TarError, ValueError, AttributeError) as exc:
             raise DataError(f"{self._paths[number]}: cannot read its first sample: {exc}") from None
         check_output_id(expected, found, str(self._paths[number]), self.root)
+
+    @property
+    def _metadata(self) -> str:
+        """The suffix of a sample's metadata member: ``.imgpack.json`` in an output with fields,
+        whose ``.json`` may be a field (layout)."""
+        return f".{layout.FIELDS_METADATA}" if self.manifest.fields else ".json"
+
+    def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
+        out: list[list[bytes | None]] = [[] for _ in self.manifest.fields]
+        for index in indices.tolist():
+            number = self._locate(index)[0]
+            for column, data in zip(out, self._field_bytes(index, number), strict=True):
+                column.append(data)
+        return out
+
+    def _field_bytes(self, index: int, number: int) -> list[bytes | None]:
+        """The stored bytes (what the checksum covers) of sample ``index``'s fields, read from
+        their members in shard ``number``; :class:`DataError` naming the sample for a member
+        that does not hold its field's value."""
+        fd = self._fd(number)
+        found: list[bytes | None] = []
+        for f, (starts, sizes) in zip(self.manifest.fields, self._field_spots, strict=True):
+            at, size = int(starts[index]), int(sizes[index])
+            if at < 0:
+                found.append(None)
+                continue
+            data = os.pread(fd, size, at)
+            try:
+                if len(data) != size:
+                    raise ValueError(f"cut short ({len(data)} of {size} bytes)")
+                found.append(layout.field_stored(f, data))
+            except (ValueError, DataError, UnicodeDecodeError) as exc:
+                raise DataError(
+                    f"{self._where(index, number)}: its {f.name!r} member does not hold a "
+                    f"{f.type} value ({exc})"
+                ) from None
+        return found
 
     def _read(self, index: int, number: int) -> bytes:
         offset, size = int(self._offsets[index]), int(self._sizes[index])
@@ -141,7 +201,10 @@ class WebDatasetDataset(PreadDataset):
         for index in indices.tolist():
             number = self._locate(index)[0]
             label, crc = int(self._labels[index]), int(self._crcs[index])
-            yield Record(index, self._read(index, number), label, crc, str(self._paths[number]))
+            fields = self._field_bytes(index, number) if self.manifest.fields else None
+            yield Record(
+                index, self._read(index, number), label, crc, str(self._paths[number]), fields
+            )
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
@@ -185,8 +248,11 @@ class WebDatasetDataset(PreadDataset):
         return self._shards(indices), self._offsets[indices]
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The whole ``.npy`` members of raw samples ``indices`` (what each checksum covers),
-        gathered from the memory-mapped shards."""
+        """The whole ``.npy`` members of raw samples ``indices`` (what each checksum covers,
+        with the fields' bytes where the output has fields: then ``None``), gathered from the
+        memory-mapped shards."""
+        if self.manifest.fields:
+            return None
         found = self._members(indices)
         if found is None:
             return None
@@ -242,8 +308,9 @@ class WebDatasetDataset(PreadDataset):
         number = self._locate(index)[0]
         data, label = self._read(index, number), int(self._labels[index])
         if self.verify:
+            fields = self._field_bytes(index, number) if self.manifest.fields else None
             self.checks.record(
-                self, index, data, label, int(self._crcs[index]), str(self._paths[number])
+                self, index, data, label, int(self._crcs[index]), str(self._paths[number]), fields
             )
         return data, label, self._where(index, number)
 

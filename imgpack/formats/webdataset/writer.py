@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.checksum import record_crc
+from imgpack.fields import fields_crc, member_bytes
 from imgpack.formats.webdataset import layout
 from imgpack.formats.writer_base import HashedFile, ShardedWriter, WriterConfig
 from imgpack.images import Encoded, Kind
@@ -55,18 +56,32 @@ class WebDatasetWriter(ShardedWriter):
         # Three writes a sample: the image's header, its bytes, then the rest (its padding and
         # the small .cls and .json members), each hashed as it is written.
         head = layout.member_header(f"{key}.{ext}", len(payload))
-        tail = b"".join(
-            (
-                layout.padding(len(payload)),
-                layout.member(f"{key}.cls", label),
-                layout.member(f"{key}.json", meta),
-            )
-        )
+        parts = [layout.padding(len(payload)), layout.member(f"{key}.cls", label)]
+        crc = record_crc(payload, sample.label)
+        spots = ""
+        if self.config.fields:
+            values = sample.fields or {}
+            crc = fields_crc(crc, self.config.fields, values)
+            at = self._offset + len(head) + len(payload) + sum(map(len, parts))
+            for f in self.config.fields:
+                value = values.get(f.name)
+                if value is None:
+                    spots += " -1 0"
+                    continue
+                data = member_bytes(f, value)
+                parts.append(layout.member(f"{key}.{f.name}", data))
+                spots += f" {at + layout.BLOCK} {len(data)}"
+                at += len(parts[-1])
+            parts.append(layout.member(f"{key}.{layout.FIELDS_METADATA}", meta))
+        else:
+            parts.append(layout.member(f"{key}.json", meta))
+        tail = b"".join(parts)
         self._fh.write(head)
         self._fh.write(payload)
         self._fh.write(tail)
-        crc = record_crc(payload, sample.label)
-        self._index.append(f"{self._offset + len(head)} {len(payload)} {sample.label} {crc}\n")
+        self._index.append(
+            f"{self._offset + len(head)} {len(payload)} {sample.label} {crc}{spots}\n"
+        )
         added = len(head) + len(payload) + len(tail)
         self._offset += added
         return added

@@ -1,4 +1,6 @@
-"""A folder of images without labels, for pretraining, embedding or deduplication runs.
+"""A folder of images without labels, for pretraining, embedding or deduplication runs, or
+WebDataset tars without labels (LAION-style ``key.jpg`` + ``key.txt`` + ``key.json``: the other
+members are fields, :mod:`imgpack.sources.webdataset.source`).
 
 Every image file under SRC (recursively, hidden files and folders ignored, in the image folder's
 order: folders sorted by path, the files of each sorted by name) becomes a sample with label
@@ -9,6 +11,7 @@ mistake is likelier than an unlabelled dataset.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from imgpack.errors import OptionError, ScanError
@@ -17,10 +20,23 @@ from imgpack.scan import UNLABELLED, Sample, Scan
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import IMAGE_EXTENSIONS, walk_images
 from imgpack.sources.folder.source import FileFetcher, refuse_unreadable
+from imgpack.sources.webdataset.source import WebDatasetSource
 
 
 class UnlabelledSource(Source):
+    """Images without labels: a folder's images, or the samples of WebDataset tars (a
+    ``.tar`` file, a folder of them, a glob: :class:`WebDatasetSource` with ``labels`` off,
+    which needs no ``.cls``)."""
+
+    @functools.cached_property
+    def _tars(self) -> WebDatasetSource | None:
+        if not WebDatasetSource.detect(self.src):
+            return None
+        return WebDatasetSource(self.src, {**self.settings, "labels": False})
+
     def check(self) -> None:
+        if self._tars is not None:
+            return self._tars.check()
         if not self.src.exists():
             raise FileNotFoundError(f"{self.src}: no such folder")
         if not self.src.is_dir():
@@ -31,6 +47,8 @@ class UnlabelledSource(Source):
             )
 
     def scan(self, request: ScanRequest) -> Scan:
+        if self._tars is not None:
+            return self._tars.scan(request)
         if request.classes is not None:
             raise OptionError(
                 "an unlabelled source has no classes: --classes-from does not apply to --no-labels"
@@ -54,7 +72,14 @@ class UnlabelledSource(Source):
         return scan
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
+        if self._tars is not None:
+            return self._tars.fetcher(scan, policy, encoding, run)
         return FileFetcher(str(self.src))
 
+    def identity(self, scan: Scan) -> str:
+        return self._tars.identity(scan) if self._tars is not None else ""
+
     def stamp(self, sample: Sample) -> str:
+        if self._tars is not None:
+            return self._tars.stamp(sample)
         return file_stamp(Path(self.src, sample.path))

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ImageError, ScanError
+from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
+from imgpack.fields import Field, check_name, member_value
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
-from imgpack.scan import Sample, Scan
+from imgpack.scan import UNLABELLED, Sample, Scan
 from imgpack.sources.base import (
     Fetcher,
     ScanRequest,
@@ -79,19 +80,32 @@ class WebDatasetSource(Source):
                             "with the tar's name): convert them separately")  # fmt: skip
         return files
 
+    @property
+    def labelled(self) -> bool:
+        return bool(self.settings.get("labels", True))
+
     def scan(self, request: ScanRequest) -> Scan:
-        found: list[tuple[str, Any]] = []  # (source path, label value)
+        found: list[tuple[str, Any, list[str]]] = []  # (source path, label value, extensions)
         unreadable: list[dict[str, str]] = []
+        labelled = self.labelled
+        if not labelled and request.classes is not None:
+            raise OptionError(
+                "an unlabelled source has no classes: --classes-from does not apply to --no-labels"
+            )
         for path in self.files():
-            for key, image, value, problem in _samples(path):
+            for key, image, value, problem, extensions in _samples(path, labelled):
                 where = f"{path.name}/{image}" if image else f"{path.name}/{key}"
                 if problem is None:
-                    found.append((where, value))
+                    found.append((where, value, extensions))
                 else:
                     _bad(request, unreadable, path, key, where, problem)
-        classes, label_of = label_map([v for _, v in found], request.classes)
+        if labelled:
+            classes, label_of = label_map([v for _, v, _ in found], request.classes)
+        else:
+            classes, label_of = [], lambda _: UNLABELLED
+        fields, names = _fields(found, request, self.labelled)
         samples: list[Sample] = []
-        for where, value in found:
+        for where, value, _ in found:
             label = label_of(value)
             if isinstance(label, str):
                 tar, _, member = where.partition("/")
@@ -106,13 +120,53 @@ class WebDatasetSource(Source):
             empty_classes=empty_classes(classes, [s.label for s in samples]),
             unreadable=unreadable,
             origin={"format": "webdataset", "foreign": True, "files": len(self.files())},
+            fields=fields,
+            field_names=names,
         )
 
     def identity(self, scan: Scan) -> str:
         return files_identity(self.files())
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
-        return TarFetcher(tuple(str(p) for p in self.files()), self.identity(scan), run)
+        files = tuple(str(p) for p in self.files())
+        return TarFetcher(files, self.identity(scan), run, tuple(scan.fields))
+
+
+#: Member extensions taken as text and as JSON fields (any other is ``bytes``).
+TEXT_MEMBERS = ("txt", "text")
+JSON_MEMBERS = ("json", "jsn")
+
+
+def _fields(
+    found: list[tuple[str, Any, list[str]]], request: ScanRequest, labelled: bool
+) -> tuple[list[Field], list[str]]:
+    """The samples' other members as fields, by extension in the order first seen (those
+    ``--fields`` names, if given): ``txt`` text, ``json`` JSON, any other bytes, or the type
+    ``--field`` gives; optional where a sample lacks one. And every such extension."""
+    seen: dict[str, int] = {}
+    for _, _, extensions in found:
+        for ext in extensions:
+            if ext != "cls" or not labelled:
+                seen[ext] = seen.get(ext, 0) + 1
+    every = list(seen)
+    given = {f.name: f for f in request.field_types}
+    fields = []
+    for ext in every:
+        if request.fields is not None and ext not in request.fields:
+            continue
+        if ext in given:
+            fields.append(given[ext])
+            continue
+        try:
+            check_name(ext)
+        except OptionError as exc:
+            raise ScanError(
+                f"member extension {ext!r} cannot be kept as a field: {exc}; --fields NAME,... "
+                "keeps only the members it names"
+            ) from None
+        kind = "str" if ext in TEXT_MEMBERS else "json" if ext in JSON_MEMBERS else "bytes"
+        fields.append(Field(ext, kind, optional=seen[ext] < len(found)))
+    return fields, every
 
 
 def _bad(
@@ -131,8 +185,11 @@ def _bad(
     unreadable.append({"path": where, "reason": problem})
 
 
-def _samples(path: Path) -> list[tuple[str, str | None, Any, str | None]]:
-    """``(key, image member, label value, problem)`` of every sample of one tar, in order."""
+def _samples(
+    path: Path, labelled: bool = True
+) -> list[tuple[str, str | None, Any, str | None, list[str]]]:
+    """``(key, image member, label value, problem, other extensions)`` of every sample of one
+    tar, in order (``labelled``: the label read from ``.cls`` or ``.json``; else none)."""
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     order: list[str] = []
     problems: dict[str, str] = {}
@@ -155,14 +212,16 @@ def _samples(path: Path) -> list[tuple[str, str | None, Any, str | None]]:
                     groups[key] = {}
                     order.append(key)
                 groups[key].setdefault(ext.lower(), member)
-            out = []
+            out: list[tuple[str, str | None, Any, str | None, list[str]]] = []
             for key in order:
                 members = groups[key]
-                image = next((members[e].name for e in IMAGE_SUFFIXES if e in members), None)
-                value, problem = _label(tar, members)
+                kind = next((e for e in IMAGE_SUFFIXES if e in members), None)
+                image = members[kind].name if kind is not None else None
+                value, problem = _label(tar, members) if labelled else (None, None)
                 if image is None:
                     problem = "no image member (" + ", ".join(f".{e}" for e in members) + ")"
-                out.append((key, image, value, problems.get(key, problem)))
+                others = [e for e in members if e != kind]
+                out.append((key, image, value, problems.get(key, problem), others))
             return out
     except (OSError, tarfile.TarError) as exc:
         raise ScanError(f"{path}: not a readable tar file: {exc}") from None
@@ -216,6 +275,8 @@ class TarFetcher(Fetcher):
     paths: tuple[str, ...]
     identity: str
     run: str
+    #: The fields kept: each read from the sample's member of that extension.
+    fields: tuple[Field, ...] = ()
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         name, _, member = sample.path.partition("/")
@@ -232,7 +293,31 @@ class TarFetcher(Fetcher):
             raise ImageError(sample.path, f"cannot read: {exc.strerror}") from None
         if len(data) != size:
             raise ImageError(sample.path, "the tar is truncated")
-        return process_bytes(data, sample.path, sample.label, policy, encoding)
+        encoded = process_bytes(data, sample.path, sample.label, policy, encoding)
+        if self.fields:
+            encoded.fields = self._values(sample.path, path, member, found)
+        return encoded
+
+    def _values(
+        self, where: str, path: str, image: str, found: dict[str, tuple[int, int]]
+    ) -> dict[str, Any]:
+        """The sample's field values, each from its member (none: the value is absent)."""
+        key = split_key(image)[0]
+        values: dict[str, Any] = {}
+        with open(path, "rb") as fh:
+            for f in self.fields:
+                spot = found.get(f"{key}.{f.name}")
+                if spot is None:
+                    continue
+                data = os.pread(fh.fileno(), spot[1], spot[0])
+                try:
+                    if len(data) != spot[1]:
+                        raise ValueError("the tar is truncated")
+                    values[f.name] = member_value(f, data)
+                except (ValueError, DataError) as exc:
+                    reason = first_line(exc).removeprefix("member: ")
+                    raise ImageError(where, f"member {key}.{f.name}: {reason}") from None
+        return values
 
     def _open(self) -> dict[str, tuple[str, dict[str, tuple[int, int]]]]:
         """Each tar's path and where its members' data are: read once per worker and run."""
