@@ -62,8 +62,9 @@ def plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "hdf5"])
 @pytest.mark.parametrize("encoding", ["png", "raw"])
-def test_a_label_lists_columns_round_trip_through_pt(encoding: str, tmp_path: Path) -> None:
+def test_a_label_lists_columns_round_trip(fmt: str, encoding: str, tmp_path: Path) -> None:
     """Every column beside path and label is kept by default with its inferred type, and read
     back exactly and in order: ``ds[i]``, batches through two DataLoader workers, ``ds.field``."""
     rows = coco_like(tmp_path)
@@ -71,7 +72,7 @@ def test_a_label_lists_columns_round_trip_through_pt(encoding: str, tmp_path: Pa
     options: dict[str, Any] = {"encoding": encoding, "progress": False}
     if encoding == "raw":
         options["size"] = 8
-    manifest = convert(src, tmp_path / "out", "pt", **options)
+    manifest = convert(src, tmp_path / "out", fmt, **options)
     assert [f.spec for f in manifest.fields] == [
         "boxes:json", "score:float", "tags:int[]", "caption:str?",
     ]  # fmt: skip
@@ -162,7 +163,7 @@ def read_tags(src: Path, line: int) -> list[int]:
     return list(json.loads(src.read_text().splitlines()[line])["tags"])
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "tfrecord"])
+@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
 def test_a_format_that_stores_no_fields_yet_refuses_them(fmt: str, tmp_path: Path) -> None:
     """Never a column silently dropped: a format that stores no fields yet refuses a source
     that has some, in one line saying how to go on; ``--fields ''`` converts without them."""
@@ -218,13 +219,16 @@ def test_a_required_value_missing_or_a_bad_name_is_refused(tmp_path: Path) -> No
     assert [f.name for f in manifest.fields] == ["score"]
 
 
-def test_an_edited_field_is_caught_by_the_reader_and_by_verify(tmp_path: Path) -> None:
-    """The record checksum covers the fields: a caption edited in a stored shard (same length,
+@pytest.mark.parametrize(("fmt", "name"), [("pt", "shard-00000.pt"), ("hdf5", "data.h5")])
+def test_an_edited_field_is_caught_by_the_reader_and_by_verify(
+    fmt: str, name: str, tmp_path: Path
+) -> None:
+    """The record checksum covers the fields: a caption edited in a stored file (same length,
     the file's size unchanged) is refused when its record is read, and ``verify`` names it."""
     rows = coco_like(tmp_path, count=6)
     src = write_jsonl(tmp_path / "list.jsonl", rows)
-    convert(src, tmp_path / "out", "pt", progress=False)
-    shard = tmp_path / "out" / "shard-00000.pt"
+    convert(src, tmp_path / "out", fmt, progress=False)
+    shard = tmp_path / "out" / name
     data = shard.read_bytes()
     assert data.count(b"sample 3:") == 1
     shard.write_bytes(data.replace(b"sample 3:", b"sample 8:"))
@@ -232,10 +236,33 @@ def test_an_edited_field_is_caught_by_the_reader_and_by_verify(tmp_path: Path) -
     assert ds[1][2] == rows[1]["caption"]
     with pytest.raises(DataError, match=r"sample 3 \(source img/003.png\): checksum mismatch"):
         ds[3]
+    with pytest.raises(DataError, match=r"sample 3 .*checksum mismatch"):
+        ds.__getitems__([2, 3])
     raw = open_dataset(tmp_path / "out", verify=False, fields=("caption",))
     assert raw[3][2] == "sample 8: ünïcode ✓"  # unchecked reads take what is stored
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "out")])
-    assert result.exit_code != 0 and "shard-00000.pt" in result.output
+    assert result.exit_code != 0 and name in result.output
+
+
+def test_h5dump_shows_the_field_datasets(tmp_path: Path) -> None:
+    """An HDF5 output's fields are plain datasets HDF5's own tools show: a caption as a
+    variable-length UTF-8 string, a score as a float, tags as variable-length integers."""
+    import shutil
+    import subprocess
+
+    h5dump = shutil.which("h5dump")
+    assert h5dump is not None, "h5dump (hdf5-tools) is part of the test machine"
+    rows = coco_like(tmp_path, count=4)
+    convert(write_jsonl(tmp_path / "list.jsonl", rows), tmp_path / "out", "hdf5", progress=False)
+    shown = subprocess.run(
+        [h5dump, "-g", "/fields", str(tmp_path / "out" / "data.h5")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert 'GROUP "caption"' in shown and 'DATASET "present"' in shown
+    assert "H5T_STR_NULLTERM" in shown or "H5T_VARIABLE" in shown
+    assert '(1): "sample 1: ' in shown and "CSET H5T_CSET_UTF8" in shown  # h5dump escapes ü
+    assert "H5T_VLEN" in shown  # the tags
+    assert "H5T_IEEE_F32LE" in shown  # the score
 
 
 def test_the_same_plan_writes_the_same_bytes_with_fields(tmp_path: Path) -> None:
@@ -428,3 +455,49 @@ def test_a_tar_member_that_is_not_its_type_is_refused_by_sample(tmp_path: Path) 
                        progress=False)  # fmt: skip
     assert manifest.num_samples == 3
     assert [s["path"] for s in manifest.skipped] == ["broken.tar/00001.jpg"]
+
+
+@pytest.mark.parametrize("fmt", ["hdf5", "pt", "webdataset"])
+def test_a_killed_conversion_with_fields_resumes_to_the_same_bytes(
+    fmt: str, tmp_path: Path
+) -> None:
+    """Fields are in the checkpoints (HDF5's journal, the shards): a conversion with fields
+    killed with SIGKILL resumes to exactly the bytes of an uninterrupted one, every value read
+    back."""
+    import random
+    import subprocess
+    import sys
+
+    from test_resume import COUNT, SHARD, _convert, _files, _kill_at
+
+    from imgpack import verify
+    from imgpack.pipeline import leftovers
+
+    rng = np.random.default_rng(9)
+    (tmp_path / "img").mkdir()
+    rows = []
+    for i in range(COUNT):
+        Image.fromarray(rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(
+            tmp_path / "img" / f"{i}.png"
+        )
+        row = {"path": f"img/{i}.png", "label": i % 4, "caption": f"image {i}", "n": [i, -i]}
+        rows.append(row | ({"score": i / 7} if i % 3 else {}))
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    args = ["--format", fmt, "--encoding", "png"]
+    if fmt in SHARD:
+        args += ["--shard-size", SHARD[fmt]]
+    command = [sys.executable, "-m", "imgpack.cli", "convert", str(src)]
+    done = subprocess.run([*command, str(tmp_path / "reference"), "-q", *args], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
+    assert 0 < _kill_at(_convert(src, out, *args), out, target) < COUNT
+    resumed = subprocess.run([*command, str(out), "-q", "--resume", *args], capture_output=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert leftovers(out) == [] and _files(out) == _files(tmp_path / "reference")
+    assert verify(out).ok
+    ds = open_dataset(out, fields=("caption", "score"))
+    assert ds.field("caption") == expected(rows, "caption")
+    assert [None if v is None else round(v, 4) for v in ds.field("score")] == [
+        None if r.get("score") is None else round(float(np.float32(r["score"])), 4) for r in rows
+    ]

@@ -132,7 +132,7 @@ def measure(
     deadline = float("inf")
     done = False
     while not done:
-        for images, _ in loader:
+        for images, *_ in loader:  # (images, labels, *fields)
             if count < 0:  # the clock starts at the first batch of the measured pass
                 start = time.perf_counter()
                 deadline = start + max_seconds if max_seconds else deadline

@@ -9,6 +9,7 @@ SPEC = FormatSpec(
     name="hdf5",
     writer="imgpack.formats.hdf5.writer:HDF5Writer",
     reader="imgpack.formats.hdf5.reader:HDF5Dataset",
+    stores_fields=True,
     summary="one HDF5 file (data.h5), memory-mappable unless compressed",
     options=(
         FormatOption(

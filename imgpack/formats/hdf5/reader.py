@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
+from imgpack.fields import Field
 from imgpack.formats.batch import Images
 from imgpack.formats.dataset_base import (
     ImageDataset,
@@ -33,11 +34,14 @@ CHUNK_CACHE_BYTES = 64 << 20
 
 def _refuse_outside_storage(f: Any, path: Any) -> None:
     """Refuse datasets whose bytes live outside the file: HDF5 external storage (raw bytes of
-    any file the dataset names) and virtual datasets (mapped from other HDF5 files). A hostile
-    ``data.h5`` could otherwise hand out the bytes of an outside file as pixels."""
-    for name, item in f.items():
-        if not hasattr(item, "is_virtual"):
-            continue
+    any file the dataset names) and virtual datasets (mapped from other HDF5 files), anywhere
+    in it (the fields' groups too). A hostile ``data.h5`` could otherwise hand out the bytes of
+    an outside file as pixels or values."""
+    found: list[tuple[str, Any]] = []
+    f.visititems(
+        lambda name, item: found.append((name, item)) if hasattr(item, "is_virtual") else None
+    )
+    for name, item in found:
         if item.is_virtual:
             raise DataError(
                 f"{path}: dataset {name!r} is a virtual dataset (its data lives in other files); "
@@ -64,6 +68,7 @@ class HDF5Dataset(ImageDataset):
     """
 
     format = "hdf5"
+    reads_fields = True
 
     def __init__(
         self,
@@ -172,6 +177,57 @@ class HDF5Dataset(ImageDataset):
     def _load_targets(self) -> list[int]:
         return self._labels.tolist()
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_field_columns", None)  # read again where it is needed
+        return state
+
+    @property
+    def _columns(self) -> list[tuple[list[bytes], np.ndarray | None]]:
+        """Each field's stored bytes per sample and its presence (``None``: every sample has
+        it), read whole from ``fields/`` the first time they are needed (and kept)."""
+        found = self.__dict__.get("_field_columns")
+        if found is None:
+            found = self.__dict__["_field_columns"] = self._read_fields()
+        return found
+
+    def _read_fields(self) -> list[tuple[list[bytes], np.ndarray | None]]:
+        import h5py
+
+        columns: list[tuple[list[bytes], np.ndarray | None]] = []
+        n = len(self)
+        try:
+            with h5py.File(self.path, "r") as f:
+                for found in self.manifest.fields:
+                    group = f["fields"][found.name]
+                    values = group["values"]
+                    if values.shape != (n,):
+                        raise ValueError(f"field {found.name!r} has {values.shape[0]} values")
+                    present = None
+                    if found.optional:
+                        present = np.asarray(group["present"][...], bool)
+                        if present.shape != (n,):
+                            raise ValueError(f"field {found.name!r}: presence of another length")
+                    columns.append((_stored(found, values[...]), present))
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise DataError(f"{self.path}: cannot read the fields: {exc}") from None
+        return columns
+
+    def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
+        out: list[list[bytes | None]] = []
+        for stored, present in self._columns:
+            if present is None:
+                out.append([stored[i] for i in indices.tolist()])
+            else:
+                out.append([stored[i] if present[i] else None for i in indices.tolist()])
+        return out
+
+    def _field_bytes(self, index: int) -> list[bytes | None] | None:
+        """Sample ``index``'s fields' stored bytes (``None``: an output without fields)."""
+        if not self.manifest.fields:
+            return None
+        return [column[0] for column in self._stored_fields(np.array([index], np.int64))]
+
     def _load_paths(self) -> list[str] | None:
         import h5py
 
@@ -229,14 +285,17 @@ class HDF5Dataset(ImageDataset):
         payload = self.handles[start:end].numpy().data
         label, where = int(self._labels[index]), str(self.path)
         if self.verify and self._crcs is not None:
-            self.checks.record(self, index, payload, label, int(self._crcs[index]), where)
+            fields = self._field_bytes(index)
+            self.checks.record(self, index, payload, label, int(self._crcs[index]), where, fields)
         return payload, label, f"{where}: sample {index}"
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         payloads = self._payloads(indices)
+        fields = self._stored_fields(indices) if self.manifest.fields else None
         for k, index in enumerate(indices.tolist()):
             crc = None if self._crcs is None else int(self._crcs[index])
-            yield Record(index, payloads[k], int(self._labels[index]), crc, str(self.path))
+            found = [column[k] for column in fields] if fields is not None else None
+            yield Record(index, payloads[k], int(self._labels[index]), crc, str(self.path), found)
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
         labels = torch.from_numpy(self._labels[indices])
@@ -259,8 +318,8 @@ class HDF5Dataset(ImageDataset):
         return images, labels
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        if self._crcs is None:
-            return None
+        if self._crcs is None or self.manifest.fields:
+            return None  # none stored, or they cover the fields too: checked record by record
         if self.mmap:
             pixels = np.empty((len(indices), *self._shape[1:]), np.uint8)
             take_rows(self.handles, indices, pixels)
@@ -291,3 +350,14 @@ class HDF5Dataset(ImageDataset):
         if run:
             flush()
         return out
+
+
+def _stored(found: Field, values: np.ndarray) -> list[bytes]:
+    """A field's ``values`` dataset, read, as each sample's stored bytes (absent: empty)."""
+    if found.type in ("int", "float"):
+        dtype = "<i8" if found.type == "int" else "<f4"
+        return [v.tobytes() for v in np.asarray(values).astype(dtype)]
+    if found.type in ("str", "json"):
+        return [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+    dtype = {"bytes": "u1", "int[]": "<i8", "float[]": "<f4"}[found.type]
+    return [np.asarray(v).astype(dtype).tobytes() for v in values]

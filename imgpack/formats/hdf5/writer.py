@@ -8,7 +8,12 @@ Layout (``docs/formats/hdf5.md``):
 - always ``labels`` int64 ``(N,)``, ``filenames`` (UTF-8 strings, paths relative to SRC) and
   ``crc32c`` uint32 ``(N,)``, each sample's checksum (:mod:`imgpack.checksum`);
 - root attributes ``imgpack`` (schema version), ``classes``, ``encoding``, ``height``, ``width``,
-  ``channels``.
+  ``channels``;
+- an output with fields (:mod:`imgpack.fields`): a group ``fields`` with a group per field, by
+  name, holding ``values`` (``(N,)``: int64 for ``int``, float32 for ``float``, variable-length
+  UTF-8 strings for ``str`` and ``json`` (its compact text), variable-length uint8 for ``bytes``,
+  variable-length int64 or float32 for ``int[]`` and ``float[]``) and, for an optional field,
+  ``present`` (bool ``(N,)``; an absent value is 0 or empty).
 
 Uncompressed datasets are contiguous, so the reader can memory-map them. A contiguous dataset
 needs its final size when it is created, which is known only at the end (skipped files, encoded
@@ -21,6 +26,8 @@ the last such block.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 from pathlib import Path
@@ -31,6 +38,7 @@ import numpy as np
 
 from imgpack.checksum import record_crc
 from imgpack.errors import DataError
+from imgpack.fields import Field, extend_crc, stored_values
 from imgpack.formats.writer_base import Writer, WriterConfig, WrittenFile
 from imgpack.images import Encoded
 from imgpack.manifest import SCHEMA_VERSION
@@ -59,6 +67,8 @@ class HDF5Writer(Writer):
         self._labels: list[int] = []
         self._filenames: list[str] = []
         self._crcs: list[int] = []
+        #: Each sample's fields' stored bytes (``None``: absent), in the manifest's order.
+        self._fields: list[list[bytes | None]] = []
         self._offsets = [0]
         self._block_start = self._offsets[-1]
 
@@ -67,7 +77,12 @@ class HDF5Writer(Writer):
         self._offsets.append(self._offsets[-1] + len(sample.payload))
         self._labels.append(sample.label)
         self._filenames.append(sample.path)
-        self._crcs.append(record_crc(sample.payload, sample.label))
+        crc = record_crc(sample.payload, sample.label)
+        if self.config.fields:
+            stored = stored_values(self.config.fields, sample.fields or {})
+            crc = extend_crc(crc, stored)
+            self._fields.append(stored)
+        self._crcs.append(crc)
         pending = len(self._labels) - self.durable
         if pending >= BLOCK_RECORDS or self._offsets[-1] - self._block_start >= BLOCK_BYTES:
             self._end_block()
@@ -81,6 +96,7 @@ class HDF5Writer(Writer):
                     self._offsets[i + 1] - self._offsets[i],
                     self._crcs[i],
                     self._filenames[i],
+                    *([_journaled(self._fields[i])] if self.config.fields else []),
                 ]
             )
             + "\n"
@@ -119,8 +135,9 @@ class HDF5Writer(Writer):
         with open(journal, "rb") as fh, open(staging, "rb") as data:
             for line in fh.read().decode("utf-8", "surrogateescape").splitlines():
                 try:
-                    label, size, crc, path = json.loads(line)
-                except (ValueError, TypeError):
+                    label, size, crc, path, *rest = json.loads(line)
+                    stored = _from_journal(rest, len(self.config.fields))
+                except (ValueError, TypeError, binascii.Error):
                     raise DataError(bad) from None
                 if not (
                     all(type(v) is int for v in (label, size, crc))
@@ -129,7 +146,10 @@ class HDF5Writer(Writer):
                 ):
                     raise DataError(bad)
                 payload = data.read(size)
-                if len(payload) != size or record_crc(payload, label) != crc:
+                found = record_crc(payload, label) if len(payload) == size else None
+                if found is not None and self.config.fields:
+                    found = extend_crc(found, stored)
+                if found != crc:
                     raise DataError(
                         f"{staging}: staged record {len(self._labels)} does not match its "
                         "checksum; convert again without --resume"
@@ -138,6 +158,8 @@ class HDF5Writer(Writer):
                 self._offsets.append(self._offsets[-1] + size)
                 self._crcs.append(crc)
                 self._filenames.append(path)
+                if self.config.fields:
+                    self._fields.append(stored)
         if len(self._labels) != state["records"] or self._offsets[-1] != state["staging_bytes"]:
             raise DataError(f"{self.directory}: the journal does not match its checkpoint")
         self.durable = len(self._labels)
@@ -187,6 +209,11 @@ class HDF5Writer(Writer):
                 data=np.array(self._filenames, dtype=h5py.string_dtype()),
                 track_times=False,
             )
+            if self.config.fields:
+                group = f.create_group("fields", track_order=True)
+                for k, found in enumerate(self.config.fields):
+                    column = [stored[k] for stored in self._fields]
+                    write_field(group.create_group(found.name), found, column)
         os.unlink(self._staging_path)
         os.unlink(self.directory / ".data.journal")
         return [WrittenFile("data.h5", count)]
@@ -210,3 +237,48 @@ class HDF5Writer(Writer):
     def _abort(self) -> None:
         self._staging.close()
         self._journal.close()
+
+
+#: The element dtype of each field type's variable-length values.
+_ELEMENTS = {"bytes": np.uint8, "int[]": np.int64, "float[]": np.float32}
+
+
+def write_field(group: Any, found: Field, column: list[bytes | None]) -> None:
+    """One field's datasets in ``group`` from its stored bytes per sample (``None``: absent)."""
+    if found.optional:
+        present = np.array([v is not None for v in column], bool)
+        group.create_dataset("present", data=present, track_times=False)
+    if found.type in ("int", "float"):
+        dtype = np.dtype("<i8" if found.type == "int" else "<f4")
+        values = np.zeros(len(column), dtype)
+        for i, data in enumerate(column):
+            if data is not None:
+                values[i] = np.frombuffer(data, dtype)[0]
+        group.create_dataset("values", data=values, track_times=False)
+        return
+    if found.type in ("str", "json"):
+        text = [b"" if data is None else data for data in column]
+        kind = h5py.string_dtype("utf-8")
+        group.create_dataset("values", data=np.array(text, dtype=kind), track_times=False)
+        return
+    element = np.dtype(_ELEMENTS[found.type])
+    kind = h5py.vlen_dtype(element)
+    values = np.empty(len(column), dtype=kind)
+    for i, data in enumerate(column):
+        values[i] = np.frombuffer(data or b"", element.newbyteorder("<")).astype(element)
+    group.create_dataset("values", data=values, track_times=False)
+
+
+def _journaled(stored: list[bytes | None]) -> list[str | None]:
+    return [None if data is None else base64.b64encode(data).decode("ascii") for data in stored]
+
+
+def _from_journal(rest: list[Any], count: int) -> list[bytes | None]:
+    if not count:
+        if rest:
+            raise ValueError("fields in a journal of an output without")
+        return []
+    (found,) = rest
+    if not isinstance(found, list) or len(found) != count:
+        raise ValueError("not the output's fields")
+    return [None if v is None else base64.b64decode(v, validate=True) for v in found]
