@@ -331,6 +331,39 @@ class Handover(NamedTuple):
         return _received, (*_addressed(pool, number, buffer), generation, layout, inline)
 
 
+class HandoverWith(tuple):
+    """``(images, labels, *columns)`` of a batch with fields from a DataLoader worker: the
+    images and labels travel as :class:`Handover`'s do, the field columns inline (a tensor as
+    a NumPy array: no shared-memory segment and round trip each); received as a plain tuple."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        columns = tuple(_inline(column) for column in self[2:])
+        return _with_columns, (Handover(self[0], self[1]), columns)
+
+
+def _inline(column: Any) -> Any:
+    if isinstance(column, torch.Tensor):
+        return ("tensor", column.numpy())
+    if isinstance(column, list) and any(isinstance(v, torch.Tensor) for v in column):
+        return ("tensors", [v.numpy() if isinstance(v, torch.Tensor) else v for v in column])
+    return ("plain", column)
+
+
+def _with_columns(pair: tuple[Any, Any], columns: tuple[tuple[str, Any], ...]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for kind, column in columns:
+        if kind == "tensor":
+            out.append(torch.from_numpy(column))
+        elif kind == "tensors":
+            out.append([torch.from_numpy(v) if isinstance(v, np.ndarray) else v for v in column])
+        else:
+            out.append(column)
+    images, labels = pair
+    return (images, labels, *out)
+
+
 def _reduce_views(images: list[Any], inline: Any) -> tuple[Any, ...]:
     """A batch of images of different sizes (a list of uint8 tensors) travels as the names of
     the buffers they lie in and each image's layout there: the buffers they are views of (a

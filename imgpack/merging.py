@@ -241,6 +241,7 @@ def _writer_config(manifest: Manifest) -> WriterConfig:
         shard_size=int(options.get("shard_size") or 0),
         settings=spec.check_options({k: v for k, v in options.items() if k in own}),
         output_id=manifest.output_id,
+        fields=tuple(manifest.fields),
     )
 
 

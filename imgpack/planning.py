@@ -76,7 +76,7 @@ class Plan:
             raise OptionError(
                 f"format {self.options.format!r} cannot store fields yet, and {self.where} has "
                 f"{', '.join(f.spec for f in kept)}: convert to a format that stores them "
-                "(pt, webdataset, hdf5), or give --fields '' to convert without them"
+                "(pt, webdataset, hdf5, lmdb), or give --fields '' to convert without them"
             )
         return kept
 

@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--data", default="bench-data")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", default="0,1,2")
+    parser.add_argument("--only", default="convert,read", help="convert, read or both")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     data = Path(args.data)
@@ -98,9 +99,10 @@ def main() -> None:
     print(f"machine: {machine()}")
     reads: dict[str, list[float]] = {}
     converts: dict[str, list[float]] = {}
+    parts = args.only.split(",")
     for fmt in formats:
         with_out, without_out = data / f"fields-{fmt}-with", data / f"fields-{fmt}-without"
-        for round_ in range(args.repeats):
+        for round_ in range(args.repeats if "convert" in parts else 0):
             pair = [("with", ("caption", "meta")), ("without", "")]
             rates = {}
             for name, fields in pair if round_ % 2 == 0 else pair[::-1]:
@@ -112,7 +114,7 @@ def main() -> None:
             convert(src, with_out, fmt, encoding="original", fields=("caption",), progress=False)
         if not (without_out / "imgpack.json").exists():
             convert(src, without_out, fmt, encoding="original", fields="", progress=False)
-        for w in workers:
+        for w in workers if "read" in parts else []:
             key = f"{fmt}, {w} worker(s)"
             for round_ in range(args.repeats):
                 pair = [("with", with_out, ("caption",)), ("without", without_out, ())]

@@ -188,7 +188,7 @@ def test_the_manifest_lists_fields_only_when_an_output_has_some(tmp_path: Path) 
             fields_from_json(bad)
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+@pytest.mark.parametrize("fmt", ["tfrecord"])
 def test_a_reader_refuses_an_output_whose_fields_it_does_not_read(fmt: str, tmp_path: Path) -> None:
     """A format whose reader reads no fields yet refuses an output that lists some (from a
     later imgpack) in one line, never reads it with its fields dropped."""

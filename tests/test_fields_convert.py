@@ -62,7 +62,7 @@ def plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
-@pytest.mark.parametrize("fmt", ["pt", "webdataset", "hdf5"])
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "hdf5", "lmdb"])
 @pytest.mark.parametrize("encoding", ["png", "raw"])
 def test_a_label_lists_columns_round_trip(fmt: str, encoding: str, tmp_path: Path) -> None:
     """Every column beside path and label is kept by default with its inferred type, and read
@@ -163,7 +163,7 @@ def read_tags(src: Path, line: int) -> list[int]:
     return list(json.loads(src.read_text().splitlines()[line])["tags"])
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "tfrecord"])
+@pytest.mark.parametrize("fmt", ["tfrecord"])
 def test_a_format_that_stores_no_fields_yet_refuses_them(fmt: str, tmp_path: Path) -> None:
     """Never a column silently dropped: a format that stores no fields yet refuses a source
     that has some, in one line saying how to go on; ``--fields ''`` converts without them."""
@@ -219,7 +219,9 @@ def test_a_required_value_missing_or_a_bad_name_is_refused(tmp_path: Path) -> No
     assert [f.name for f in manifest.fields] == ["score"]
 
 
-@pytest.mark.parametrize(("fmt", "name"), [("pt", "shard-00000.pt"), ("hdf5", "data.h5")])
+@pytest.mark.parametrize(
+    ("fmt", "name"), [("pt", "shard-00000.pt"), ("hdf5", "data.h5"), ("lmdb", "data.mdb")]
+)
 def test_an_edited_field_is_caught_by_the_reader_and_by_verify(
     fmt: str, name: str, tmp_path: Path
 ) -> None:
@@ -457,7 +459,7 @@ def test_a_tar_member_that_is_not_its_type_is_refused_by_sample(tmp_path: Path) 
     assert [s["path"] for s in manifest.skipped] == ["broken.tar/00001.jpg"]
 
 
-@pytest.mark.parametrize("fmt", ["hdf5", "pt", "webdataset"])
+@pytest.mark.parametrize("fmt", ["hdf5", "lmdb", "pt", "webdataset"])
 def test_a_killed_conversion_with_fields_resumes_to_the_same_bytes(
     fmt: str, tmp_path: Path
 ) -> None:
@@ -501,3 +503,24 @@ def test_a_killed_conversion_with_fields_resumes_to_the_same_bytes(
     assert [None if v is None else round(v, 4) for v in ds.field("score")] == [
         None if r.get("score") is None else round(float(np.float32(r["score"])), 4) for r in rows
     ]
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_parts_of_a_single_file_format_merge_with_their_fields(fmt: str, tmp_path: Path) -> None:
+    """``lmdb`` and ``hdf5`` parts are merged by streaming their records into one file: the
+    fields come along, the merged output the bytes of one conversion of the whole."""
+    from imgpack import merge
+
+    rows = coco_like(tmp_path, count=7)
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    whole = convert(src, tmp_path / "whole", fmt, progress=False)
+    parts = []
+    for part in range(3):
+        out = tmp_path / f"part{part}"
+        convert(src, out, fmt, num_parts=3, part=part, progress=False)
+        parts.append(out)
+    merged = merge(parts, tmp_path / "merged", progress=False)
+    assert merged.fields == whole.fields and merged.output_id == whole.output_id
+    ds = open_dataset(tmp_path / "merged", fields=("caption", "tags"), verify=True)
+    assert ds.field("caption") == expected(rows, "caption")
+    assert [ds[i][3].tolist() for i in range(7)] == expected(rows, "tags")

@@ -91,13 +91,16 @@ def test_unknown_record_version_is_refused(
     encoding: str, uniform_folder: Path, tmp_path: Path
 ) -> None:
     convert(uniform_folder, tmp_path / "out", "lmdb", encoding=encoding, size=16, progress=False)
-    _rewrite(tmp_path / "out", b"0000000003", 4, b"\x03")
+    _rewrite(tmp_path / "out", b"0000000003", 4, b"\x04")
+    _rewrite(tmp_path / "out", b"0000000005", 4, b"\x03")  # a record with fields, here
     ds = open_dataset(tmp_path / "out")
     assert ds[2][0].shape == (3, 16, 16)
     with pytest.raises(
-        DataError, match=r"out: record 0000000003: record version 3 is not supported"
+        DataError, match=r"out: record 0000000003: record version 4 is not supported"
     ):
         ds.__getitems__([2, 3])
+    with pytest.raises(DataError, match=r"out: record 0000000005: .*fields"):
+        ds.__getitems__([5])
 
 
 @pytest.mark.parametrize("encoding", ["png", "raw"])

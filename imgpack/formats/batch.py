@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from imgpack.decoding import new_batch_tensor
-from imgpack.handover import Handover, in_worker
+from imgpack.handover import Handover, HandoverWith, in_worker
 
 Images = torch.Tensor | list[torch.Tensor]
 
@@ -123,7 +123,9 @@ def collate(batch: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
     if isinstance(labels, list) and all(isinstance(label, int) for label in labels):
         labels = torch.tensor(labels, dtype=torch.int64)
     if columns:
-        return (images, labels, *columns)
+        return (
+            HandoverWith((images, labels, *columns)) if in_worker() else (images, labels, *columns)
+        )
     return Handover(images, labels) if in_worker() else (images, labels)
 
 

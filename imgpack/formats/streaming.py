@@ -39,6 +39,7 @@ def stored_samples(
     paths = reader.stored_paths()
     image = reader.manifest.image
     raw = reader.manifest.encoding == "raw"
+    fields = reader.manifest.fields
     for first in range(start, stop, chunk):
         indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
         for record in reader.checks.records(reader, reader._records(indices)):
@@ -52,4 +53,10 @@ def stored_samples(
                 except DataError as exc:
                     raise DataError(f"{record.where}: sample {record.index}: {exc}") from None
             path = paths[record.index] if paths is not None else ""
-            yield Encoded(path, record.label, payload, height, width, channels, kind)
+            values = None
+            if fields and record.fields is not None:  # as the output holds them: same bytes
+                values = {
+                    f.name: None if data is None else f.decode(data)
+                    for f, data in zip(fields, record.fields, strict=True)
+                }
+            yield Encoded(path, record.label, payload, height, width, channels, kind, fields=values)

@@ -9,6 +9,7 @@ SPEC = FormatSpec(
     name="lmdb",
     writer="imgpack.formats.lmdb.writer:LMDBWriter",
     reader="imgpack.formats.lmdb.reader:LMDBDataset",
+    stores_fields=True,
     summary="one LMDB environment (data.mdb), a binary record per sample",
     runtime_files=("lock.mdb",),
     options=(

@@ -108,6 +108,7 @@ class LMDBDataset(ImageDataset):
 
     format = "lmdb"
     learns = _Learned
+    reads_fields = True
 
     def _prepare(self) -> None:
         image = self.manifest.image
@@ -162,6 +163,11 @@ class LMDBDataset(ImageDataset):
             header = record.unpack_header(value)
         except DataError as exc:
             raise DataError(f"{self.root}: record {bytes(key).decode()}: {exc}") from None
+        if header.fields is not None and not self.manifest.fields:
+            raise DataError(
+                f"{self.root}: record {bytes(key).decode()}: holds fields (version 3), and "
+                "the output lists none"
+            )
         if not valid_label(header.label, len(self.classes)):
             raise DataError(
                 f"{self.root}: record {bytes(key).decode()}: label {header.label} out of range"
@@ -252,6 +258,8 @@ class LMDBDataset(ImageDataset):
         spans = self._learned.spans
         if spans is None or spans.env is not self.handles or not len(indices):
             return None
+        if self.manifest.fields:
+            return None  # the checksums cover the fields too: checked record by record
         found = self._map_heads(spans, indices)
         if found is None or (found[0][:, 4] != record.VERSION).any():
             return None
@@ -314,8 +322,37 @@ class LMDBDataset(ImageDataset):
                 header = self._header(key, value)
                 payload = bytes(value[header.payload_offset :])
                 where = f"{self.root}: record {key.decode()}"
-                out.append(Record(index, payload, header.label, header.crc, where))
+                fields = self._fields_of(key, value, header)
+                out.append(Record(index, payload, header.label, header.crc, where, fields))
         yield from out
+
+    def _fields_of(
+        self, key: bytes, value: Any, header: record.RecordHeader
+    ) -> list[bytes | None] | None:
+        """A record's fields' stored bytes (``None``: the output has no fields); a record of
+        an output with fields must carry them (version 3)."""
+        count = len(self.manifest.fields)
+        if not count:
+            return None
+        where = f"{self.root}: record {key.decode()}"
+        if header.fields is None:
+            raise DataError(f"{where}: has no fields section, and the output has fields")
+        start, stop = header.fields
+        try:
+            return record.split_fields(value[start:stop], count)
+        except DataError as exc:
+            raise DataError(f"{where}: {exc}") from None
+
+    def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
+        out: list[list[bytes | None]] = [[] for _ in self.manifest.fields]
+        keys = list(map(_KEY, indices.tolist()))
+        with self.handles.begin(buffers=True) as txn:
+            for key, value in zip(keys, self._values(txn, keys), strict=True):
+                found = self._fields_of(key, value, self._header(key, value))
+                assert found is not None
+                for column, data in zip(out, found, strict=True):
+                    column.append(data)
+        return out
 
     def _one(self, index: int) -> tuple[bytes, int, str]:
         key = _KEY(index)
@@ -323,12 +360,15 @@ class LMDBDataset(ImageDataset):
             (value,) = self._values(txn, [key])
             header = self._header(key, value)
             payload = bytes(value[header.payload_offset :])
+            fields = self._fields_of(key, value, header) if self.verify else None
         where = f"{self.root}: record {key.decode()}"
         if self.verify:
-            self.checks.record(self, index, payload, header.label, header.crc, where)
+            self.checks.record(self, index, payload, header.label, header.crc, where, fields)
         return payload, header.label, where
 
     def _gather(self, indices: np.ndarray) -> tuple[Images, torch.Tensor]:
+        if self.manifest.fields:  # version 3 records: the record path (checked with the fields)
+            return super()._gather(indices)
         if self._raw:
             self.checks.raw(self, indices)
             env = self.handles

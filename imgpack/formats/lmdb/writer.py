@@ -19,6 +19,7 @@ from typing import Any
 import lmdb
 
 from imgpack.errors import DataError
+from imgpack.fields import stored_values
 from imgpack.formats.lmdb import record
 from imgpack.formats.writer_base import Writer, WriterConfig, WrittenFile
 from imgpack.images import Encoded
@@ -58,6 +59,7 @@ class LMDBWriter(Writer):
             sample.width,
             sample.path,
             sample.payload,
+            stored_values(self.config.fields, sample.fields or {}) if self.config.fields else None,
         )
         self._pending.append((record.key(self._count), value))
         self._pending_bytes += len(value)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.checksum import record_crc
-from imgpack.fields import fields_crc, member_bytes
+from imgpack.fields import extend_crc, member_bytes, stored_values
 from imgpack.formats.webdataset import layout
 from imgpack.formats.writer_base import HashedFile, ShardedWriter, WriterConfig
 from imgpack.images import Encoded, Kind
@@ -20,6 +20,10 @@ def metadata(class_name: str | None, path: str, output_id: str) -> bytes:
     name = "null" if class_name is None else quote(class_name)
     found = f', "output_id": {quote(output_id)}' if output_id else ""
     return f'{{"class": {name}{found}, "path": {quote(path)}}}'.encode("ascii")
+
+
+#: Field types whose member holds the stored bytes themselves.
+TEXT_LIKE = ("str", "bytes", "json")
 
 
 class WebDatasetWriter(ShardedWriter):
@@ -61,14 +65,15 @@ class WebDatasetWriter(ShardedWriter):
         spots = ""
         if self.config.fields:
             values = sample.fields or {}
-            crc = fields_crc(crc, self.config.fields, values)
+            stored = stored_values(self.config.fields, values)
+            crc = extend_crc(crc, stored)
             at = self._offset + len(head) + len(payload) + sum(map(len, parts))
-            for f in self.config.fields:
-                value = values.get(f.name)
-                if value is None:
+            for f, data in zip(self.config.fields, stored, strict=True):
+                if data is None:
                     spots += " -1 0"
                     continue
-                data = member_bytes(f, value)
+                if f.type not in TEXT_LIKE:  # numbers as text (the stored bytes are binary)
+                    data = member_bytes(f, values[f.name])
                 parts.append(layout.member(f"{key}.{f.name}", data))
                 spots += f" {at + layout.BLOCK} {len(data)}"
                 at += len(parts[-1])
