@@ -74,9 +74,9 @@ class Plan:
             kept = tuple(offered[name] for name in chosen)
         if kept and not self.options.spec.stores_fields:
             raise OptionError(
-                f"format {self.options.format!r} cannot store fields yet, and {self.where} has "
+                f"format {self.options.format!r} cannot store fields, and {self.where} has "
                 f"{', '.join(f.spec for f in kept)}: convert to a format that stores them "
-                "(pt, webdataset, hdf5, lmdb), or give --fields '' to convert without them"
+                "(each of imgpack's own does), or give --fields '' to convert without them"
             )
         return kept
 

@@ -21,6 +21,7 @@ def _integer(value: object) -> int:
 SPEC = FormatSpec(
     name="tfrecord",
     writer="imgpack.formats.tfrecord.writer:TFRecordWriter",
+    stores_fields=True,
     reader="imgpack.formats.tfrecord.reader:TFRecordDataset",
     summary="tf.train.Example records in TFRecord shards, with DALI .idx files",
     options=(

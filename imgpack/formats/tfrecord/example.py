@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from imgpack.errors import DataError
+from imgpack.fields import Field
 from imgpack.images import Encoded
 
 #: The feature holding the output id in every record imgpack writes.
@@ -307,3 +308,46 @@ def example_features(
     if output_id:
         features[OUTPUT_ID_KEY] = [output_id.encode("ascii")]
     return features
+
+
+def field_features(fields: Sequence[Field], values: Mapping[str, Any]) -> dict[str, Any]:
+    """A sample's field ``values`` as features under the fields' names: ``str``, ``bytes`` and
+    ``json`` (its compact text) a ``bytes_list`` of one value, ``int`` and ``int[]`` an
+    ``int64_list``, ``float`` and ``float[]`` a ``float_list``; an absent value has none."""
+    out: dict[str, Any] = {}
+    for f in fields:
+        value = values.get(f.name)
+        if value is None:
+            continue
+        if f.type in ("str", "bytes", "json"):
+            out[f.name] = [f.encode(value)]
+        elif f.type in ("int", "float"):
+            out[f.name] = [value]
+        else:
+            out[f.name] = [int(v) if f.type == "int[]" else float(v) for v in value]
+    return out
+
+
+def field_stored(found: Field, feature: FeatureValue | None, where: str) -> bytes | None:
+    """The stored bytes of field ``found`` from its feature in a record (``None``: absent);
+    :class:`DataError` for a feature of another kind or length."""
+    if feature is None:
+        if not found.optional:
+            raise DataError(f"{where}: no feature {found.name!r} ({found.type}, required)")
+        return None
+    try:
+        if found.type in ("str", "bytes", "json"):
+            (value,) = feature
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise ValueError("not a bytes_list")
+            data = bytes(value)
+            found.decode(data)  # the text is UTF-8, the JSON JSON
+            return data
+        if found.type in ("int", "float"):
+            (number,) = feature
+            return found.encode(found.value(number, where))
+        return found.encode(found.value(list(feature), where))
+    except (ValueError, TypeError, DataError) as exc:
+        raise DataError(
+            f"{where}: feature {found.name!r} is not a {found.type} value ({exc})"
+        ) from None

@@ -75,6 +75,7 @@ class TFRecordDataset(PreadDataset):
     """
 
     format = "tfrecord"
+    reads_fields = True
     lazy_files = True
     learns = _Learned
 
@@ -109,7 +110,7 @@ class TFRecordDataset(PreadDataset):
         self.shard_files = [shard.path for shard in records.shards]
         raw = self.manifest.encoding == "raw" and bool(self.manifest.image.get("height"))
         self._layout: RawLayout | None = None
-        if raw and not records.foreign:
+        if raw and not records.foreign and not self.manifest.fields:  # fields vary in size
             try:
                 self._layout = RawLayout(self.manifest, records.label_offset)
             except ValueError:  # no fixed layout to match: every record through the parser
@@ -242,18 +243,42 @@ class TFRecordDataset(PreadDataset):
                     if isinstance(names[0], bytes)
                     else ""
                 )
+                values = self._field_values_of(features, where)
                 if shape is not None:
-                    found[pos] = Encoded(path, label, payload, *shape, Kind.RAW)
+                    found[pos] = Encoded(path, label, payload, *shape, Kind.RAW, fields=values)
                     continue
                 try:
                     kind, height, width, channels = stored_info(payload)
                 except DataError as exc:
                     raise DataError(f"{where}: {exc}") from None
-                found[pos] = Encoded(path, label, payload, height, width, channels, kind)
+                found[pos] = Encoded(
+                    path, label, payload, height, width, channels, kind, fields=values
+                )
             yield from (sample for sample in found if sample is not None)
 
     def _load_targets(self) -> list[int]:
         return list(self.records.labels)
+
+    def _field_values_of(
+        self, features: dict[str, example.FeatureValue], where: str
+    ) -> dict[str, Any] | None:
+        """A record's field values (``None``: the output has no fields)."""
+        if not self.manifest.fields:
+            return None
+        values: dict[str, Any] = {}
+        for found in self.manifest.fields:
+            data = example.field_stored(found, features.get(found.name), where)
+            values[found.name] = None if data is None else found.decode(data)
+        return values
+
+    def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
+        fields = self.manifest.fields
+        out: list[list[bytes | None]] = [[b""] * len(indices) for _ in fields]
+        for pos, frame, where in self._frames(indices):
+            features = self.records.features(frame, where)
+            for column, found in zip(out, fields, strict=True):
+                column[pos] = example.field_stored(found, features.get(found.name), where)
+        return out
 
     def _load_paths(self) -> list[str] | None:
         return self.records.paths

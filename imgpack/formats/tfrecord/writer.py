@@ -6,7 +6,9 @@ record). Every record carries every key: ``image/encoded``, ``image/format`` (``
 or ``RAW``), ``image/class/label`` (label + ``label_offset``), ``image/class/text``,
 ``image/height``, ``image/width``, ``image/channels``, ``image/colorspace`` (``RGB`` or
 ``Grayscale``, of the stored bytes) and ``image/filename``; and ``imgpack/output_id``, the
-output's id (a reader refuses a record of another output).
+output's id (a reader refuses a record of another output). An output with per-sample fields
+(:mod:`imgpack.fields`) adds each value a sample has as a feature under the field's name
+(:func:`imgpack.formats.tfrecord.example.field_features`), covered by the record's CRCs.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class TFRecordWriter(ShardedWriter):
     def _entry(self, key: str, values: Any) -> bytes:
         """``example.encode_entry``, remembered for the features whose values repeat (all but
         the file name): most of a record is the same few entries."""
-        if key == "image/filename":
+        if key == "image/filename" or "/" not in key:  # a path, or a field's value
             return example.encode_entry(key, values)
         cache = self._entries
         found = cache.get((key, tuple(values)))
@@ -57,6 +59,8 @@ class TFRecordWriter(ShardedWriter):
         assert self._fh is not None
         name = self.config.class_name(sample.label) or ""
         features = example_features(sample, name, self.label_offset, self.config.output_id)
+        if self.config.fields:
+            features.update(example.field_features(self.config.fields, sample.fields or {}))
         head, tail = example.encode_example_around(features, "image/encoded", self._entry)
         before, after = framing.frame_around(head, sample.payload, tail)
         size = len(before) + len(sample.payload) + len(after)
