@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from imgpack import hf
 from imgpack.errors import DataError, ImgpackError, OptionError
+from imgpack.fields import Field
 from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.images import Encoded, Kind, encode_pixels
 from imgpack.options import ON_ERROR
@@ -254,14 +255,14 @@ def _no_fields(ds: ImageDataset, why: str) -> None:
 def to_hf(output: ImageDataset | str | os.PathLike[str], cache_dir: str | None = None) -> Any:
     """An imgpack output (an open reader, or a local output folder) as a ``datasets.Dataset``
     with ``image`` (``Image``) and ``label`` (``ClassLabel``; a plain integer for an unlabelled
-    output) columns, in the output's order (built by a generator: bounded memory; the arrow
+    output) columns and one per field (:func:`hf_feature`), in the output's order (built by a generator: bounded memory; the arrow
     files go to ``cache_dir`` or the datasets cache). :func:`imgpack.to_hf` takes URLs too."""
     datasets = hf.import_datasets()
     ds = open_dataset(output) if isinstance(output, (str, os.PathLike)) else output
-    _no_fields(ds, "to_hf makes no columns of them")
     classes = list(ds.classes)
     label = datasets.ClassLabel(names=classes) if classes else datasets.Value("int64")
-    features = datasets.Features({"image": datasets.Image(), "label": label})
+    columns = {f.name: hf_feature(datasets, f.type) for f in ds.manifest.fields}
+    features = datasets.Features({"image": datasets.Image(), "label": label, **columns})
     # The output id in the generator's arguments: the datasets cache, keyed by them, never
     # returns the rows of an output that was replaced since.
     kwargs = {
@@ -291,7 +292,31 @@ def _rows(reader: str, root: str, output_id: str) -> Any:
         else:
             data = sample.payload
         name = paths[index] if paths else f"{index:08d}"
-        yield {"image": {"bytes": data, "path": name}, "label": sample.label}
+        row = {"image": {"bytes": data, "path": name}, "label": sample.label}
+        for found in ds.manifest.fields:
+            row[found.name] = hf_value(found, (sample.fields or {}).get(found.name))
+        yield row
+
+
+def hf_feature(datasets: Any, kind: str) -> Any:
+    """The ``datasets`` feature of a field of type ``kind``: ``Value`` ``string``, ``binary``,
+    ``int64`` or ``float32`` (``json``: its JSON text as a string), a ``List`` of int64 or
+    float32 for the arrays."""
+    if kind.endswith("[]"):
+        return datasets.List(datasets.Value("int64" if kind == "int[]" else "float32"))
+    names = {"str": "string", "json": "string", "bytes": "binary", "int": "int64"}
+    return datasets.Value(names.get(kind, "float32"))
+
+
+def hf_value(found: Field, value: Any) -> Any:
+    """A field's value as its :func:`hf_feature` column holds it (``None`` stays null)."""
+    if value is None:
+        return None
+    if found.type == "json":
+        return found.encode(value).decode("utf-8")
+    if found.type.endswith("[]"):
+        return np.asarray(value).tolist()
+    return value
 
 
 __all__ = ["EXPORT_MARKER", "Exported", "export", "to_hf"]

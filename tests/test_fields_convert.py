@@ -339,9 +339,9 @@ def test_an_output_with_fields_converts_and_merges_with_them(tmp_path: Path) -> 
     assert [whole[i][2].tolist() for i in range(8)] == expected(rows, "tags")
 
 
-def test_export_and_to_hf_refuse_fields_they_would_lose(tmp_path: Path) -> None:
-    """``export`` and ``to_hf`` carry no fields yet: an output with some is refused in one
-    line saying how to leave them behind on purpose, through the API and the CLI."""
+def test_export_refuses_fields_it_would_lose(tmp_path: Path) -> None:
+    """``export`` writes no sidecar files yet: an output with fields is refused in one line
+    saying how to leave them behind on purpose, through the API and the CLI."""
     from imgpack import export
 
     src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path, count=3))
@@ -550,3 +550,77 @@ def test_parts_of_a_single_file_format_merge_with_their_fields(fmt: str, tmp_pat
     ds = open_dataset(tmp_path / "merged", fields=("caption", "tags"), verify=True)
     assert ds.field("caption") == expected(rows, "caption")
     assert [ds[i][3].tolist() for i in range(7)] == expected(rows, "tags")
+
+
+def hf_with_columns(root: Path, count: int = 6) -> tuple[Path, dict[str, list[Any]]]:
+    """A saved Hugging Face dataset with an image, a ClassLabel and other columns: a nullable
+    caption, a float score, an int list, a dict and a bool."""
+    import io
+
+    import datasets
+
+    rng = np.random.default_rng(11)
+    images = []
+    for i in range(count):
+        buffer = io.BytesIO()
+        pixels = rng.integers(0, 256, size=(8, 8 + i, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buffer, "PNG")
+        images.append({"bytes": buffer.getvalue(), "path": f"{i}.png"})
+    columns: dict[str, list[Any]] = {
+        "caption": [None if i == 2 else f"caption {i}" for i in range(count)],
+        "score": [float(np.float32(i / 3)) for i in range(count)],
+        "ids": [[i, i * 2, -i] for i in range(count)],
+        "meta": [{"w": 8 + i, "src": f"s{i}"} for i in range(count)],
+        "flag": [bool(i % 2) for i in range(count)],
+    }
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=["a", "b", "c"]),
+            "caption": datasets.Value("string"),
+            "score": datasets.Value("float32"),
+            "ids": datasets.List(datasets.Value("int64")),
+            "meta": {"w": datasets.Value("int32"), "src": datasets.Value("string")},
+            "flag": datasets.Value("bool"),
+        }
+    )
+    rows = {"image": images, "label": [i % 3 for i in range(count)], **columns}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(root))
+    return root, columns
+
+
+def test_hugging_face_columns_are_fields_and_back(tmp_path: Path) -> None:
+    """A Hugging Face dataset's other columns are fields typed from their features (a null
+    makes one optional); ``to_hf`` makes them columns again (JSON as its text)."""
+    from imgpack import to_hf
+
+    src, columns = hf_with_columns(tmp_path / "hf")
+    manifest = convert(src, tmp_path / "out", "pt", progress=False)
+    assert [f.spec for f in manifest.fields] == [
+        "caption:str?", "score:float", "ids:int[]", "meta:json", "flag:json",
+    ]  # fmt: skip
+    names = tuple(columns)
+    ds = open_dataset(tmp_path / "out", fields=names)
+    for i in range(len(ds)):
+        values = [plain(v) for v in ds[i][2:]]
+        assert values == [columns[name][i] for name in names]
+    back = to_hf(tmp_path / "out", cache_dir=str(tmp_path / "cache"))
+    assert back["caption"] == columns["caption"] and back["ids"] == columns["ids"]
+    assert [json.loads(m) for m in back["meta"]] == columns["meta"]
+    assert back.features["score"].dtype == "float32"
+
+
+def test_a_hugging_face_column_no_field_holds_is_refused(tmp_path: Path) -> None:
+    """A second image column is no field type: refused in one line that says ``--fields``
+    leaves it out; with it, the conversion goes on."""
+    import datasets
+
+    src, _ = hf_with_columns(tmp_path / "hf", count=3)
+    loaded = datasets.load_from_disk(str(src))
+    mask = loaded.cast_column("image", datasets.Image(decode=False))["image"]
+    loaded.add_column("mask", mask, feature=datasets.Image()).save_to_disk(str(tmp_path / "hf2"))
+    with pytest.raises(ScanError, match=r"column 'mask' cannot be kept as a field.*--fields"):
+        convert(tmp_path / "hf2", tmp_path / "out", "pt", image_column="image", progress=False)
+    manifest = convert(tmp_path / "hf2", tmp_path / "out", "pt", image_column="image",
+                       fields=("caption",), progress=False)  # fmt: skip
+    assert [f.name for f in manifest.fields] == ["caption"]

@@ -5,7 +5,8 @@ files) — or, through :func:`imgpack.convert`, a ``datasets.Dataset`` object, w
 folder beside DST first. The image column is the one whose feature is ``Image`` and the label
 column the one that is a ``ClassLabel`` (or ``-s image_column=`` / ``-s label_column=``, also
 ``--image-column`` / ``--label-column``); the label map is the ``ClassLabel``'s names, in their
-order. A ``DatasetDict`` folder (``dataset_dict.json``) is converted split by split with
+order. The other columns are per-sample fields (:mod:`imgpack.fields`, typed from their
+features: :func:`field_type`). A ``DatasetDict`` folder (``dataset_dict.json``) is converted split by split with
 ``--splits``. Each image's bytes go through the image policy as a folder's files would; a
 sample's source path is ``<class>/<the image's file name>`` (``<class>/<index>.png`` when it has
 none).
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ImageError, ScanError
+from imgpack.errors import ImageError, OptionError, ScanError
+from imgpack.fields import Field, check_name
 from imgpack.hf import dict_splits, import_datasets, is_dataset_dict_folder
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
 from imgpack.manifest import sha256_file
@@ -68,6 +70,7 @@ class HFSource(Source):
             for i, (t, f) in enumerate(zip(labels, files, strict=True))
         ]
         classes, labels = relabel(self.src, names, labels, request.classes)
+        fields, every = hf_fields(ds, (image, label), request)
         return Scan(
             classes=classes,
             samples=[Sample(p, t, i) for i, (p, t) in enumerate(zip(paths, labels, strict=True))],
@@ -78,6 +81,8 @@ class HFSource(Source):
                 "label_column": label,
                 "state_sha256": state_sha256(self.src),
             },
+            fields=fields,
+            field_names=every,
         )
 
     def identity(self, scan: Scan) -> str:
@@ -85,7 +90,71 @@ class HFSource(Source):
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         column = (scan.origin or {})["image_column"]
-        return HFFetcher(str(self.src), column, self.identity(scan), run)
+        return HFFetcher(str(self.src), column, self.identity(scan), run, tuple(scan.fields))
+
+
+def field_type(feature: Any) -> str | None:
+    """The field type of a column's feature: ``Value`` strings ``str``, binary ``bytes``,
+    integers (and a ``ClassLabel``) ``int``, floats ``float``, booleans ``json``; a list of
+    integers ``int[]``, of floats ``float[]``; other lists and dicts ``json``. ``None`` for
+    what no field type holds (an ``Image``, ``Audio``, a timestamp)."""
+    datasets = import_datasets()
+    if isinstance(feature, datasets.ClassLabel):
+        return "int"
+    if isinstance(feature, datasets.Value):
+        dtype = str(feature.dtype)
+        if dtype in ("string", "large_string"):
+            return "str"
+        if dtype in ("binary", "large_binary"):
+            return "bytes"
+        if dtype.startswith(("int", "uint")):
+            return "int"
+        if dtype.startswith("float"):
+            return "float"
+        return "json" if dtype == "bool" else None
+    inner = getattr(feature, "feature", None)
+    if isinstance(feature, list) and len(feature) == 1:
+        inner = feature[0]
+    if inner is not None:
+        kind = field_type(inner)
+        if kind in ("int", "float") and not isinstance(inner, datasets.ClassLabel):
+            return f"{kind}[]"
+        return "json" if kind in ("str", "int", "float", "json") else None
+    if isinstance(feature, dict):
+        kinds = [field_type(v) for v in feature.values()]
+        return "json" if all(k in ("str", "int", "float", "json") for k in kinds) else None
+    return None
+
+
+def hf_fields(ds: Any, own: tuple[str, ...], request: ScanRequest) -> tuple[list[Field], list[str]]:
+    """The dataset's other columns as fields (those ``--fields`` names, if given; each of the
+    type ``--field`` gives, else :func:`field_type`'s), optional where a row holds null; and
+    the names of all of them."""
+    every = [name for name in ds.features if name not in own]
+    given = {f.name: f for f in request.field_types}
+    fields = []
+    for name in every:
+        if request.fields is not None and name not in request.fields:
+            continue
+        if name in given:
+            fields.append(given[name])
+            continue
+        kind = field_type(ds.features[name])
+        problem = None
+        if kind is None:
+            problem = f"its feature {ds.features[name]!r} is no field type"
+        else:
+            try:
+                check_name(name)
+            except OptionError as exc:
+                problem = str(exc)
+        if problem is not None or kind is None:
+            raise ScanError(
+                f"column {name!r} cannot be kept as a field: {problem}; --fields NAME,... keeps "
+                "only the columns it names"
+            )
+        fields.append(Field(name, kind, optional=ds.data.column(name).null_count > 0))
+    return fields, every
 
 
 def column(features: Any, given: str | None, kind: str) -> str:
@@ -148,10 +217,13 @@ class HFFetcher(Fetcher):
     column: str
     identity: str
     run: str
+    #: The fields kept: each the row's value of that column.
+    fields: tuple[Field, ...] = ()
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         dataset = opened(self.run, ("hf", self.root, self.column, self.identity), self._open)
-        item = dataset[sample.index][self.column]
+        row = dataset[sample.index]
+        item = row[self.column]
         data = item.get("bytes") if item else None
         if not data:
             where = item.get("path") if item else None
@@ -161,7 +233,10 @@ class HFFetcher(Fetcher):
                 data = Path(where).read_bytes()
             except OSError as exc:
                 raise ImageError(sample.path, f"cannot read {where}: {exc.strerror}") from None
-        return process_bytes(data, sample.path, sample.label, policy, encoding)
+        encoded = process_bytes(data, sample.path, sample.label, policy, encoding)
+        if self.fields:
+            encoded.fields = {f.name: row[f.name] for f in self.fields}
+        return encoded
 
     def _open(self) -> Any:
         """The saved dataset, refused when it is not the one the run planned."""
