@@ -7,8 +7,12 @@ pixels (raw outputs), named with ``.png`` added when the source name says anothe
 only where the conversion kept them (a JPEG or PNG that decodes to the policy's pixels as it
 is); it stored a PNG of the policy's pixels for the others (EXIF-rotated JPEGs, alpha, palette,
 16-bit), and that PNG is what comes back.
-Every class gets its folder, empty ones too, so converting the folder again gives the same
-label map. The folder is written like an output: FOLDER locked, built in a temp folder beside it
+A sample's field values (:mod:`imgpack.fields`) become sidecar files beside its image,
+``<its name without the extension>.<field>`` (text, JSON, decimal numbers, JSON lists; one absent
+has none), as img2dataset writes ``x.txt`` and ``x.json``: converting the folder reads them back
+(:mod:`imgpack.sources.folder.sidecars`; ``--field NAME:TYPE`` for the types other than ``txt``
+and ``json``). Every class gets its folder, empty ones too, so converting the folder again gives
+the same label map. The folder is written like an output: FOLDER locked, built in a temp folder beside it
 and renamed into place complete, with a hidden ``.imgpack-export.json`` (ignored by the scan)
 that lets ``--overwrite`` replace an earlier export.
 """
@@ -29,7 +33,7 @@ from tqdm import tqdm
 
 from imgpack import hf
 from imgpack.errors import DataError, ImgpackError, OptionError
-from imgpack.fields import Field
+from imgpack.fields import Field, member_bytes
 from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.images import Encoded, Kind, encode_pixels
 from imgpack.options import ON_ERROR
@@ -43,6 +47,7 @@ from imgpack.publishing import (
     temp_output,
 )
 from imgpack.readers import open_dataset
+from imgpack.scan import IMAGE_EXTENSIONS
 from imgpack.storage.destination import output_folder
 from imgpack.storage.location import is_url, local_path
 
@@ -94,7 +99,7 @@ def export(
         done.folder = folder  # type: ignore[assignment]
         return done
     ds = open_dataset(output, options=replace(options, verify=True))
-    _no_fields(ds, "export writes no sidecar files")
+    _check_sidecars(ds)
     source, target = ds.root, local_path(folder)
     if inside(target, source):
         raise OptionError(f"{target}: must not be the output or inside it")
@@ -145,7 +150,12 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
                 folder = manifest.classes[sample.label] if manifest.classes else None
                 name, data, kept, renamed = _file(sample, folder, source, index)
                 taken.claim(name, index)
+                sidecars = _sidecars(manifest.fields, sample, name)
+                for sidecar, _ in sidecars:
+                    taken.claim(sidecar, index)
                 _create(tmp, name, data, index)
+                for sidecar, content in sidecars:
+                    _create(tmp, sidecar, content, index)
             except ImgpackError as exc:
                 if on_error == "fail":
                     raise
@@ -156,6 +166,19 @@ def _write(ds: ImageDataset, tmp: Path, on_error: str, progress: bool) -> Export
             result.renamed += renamed
             result.encoded += not kept
     return result
+
+
+def _sidecars(fields: list[Field], sample: Encoded, name: str) -> list[tuple[str, bytes]]:
+    """The sidecar files of an exported image ``name``: ``<its name without the extension>.<field>``
+    for each field value the sample has, as a WebDataset member holds it (text, JSON, decimal
+    numbers, JSON lists), what the folder source reads back (:mod:`imgpack.sources.folder.sidecars`)."""
+    values = sample.fields or {}
+    base = name.rsplit(".", 1)[0]
+    return [
+        (f"{base}.{f.name}", member_bytes(f, values[f.name]))
+        for f in fields
+        if values.get(f.name) is not None
+    ]
 
 
 def _file(
@@ -242,13 +265,15 @@ def _create(tmp: Path, name: str, data: bytes, index: int) -> None:
 # -- Hugging Face datasets ------------------------------------------------------------
 
 
-def _no_fields(ds: ImageDataset, why: str) -> None:
-    """Refuse an output with fields where they would be left behind (not yet carried)."""
-    if ds.manifest.fields:
-        names = ", ".join(f.spec for f in ds.manifest.fields)
+def _check_sidecars(ds: ImageDataset) -> None:
+    """Refuse fields whose sidecar files a scan would take for images (a field named like an
+    image extension: ``x.webp`` beside ``x.png``)."""
+    clash = [f.name for f in ds.manifest.fields if f".{f.name.lower()}" in IMAGE_EXTENSIONS]
+    if clash:
         raise OptionError(
-            f"{ds.root}: its samples carry fields ({names}), and {why} yet: they would be "
-            "lost (convert it with --fields '' first to leave them behind on purpose)"
+            f"{ds.root}: field(s) {', '.join(map(repr, clash))} would be sidecar files with an "
+            "image's extension, read back as images: convert it with --fields naming the others "
+            "first"
         )
 
 

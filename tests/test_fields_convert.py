@@ -339,19 +339,65 @@ def test_an_output_with_fields_converts_and_merges_with_them(tmp_path: Path) -> 
     assert [whole[i][2].tolist() for i in range(8)] == expected(rows, "tags")
 
 
-def test_export_refuses_fields_it_would_lose(tmp_path: Path) -> None:
-    """``export`` writes no sidecar files yet: an output with fields is refused in one line
-    saying how to leave them behind on purpose, through the API and the CLI."""
-    from imgpack import export
-
-    src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path, count=3))
+def test_export_writes_fields_as_sidecars_and_a_folder_reads_them_back(tmp_path: Path) -> None:
+    """``export`` writes each field value beside its image as ``<name>.<field>``; converting
+    the folder takes the sidecars back as fields (``txt`` and ``json`` by their names, the
+    others typed with ``--field``): every value as it was, through the CLI."""
+    rows = coco_like(tmp_path, count=6)
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
     convert(src, tmp_path / "out", "pt", progress=False)
-    with pytest.raises(OptionError, match=r"carry fields .* export writes no sidecar files yet"):
-        export(tmp_path / "out", tmp_path / "folder", progress=False)
-    assert not (tmp_path / "folder").exists()
-    result = CliRunner().invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / "f2")])
-    assert result.exit_code != 0 and "--fields ''" in result.output
-    assert "Traceback" not in result.output
+    runner = CliRunner()
+    result = runner.invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / "folder"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "folder" / "dog" / "img" / "001.caption").read_text() == rows[1]["caption"]
+    assert not (tmp_path / "folder" / "cat" / "img" / "000.caption").exists()  # absent: none
+    assert (
+        json.loads((tmp_path / "folder" / "cat" / "img" / "000.tags").read_text())
+        == rows[0]["tags"]
+    )
+    types = ["--field", "caption:str?", "--field", "boxes:json", "--field", "score:float",
+             "--field", "tags:int[]"]  # fmt: skip
+    again = tmp_path / "again"
+    result = runner.invoke(
+        main, ["convert", str(tmp_path / "folder"), str(again), "--format", "lmdb", "-q", *types]
+    )
+    assert result.exit_code == 0, result.output
+    ds = open_dataset(again, fields=("caption", "boxes", "score", "tags"))
+    by_path = {p.split("/", 1)[1]: i for i, p in enumerate(ds.stored_paths() or [])}
+    for row in rows:
+        caption, boxes, score, tags = ds[by_path[row["path"]]][2:]
+        assert caption == row.get("caption") and boxes == row["boxes"]
+        assert score == row["score"] and tags.tolist() == row["tags"]
+
+
+def test_an_img2dataset_folder_converts_with_its_sidecars(tmp_path: Path) -> None:
+    """A folder as img2dataset writes it (``00000/000001.jpg`` + ``.txt`` + ``.json``) with
+    ``--no-labels``: the captions and JSON are fields (a missing ``.json``: optional), the
+    sidecars listed as such among the files passed over, a bad ``.json`` named by its image."""
+    rng = np.random.default_rng(4)
+    want = []
+    for shard in range(2):
+        folder = tmp_path / "i2d" / f"{shard:05d}"
+        folder.mkdir(parents=True)
+        for k in range(3):
+            key = f"{shard}{k:05d}"
+            Image.fromarray(rng.integers(0, 256, (9, 7, 3), dtype=np.uint8)).save(
+                folder / f"{key}.jpg"
+            )
+            (folder / f"{key}.txt").write_text(f"caption {key}", encoding="utf-8")
+            meta = {"url": f"https://example.com/{key}", "key": key} if k != 1 else None
+            if meta is not None:
+                (folder / f"{key}.json").write_text(json.dumps(meta))
+            want.append((f"caption {key}", meta))
+    manifest = convert(tmp_path / "i2d", tmp_path / "out", "webdataset", no_labels=True,
+                       progress=False)  # fmt: skip
+    assert [f.spec for f in manifest.fields] == ["json:json?", "txt:str"]  # in name order
+    assert manifest.source["ignored"] == {"a sidecar of an image, kept as its field": 10}
+    ds = open_dataset(tmp_path / "out", fields=("txt", "json"))
+    assert [tuple(ds[i][2:]) for i in range(len(ds))] == want
+    (tmp_path / "i2d" / "00001" / "100002.json").write_text("{broken")
+    with pytest.raises(Exception, match=r"100002.jpg.*sidecar 00001/100002.json"):
+        convert(tmp_path / "i2d", tmp_path / "bad", "pt", no_labels=True, progress=False)
 
 
 def laion_like(root: Path, shards: int = 2, per_shard: int = 4) -> list[tuple[str, dict[str, Any]]]:

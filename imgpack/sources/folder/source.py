@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import DataError, ImageError, OptionError, ScanError
+from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, process_file
 from imgpack.scan import Sample, Scan, listed_id
 from imgpack.sources import listing
@@ -22,17 +23,26 @@ from imgpack.sources.folder.scan import (
     scan_folder,
     scan_listing,
 )
+from imgpack.sources.folder.sidecars import read_sidecars, sidecar_fields
 from imgpack.storage import location
 
 
 @dataclass(frozen=True)
 class FileFetcher(Fetcher):
-    """Reads ``root/<sample.path>``: the samples are files under one folder."""
+    """Reads ``root/<sample.path>``: the samples are files under one folder; and the fields
+    kept from its sidecars (:mod:`imgpack.sources.folder.sidecars`)."""
 
     root: str
+    fields: tuple[Field, ...] = ()
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
-        return process_file(self.root, sample.path, sample.label, policy, encoding)
+        encoded = process_file(self.root, sample.path, sample.label, policy, encoding)
+        if self.fields:
+            try:
+                encoded.fields = read_sidecars(self.root, sample.path, self.fields)
+            except ValueError as exc:
+                raise ImageError(sample.path, str(exc)) from None
+        return encoded
 
 
 @dataclass(frozen=True)
@@ -114,11 +124,18 @@ class FolderSource(Source):
             objects = partial(listing.store_objects, self.src)
             top = listing.store_objects(self.src, "") if "" in index else ()
             scan = scan_listing(remote[0], folders, objects, request.classes, top)
+            if sidecar_fields(scan, request).fields:  # never dropped without a word
+                names = ", ".join(f.name for f in scan.fields)
+                raise OptionError(
+                    f"{remote[0]}: holds sidecar files of its images ({names}), which a folder "
+                    "in a bucket does not read as fields yet: copy it to a local folder, or give "
+                    "--fields '' to convert without them"
+                )
             refuse_unreadable(remote[0], scan, request)
             return scan
         if not request.allow_split_names:
             refuse_split_folders(self.src)
-        scan = scan_folder(self.src, request.classes)
+        scan = sidecar_fields(scan_folder(self.src, request.classes), request)
         refuse_unreadable(self.src, scan, request)
         return scan
 
@@ -126,7 +143,7 @@ class FolderSource(Source):
         remote = self.remote
         if remote is not None:
             return ObjectFetcher(remote[0], json.dumps(remote[1], sort_keys=True))
-        return FileFetcher(str(self.src))
+        return FileFetcher(str(self.src), tuple(scan.fields))
 
     def stamp(self, sample: Sample) -> str:
         return file_stamp(f"{self.src}/{sample.path}")

@@ -19,6 +19,7 @@ from imgpack.images import Encoding, ImagePolicy
 from imgpack.scan import UNLABELLED, Sample, Scan
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import IMAGE_EXTENSIONS, walk_images
+from imgpack.sources.folder.sidecars import sidecar_fields
 from imgpack.sources.folder.source import FileFetcher, refuse_unreadable
 from imgpack.sources.webdataset.source import WebDatasetSource
 
@@ -68,13 +69,14 @@ class UnlabelledSource(Source):
             ignored=ignored,
             unreadable=unreadable,
         )
+        scan = sidecar_fields(scan, request)
         refuse_unreadable(self.src, scan, request)
         return scan
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         if self._tars is not None:
             return self._tars.fetcher(scan, policy, encoding, run)
-        return FileFetcher(str(self.src))
+        return FileFetcher(str(self.src), tuple(scan.fields))
 
     def identity(self, scan: Scan) -> str:
         return self._tars.identity(scan) if self._tars is not None else ""
