@@ -670,3 +670,30 @@ def test_a_hugging_face_column_no_field_holds_is_refused(tmp_path: Path) -> None
     manifest = convert(tmp_path / "hf2", tmp_path / "out", "pt", image_column="image",
                        fields=("caption",), progress=False)  # fmt: skip
     assert [f.name for f in manifest.fields] == ["caption"]
+
+
+def test_device_loader_carries_numeric_fields(tmp_path: Path) -> None:
+    """``DeviceLoader(fields=...)`` loads numeric fields beside the labels: every batch is
+    ``(images, labels, *fields)``, each value the one of its image (checked against the
+    reader); a field that is not a number every sample has is refused in one line."""
+    from imgpack.loading import DeviceLoader
+
+    rows = coco_like(tmp_path, count=10)
+    for i, row in enumerate(rows):
+        row["n"] = i * 11
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    convert(src, tmp_path / "out", "pt", encoding="raw", size=8, progress=False)
+    loader = DeviceLoader(tmp_path / "out", device="cpu", batch_size=4, fields=("score", "n"),
+                          progress=False)  # fmt: skip
+    reader = open_dataset(tmp_path / "out")
+    seen = 0
+    for images, labels, scores, ns in loader:
+        assert scores.dtype == torch.float32 and ns.dtype == torch.int64
+        for image, label, score, n in zip(images, labels, scores, ns, strict=True):
+            index = int(n) // 11
+            assert torch.equal(image, reader[index][0]) and int(label) == reader[index][1]
+            assert float(score) == rows[index]["score"]
+            seen += 1
+    assert seen == 10
+    with pytest.raises(OptionError, match=r"field 'caption' is caption:str\?.*numeric"):
+        DeviceLoader(tmp_path / "out", device="cpu", fields=("caption",), progress=False)

@@ -99,6 +99,9 @@ class DeviceLoader:
             usable CPUs otherwise).
         memory_limit: bytes the dataset may take on the device (default: what is free now).
         progress: show a progress bar while loading.
+        fields: numeric fields of the output (``int`` or ``float`` that every sample has:
+            :mod:`imgpack.fields`) loaded onto the device beside the labels: each batch is then
+            ``(images, labels, *fields)`` (an int64 or float32 tensor each).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class DeviceLoader:
         workers: int | None = None,
         memory_limit: int | None = None,
         progress: bool = True,
+        fields: Sequence[str] = (),
     ) -> None:
         if isinstance(dataset_or_path, (str, os.PathLike)):
             from imgpack.readers import open_dataset
@@ -161,7 +165,10 @@ class DeviceLoader:
         self.indices = chosen[self.rank :: self.world_size]
         self.classes: list[str] = list(getattr(dataset, "classes", []))
         shape = self._image_shape(dataset)
+        self.fields = (fields,) if isinstance(fields, str) else tuple(fields)
         self._check_memory(shape, memory_limit)
+        #: The numeric fields' columns on the device, in ``fields``' order.
+        self.columns = [self._column(dataset, name) for name in self.fields]
         self.images = torch.empty(
             (len(self.indices), *shape), dtype=torch.uint8, device=self.device
         )
@@ -192,9 +199,22 @@ class DeviceLoader:
             "--size), or pass size=N / size=(H, W) to resize while loading"
         )
 
+    def _column(self, dataset: Dataset[Any], name: str) -> torch.Tensor:
+        """Field ``name``'s values of the loaded samples, on the device."""
+        found = getattr(dataset, "fields", {}).get(name)
+        if found is None:
+            raise OptionError(f"DeviceLoader: the dataset has no field {name!r}")
+        if found.type not in ("int", "float") or found.optional:
+            raise OptionError(
+                f"DeviceLoader: field {name!r} is {found.spec}; it carries numeric fields every "
+                "sample has (int, float) to the device: read the others through a DataLoader"
+            )
+        column = dataset.field(name)  # type: ignore[attr-defined]
+        return column[torch.from_numpy(self.indices)].to(self.device)
+
     def _check_memory(self, shape: tuple[int, int, int], limit: int | None) -> None:
         count = len(self.indices)
-        need = count * int(np.prod(shape)) + count * 8
+        need = count * int(np.prod(shape)) + count * 8 * (1 + len(self.fields))
         free = limit if limit is not None else _available_bytes(self.device)
         if need > free:
             c, h, w = shape
@@ -285,7 +305,7 @@ class DeviceLoader:
         gen.manual_seed(self.seed * 1_000_003 + self.epoch)
         return gen
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         n = len(self.indices)
         gen = self._generator()
         if self.shuffle:
@@ -303,7 +323,10 @@ class DeviceLoader:
             labels = self.labels.index_select(0, idx)
             out = self._transform(images, gen)
             self._taken = batch + 1
-            yield out, labels
+            if self.columns:
+                yield (out, labels, *(column.index_select(0, idx) for column in self.columns))
+            else:
+                yield out, labels
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
