@@ -697,3 +697,46 @@ def test_device_loader_carries_numeric_fields(tmp_path: Path) -> None:
     assert seen == 10
     with pytest.raises(OptionError, match=r"field 'caption' is caption:str\?.*numeric"):
         DeviceLoader(tmp_path / "out", device="cpu", fields=("caption",), progress=False)
+
+
+def test_foreign_tfrecord_features_are_fields(tmp_path: Path) -> None:
+    """TFRecord files another tool wrote, with features beyond the image's (object-detection
+    boxes and class texts, a source id, a count): each is a field, named from its key, typed
+    from its values, read by ``TFRecordDataset`` and carried by a conversion."""
+    import io
+
+    from imgpack.formats.tfrecord import example, framing
+    from imgpack.readers import TFRecordDataset
+
+    records, boxes = [], []
+    for i in range(6):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((8, 9, 3), i * 30, np.uint8)).save(buffer, "JPEG")
+        xmin = [float(np.float32(0.1 * k)) for k in range(i % 4)]
+        boxes.append(xmin)
+        features: dict[str, Any] = {
+            "image/encoded": [buffer.getvalue()],
+            "image/format": [b"JPEG"],
+            "image/class/label": [i % 2],
+            "image/object/bbox/xmin": xmin,
+            "image/object/class/text": [b"cat"] * (i % 3),
+            "image/source_id": [f"id-{i}".encode()],
+        }
+        if i % 2:
+            features["image/object/count"] = [i]
+        records.append(example.encode_example(features))
+    path = tmp_path / "detection.tfrecord"
+    path.write_bytes(b"".join(framing.frame(r) for r in records))
+    ds = TFRecordDataset(str(path))
+    assert [f.spec for f in ds.manifest.fields] == [
+        "image_object_bbox_xmin:float[]", "image_object_class_text:json",
+        "image_object_count:int?", "image_source_id:str",
+    ]  # fmt: skip
+    assert [t.tolist() for t in ds.field("image_object_bbox_xmin")] == boxes
+    assert ds.field("image_object_class_text") == [["cat"] * (i % 3) for i in range(6)]
+    manifest = convert(path, tmp_path / "out", "hdf5", progress=False)
+    assert manifest.fields == ds.manifest.fields
+    out = open_dataset(tmp_path / "out", fields=("image_source_id", "image_object_count"))
+    assert [tuple(out[i][2:]) for i in range(6)] == [
+        (f"id-{i}", i if i % 2 else None) for i in range(6)
+    ]

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
 from imgpack.decoding import Decoder
-from imgpack.errors import DataError, ManifestError
+from imgpack.errors import DataError, ManifestError, OptionError
+from imgpack.fields import Field
 from imgpack.formats.dataset_base import check_file_order, check_output_id
 from imgpack.formats.tfrecord import example, framing
 from imgpack.images import ImagePolicy, Kind
@@ -71,6 +73,9 @@ class Records:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.check_crc = check_crc
+        #: Foreign files: each field's feature key and whether it is a list of texts
+        #: (:class:`ForeignFeatures`); an imgpack output's fields are features by their names.
+        self.field_keys: dict[str, tuple[str, bool]] = {}
         #: An output in a bucket read lazily (opened by the route over its cache entry):
         #: shards are found through their ``.idx`` files and fetched when first read.
         self.lazy: LazyOutput | None = None
@@ -219,11 +224,13 @@ class Records:
         labels: list[int] = []
         paths: list[str] | None = []
         names: dict[int, str] = {}
+        others = ForeignFeatures()
         for shard in self.shards:
             count = 0
             with framing.open_records(shard.path) as fh:
                 for offset, data in framing.iter_frames(fh, str(shard.path), self.check_crc):
                     features = parse(data, f"{shard.path} at offset {offset}")
+                    others.add(features)
                     label = (
                         record_label(features, f"{shard.path} at offset {offset}")
                         - self.label_offset
@@ -254,6 +261,7 @@ class Records:
             )
         classes = [names.get(i, str(i)) for i in range(max(labels) + 1)]
         files = [FileEntry(str(s.path), s.path.stat().st_size, len(s), "") for s in self.shards]
+        fields, self.field_keys = others.fields(len(labels), str(self.shards[0].path))
         manifest = Manifest(
             format="tfrecord",
             num_samples=len(labels),
@@ -262,6 +270,7 @@ class Records:
             image={"height": None, "width": None, "channels": 3},
             files=files,
             options={"label_offset": self.label_offset, "foreign": True},
+            fields=fields,
         )
         return manifest, labels, paths
 
@@ -425,6 +434,98 @@ def _record_files(paths: list[Path]) -> list[Path]:
         else:
             files.append(path)
     return files
+
+
+#: The features an image record's readers take for the image, its label and its name: every
+#: other feature of a foreign file is a field.
+IMAGE_FEATURES = frozenset(
+    {
+        "image/encoded", "image/format", "image/class/label", "image/class/text",
+        "image/filename", "image/height", "image/width", "image/channels", "image/colorspace",
+        example.OUTPUT_ID_KEY,
+    }
+)  # fmt: skip
+
+
+@dataclass
+class ForeignFeature:
+    """What the records of foreign files hold under one feature key."""
+
+    kinds: set[str] = field(default_factory=set)  # "bytes", "int", "float"
+    records: int = 0
+    single: bool = True  # every record with it holds one value
+    text: bool = True  # every bytes value is UTF-8
+
+
+class ForeignFeatures:
+    """The features beyond :data:`IMAGE_FEATURES` foreign records hold, gathered as they are
+    scanned, and the fields they make (:meth:`fields`)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, ForeignFeature] = {}
+
+    def add(self, features: dict[str, example.FeatureValue]) -> None:
+        for key, values in features.items():
+            if key in IMAGE_FEATURES:
+                continue
+            found = self.seen.setdefault(key, ForeignFeature())
+            found.records += 1
+            found.single &= len(values) == 1
+            for value in values[:1]:
+                kind = (
+                    "bytes"
+                    if isinstance(value, bytes)
+                    else "int"
+                    if isinstance(value, int)
+                    else "float"
+                )
+                found.kinds.add(kind)
+            if found.text and values and isinstance(values[0], bytes):
+                try:
+                    for value in values:
+                        bytes(value).decode("utf-8")
+                except UnicodeDecodeError:
+                    found.text = False
+
+    def fields(self, count: int, where: str) -> tuple[list[Field], dict[str, tuple[str, bool]]]:
+        """The fields (in key order) and, by field name, its feature key and whether its values
+        are a list of texts (kept as a JSON list). A key becomes a name with every character
+        but letters, digits and ``_`` made ``_`` (``image/object/bbox/xmin`` ->
+        ``image_object_bbox_xmin``)."""
+        fields: list[Field] = []
+        keys: dict[str, tuple[str, bool]] = {}
+        for key in sorted(self.seen):
+            found = self.seen[key]
+            name = re.sub(r"[^A-Za-z0-9_]", "_", key)
+            name = name if name[:1].isalpha() else f"f_{name}"
+            kinds = found.kinds or {"int"}  # only empty lists: an empty int[]
+            if len(kinds) > 1 or name in keys:
+                raise DataError(
+                    f"{where}: feature {key!r} holds {' and '.join(sorted(kinds))} values in "
+                    "different records"
+                    if len(kinds) > 1
+                    else f"{where}: features {key!r} and "
+                    f"{keys[name][0]!r} would be one field {name!r}"
+                )
+            (kind,) = kinds
+            many = not found.single or not found.kinds
+            text_list = False
+            if kind == "bytes":
+                kind = ("json" if many else "str") if found.text else "bytes"
+                text_list = many and found.text
+                if many and not found.text:
+                    raise DataError(
+                        f"{where}: feature {key!r} holds lists of bytes that are not text, which "
+                        "no field type holds"
+                    )
+            elif many:
+                kind += "[]"
+            try:
+                fields.append(Field(name, kind, optional=found.records < count))
+            except OptionError as exc:
+                raise DataError(f"{where}: feature {key!r} cannot be a field: {exc}") from None
+            keys[name] = (key, text_list)
+        return fields, keys
 
 
 def parse(data: memoryview, where: str) -> dict[str, example.FeatureValue]:
