@@ -740,3 +740,69 @@ def test_foreign_tfrecord_features_are_fields(tmp_path: Path) -> None:
     assert [tuple(out[i][2:]) for i in range(6)] == [
         (f"id-{i}", i if i % 2 else None) for i in range(6)
     ]
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_tensorflow_written_features_are_read_as_tensorflow_reads_them(tmp_path: Path) -> None:
+    """Records TensorFlow wrote with features beyond the image's (``tests/data``: boxes, class
+    texts, a source id, a count on some records): each field holds what
+    ``tf.io.parse_single_example`` read, and a conversion carries them."""
+    from imgpack.readers import TFRecordDataset
+
+    expected = json.loads((DATA / "tensorflow-written-fields.tf.json").read_text())
+    ds = TFRecordDataset(str(DATA / "tensorflow-written-fields.tfrecord"))
+    names = {
+        "image/source_id": "image_source_id",
+        "image/object/bbox/xmin": "image_object_bbox_xmin",
+        "image/object/class/text": "image_object_class_text",
+        "image/object/count": "image_object_count",
+    }
+    for key, name in names.items():
+        assert [plain(v) for v in ds.field(name)] == [row[key] for row in expected], key
+    convert(DATA / "tensorflow-written-fields.tfrecord", tmp_path / "out", "pt", progress=False)
+    out = open_dataset(tmp_path / "out", fields=tuple(names.values()))
+    for i, row in enumerate(expected):
+        assert [plain(v) for v in out[i][2:]] == [row[key] for key in names]
+
+
+def test_tensorflow_reads_imgpacks_field_features(tmp_path: Path) -> None:
+    """``tests/data/imgpack-written-fields.tfrecord`` (an imgpack output's shard with a field
+    of every type) is what ``tf.io.parse_single_example`` read into
+    ``imgpack-written-fields.tf.json``; imgpack today writes the same features for the same
+    values (the output id aside), and reads them back as TensorFlow did."""
+    from imgpack.formats.tfrecord import framing
+    from imgpack.formats.tfrecord.example import OUTPUT_ID_KEY, decode_example
+
+    read_by_tf = json.loads((DATA / "imgpack-written-fields.tf.json").read_text())
+    manifest = json.loads((DATA / "imgpack-written-fields.json").read_text())
+    (tmp_path / "img").mkdir()
+    rows = []
+    for i in range(4):  # the same images and rows as the reference was made from
+        Image.fromarray(np.full((4, 4, 3), i * 50, np.uint8)).save(tmp_path / "img" / f"{i}.png")
+        row = {"path": f"img/{i}.png", "label": i % 2, "caption": f"caption {i} ✓",
+               "score": i / 4, "count": i * 1000, "tags": list(range(i)),
+               "boxes": [0.5 * k for k in range(i)], "meta": {"k": i, "v": [i, "x"]},
+               "blob": f"bytes {i}"}  # fmt: skip
+        if i % 2:
+            row["note"] = f"note {i}"
+        rows.append(row)
+    src = write_jsonl(tmp_path / "list.jsonl", rows)
+    types = ("blob:bytes", "boxes:float[]", "tags:int[]")
+    made = convert(src, tmp_path / "out", "tfrecord", field_types=types, progress=False)
+    assert made.to_json()["fields"] == manifest["fields"]
+
+    def records(path: Path) -> list[dict[str, Any]]:
+        with framing.open_records(path) as fh:
+            found = [decode_example(data) for _, data in framing.iter_frames(fh, str(path), True)]
+        return [{k: v for k, v in f.items() if k != OUTPUT_ID_KEY} for f in found]
+
+    assert records(tmp_path / "out" / "data-00000-of-00001.tfrecord") == records(
+        DATA / "imgpack-written-fields.tfrecord"
+    )
+    ds = open_dataset(tmp_path / "out", fields=tuple(read_by_tf[0]))
+    for i, row in enumerate(read_by_tf):
+        values = dict(zip(row, (plain(v) for v in ds[i][2:]), strict=True))
+        values["blob"] = values["blob"].decode("utf-8")
+        assert values == row

@@ -53,7 +53,15 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
+class FloatValues(list):
+    """A feature's values that are floats, an empty list too (a ``float_list``; an empty plain
+    list encodes as an ``int64_list``, which a reader asking for floats refuses)."""
+
+
 def _feature(values: Sequence[bytes] | Sequence[float] | Sequence[int]) -> bytes:
+    if isinstance(values, FloatValues):
+        packed = b"".join(_FLOAT.pack(float(v)) for v in values)
+        return _field(2, _field(1, packed) if values else b"")
     if all(isinstance(v, (bytes, bytearray, memoryview)) for v in values) and values:
         inner = b"".join(_field(1, bytes(v)) for v in values)  # type: ignore[arg-type]
         return _field(1, inner)
@@ -321,10 +329,14 @@ def field_features(fields: Sequence[Field], values: Mapping[str, Any]) -> dict[s
             continue
         if f.type in ("str", "bytes", "json"):
             out[f.name] = [f.encode(value)]
-        elif f.type in ("int", "float"):
+        elif f.type == "int":
             out[f.name] = [value]
+        elif f.type == "float":
+            out[f.name] = FloatValues([value])
+        elif f.type == "int[]":
+            out[f.name] = [int(v) for v in value]
         else:
-            out[f.name] = [int(v) if f.type == "int[]" else float(v) for v in value]
+            out[f.name] = FloatValues(float(v) for v in value)
     return out
 
 

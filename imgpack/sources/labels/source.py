@@ -154,6 +154,8 @@ class LabelListSource(Source):
                     value = from_text(f.type, value)
                 except ValueError as exc:
                     return None, f"column {f.name!r} ({f.type}): {exc}"
+            elif f.type == "bytes" and isinstance(value, str):
+                value = value.encode("utf-8")  # JSON has no bytes: a text's UTF-8
             try:
                 values[f.name] = f.value(value, "row")
             except DataError as exc:
