@@ -432,7 +432,7 @@ def laion_like(root: Path, shards: int = 2, per_shard: int = 4) -> list[tuple[st
     return samples
 
 
-@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "hdf5", "lmdb", "tfrecord"])
 def test_a_laion_like_set_converts_without_labels_with_its_fields(fmt: str, tmp_path: Path) -> None:
     """LAION-like tars (no ``.cls``) with ``--no-labels``: every caption and JSON value read
     back exactly, in order, label -1; the images are the source JPEGs' pixels."""

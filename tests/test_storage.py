@@ -477,3 +477,18 @@ def test_a_bucket_folder_with_sidecars_is_refused_not_dropped(s3: str, tmp_path:
         convert(f"{s3}/sidecars", tmp_path / "out", "pt", progress=False)
     manifest = convert(f"{s3}/sidecars", tmp_path / "out", "pt", fields="", progress=False)
     assert manifest.num_samples == 6 and manifest.fields == []
+
+
+def test_shard_tasks_write_a_folders_sidecar_fields_to_a_bucket(s3: str, tmp_path: Path) -> None:
+    """A local folder with sidecars converted to a bucket (shard tasks write the shards): the
+    fields are in the shards and the manifest, and read back from the bucket."""
+    src = build_uniform_folder(tmp_path / "src", count=8, classes=2, size=8)
+    captions = {}
+    for image in sorted(src.glob("*/*.png")):
+        image.with_suffix(".txt").write_text(f"caption of {image.name}")
+        captions[f"{image.parent.name}/{image.name}"] = f"caption of {image.name}"
+    manifest = convert(src, f"{s3}/with-sidecars", "pt", shard_size="1KB", progress=False)
+    assert [f.spec for f in manifest.fields] == ["txt:str"] and len(manifest.files) > 1
+    ds = open_dataset(f"{s3}/with-sidecars", fields="txt", cache_dir=tmp_path / "cache")
+    paths = ds.stored_paths() or []
+    assert [ds[i][2] for i in range(len(ds))] == [captions[p] for p in paths]
