@@ -524,6 +524,8 @@ class DryRun:
     largest_image: int = 0
     #: The images as the manifest will describe them (:meth:`ImagePolicy.describe`).
     image: dict[str, Any] = field(default_factory=dict)
+    #: The fields the output will keep, as ``NAME:TYPE``.
+    fields: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         """What ``--dry-run`` prints (the skipped files by name are the caller's to list)."""
@@ -535,6 +537,7 @@ class DryRun:
             f"dry run: nothing read or written; {self.src} -> {self.dst} ({self.format})",
             f"images:    {self.images}, stored at {size_words(self.image)}",
             f"classes:   {len(self.classes)} ({shown})" if self.classes else "classes:   none",
+            *([f"fields:    {', '.join(self.fields)}"] if self.fields else []),
             f"bytes:     about {format_bytes(self.estimated_bytes)} of images",
             f"files:     {len(self.shards)} "
             f"({'as planned' if self.shards_exact else 'estimated'}: {', '.join(shards)})"
@@ -601,6 +604,7 @@ def dry_run(
         shard_size=options.shard_size or 0 if options.spec.sharded else 0,
         largest_image=max(sizes[start:stop], default=0),
         image=options.policy.describe(),
+        fields=[f.spec for f in the_plan.fields],
     )
 
 

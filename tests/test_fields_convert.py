@@ -131,6 +131,12 @@ def test_a_csv_lists_columns_are_typed_and_given_types_win(tmp_path: Path) -> No
     )
     assert result.exit_code == 0, result.output
     assert "fields kept: boxes:json, score:float, count:int, caption:str?" in result.output
+    dry = runner.invoke(
+        main,
+        ["convert", str(tmp_path / "list.csv"), str(tmp_path / "dry"), "--format", "pt",
+         "--field", "boxes:json", "--dry-run"],
+    )  # fmt: skip
+    assert "fields:    boxes:json, score:float, count:int, caption:str?" in dry.output
     info = runner.invoke(main, ["info", str(out)])
     assert "fields:    boxes:json, score:float, count:int, caption:str?" in info.output
     ds = open_dataset(out, fields=("boxes", "count", "caption", "score"))
