@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import DataError, ScanError
-from imgpack.fields import Field
+from imgpack.errors import DataError, OptionError, ScanError
+from imgpack.fields import Field, check_name
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.scan import MAX_CLASSES, Sample, Scan
 
@@ -107,6 +107,36 @@ class Source(ABC):
         """What identifies one sample's bytes for the output id (a file's size and modification
         time); ``"-"`` when :meth:`identity` covers it already."""
         return "-"
+
+
+def kept_fields(
+    names: Sequence[str],
+    request: ScanRequest,
+    infer: Callable[[str], Field],
+    what: Callable[[str], str],
+) -> list[Field]:
+    """The fields a source keeps of the ones it has (``names``, in its order): those
+    ``--fields`` names (every one when not given), each of the type ``--field`` gives, else
+    ``infer(name)``'s. A name that cannot be a field's (:func:`~imgpack.fields.check_name`)
+    raises :class:`~imgpack.errors.ScanError` in one line naming it as ``what(name)`` (``column
+    'x'``) and how ``--fields`` leaves it out."""
+    given = {f.name: f for f in request.field_types}
+    kept: list[Field] = []
+    for name in names:
+        if request.fields is not None and name not in request.fields:
+            continue
+        if name in given:
+            kept.append(given[name])
+            continue
+        try:
+            check_name(name)
+        except OptionError as exc:
+            raise ScanError(
+                f"{what(name)} cannot be kept as a field: {exc}; --fields NAME,... keeps only "
+                "the ones it names"
+            ) from None
+        kept.append(infer(name))
+    return kept
 
 
 def file_stamp(path: str | os.PathLike[str]) -> str:

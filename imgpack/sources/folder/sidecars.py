@@ -17,10 +17,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import DataError, OptionError, ScanError
-from imgpack.fields import Field, check_name, member_value
+from imgpack.errors import DataError
+from imgpack.fields import Field, member_value
 from imgpack.scan import Scan
-from imgpack.sources.base import ScanRequest
+from imgpack.sources.base import ScanRequest, kept_fields
 from imgpack.sources.folder.scan import IGNORED_NOT_IMAGE
 
 #: The reason a sidecar is listed with, among the files passed over.
@@ -52,24 +52,12 @@ def sidecar_fields(scan: Scan, request: ScanRequest) -> Scan:
         return scan
     counts = Counter(found.values())
     every = list(dict.fromkeys(found.values()))
-    given = {f.name: f for f in request.field_types}
-    fields: list[Field] = []
-    for ext in every:
-        if request.fields is not None and ext not in request.fields:
-            continue
-        if ext in given:
-            fields.append(given[ext])
-            continue
-        try:
-            check_name(ext)
-        except OptionError as exc:
-            raise ScanError(
-                f"sidecar files '*.{ext}' cannot be kept as a field: {exc}; --fields NAME,... "
-                "keeps only the sidecars it names"
-            ) from None
+
+    def infer(ext: str) -> Field:
         kind = "str" if ext in TEXT else "json" if ext in JSON else "bytes"
-        optional = counts[ext] < len(scan.samples)
-        fields.append(Field(ext, kind, optional))
+        return Field(ext, kind, optional=counts[ext] < len(scan.samples))
+
+    fields = kept_fields(every, request, infer, lambda ext: f"sidecar files '*.{ext}'")
     kept = {f.name for f in fields}
     ignored = [
         {**e, "reason": SIDECAR} if found.get(e["path"]) in kept else e for e in scan.ignored

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ImageError, OptionError, ScanError
-from imgpack.fields import Field, check_name
+from imgpack.errors import ImageError, ScanError
+from imgpack.fields import Field
 from imgpack.hf import dict_splits, import_datasets, is_dataset_dict_folder
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
 from imgpack.manifest import sha256_file
@@ -32,6 +32,7 @@ from imgpack.sources.base import (
     changed_source,
     digest,
     empty_classes,
+    kept_fields,
     opened,
     relabel,
 )
@@ -131,29 +132,18 @@ def hf_fields(ds: Any, own: tuple[str, ...], request: ScanRequest) -> tuple[list
     type ``--field`` gives, else :func:`field_type`'s), optional where a row holds null; and
     the names of all of them."""
     every = [name for name in ds.features if name not in own]
-    given = {f.name: f for f in request.field_types}
-    fields = []
-    for name in every:
-        if request.fields is not None and name not in request.fields:
-            continue
-        if name in given:
-            fields.append(given[name])
-            continue
+
+    def infer(name: str) -> Field:
         kind = field_type(ds.features[name])
-        problem = None
         if kind is None:
-            problem = f"its feature {ds.features[name]!r} is no field type"
-        else:
-            try:
-                check_name(name)
-            except OptionError as exc:
-                problem = str(exc)
-        if problem is not None or kind is None:
             raise ScanError(
-                f"column {name!r} cannot be kept as a field: {problem}; --fields NAME,... keeps "
-                "only the columns it names"
+                f"column {name!r} cannot be kept as a field: its feature "
+                f"{ds.features[name]!r} is no field type; --fields NAME,... keeps only the ones "
+                "it names"
             )
-        fields.append(Field(name, kind, optional=ds.data.column(name).null_count > 0))
+        return Field(name, kind, optional=ds.data.column(name).null_count > 0)
+
+    fields = kept_fields(every, request, infer, lambda name: f"column {name!r}")
     return fields, every
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
-from imgpack.fields import Field, check_name, from_text, infer_field
+from imgpack.fields import Field, from_text, infer_field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
 from imgpack.manifest import sha256_file
 from imgpack.scan import Sample, Scan
@@ -43,6 +43,7 @@ from imgpack.sources.base import (
     digest,
     empty_classes,
     file_stamp,
+    kept_fields,
     label_map,
 )
 
@@ -119,23 +120,13 @@ class LabelListSource(Source):
         for *_, record in rows:
             names.update((k, None) for k in record if k not in own)
         every = list(names)
-        if request.fields is not None:
-            names = {k: None for k in names if k in request.fields}
-        given = {f.name: f for f in request.field_types}
         text = not self._json_lines
-        found = []
-        for name in names:
-            if name in given:
-                found.append(given[name])
-                continue
-            try:
-                check_name(name)
-            except OptionError as exc:
-                raise ScanError(
-                    f"{self.list_file}: column {name!r} cannot be kept as a field: {exc}; "
-                    "--fields NAME,... keeps only the columns it names"
-                ) from None
-            found.append(infer_field(name, [r.get(name) for *_, r in rows], text=text))
+        found = kept_fields(
+            every,
+            request,
+            lambda name: infer_field(name, [r.get(name) for *_, r in rows], text=text),
+            lambda name: f"{self.list_file}: column {name!r}",
+        )
         return found, every
 
     def _values(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
-from imgpack.fields import Field, check_name, member_value
+from imgpack.fields import Field, member_value
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
 from imgpack.scan import UNLABELLED, Sample, Scan
 from imgpack.sources.base import (
@@ -33,6 +33,7 @@ from imgpack.sources.base import (
     empty_classes,
     files_identity,
     has_subfolders,
+    kept_fields,
     label_map,
     opened,
 )
@@ -149,23 +150,12 @@ def _fields(
             if ext != "cls" or not labelled:
                 seen[ext] = seen.get(ext, 0) + 1
     every = list(seen)
-    given = {f.name: f for f in request.field_types}
-    fields = []
-    for ext in every:
-        if request.fields is not None and ext not in request.fields:
-            continue
-        if ext in given:
-            fields.append(given[ext])
-            continue
-        try:
-            check_name(ext)
-        except OptionError as exc:
-            raise ScanError(
-                f"member extension {ext!r} cannot be kept as a field: {exc}; --fields NAME,... "
-                "keeps only the members it names"
-            ) from None
+
+    def infer(ext: str) -> Field:
         kind = "str" if ext in TEXT_MEMBERS else "json" if ext in JSON_MEMBERS else "bytes"
-        fields.append(Field(ext, kind, optional=seen[ext] < len(found)))
+        return Field(ext, kind, optional=seen[ext] < len(found))
+
+    fields = kept_fields(every, request, infer, lambda ext: f"member extension {ext!r}")
     return fields, every
 
 
