@@ -188,6 +188,17 @@ def test_the_manifest_lists_fields_only_when_an_output_has_some(tmp_path: Path) 
             fields_from_json(bad)
 
 
+def pt_listing_a_field_it_lacks(tmp_path: Path) -> Path:
+    """A ``pt`` output without fields whose manifest was edited to list ``txt:str``."""
+    src = build_uniform_folder(tmp_path / "src", count=4, classes=2, size=8)
+    convert(src, tmp_path / "out", "pt", progress=False)
+    path = tmp_path / "out" / "imgpack.json"
+    data = json.loads(path.read_text())
+    data["fields"] = [{"name": "txt", "type": "str"}]
+    path.write_text(json.dumps(data))
+    return tmp_path / "out"
+
+
 def test_a_reader_refuses_an_output_whose_fields_it_does_not_read(tmp_path: Path) -> None:
     """A reader that reads no fields (a plugin's, written before fields) refuses an output
     whose manifest lists some in one line, never reads it with its fields dropped."""
@@ -196,25 +207,14 @@ def test_a_reader_refuses_an_output_whose_fields_it_does_not_read(tmp_path: Path
     class NoFields(PTDataset):
         reads_fields = False
 
-    src = build_uniform_folder(tmp_path / "src", count=4, classes=2, size=8)
-    convert(src, tmp_path / "out", "pt", progress=False)
-    path = tmp_path / "out" / "imgpack.json"
-    data = json.loads(path.read_text())
-    data["fields"] = [{"name": "txt", "type": "str"}]
-    path.write_text(json.dumps(data))
+    out = pt_listing_a_field_it_lacks(tmp_path)
     with pytest.raises(ManifestError, match=r"its samples carry fields \(txt:str\)"):
-        NoFields(tmp_path / "out")
+        NoFields(out)
 
 
 def test_a_pt_shard_without_the_fields_its_manifest_lists_is_refused(tmp_path: Path) -> None:
     """A manifest that lists fields its shards do not hold (edited, or a shard swapped) is a
     damaged output: the shard is refused by name when it is read."""
-    src = build_uniform_folder(tmp_path / "src", count=4, classes=2, size=8)
-    convert(src, tmp_path / "out", "pt", progress=False)
-    path = tmp_path / "out" / "imgpack.json"
-    data = json.loads(path.read_text())
-    data["fields"] = [{"name": "txt", "type": "str"}]
-    path.write_text(json.dumps(data))
-    ds = open_dataset(tmp_path / "out")
+    ds = open_dataset(pt_listing_a_field_it_lacks(tmp_path))
     with pytest.raises(DataError, match=r"shard-00000.pt: damaged shard: no fields"):
         ds[0]
