@@ -814,13 +814,16 @@ def test_tensorflow_reads_imgpacks_field_features(tmp_path: Path) -> None:
         assert values == row
 
 
-@pytest.mark.parametrize(("save", "resume"), [(2, 0), (0, 2), (2, 2)])
-def test_a_loader_with_fields_resumes_exactly_on_other_workers(
-    save: int, resume: int, tmp_path: Path
+@pytest.mark.parametrize(
+    ("save", "resume"),
+    [((2, 1), (0, 1)), ((0, 1), (2, 1)), ((2, 2), (2, 1)), ((1, 2), (2, 2)), ((2, 1), (0, 2))],
+)
+def test_a_loader_with_fields_resumes_exactly_on_other_workers_and_ranks(
+    save: tuple[int, int], resume: tuple[int, int], tmp_path: Path
 ) -> None:
     """``Loader`` over an output with fields, ``fields=`` read with each batch: stopped after
-    three batches with ``save`` workers and resumed with ``resume``, every sample's caption is
-    seen once in the epoch, each with its own image's label."""
+    two batches a rank on ``save`` (workers, ranks) and resumed on ``resume``, every sample's
+    caption is seen once in the epoch across the ranks, each with its own image's label."""
     from imgpack.loading import Loader, ShardSampler
 
     rows = coco_like(tmp_path, count=24)
@@ -830,19 +833,29 @@ def test_a_loader_with_fields_resumes_exactly_on_other_workers(
     convert(src, tmp_path / "out", "pt", shard_size="2KB", progress=False)
     ds = open_dataset(tmp_path / "out", fields=("caption",))
 
-    def loader(workers: int) -> Loader:
-        sampler = ShardSampler(ds, seed=3, window=2)
-        return Loader(ds, batch_size=4, sampler=sampler, num_workers=workers, collate_fn=collate)
+    def loaders(workers: int, ranks: int) -> list[Loader]:
+        return [
+            Loader(
+                ds,
+                batch_size=2,
+                sampler=ShardSampler(ds, seed=3, window=2, num_replicas=ranks, rank=rank),
+                num_workers=workers,
+                collate_fn=collate,
+            )
+            for rank in range(ranks)
+        ]
 
-    first, seen = loader(save), []
-    for step, (_, labels, captions) in enumerate(first):
-        seen += list(zip(captions, labels.tolist(), strict=True))
-        if step == 2:
-            break
-    state = first.state_dict()
-    second = loader(resume)
-    second.load_state_dict(state)
-    for _, labels, captions in second:
-        seen += list(zip(captions, labels.tolist(), strict=True))
+    seen: list[tuple[str, int]] = []
+    first = loaders(*save)
+    for loader in first:  # each rank stops after two batches
+        for step, (_, labels, captions) in enumerate(loader):
+            seen += list(zip(captions, labels.tolist(), strict=True))
+            if step == 1:
+                break
+    state = first[0].state_dict()
+    for loader in loaders(*resume):
+        loader.load_state_dict(state)
+        for _, labels, captions in loader:
+            seen += list(zip(captions, labels.tolist(), strict=True))
     label_of = {row["caption"]: ds.class_to_idx[row["label"]] for row in rows}
     assert sorted(seen) == sorted(label_of.items())
