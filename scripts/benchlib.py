@@ -140,14 +140,14 @@ def save_json(path: str | None, data: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
-def _class_folders(root: Path, classes: int, seed: int) -> np.random.Generator:
+def class_folders(root: Path, classes: int, seed: int) -> np.random.Generator:
     """The class folders of a generated set, and the set's random generator."""
     for c in range(classes):
         (root / f"class{c:02d}").mkdir(parents=True, exist_ok=True)
     return np.random.default_rng(seed)
 
 
-def _photo_pixels(rng: np.random.Generator, height: int, width: int, i: int) -> np.ndarray:
+def photo_pixels(rng: np.random.Generator, height: int, width: int, i: int) -> np.ndarray:
     """Photo ``i`` of a set: smooth light, a shape, sensor noise."""
     from imgpack.sample import synthetic_image
 
@@ -177,9 +177,9 @@ def make_jpeg_folder(
     done = root / ".complete"
     if done.exists():
         return root
-    rng = _class_folders(root, classes, seed)
+    rng = class_folders(root, classes, seed)
     for i in range(count):
-        pixels = _photo_pixels(rng, height, width, i)
+        pixels = photo_pixels(rng, height, width, i)
         Image.fromarray(pixels).save(
             root / f"class{i % classes:02d}" / f"photo{i:05d}.jpg", quality=90
         )
@@ -231,12 +231,12 @@ def make_photo_folder(root: Path, count: int, classes: int = 10, seed: int = 0) 
     done = root / ".complete"
     if done.exists():
         return root
-    rng = _class_folders(root, classes, seed)
+    rng = class_folders(root, classes, seed)
     for i in range(count):
         height, width = PHOTO_SIZES[int(rng.integers(len(PHOTO_SIZES)))]
         if rng.random() < 0.3:
             height, width = int(rng.integers(300, 501)), int(rng.integers(300, 501))
-        pixels = _photo_pixels(rng, height, width, i)
+        pixels = photo_pixels(rng, height, width, i)
         Image.fromarray(pixels).save(root / f"class{i % classes:02d}" / f"p{i:05d}.jpg", quality=90)
     done.touch()
     return root

@@ -55,7 +55,7 @@ from imgpack.opening import Opened, open_output
 from imgpack.opening import ReadKeywords as ReadKeywords  # re-exported for the readers
 from imgpack.opening import ReadOptions as ReadOptions  # re-exported
 from imgpack.opening import check_files as check_files  # re-exported for the readers
-from imgpack.recipe import decode_box
+from imgpack.recipe import Crop, decode_box
 from imgpack.scan import UNLABELLED
 from imgpack.stats import DatasetStats, against_labels
 from imgpack.storage.files import PINNED_FILES as PINNED_FILES  # re-exported
@@ -582,11 +582,21 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         size: int | tuple[int, int] | str | _Keep | None = _KEEP,
         resize: str = "crop",
         decode_threads: int | _Keep | None = _KEEP,
+        recipe: Crop | _Keep | None = _KEEP,
+        seed: int | _Keep = _KEEP,
     ) -> _D:
         """A copy of this reader (same files, nothing reopened until used) with other ``size``
-        (and ``resize``) or ``decode_threads``; what is not given stays."""
+        (and ``resize``), ``decode_threads``, ``recipe`` or ``seed``; what is not given stays
+        (a ``recipe`` replaces a ``size``, and the other way round)."""
         other = copy.copy(self)
         other.__dict__.update(self.__getstate__())  # no handles of this process shared
+        if not isinstance(recipe, _Keep):
+            kept = other.options.size if recipe is None else None
+            other.options = replace(other.options, recipe=recipe, size=kept)
+            if recipe is not None and isinstance(size, _Keep):
+                size = None  # the recipe's crop has its size (both given: refused below)
+        if not isinstance(seed, _Keep):
+            other.options = replace(other.options, seed=seed)
         if not isinstance(size, _Keep):
             other.options = replace(other.options, size=size, resize=resize)
         if not isinstance(decode_threads, _Keep):

@@ -5,6 +5,10 @@ image to the device once, as uint8 (4x smaller than float32), and then draws eac
 permutation, gathers batches, converts and normalizes them, and applies simple augmentation
 (random crop with padding, horizontal flip) on the device, vectorized over the batch. With
 ``device="cpu"`` the same code runs on the CPU, which is how the test suite covers it.
+
+The training recipe (``recipe=``: a fresh random-resized crop of every sample each epoch) cannot
+be loaded once: with one, :class:`DeviceLoader` streams, the reader decoding and cropping each
+batch on the host and the batch then copied to the device.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from imgpack.errors import ImgpackError, OptionError
 from imgpack.formats.batch import collate
 from imgpack.formats.dataset_base import ImageDataset
 from imgpack.images import ImagePolicy, resize_pixels
-from imgpack.units import parse_image_size
+from imgpack.loading.sampler import ShardSampler
+from imgpack.loading.state import Loader
+from imgpack.recipe import Crop
+from imgpack.units import parse_image_size, whole_number
 
 #: Samples copied to the device per step while loading (bounded host memory).
 LOAD_CHUNK = 1024
@@ -102,6 +109,14 @@ class DeviceLoader:
         fields: numeric fields of the output (``int`` or ``float`` that every sample has:
             :mod:`imgpack.fields`) loaded onto the device beside the labels: each batch is then
             ``(images, labels, *fields)`` (an int64 or float32 tensor each).
+        recipe: the training recipe's crop (:class:`imgpack.recipe.RandomResizedCrop`, or
+            :class:`~imgpack.recipe.CenterCrop` for evaluation), its boxes drawn from ``seed``.
+            A fresh crop of every sample each epoch cannot be loaded once: the loader then
+            streams instead, each batch decoded and cropped on the host by the reader (in
+            ``workers`` processes, a :class:`~imgpack.loading.Loader` over a
+            :class:`~imgpack.loading.ShardSampler`) and copied to the device, where ``dtype``
+            and ``normalize`` apply. A reader opened with ``recipe=`` streams with its own.
+            Its state resumes on any number of workers and ranks.
     """
 
     def __init__(
@@ -125,11 +140,12 @@ class DeviceLoader:
         memory_limit: int | None = None,
         progress: bool = True,
         fields: Sequence[str] = (),
+        recipe: Crop | None = None,
     ) -> None:
         if isinstance(dataset_or_path, (str, os.PathLike)):
             from imgpack.readers import open_dataset
 
-            dataset: Dataset[Any] = open_dataset(dataset_or_path)
+            dataset: Dataset[Any] = open_dataset(dataset_or_path, recipe=recipe, seed=seed)
         else:
             dataset = dataset_or_path
         if batch_size < 1:
@@ -155,15 +171,23 @@ class DeviceLoader:
         self._resume: tuple[int, int] | None = None  # (epoch, batches) of a loaded state
         self._taken = 0
         self.crop_padding, self.hflip = crop_padding, hflip
+        self.rank, self.world_size = _rank_and_world(ddp, rank, world_size)
+        self.classes: list[str] = list(getattr(dataset, "classes", []))
+        self._stream: Loader | None = None
+        self.policy: ImagePolicy | None = None
+        if recipe is not None or getattr(getattr(dataset, "options", None), "recipe", None):
+            given: dict[str, object] = {"size": size, "indices": indices, "fields": fields or None}
+            given |= {"crop_padding": crop_padding or None, "hflip": hflip or None}
+            self._stream, channels = self._streamed(dataset, recipe, workers, given)
+            self._set_normalize(normalize, channels)
+            return
         self.policy = ImagePolicy(size=parse_image_size(size)) if size is not None else None
         if self.policy is not None and isinstance(dataset, ImageDataset):
             # imgpack's readers resize as they decode (a JPEG at a reduced DCT scale)
             dataset = dataset.with_options(size=self.policy.size)
-        self.rank, self.world_size = _rank_and_world(ddp, rank, world_size)
         n = len(dataset)  # type: ignore[arg-type]
         chosen = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
         self.indices = chosen[self.rank :: self.world_size]
-        self.classes: list[str] = list(getattr(dataset, "classes", []))
         shape = self._image_shape(dataset)
         self.fields = (fields,) if isinstance(fields, str) else tuple(fields)
         self._check_memory(shape, memory_limit)
@@ -174,15 +198,74 @@ class DeviceLoader:
         )
         self.labels = torch.empty(len(self.indices), dtype=torch.int64, device=self.device)
         self._load(dataset, shape, workers, progress)
+        self._set_normalize(normalize, shape[0])
+
+    def _set_normalize(
+        self, normalize: tuple[Sequence[float], Sequence[float]] | None, channels: int
+    ) -> None:
         if normalize is not None:
             mean, std = (
                 torch.as_tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1) for v in normalize
             )
-            if mean.shape[1] not in (1, shape[0]) or std.shape[1] not in (1, shape[0]):
-                raise OptionError(f"normalize needs 1 or {shape[0]} values for mean and std")
-            self._mean = mean.to(self.device, dtype)
-            self._std = std.to(self.device, dtype)
+            if mean.shape[1] not in (1, channels) or std.shape[1] not in (1, channels):
+                raise OptionError(f"normalize needs 1 or {channels} values for mean and std")
+            self._mean = mean.to(self.device, self.dtype)
+            self._std = std.to(self.device, self.dtype)
         self._normalize = normalize is not None
+
+    # -- streaming (a recipe) ----------------------------------------------------------------
+    def _streamed(
+        self,
+        dataset: Dataset[Any],
+        recipe: Crop | None,
+        workers: int | None,
+        given: dict[str, Any],
+    ) -> tuple[Loader, int]:
+        """The loader of a recipe's batches (the reader crops on the host, in ``workers``
+        processes; each batch then goes to the device) and the images' channels."""
+        if not isinstance(dataset, ImageDataset):
+            raise OptionError(
+                "DeviceLoader(recipe=...) crops as an imgpack reader decodes: give an output's "
+                f"path or a reader from open_dataset, not a {type(dataset).__name__}"
+            )
+        clash = [name for name, value in given.items() if value is not None]
+        if clash:
+            raise OptionError(
+                f"DeviceLoader: {', '.join(clash)} cannot be given with a recipe (it streams "
+                "each epoch's crops of the whole output: the recipe has its size and flip)"
+            )
+        if recipe is not None and dataset.options.recipe is not recipe:
+            dataset = dataset.with_options(recipe=recipe, seed=self.seed)
+        if workers is None:
+            from imgpack.system import usable_cpus
+
+            workers = usable_cpus()
+        sampler = self._sampler = ShardSampler(
+            dataset,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            num_replicas=self.world_size,
+            rank=self.rank,
+        )
+        loader = Loader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=self.drop_last,
+            num_workers=whole_number(workers, "workers"),
+            collate_fn=collate,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=workers > 0,
+        )
+        return loader, dataset.channels
+
+    def _streamed_batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        assert self._stream is not None
+        self._sampler.set_epoch(self.epoch)
+        cuda = self.device.type == "cuda"
+        for images, labels in self._stream:
+            images = images.to(self.device, non_blocking=cuda)
+            yield self._convert(images), labels.to(self.device, non_blocking=cuda)
 
     # -- loading -----------------------------------------------------------------------------
     def _image_shape(self, dataset: Dataset[Any]) -> tuple[int, int, int]:
@@ -297,6 +380,8 @@ class DeviceLoader:
         self.epoch = epoch
 
     def __len__(self) -> int:
+        if self._stream is not None:
+            return len(self._stream)
         n = len(self.indices)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
@@ -306,6 +391,9 @@ class DeviceLoader:
         return gen
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        if self._stream is not None:
+            yield from self._streamed_batches()
+            return
         n = len(self.indices)
         gen = self._generator()
         if self.shuffle:
@@ -334,7 +422,16 @@ class DeviceLoader:
         prefetched): with :meth:`load_state_dict` the next iteration continues after them, with
         the same augmentation draws an uninterrupted epoch makes. The order is per rank (each
         rank holds its own part of the dataset), so a state resumes on the same number of
-        ranks and the same ``batch_size``."""
+        ranks and the same ``batch_size``. A loader that streams a recipe saves its
+        :class:`~imgpack.loading.Loader`'s state, which resumes on any number of workers and
+        ranks."""
+        if self._stream is not None:
+            return {
+                "imgpack_device_loader": 1,
+                "seed": self.seed,
+                "epoch": self.epoch,
+                "loader": self._stream.state_dict(),
+            }
         return {
             "imgpack_device_loader": 1,
             "seed": self.seed,
@@ -351,6 +448,23 @@ class DeviceLoader:
         if not isinstance(state, dict) or state.get("imgpack_device_loader") != 1:
             raise OptionError("not a DeviceLoader state (from DeviceLoader.state_dict())")
         mine = self.state_dict()
+        if ("loader" in state) != ("loader" in mine):
+            which = ("streams a recipe", "preloads")
+            if "loader" not in state:
+                which = which[::-1]
+            raise OptionError(
+                f"the saved DeviceLoader state is of a loader that {which[0]}; this one "
+                f"{which[1]}: it cannot resume here"
+            )
+        if self._stream is not None:
+            if state.get("seed") != self.seed:
+                raise OptionError(
+                    f"the saved DeviceLoader state has another seed ({state.get('seed')!r}, this "
+                    f"loader {self.seed!r}); it cannot resume here"
+                )
+            self._stream.load_state_dict(state["loader"])
+            self.epoch = int(state["epoch"])
+            return
         for key in ("seed", "batch_size", "world_size", "samples"):
             if state.get(key) != mine[key]:
                 raise OptionError(
@@ -386,6 +500,10 @@ class DeviceLoader:
             images = random_crop(images, self.crop_padding, offsets=offsets)
         if flip is not None:
             images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+        return self._convert(images)
+
+    def _convert(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images on the device in ``dtype``, normalized where asked."""
         if self.dtype != torch.uint8:
             images = images.to(self.dtype).div_(255)
             if self._normalize:
