@@ -9,7 +9,8 @@
   from `load_state_dict` to the first batch, against replaying the consumed batches.
 - Randomness: the mean total-variation distance between each batch's label histogram and the
   dataset's (0: every batch looks like the dataset; near 1: one class per batch), for scan
-  order, ShardSampler windows of 1, 8 and every shard, and a full shuffle. The folder's classes
+  order, ShardSampler windows of 1, 8 and every shard, a rank's own batches on one node of 4
+  ranks and on 2 and 4 nodes of 2 ranks (node partitions), and a full shuffle. The folder's classes
   are contiguous in scan order, so every shard holds one or two classes: the hard case.
 
     python scripts/bench_state.py [--count 50000] [--data bench-data]
@@ -112,6 +113,13 @@ def main() -> None:
         "ShardSampler window=all": ShardSampler(ds, window=len(ds)).global_order(),
         "full shuffle": np.random.default_rng(0).permutation(len(ds)),
     }
+    for nodes in (2, 4):  # a rank's own batches: its node's runs of shards, 2 ranks a node
+        name = f"ShardSampler, {nodes} nodes x 2 ranks (rank 0's batches)"
+        orders[name] = np.array(list(ShardSampler(ds, num_replicas=2 * nodes, rank=0,
+                                                  ranks_per_node=2)))  # fmt: skip
+    orders["ShardSampler, 1 node x 4 ranks (rank 0's batches)"] = np.array(
+        list(ShardSampler(ds, num_replicas=4, rank=0))
+    )
     shards = len(ds.manifest.files)
     for name, order in orders.items():
         spread = results[f"spread {name}"] = label_spread(order, targets, classes, 256)

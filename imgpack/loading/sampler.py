@@ -9,9 +9,11 @@ it, and adds two things:
   ``window`` consecutive shards of that order: the whole dataset is shuffled, but a stretch of
   the epoch touches only ``window`` shards, so a small cache (or page cache) holds what is read.
 - **State.** The epoch's *global order* depends only on the dataset, the seed and the epoch,
-  never on the number of ranks or DataLoader workers. Rank ``r`` of ``R`` reads positions
-  ``r, r + R, ...`` of what is left of that order; :meth:`~ShardSampler.state_dict` says how
-  many positions of it were consumed, so a run saved on 8 ranks resumes on 4 (or 3) with
+  never on the number of ranks or DataLoader workers. On one node, rank ``r`` of ``R`` reads
+  positions ``r, r + R, ...`` of what is left of that order; on several, each step's ``R``
+  positions are dealt so that a node reads its own runs of shards
+  (:mod:`~imgpack.loading.partitions`). :meth:`~ShardSampler.state_dict` says how many
+  positions of the order were consumed, so a run saved on 8 ranks resumes on 4 (or 3) with
   exactly the samples not yet consumed, each once. :class:`imgpack.loading.Loader` (and
   torchdata's ``StatefulDataLoader``) count what reached the training loop, not what workers
   prefetched.
@@ -37,6 +39,8 @@ from torch.utils.data import Dataset, Sampler
 
 from imgpack.errors import OptionError
 from imgpack.formats.dataset_base import integer_index, integer_indices
+from imgpack.loading.partitions import cut, deal, interleave, split_order
+from imgpack.loading.partitions import ranks_per_node as node_ranks
 from imgpack.recipe import EpochIndices
 from imgpack.units import finite_numbers, whole_number
 
@@ -115,6 +119,12 @@ class ShardSampler(Sampler[int]):
         drop_last: cut the epoch to a multiple of ``num_replicas`` instead of padding it.
         window: shards shuffled together (more: closer to a full shuffle, more shards in use).
         block_size: samples per "shard" of single-file outputs (``lmdb``, ``hdf5``).
+        ranks_per_node: ranks that share a node and its cache (default ``LOCAL_WORLD_SIZE``,
+            which ``torchrun`` sets, else every rank: one node).
+        partitions: the epoch's canonical parts, each a contiguous run of shards read by one
+            node (default: the number of nodes; :mod:`~imgpack.loading.partitions`). A loaded
+            state brings its own, so a run resumed on another number of nodes reads the same
+            order.
     """
 
     def __init__(
@@ -127,11 +137,18 @@ class ShardSampler(Sampler[int]):
         drop_last: bool = False,
         window: int = WINDOW,
         block_size: int = BLOCK_SIZE,
+        ranks_per_node: int | None = None,
+        partitions: int | None = None,
     ) -> None:
         self.dataset = dataset
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.seed = whole_number(seed, "seed")
         self.rank, self.num_replicas = _rank_and_world(num_replicas, rank)
+        self.ranks_per_node = node_ranks(ranks_per_node, self.num_replicas)
+        self.nodes = self.num_replicas // self.ranks_per_node
+        self.partitions = (
+            self.nodes if partitions is None else whole_number(partitions, "partitions", 1)
+        )
         self.window = whole_number(window, "window", 1)
         self.block_size = whole_number(block_size, "block_size", 1)
         self.epoch = 0
@@ -145,20 +162,42 @@ class ShardSampler(Sampler[int]):
     def global_order(self, epoch: int | None = None) -> np.ndarray:
         """The epoch's order of sample indices, the same on every rank and for any number of
         ranks and workers."""
+        return self._epoch_order(epoch)[0]
+
+    def _epoch_order(self, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The epoch's global order and the part of each position (``None``: one part)."""
         epoch = self.epoch if epoch is None else epoch
         rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
         if isinstance(self.dataset, Mix):
-            return self.dataset.epoch_order(rng, self.window, self.block_size)
-        return shard_order(self._sizes, rng, self.window)
+            order = self.dataset.epoch_order(rng, self.window, self.block_size)
+            if self.partitions == 1:
+                return order, None
+            return interleave(split_order(order, self.partitions))
+        if self.partitions == 1:
+            return shard_order(self._sizes, rng, self.window), None
+        return interleave(cut(self._sizes, rng, self.window, self.partitions))
 
-    def _rank_part(self, order: np.ndarray, start: int) -> np.ndarray:
+    def _rank_part(
+        self, order: np.ndarray, start: int, labels: np.ndarray | None = None
+    ) -> np.ndarray:
         rest = order[start:]
+        parts = labels[start:] if labels is not None else None
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % self.num_replicas]
         elif len(rest) % self.num_replicas:
             pad = self.num_replicas - len(rest) % self.num_replicas
             rest = np.concatenate([rest, np.resize(rest, pad)])
-        return rest[self.rank :: self.num_replicas]
+            if parts is not None:
+                parts = np.concatenate([parts, np.resize(parts, pad)])
+        if parts is None or self.nodes == 1:
+            return rest[self.rank :: self.num_replicas]
+        parts = parts[: len(rest)]
+        rounds = (start + np.arange(len(rest), dtype=np.int64)) // self.partitions
+        columns = deal(
+            parts, rounds, self.rank, self.num_replicas, self.ranks_per_node, self.partitions
+        )
+        steps = np.arange(len(columns), dtype=np.int64) * self.num_replicas
+        return rest[steps + columns]
 
     def _begin(self) -> int:
         """Global positions already consumed in this epoch: a loaded state's, else none."""
@@ -173,7 +212,8 @@ class ShardSampler(Sampler[int]):
         """What this rank reads of the epoch: its part of what is left of the global order,
         and the global positions consumed before it (``(indices, start)``)."""
         start = self._begin()
-        return self._rank_part(self.global_order(), start), start
+        order, labels = self._epoch_order()
+        return self._rank_part(order, start, labels), start
 
     def _started(self, start: int) -> None:
         """An iteration that began at ``start`` yields its first item: a loaded state is used
@@ -254,6 +294,7 @@ class ShardSampler(Sampler[int]):
             "drop_last": self.drop_last,
             "epoch": self.epoch,
             "consumed": self.consumed(samples),
+            "partitions": self.partitions,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,6 +314,10 @@ class ShardSampler(Sampler[int]):
         ):
             if state.get(key) != mine[key]:
                 raise OptionError(f"the saved loader state is of {what}; it cannot resume here")
+        partitions = state.get("partitions", 1)  # a state saved before partitions: one
+        if type(partitions) is not int or partitions < 1:
+            raise OptionError(f"the saved loader state is damaged: partitions {partitions!r}")
+        self.partitions = partitions  # the order is the saved run's, whatever the nodes now
         consumed, epoch = state.get("consumed"), state.get("epoch")
         if (
             type(consumed) is not int
