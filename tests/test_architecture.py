@@ -312,6 +312,8 @@ STATE_ALLOWED = {
     "imgpack.sources.base._run": "the conversion run a pool worker or Ray actor serves",
     "imgpack.sources.base._opened": "the sources that run's worker opened, dropped with it",
     "imgpack.storage.cache.stats": "what the cache did in this process, for tests and logs",
+    "imgpack.storage.cache._held": "the cache locks this process holds: a forked child closes "
+    "its copies (a kept copy would hold the parent's lock forever)",
 }
 
 _MUTABLE_CALLS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "Lock", "RLock",

@@ -275,7 +275,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         here = self._here()
         path = here.files.hold(name)
         if not here.batch_depth:  # a batch keeps every file it touches until it is read
-            here.files.trim()
+            here.files.trim(self.pinned_files)
         return path
 
     def _release_file(self, name: str) -> None:
@@ -283,10 +283,30 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         the file go: the hook this reader gives its :class:`~imgpack.storage.files.FileHolder`);
         formats that keep files open override it."""
 
+    #: Files of a lazily read output this reader keeps pinned per process, the last ones it
+    #: used (``None``: :data:`~imgpack.storage.files.PINNED_FILES`); a
+    #: :class:`~imgpack.loading.ShardSampler` sets its window (:meth:`pin_files`).
+    pinned_files: int | None = None
+
+    def pin_files(self, count: int) -> None:
+        """Keep the last ``count`` files used pinned in each process reading (a sampler that
+        reads ``count`` shards at a time sets it: they stay in the cache while it reads them,
+        and no more than them, so that a cache limit can hold what every process reads)."""
+        self.pinned_files = max(1, int(count))
+
     @property
     def fetches_ahead(self) -> bool:
         """Whether :meth:`prefetch` does anything: an output read lazily, with ``prefetch``."""
         return self._lazy is not None and self.options.prefetch > 0
+
+    def read_past(self, shards: Sequence[int]) -> None:
+        """Shards (by number) this process's sampler has handed out for the last time this
+        epoch (and the reads behind it, :attr:`~imgpack.loading.ShardSampler.lag`): the pins
+        that fetching them ahead took are let go, so that the cache may evict them."""
+        if not self.fetches_ahead:
+            return
+        files = self.manifest.files
+        self._here().files.done([files[k].path for k in shards if 0 <= k < len(files)])
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Shards (by number) about to be read, in order: for an output read lazily, the next
@@ -633,7 +653,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         finally:
             here.batch_depth -= 1
             if not here.batch_depth:
-                here.files.trim()
+                here.files.trim(self.pinned_files)
         size = self.decoder.size
         if size is None or (isinstance(images, torch.Tensor) and tuple(images.shape[2:]) == size):
             return images, labels
@@ -667,7 +687,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         finally:
             here.batch_depth -= 1
             if not here.batch_depth:
-                here.files.trim()
+                here.files.trim(self.pinned_files)
         heights = np.array([size[0] for size in sizes], np.int64)
         widths = np.array([size[1] for size in sizes], np.int64)
         boxes = recipe.boxes(self.options.seed, epoch, indices, heights, widths)
@@ -726,7 +746,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         finally:
             here.batch_depth -= 1
             if not here.batch_depth:
-                here.files.trim()
+                here.files.trim(self.pinned_files)
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""

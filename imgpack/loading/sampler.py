@@ -41,8 +41,9 @@ from imgpack.errors import OptionError
 from imgpack.formats.dataset_base import integer_index, integer_indices
 from imgpack.loading.partitions import cut, deal, interleave, split_order
 from imgpack.loading.partitions import ranks_per_node as node_ranks
+from imgpack.loading.working_set import node_bytes, schedule
 from imgpack.recipe import EpochIndices
-from imgpack.units import finite_numbers, whole_number
+from imgpack.units import finite_numbers, format_bytes, whole_number
 
 #: Samples per block of a single-file output (``lmdb``, ``hdf5``), read as its "shards".
 BLOCK_SIZE = 1024
@@ -154,6 +155,14 @@ class ShardSampler(Sampler[int]):
         self.epoch = 0
         self._sizes = shard_sizes(dataset, self.block_size)
         self._id = _fingerprint(dataset)
+        #: Samples this rank hands out before they are read (a DataLoader's workers hold
+        #: batches ahead): a shard is let go that many positions after its last read
+        #: (:class:`~imgpack.loading.Loader` sets it).
+        self.lag = 0
+        self.check_cache_limit()
+        pin = getattr(dataset, "pin_files", None)
+        if callable(pin):
+            pin(self.window)  # a window's shards stay pinned while read, no more
         self._resume: tuple[int, int] | None = None  # (epoch, consumed) from a loaded state
         self._start = 0  # global positions consumed before the running iteration started
         self._yielded = 0  # samples the running iteration has yielded (this rank)
@@ -178,8 +187,14 @@ class ShardSampler(Sampler[int]):
         return interleave(cut(self._sizes, rng, self.window, self.partitions))
 
     def _rank_part(
-        self, order: np.ndarray, start: int, labels: np.ndarray | None = None
+        self,
+        order: np.ndarray,
+        start: int,
+        labels: np.ndarray | None = None,
+        rank: int | None = None,
     ) -> np.ndarray:
+        """What rank ``rank`` (default: this sampler's) reads of ``order`` from ``start``."""
+        rank = self.rank if rank is None else rank
         rest = order[start:]
         parts = labels[start:] if labels is not None else None
         if self.drop_last:
@@ -190,12 +205,10 @@ class ShardSampler(Sampler[int]):
             if parts is not None:
                 parts = np.concatenate([parts, np.resize(parts, pad)])
         if parts is None or self.nodes == 1:
-            return rest[self.rank :: self.num_replicas]
+            return rest[rank :: self.num_replicas]
         parts = parts[: len(rest)]
         rounds = (start + np.arange(len(rest), dtype=np.int64)) // self.partitions
-        columns = deal(
-            parts, rounds, self.rank, self.num_replicas, self.ranks_per_node, self.partitions
-        )
+        columns = deal(parts, rounds, rank, self.num_replicas, self.ranks_per_node, self.partitions)
         steps = np.arange(len(columns), dtype=np.int64) * self.num_replicas
         return rest[steps + columns]
 
@@ -231,23 +244,63 @@ class ShardSampler(Sampler[int]):
         shorter than ``batch_size``, as ``BatchSampler`` does)."""
         return ShardBatches(self, batch_size, drop_last)
 
-    def _hints(self, indices: list[int] | np.ndarray) -> dict[int, list[int]]:
+    def _schedule(
+        self, indices: list[int] | np.ndarray
+    ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """For a reader that fetches ahead (an output read lazily from a bucket): at the
         position where each shard is first read, the next shards first read after it, in
-        order, as many as the reader fetches ahead (its ``options.prefetch``). Empty for
-        readers without ``prefetch`` and for outputs read by blocks."""
+        order, as many as the reader fetches ahead (its ``options.prefetch``); and at the
+        position where each is read for the last time, that shard
+        (:func:`~imgpack.loading.working_set.schedule`). Empty for readers without
+        ``prefetch`` and for outputs read by blocks."""
         files = getattr(getattr(self.dataset, "manifest", None), "files", None)
         if not getattr(self.dataset, "fetches_ahead", False) or not len(indices):
-            return {}  # a local output: nothing to fetch, no work per epoch
+            return {}, {}  # a local output: nothing to fetch, no work per epoch
         if files is None or len(files) != len(self._sizes) or len(files) < 2:
-            return {}
-        starts = np.cumsum(self._sizes, dtype=np.int64)
-        shards = np.searchsorted(starts, np.asarray(indices, np.int64), side="right")
-        firsts, positions = np.unique(shards, return_index=True)
-        by_position = np.argsort(positions, kind="stable")
-        sequence, at = firsts[by_position].tolist(), positions[by_position].tolist()
+            return {}, {}
         ahead = int(self.dataset.options.prefetch)  # type: ignore[attr-defined]
-        return {at[i]: sequence[i + 1 : i + 1 + ahead] for i in range(len(at))}
+        return schedule(self._shards_of(np.asarray(indices, np.int64)), ahead)
+
+    def _shards_of(self, indices: np.ndarray) -> np.ndarray:
+        starts = np.cumsum(self._sizes, dtype=np.int64)
+        return np.searchsorted(starts, indices, side="right")
+
+    def working_set(self, lag: int | None = None) -> int | None:
+        """Bytes this sampler's node holds at once in the cache while it reads this epoch (an
+        output read lazily with a cache limit; else ``None``): every shard from when a rank of
+        the node names it for fetching ahead until ``lag`` (default :attr:`lag`) positions
+        after its last read there, plus one shard being fetched
+        (:func:`~imgpack.loading.working_set.node_bytes`)."""
+        lazy = getattr(getattr(self.dataset, "opened", None), "lazy", None)
+        files = getattr(getattr(self.dataset, "manifest", None), "files", None)
+        if lazy is None or lazy.limit is None or not files or len(files) != len(self._sizes):
+            return None
+        order, labels = self._epoch_order()
+        node = self.rank // self.ranks_per_node
+        ranks = range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+        streams = [self._shards_of(self._rank_part(order, 0, labels, r)) for r in ranks]
+        ahead = int(getattr(self.dataset.options, "prefetch", 0))  # type: ignore[attr-defined]
+        sizes = [entry.bytes for entry in files]
+        held = node_bytes(streams, sizes, ahead, self.lag if lag is None else lag)
+        return min(held + max(sizes), sum(sizes))
+
+    def check_cache_limit(self) -> None:
+        """Refuse, in one line naming the minimum, a cache limit below :meth:`working_set`:
+        under it the cache would pass its limit (what is being read is pinned) or evict shards
+        still to be read, and fetch them twice in an epoch."""
+        need = self.working_set()
+        if need is None:
+            return
+        lazy = self.dataset.opened.lazy  # type: ignore[attr-defined]
+        if lazy.limit >= need:
+            return
+        raise OptionError(
+            f"{lazy.url}: cache_limit {format_bytes(lazy.limit)} is below what one node holds "
+            f"while it reads this output with this sampler: {format_bytes(need)} (its window "
+            f"of {self.window} shards, the {self.dataset.options.prefetch} fetched ahead, "  # type: ignore[attr-defined]
+            f"{self.lag} samples handed out ahead of the reads, one shard being fetched); give "
+            f"cache_limit >= {need}, or a smaller window= or prefetch="
+        )
 
     @property
     def _total(self) -> int:
@@ -384,13 +437,40 @@ def sampler_state(state: Any) -> dict[str, Any]:
     )
 
 
+class _Fetching:
+    """What a sampler iteration tells a reader that fetches ahead, as it hands out positions:
+    the shards to fetch ahead where each shard is first read, and the shards it is done with
+    :attr:`ShardSampler.lag` positions after each is last read (the reader lets their pins
+    go: :meth:`~imgpack.formats.dataset_base.ImageDataset.read_past`)."""
+
+    def __init__(self, sampler: ShardSampler, indices: list[int] | np.ndarray) -> None:
+        self.dataset = sampler.dataset
+        hints, lasts = sampler._schedule(indices)
+        self.hints = sorted(hints.items())  # (position, shards to fetch) in position order
+        self.lasts = sorted(lasts.items())  # (position, shards read there for the last time)
+        self.lag = sampler.lag
+
+    def __bool__(self) -> bool:
+        return bool(self.hints or self.lasts)
+
+    def advance(self, stop: int) -> None:
+        """Positions before ``stop`` are handed out."""
+        while self.hints and self.hints[0][0] < stop:
+            self.dataset.prefetch(self.hints.pop(0)[1])  # type: ignore[attr-defined]
+        done: list[int] = []
+        while self.lasts and self.lasts[0][0] < stop - self.lag:
+            done += self.lasts.pop(0)[1]
+        if done:
+            self.dataset.read_past(done)  # type: ignore[attr-defined]
+
+
 class _Positions(Iterator[int]):
     """A :class:`ShardSampler` iteration: counts what it yields, and is ``Stateful`` for
     torchdata's ``StatefulDataLoader`` (which snapshots it as each batch is dispatched)."""
 
     def __init__(self, sampler: ShardSampler, indices: list[int], start: int) -> None:
         self.sampler, self.indices, self.at, self.start = sampler, indices, 0, start
-        self.hints = sampler._hints(indices)
+        self.fetching = _Fetching(sampler, indices)
         self.begun = False
 
     def __iter__(self) -> Iterator[int]:
@@ -402,10 +482,8 @@ class _Positions(Iterator[int]):
             self.sampler._started(self.start)
         if self.at >= len(self.indices):
             raise StopIteration
-        if self.hints:
-            upcoming = self.hints.get(self.at)
-            if upcoming is not None:
-                self.sampler.dataset.prefetch(upcoming)  # type: ignore[attr-defined]
+        if self.fetching:
+            self.fetching.advance(self.at + 1)
         self.at += 1
         self.sampler._yielded = self.at
         return self.indices[self.at - 1]
@@ -417,7 +495,7 @@ class _Positions(Iterator[int]):
         self.sampler.load_state_dict(state)
         fresh = iter(self.sampler)
         assert isinstance(fresh, _Positions)
-        self.indices, self.at, self.hints = fresh.indices, 0, fresh.hints
+        self.indices, self.at, self.fetching = fresh.indices, 0, fresh.fetching
         self.start, self.begun = fresh.start, False
 
 
@@ -461,8 +539,7 @@ class _Batches(Iterator[np.ndarray]):
     def __init__(self, batches: ShardBatches, indices: np.ndarray, start: int) -> None:
         self.batches, self.indices, self.at, self.start = batches, indices, 0, start
         self.epoch = batches.sampler.epoch  # carried by every batch (EpochIndices)
-        hints = batches.sampler._hints(indices)
-        self.hints = sorted(hints.items())  # (position, shards to fetch) in position order
+        self.fetching = _Fetching(batches.sampler, indices)
         self.begun = False
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -477,8 +554,8 @@ class _Batches(Iterator[np.ndarray]):
         if stop <= start or (self.batches.drop_last and stop - start < size):
             raise StopIteration
         sampler = self.batches.sampler
-        while self.hints and self.hints[0][0] < stop:  # shards first read in this batch
-            sampler.dataset.prefetch(self.hints.pop(0)[1])  # type: ignore[attr-defined]
+        if self.fetching:  # shards first read in this batch fetched ahead, others let go
+            self.fetching.advance(stop)
         self.at = sampler._yielded = stop
         return EpochIndices(self.indices[start:stop], self.epoch)
 
@@ -489,7 +566,7 @@ class _Batches(Iterator[np.ndarray]):
         self.batches.sampler.load_state_dict(state)
         fresh = iter(self.batches)
         assert isinstance(fresh, _Batches)
-        self.indices, self.at, self.hints = fresh.indices, 0, fresh.hints
+        self.indices, self.at, self.fetching = fresh.indices, 0, fresh.fetching
         self.start, self.begun = fresh.start, False
 
 

@@ -67,6 +67,11 @@ class Loader(DataLoader[Any]):
             )
         self._shards = sampler
         self._taken = 0  # samples of this rank handed out by the running iteration
+        # What the workers hold ahead (prefetch_factor batches each) and the batch being
+        # read: a shard's pin is let go that many samples after its last read is handed out.
+        size = getattr(self.batch_sampler, "batch_size", None) or 1
+        sampler.lag = size * (self.num_workers * (self.prefetch_factor or 0) + 1)
+        sampler.check_cache_limit()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         advise_workers(self.dataset, self.num_workers)  # the loader advises, never a read

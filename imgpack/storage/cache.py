@@ -242,16 +242,53 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+#: The descriptors of ``flock`` locks this process holds on cache files for a while (a fetch's
+#: lock, an eviction's, a reader's pin), each with the process that opened it. A lock belongs
+#: to the open file, which a forked child shares: a child that kept its copy would hold a
+#: parent's fetch lock after the parent let go (every process waiting for that file would wait
+#: forever) and keep a pin the parent dropped (its file could never be evicted). So a child
+#: closes its copies at once, and never closes them again (:func:`release_fd`).
+_held: dict[int, int] = {}
+
+
+def hold_fd(fd: int) -> int:
+    """``fd`` (a lock file just opened) noted as held by this process, until
+    :func:`release_fd`."""
+    _held[fd] = os.getpid()
+    return fd
+
+
+def release_fd(fd: int, _close: Callable[[int], None] = os.close) -> None:
+    """Close ``fd`` from :func:`hold_fd`, if this process opened it (a copy from the parent
+    was closed at the fork)."""
+    if _held.get(fd) == os.getpid():
+        del _held[fd]
+        with contextlib.suppress(OSError):
+            _close(fd)
+
+
+def _close_inherited() -> None:
+    for fd in list(_held):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
+
 @contextlib.contextmanager
 def locked(entry: Path, how: int, suffix: str = ".lock") -> Iterator[None]:
     """``flock`` on the entry's lock file: ``.lock`` serialises fetching, ``.pin`` is held
-    shared by every process reading the entry (and taken exclusively to evict it)."""
-    fd = os.open(str(entry) + suffix, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    shared by every process reading the entry (and taken exclusively to evict it). A process
+    forked meanwhile does not hold it (:func:`hold_fd`)."""
+    fd = hold_fd(os.open(str(entry) + suffix, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644))
     try:
         fcntl.flock(fd, how)
         yield
     finally:
-        os.close(fd)
+        release_fd(fd)
 
 
 class EntryPin:

@@ -11,6 +11,8 @@ callback: nothing here imports a reader.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -95,14 +97,19 @@ class FileHolder:
         there until :meth:`trim` or :meth:`release` lets it go."""
         return self.files.path(name)
 
-    def trim(self) -> None:
-        """Let go of the files used longest ago, beyond :data:`PINNED_FILES`."""
+    def trim(self, keep: int | None = None) -> None:
+        """Let go of the files used longest ago, beyond ``keep`` (default
+        :data:`PINNED_FILES`)."""
 
     def release(self) -> None:
         """Let go of every file held, and of the files fetched ahead."""
 
     def prefetch(self, names: Sequence[str], depth: int) -> None:
         """The files to be read next, in order: the first ``depth`` fetched ahead."""
+
+    def done(self, names: Sequence[str]) -> None:
+        """Files no longer to be read by what this process hands out: what fetching them ahead
+        pinned is let go."""
 
     def drop(self, _unpin: Callable[[int | None], None] | None = None) -> None:
         """Close what is held without the reader's hook (the reader is going: a fork's copy,
@@ -123,6 +130,7 @@ class LazyHolder(FileHolder):
         self.lazy: LazyOutput = files.output
         self.pins: OrderedDict[str, int | None] = OrderedDict()
         self.prefetcher: Prefetcher | None = None
+        self.pid = os.getpid()
 
     def hold(self, name: str) -> Path:
         if name in self.pins:
@@ -139,9 +147,9 @@ class LazyHolder(FileHolder):
             self.prefetcher.taken(name)
         return path
 
-    def trim(self) -> None:
+    def trim(self, keep: int | None = None) -> None:
         bounded = self.lazy.limit is not None
-        while len(self.pins) > PINNED_FILES:
+        while len(self.pins) > (PINNED_FILES if keep is None else keep):
             old, fd = self.pins.popitem(last=False)
             if bounded:
                 self.on_release(old)
@@ -163,7 +171,18 @@ class LazyHolder(FileHolder):
             self.prefetcher = Prefetcher(self.lazy, depth)
         self.prefetcher.want(list(names))
 
+    def done(self, names: Sequence[str]) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.done(names)
+
     def drop(self, _unpin: Callable[[int | None], None] | None = None) -> None:
+        prefetcher, self.prefetcher = self.prefetcher, None
+        if self.pid != os.getpid():  # a forked copy: the fork closed its descriptors
+            self.pins.clear()
+            return
+        if prefetcher is not None:
+            with contextlib.suppress(Exception):  # its threads stop, its pins go
+                prefetcher.close()
         release = _unpin or unpin
         while self.pins:
             release(self.pins.popitem()[1])

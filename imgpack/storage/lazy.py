@@ -42,6 +42,8 @@ from imgpack.storage.cache import (
     OutputCache,
     Remote,
     fetch_file,
+    hold_fd,
+    release_fd,
     remote_files,
     safe_dirs,
     write_bytes,
@@ -131,8 +133,12 @@ class LazyOutput:
                 if self._good(remote):
                     os.utime(self._marker(name))  # used now: last in the eviction order
                     return target
-                self.make_room(remote.bytes)
-                self._fetch(remote)
+                reserved = self.make_room(name, remote.bytes)
+                try:
+                    self._fetch(remote)
+                finally:
+                    if reserved is not None:
+                        reserved.unlink(missing_ok=True)
         except StorageError:
             raise
         except OSError as exc:
@@ -159,6 +165,7 @@ class LazyOutput:
             if exc.errno in _READ_ONLY:
                 return None
             raise StorageError(f"{self.root}: cannot use the cache entry: {exc.strerror}") from None
+        hold_fd(fd)  # a forked child does not keep the pin (it pins what it reads itself)
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd
 
@@ -175,29 +182,41 @@ class LazyOutput:
             ) from None
         raise StorageError(f"{self.root}: cannot use the cache entry: {exc.strerror}") from None
 
-    def make_room(self, needed: int) -> None:
+    def make_room(self, name: str, needed: int) -> Path | None:
         """Evict least recently used data files no reader has pinned, until the cache's data
-        files and ``needed`` more bytes fit the limit (as far as unpinned files allow)."""
+        files, the fetches under way (each reserves its file's size) and ``needed`` more bytes
+        for ``name`` fit the limit (as far as unpinned files allow); then reserve ``needed``
+        bytes: the reservation returned, to remove once the file is fetched. All of it under
+        the cache's room lock, so that fetches at once (prefetch threads, workers, ranks) do
+        not each count the same free bytes."""
         if self.limit is None:
-            return
+            return None
+        with cache_module.locked(self.cache_dir / "outputs" / ".room", fcntl.LOCK_EX):
+            self._evict(needed + reserved_bytes(self.cache_dir))
+            reservation = self.root / f".{name}.{os.getpid()}.{threading.get_ident()}.reserve"
+            write_bytes(reservation, str(needed).encode())
+            return reservation
+
+    def _evict(self, needed: int) -> None:
+        assert self.limit is not None
         files = cached_files(self.cache_dir)
         total = sum(size for _, _, size in files)
         for _, path, size in sorted(files):
             if total + needed <= self.limit:
                 return
             pin = path.with_name(f".{path.name}.pin")
-            fd = os.open(pin, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = hold_fd(os.open(pin, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
+                release_fd(fd)
                 continue  # a reader uses it
             try:
                 path.with_name(f".{path.name}.checked").unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
                 total -= size
             finally:
-                os.close(fd)
+                release_fd(fd)
 
     def _marker(self, name: str) -> Path:
         """What says ``name`` was checked: ``.checked`` for data files (evictable), ``.kept``
@@ -259,6 +278,21 @@ def _remove_stale_parts(entry: Path) -> None:
             continue
 
 
+def reserved_bytes(cache_dir: Path) -> int:
+    """Bytes reserved by fetches under way in the cache (``.<name>.<pid>.<thread>.reserve``
+    holding the file's size); those of processes that are gone are removed."""
+    total = 0
+    for marker in (cache_dir / "outputs").glob("*/.*.reserve"):
+        try:
+            os.kill(int(marker.name.rsplit(".", 3)[-3]), 0)
+            total += int(marker.read_bytes())
+        except ProcessLookupError:
+            marker.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError, OSError):
+            continue
+    return total
+
+
 def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:
     """``(last used, path, bytes)`` of every data file fetched lazily into the cache."""
     found: list[tuple[float, Path, int]] = []
@@ -272,12 +306,18 @@ def cached_files(cache_dir: Path) -> list[tuple[float, Path, int]]:
     return found
 
 
+#: A prefetcher keeps at most this many times its depth of files pinned: the sampler lets
+#: each go once it is read (:meth:`Prefetcher.done`); these are the ones it never named.
+BACKSTOP = 8
+
+
 class Prefetcher:
     """Fetches the files a reader will read next, in background threads of this process.
 
     :meth:`want` names them in the order they will be read (a sampler knows it): the first
     ``depth`` of each naming are queued, and fetched up to ``threads`` at once, earliest named
-    first; each is pinned until ``2 * depth`` newer ones are fetched or this process's reader
+    first; each is pinned until the sampler is done with it (:meth:`done`: past its last read
+    and the reads behind it) or this process's reader
     pins it itself (:meth:`taken`). Another process that needs a file being
     fetched waits for it (the file's lock), so no file is fetched twice. A file that cannot be
     fetched is left to the reader, which names it.
@@ -290,15 +330,17 @@ class Prefetcher:
         self._wake = threading.Condition(self._lock)
         self._queue: deque[str] = deque()
         self._busy: set[str] = set()
+        self._finished: set[str] = set()  # done with while being fetched
         self._pins: OrderedDict[str, int | None] = OrderedDict()
         self._workers: list[threading.Thread] = []
         self._closed = False
+        self.pid = os.getpid()  # its threads, pins and lock are this process's
 
     def want(self, names: Sequence[str]) -> None:
         """The next files to be read, in order: the first ``depth`` are fetched. A sampler names
         them as it hands out positions, a batch or more before the reads: files named earlier
         and not fetched yet are nearer in the reading order and go first. The files fetched
-        stay pinned until ``2 * depth`` newer ones are (the reads lag the naming)."""
+        stay pinned until :meth:`done` (the reads lag the naming)."""
         wanted = list(dict.fromkeys(names))[: self.depth]
         with self._lock:
             known = {*self._queue, *self._busy, *self._pins}
@@ -308,6 +350,19 @@ class Prefetcher:
                 worker.start()
                 self._workers.append(worker)
             self._wake.notify_all()
+
+    def done(self, names: Sequence[str]) -> None:
+        """Files the sampler handed out for the last time (and the reads behind it): their
+        prefetch pins go, and one still queued is not fetched."""
+        with self._lock:
+            for name in names:
+                if name in self._pins:
+                    unpin(self._pins.pop(name))
+                elif name in self._busy:
+                    self._finished.add(name)  # let go as soon as it is fetched
+            if self._queue:
+                gone = set(names)
+                self._queue = deque(n for n in self._queue if n not in gone)
 
     def taken(self, name: str) -> None:
         """A reader of this process pinned ``name`` itself: the prefetch pin goes."""
@@ -343,17 +398,18 @@ class Prefetcher:
                 continue
             with self._lock:
                 self._busy.discard(name)
-                if self._closed or name in self._pins:
+                if self._closed or name in self._pins or name in self._finished:
+                    self._finished.discard(name)
                     unpin(fd)
                     continue
                 self._pins[name] = fd
-                while len(self._pins) > 2 * self.depth:  # read by now: the cache may evict it
+                while len(self._pins) > BACKSTOP * self.depth:  # never let go by the sampler
                     unpin(self._pins.popitem(last=False)[1])
 
 
 def unpin(fd: int | None, _close: Any = os.close) -> None:
-    """Let a pinned file go (``None``: a read-only cache, nothing was pinned). ``os.close`` is
-    bound at definition: readers still alive at interpreter exit call it late."""
+    """Let a pinned file go (``None``: a read-only cache, nothing was pinned; a pin of the
+    process this one was forked from: closed at the fork). ``os.close`` is bound at
+    definition: readers still alive at interpreter exit call it late."""
     if fd is not None:
-        with contextlib.suppress(OSError):
-            _close(fd)
+        release_fd(fd, _close)
