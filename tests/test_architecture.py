@@ -312,6 +312,12 @@ STATE_ALLOWED = {
     "imgpack.sources.base._run": "the conversion run a pool worker or Ray actor serves",
     "imgpack.sources.base._opened": "the sources that run's worker opened, dropped with it",
     "imgpack.storage.cache.stats": "what the cache did in this process, for tests and logs",
+    "imgpack.storage.location._inherited": "a forked child's copies of the parent's filesystems, "
+    "kept: collecting one would unregister the parent's sockets from their shared epoll",
+    "imgpack.storage.location._forks": "forks this process made: a filesystem opened before "
+    "one is not used after it",
+    "imgpack.storage.lazy._prefetchers": "this process's prefetchers (weak): paused while a "
+    "DataLoader forks its workers",
     "imgpack.storage.cache._held": "the cache locks this process holds: a forked child closes "
     "its copies (a kept copy would hold the parent's lock forever)",
 }

@@ -491,7 +491,9 @@ def test_a_killed_fetch_leaves_no_part_file(memory_output: str, tmp_path: Path) 
     cache = tmp_path / "cache"
     open_dataset(memory_output, cache_dir=cache)
     (entry,) = [p for p in (cache / "outputs").iterdir() if p.is_dir()]
-    (entry / ".shard-00000.pt.999.1.part").write_bytes(b"half")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])  # a process that has ended
+    gone.wait()
+    (entry / f".shard-00000.pt.{gone.pid}.1.part").write_bytes(b"half")
     open_dataset(memory_output, cache_dir=cache)
     assert not list(entry.glob("*.part"))
 

@@ -25,6 +25,7 @@ from imgpack.errors import OptionError
 from imgpack.formats.dataset_base import ImageDataset
 from imgpack.loading.advice import advise_workers
 from imgpack.loading.sampler import Mix, ShardBatches, ShardSampler
+from imgpack.storage.lazy import quiet_fetches
 
 
 class Loader(DataLoader[Any]):
@@ -77,7 +78,9 @@ class Loader(DataLoader[Any]):
         advise_workers(self.dataset, self.num_workers)  # the loader advises, never a read
         self._taken = 0
         size = getattr(self.batch_sampler, "batch_size", None)
-        for batch in super().__iter__():
+        with quiet_fetches():  # the workers fork with no fetch of this process under way
+            batches = super().__iter__()
+        for batch in batches:
             self._taken += _count(batch, size)
             yield batch
 

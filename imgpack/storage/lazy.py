@@ -28,8 +28,9 @@ import logging
 import os
 import stat
 import threading
+import weakref
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from imgpack.storage.cache import (
     safe_dirs,
     write_bytes,
 )
-from imgpack.storage.location import filesystem, read_remote_manifest
+from imgpack.storage.location import filesystem, forks, keep_inherited, read_remote_manifest
 from imgpack.system import read_regular_file
 from imgpack.units import parse_byte_size
 
@@ -90,7 +91,7 @@ class LazyOutput:
         self.cache_dir = cache.directory
         self.limit = cache_limit(limit)
         self._fs: Any = None
-        self._fs_pid: int | None = None
+        self._fs_pid: tuple[int, int] | None = None  # (process, forks) it was made in
         # The manifest and its bytes: read here, or given by the opener that read them.
         self.manifest, data = remote or read_remote_manifest(self.url, storage_options)
         self.root = cache.entry(self.url, self.manifest, data)
@@ -240,10 +241,12 @@ class LazyOutput:
         """This process's filesystem: fsspec's instance for the URL, which every reader of
         the process shares (one client and its connections; fsspec makes a new one in a
         forked process, whose inherited instance is not usable)."""
-        pid = os.getpid()
-        if self._fs is None or self._fs_pid != pid:
-            self._fs = filesystem(self.url, self.storage_options)[0]
-            self._fs_pid = pid
+        now = (os.getpid(), forks())
+        if self._fs is None or self._fs_pid != now:
+            if self._fs is not None:
+                keep_inherited(self._fs)  # a child may hold its sockets: kept, never closed
+            self._fs = filesystem(self.url, self.storage_options, fresh=True)[0]
+            self._fs_pid = now
         return self._fs
 
     def _fetch(self, remote: Remote) -> None:
@@ -334,7 +337,21 @@ class Prefetcher:
         self._pins: OrderedDict[str, int | None] = OrderedDict()
         self._workers: list[threading.Thread] = []
         self._closed = False
+        self._paused = 0
         self.pid = os.getpid()  # its threads, pins and lock are this process's
+        _prefetchers.add(self)
+
+    def pause(self) -> None:
+        """Start no fetch until :meth:`resume`, and wait for those under way to end."""
+        with self._lock:
+            self._paused += 1
+            while self._busy and not self._closed:
+                self._wake.wait()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = max(0, self._paused - 1)
+            self._wake.notify_all()
 
     def want(self, names: Sequence[str]) -> None:
         """The next files to be read, in order: the first ``depth`` are fetched. A sampler names
@@ -381,7 +398,7 @@ class Prefetcher:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._paused) and not self._closed:
                     self._wake.wait()
                 if self._closed:
                     return
@@ -395,9 +412,11 @@ class Prefetcher:
                 log.debug("prefetch of %s failed: %s", name, exc)
                 with self._lock:
                     self._busy.discard(name)
+                    self._wake.notify_all()
                 continue
             with self._lock:
                 self._busy.discard(name)
+                self._wake.notify_all()
                 if self._closed or name in self._pins or name in self._finished:
                     self._finished.discard(name)
                     unpin(fd)
@@ -405,6 +424,27 @@ class Prefetcher:
                 self._pins[name] = fd
                 while len(self._pins) > BACKSTOP * self.depth:  # never let go by the sampler
                     unpin(self._pins.popitem(last=False)[1])
+
+
+#: The live prefetchers of this process (weak), for :func:`quiet_fetches`.
+_prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def quiet_fetches() -> Iterator[None]:
+    """No prefetch under way in this process while the block runs: for a DataLoader that forks
+    its workers. A fetch runs on fsspec's event loop thread; a process forked while a request
+    is in flight drops that thread's objects, whose finalizers take the request's socket out of
+    the epoll set parent and child share, and the parent's request then stalls until the
+    client sends it again."""
+    paused = [p for p in list(_prefetchers) if p.pid == os.getpid()]
+    for prefetcher in paused:
+        prefetcher.pause()
+    try:
+        yield
+    finally:
+        for prefetcher in paused:
+            prefetcher.resume()
 
 
 def unpin(fd: int | None, _close: Any = os.close) -> None:

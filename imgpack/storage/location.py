@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,54 @@ def local_path(location: Location) -> Path:
     """``location`` as a local path (a ``file://`` URL stripped of its scheme)."""
     text = os.fspath(location)
     return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+#: Filesystems a forked process inherited from its parent, kept alive and never used. When
+#: one is collected, its finalizer closes its connections, and a closing socket is taken out of
+#: its event loop's epoll set, which parent and child share after a fork: a request the parent
+#: has in flight on that socket then waits until the client gives up and sends it again (a
+#: DataLoader worker forked while the main process fetched ahead stalled a fetch ~15 s). fsspec
+#: drops its cached instances in a child at its next use, so they are kept at the fork.
+_inherited: list[Any] = []
+
+
+def keep_inherited(fs: Any) -> None:
+    """Keep ``fs``, a filesystem of the process this one was forked from (see
+    :data:`_inherited`)."""
+    _inherited.append(fs)
+
+
+def _keep_cached_filesystems() -> None:
+    fsspec = sys.modules.get("fsspec")
+    if fsspec is None:
+        return
+    classes, seen = [fsspec.AbstractFileSystem], set()
+    while classes:
+        cls = classes.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        classes.extend(cls.__subclasses__())
+        _inherited.extend(getattr(cls, "_cache", {}).values())
+
+
+#: Forks this process made: a connection a filesystem opened before a fork may be broken by
+#: the child (see :data:`_inherited`: its copy of the parent's objects is collected there), so
+#: a reader takes a new filesystem after each (:func:`forks`).
+_forks = [0]
+
+
+def forks() -> int:
+    """How many processes this one has forked so far."""
+    return _forks[0]
+
+
+def _forked_here() -> None:
+    _forks[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_keep_cached_filesystems, after_in_parent=_forked_here)
 
 
 def filesystem(
