@@ -263,3 +263,18 @@ def test_a_state_saved_on_two_nodes_resumes_on_others(
     seen = Counter(before + after)
     assert set(seen) == set(every)
     assert sum(seen.values()) - COUNT <= nodes - 1  # the resumed side's pad only
+
+
+def test_a_one_shard_output_needs_its_shard_in_the_cache(s3: str, tmp_path: Path) -> None:
+    """An output of one data file is read by blocks but fetched whole: a limit below that file
+    is refused by the sampler, naming its size."""
+    local = tmp_path / "local"
+    convert(build_uniform_folder(tmp_path / "src", count=24, size=8), local, "pt", progress=False)
+    (entry,) = open_dataset(local).manifest.files
+    url = f"{s3}/one-shard-{tmp_path.name}"
+    fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
+    ds = open_dataset(url, cache_dir=tmp_path / "cache", cache_limit=entry.bytes - 1)
+    with pytest.raises(OptionError, match=f"give cache_limit >= {entry.bytes},"):
+        ShardSampler(ds)
+    whole = open_dataset(url, cache_dir=tmp_path / "cache", cache_limit=entry.bytes)
+    assert ShardSampler(whole).working_set() == entry.bytes

@@ -273,7 +273,11 @@ class ShardSampler(Sampler[int]):
         (:func:`~imgpack.loading.working_set.node_bytes`)."""
         lazy = getattr(getattr(self.dataset, "opened", None), "lazy", None)
         files = getattr(getattr(self.dataset, "manifest", None), "files", None)
-        if lazy is None or lazy.limit is None or not files or len(files) != len(self._sizes):
+        if lazy is None or lazy.limit is None or not files:
+            return None
+        if len(files) == 1:  # one data file, read by blocks: it is fetched whole
+            return int(files[0].bytes)
+        if len(files) != len(self._sizes):
             return None
         order, labels = self._epoch_order()
         node = self.rank // self.ranks_per_node

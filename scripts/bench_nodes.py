@@ -1,0 +1,144 @@
+"""Reading a bucket output on two nodes, each with its own bounded cache (moto's S3 server on
+127.0.0.1): what each node downloads, how full its cache gets, and its first epoch against a
+warm one and against the store's own rate.
+
+Each node is a process of its own (its own cache folder and download counters), reading with 2
+ranks in lockstep (`ShardSampler(ds, num_replicas=4, rank=r, ranks_per_node=2)`, batches of 64
+through `Loader`, num_workers=0, so that every fetch is counted in the node's process), the two
+nodes at once. For each output (raw 32x32 images in `pt`; photo-like 500x375 JPEGs in
+`webdataset`; shards of 1 MB) and each `cache_limit` (a quarter and an eighth of the output, raised to the
+sampler's `working_set()` where that is more):
+  - bytes / share: what the node downloaded in the first epoch over its share of the output
+    (half of it); target <= 1.05;
+  - peak / limit: the cache's data files, sampled every 2 ms, over the limit; target <= 1.0;
+  - fetches / shards read: the downloads of the first epoch over the shards the node's ranks
+    read (target 1: each once);
+  - cold / warm: the first epoch's rate over the second's (the same readers);
+  - cold / store: the first epoch's bytes per second over the store's own rate (every shard
+    fetched with one GET after the other, in the same node process, before the epochs).
+
+    python scripts/bench_nodes.py [--data bench-data] [--raw-count 20000] [--jpeg-count 2000]
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from bench_storage import arguments, bucket, fresh_output, output_sets
+from benchlib import machine, print_table, save_json
+
+from imgpack import open_dataset
+from imgpack.loading import Loader, ShardSampler
+from imgpack.readers import collate
+from imgpack.storage.cache import stats as cache_stats
+from imgpack.storage.lazy import cached_files
+
+NODES, PER_NODE, BATCH = 2, 2, 64
+#: Shard size of the outputs: about 60 shards each at the default counts.
+SHARD = "1MB"
+
+
+def _data_bytes(cache: Path) -> int:
+    return sum(size for _, _, size in cached_files(cache))
+
+
+def node(url: str, node_number: int, limit: int, cache: Path, queue: Any) -> None:
+    """One node: its ranks read two epochs in lockstep; what it measured goes to ``queue``."""
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    names = [f.path for f in open_dataset(url, cache_dir=cache / "probe").manifest.files]
+    start = time.perf_counter()
+    fetched = sum(len(fs.cat_file(f"{url.removeprefix('s3://')}/{n}")) for n in names)
+    store = fetched / (time.perf_counter() - start)
+    loaders = []
+    for local in range(PER_NODE):
+        ds = open_dataset(url, cache_dir=cache / "cache", cache_limit=limit)
+        sampler = ShardSampler(ds, seed=3, num_replicas=NODES * PER_NODE,
+                               rank=node_number * PER_NODE + local, ranks_per_node=PER_NODE)  # fmt: skip
+        loaders.append(Loader(ds, batch_size=BATCH, sampler=sampler, collate_fn=collate))
+    wanted: set[int] = set()  # the shards this node's ranks read this epoch
+    for loader in loaders:
+        sampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
+        wanted |= set(sampler._shards_of(sampler._positions()[0]).tolist())
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _data_bytes(cache / "cache"))
+            done.wait(0.002)
+
+    rates, downloads = [], []
+    for _epoch in range(2):
+        before, fetches = cache_stats.downloaded_bytes, cache_stats.downloads
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        start, count = time.perf_counter(), 0
+        for batches in zip(*loaders, strict=True):
+            count += sum(len(labels) for _, labels in batches)
+        seconds = time.perf_counter() - start
+        done.set()
+        watcher.join()
+        done.clear()
+        rates.append(count / seconds)
+        downloads.append((cache_stats.downloaded_bytes - before, cache_stats.downloads - fetches,
+                          (cache_stats.downloaded_bytes - before) / seconds))  # fmt: skip
+    queue.put({"node": node_number, "store": store, "rates": rates, "downloads": downloads,
+               "peak": peak[0], "shards": len(names), "wanted": len(wanted)})  # fmt: skip
+
+
+def main() -> None:
+    args = arguments(__doc__ or "", repeats=1)
+    print(machine())
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory() as scratch, bucket():
+        for name, (src, fmt, options) in output_sets(args, "webdataset").items():
+            local = fresh_output(src, Path(scratch) / f"{fmt}-local", fmt, shard_size=SHARD,
+                                 **options)  # fmt: skip
+            url = f"s3://bench/nodes-{fmt}"
+            fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
+            files = open_dataset(local).manifest.files
+            total = sum(f.bytes for f in files)
+            for share in (4, 8):
+                probe = ShardSampler(
+                    open_dataset(url, cache_dir=Path(scratch) / "probe", cache_limit="1TB"),
+                    seed=3, num_replicas=NODES * PER_NODE, rank=0, ranks_per_node=PER_NODE,
+                )  # fmt: skip
+                need = probe.working_set(lag=BATCH) or 0
+                limit = max(total // share, need)
+                context = multiprocessing.get_context("spawn")
+                queue = context.Queue()
+                nodes = [
+                    context.Process(
+                        target=node,
+                        args=(url, n, limit, Path(scratch) / f"{fmt}-{share}-node{n}", queue),
+                    )
+                    for n in range(NODES)
+                ]
+                for process in nodes:
+                    process.start()
+                found = sorted((queue.get() for _ in nodes), key=lambda r: r["node"])
+                for process in nodes:
+                    process.join()
+                for r in found:
+                    cold_bytes, cold_fetches, cold_rate = r["downloads"][0]
+                    key = f"{name}, limit 1/{share}, node {r['node']}"
+                    results[key] = {**r, "limit": limit, "total": total}
+                    rows.append((key, (
+                        f"bytes/share {cold_bytes / (total / NODES):.3f}  "
+                        f"peak/limit {r['peak'] / limit:.2f}  "
+                        f"fetches/shards read {cold_fetches}/{r['wanted']}  "
+                        f"cold/warm {r['rates'][0] / r['rates'][1]:.2f}  "
+                        f"cold/store {cold_rate / r['store']:.2f}  "
+                        f"(limit {limit / total:.3f} of the output, {len(files)} shards)"
+                    )))  # fmt: skip
+    print_table("two nodes x two ranks, a cache each", rows)
+    save_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
