@@ -199,24 +199,29 @@ class EpochIndices(np.ndarray):
     """A batch's sample indices that carry the epoch they were drawn for
     (:meth:`imgpack.loading.ShardSampler.batches` yields them): a reader's random crops follow
     the epoch of the batch, not the one the reader was last told, so DataLoader workers that
-    persist across epochs draw each epoch's boxes."""
+    persist across epochs draw each epoch's boxes. For an output read lazily, ``done`` also
+    carries the shards the sampler is done with this epoch (a bitmap, ``np.packbits``): the
+    worker reading the batch lets its pins on them go."""
 
     epoch: int
+    done: bytes | None
 
-    def __new__(cls, indices: np.ndarray, epoch: int) -> EpochIndices:
+    def __new__(cls, indices: np.ndarray, epoch: int, done: bytes | None = None) -> EpochIndices:
         found = np.asarray(indices, np.int64).view(cls)
         found.epoch = int(epoch)
+        found.done = done
         return found
 
     def __array_finalize__(self, obj: object) -> None:
         self.epoch = int(getattr(obj, "epoch", 0))
+        self.done = getattr(obj, "done", None)
 
-    def __reduce__(self) -> tuple[object, ...]:  # to a worker: the indices and the epoch
-        return _epoch_indices, (np.asarray(self), self.epoch)
+    def __reduce__(self) -> tuple[object, ...]:  # to a worker: the indices, epoch and done
+        return _epoch_indices, (np.asarray(self), self.epoch, self.done)
 
 
-def _epoch_indices(indices: np.ndarray, epoch: int) -> EpochIndices:
-    return EpochIndices(indices, epoch)
+def _epoch_indices(indices: np.ndarray, epoch: int, done: bytes | None = None) -> EpochIndices:
+    return EpochIndices(indices, epoch, done)
 
 
 def crop_resize(

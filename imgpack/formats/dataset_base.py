@@ -306,7 +306,19 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         if not self.fetches_ahead:
             return
         files = self.manifest.files
-        self._here().files.done([files[k].path for k in shards if 0 <= k < len(files)])
+        names = [files[k].path for k in shards if 0 <= k < len(files)]
+        here = self._here()
+        here.files.done(names)
+        here.files.let_go(set(names))  # this process's own pins on them too
+
+    def _let_go(self, done: bytes) -> None:
+        """Let go of this process's pins on the shards a batch says its sampler is done with
+        (a bitmap over the output's files): no later batch of the epoch reads them."""
+        files = self.manifest.files
+        finished = np.unpackbits(np.frombuffer(done, np.uint8))[: len(files)]
+        names = {files[k].path for k in np.flatnonzero(finished).tolist()}
+        if names:
+            self._here().files.let_go(names)
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Shards (by number) about to be read, in order: for an output read lazily, the next
@@ -751,6 +763,9 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         """Fetch a whole batch at once (``DataLoader`` calls this when it exists)."""
         epoch = getattr(indices, "epoch", None)  # a batch drawn for its epoch (EpochIndices)
+        done = getattr(indices, "done", None)  # the shards its sampler is done with
+        if done is not None and self._lazy is not None:
+            self._let_go(done)
         wanted = self._indices(indices)
         images, labels = self._fetch(wanted, epoch)
         columns = self._field_values(wanted)

@@ -453,6 +453,8 @@ class _Fetching:
         self.hints = sorted(hints.items())  # (position, shards to fetch) in position order
         self.lasts = sorted(lasts.items())  # (position, shards read there for the last time)
         self.lag = sampler.lag
+        #: The shards let go so far this epoch (what each batch tells the worker reading it).
+        self.finished = np.zeros(len(sampler._sizes), dtype=bool) if self.lasts else None
 
     def __bool__(self) -> bool:
         return bool(self.hints or self.lasts)
@@ -466,6 +468,13 @@ class _Fetching:
             done += self.lasts.pop(0)[1]
         if done:
             self.dataset.read_past(done)  # type: ignore[attr-defined]
+            if self.finished is not None:
+                self.finished[done] = True
+
+    def done(self) -> bytes | None:
+        """The shards let go so far, as the bitmap a batch carries (``None``: nothing to
+        tell)."""
+        return None if self.finished is None else np.packbits(self.finished).tobytes()
 
 
 class _Positions(Iterator[int]):
@@ -561,7 +570,7 @@ class _Batches(Iterator[np.ndarray]):
         if self.fetching:  # shards first read in this batch fetched ahead, others let go
             self.fetching.advance(stop)
         self.at = sampler._yielded = stop
-        return EpochIndices(self.indices[start:stop], self.epoch)
+        return EpochIndices(self.indices[start:stop], self.epoch, self.fetching.done())
 
     def state_dict(self) -> dict[str, Any]:
         return self.batches.sampler.state_dict(self.at)

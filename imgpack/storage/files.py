@@ -111,6 +111,10 @@ class FileHolder:
         """Files no longer to be read by what this process hands out: what fetching them ahead
         pinned is let go."""
 
+    def let_go(self, names: set[str]) -> None:
+        """Files no later read of this epoch needs: their pins (and, with a cache limit, the
+        reader's handles) are let go now, not when newer files push them out."""
+
     def drop(self, _unpin: Callable[[int | None], None] | None = None) -> None:
         """Close what is held without the reader's hook (the reader is going: a fork's copy,
         or garbage; ``_unpin`` bound early by a finalizer at interpreter exit)."""
@@ -174,6 +178,14 @@ class LazyHolder(FileHolder):
     def done(self, names: Sequence[str]) -> None:
         if self.prefetcher is not None:
             self.prefetcher.done(names)
+
+    def let_go(self, names: set[str]) -> None:
+        bounded = self.lazy.limit is not None
+        for name in [n for n in self.pins if n in names]:
+            fd = self.pins.pop(name)
+            if bounded:
+                self.on_release(name)
+            unpin(fd)
 
     def drop(self, _unpin: Callable[[int | None], None] | None = None) -> None:
         prefetcher, self.prefetcher = self.prefetcher, None
