@@ -278,3 +278,30 @@ def test_a_one_shard_output_needs_its_shard_in_the_cache(s3: str, tmp_path: Path
         ShardSampler(ds)
     whole = open_dataset(url, cache_dir=tmp_path / "cache", cache_limit=entry.bytes)
     assert ShardSampler(whole).working_set() == entry.bytes
+
+
+def test_each_batch_tells_its_worker_the_shards_done_with(
+    bucket_output: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The sampler's batches carry the shards it is done with (``EpochIndices.done``): none is
+    read by that batch or a later one, and they grow through the epoch, so a worker reading
+    any batch may let its pins on them go."""
+    import numpy as np
+
+    url, _ = bucket_output
+    ds = open_dataset(url, cache_dir=tmp_path / "cache", prefetch=PREFETCH)
+    sampler = ShardSampler(ds, seed=2, window=WINDOW)
+    loader = Loader(ds, batch_size=8, sampler=sampler, collate_fn=collate)
+    batches = list(loader.batch_sampler)  # type: ignore[arg-type]
+    starts = np.cumsum([0, *[f.num_samples for f in ds.manifest.files]])
+    shards = [set((np.searchsorted(starts, b, side="right") - 1).tolist()) for b in batches]
+    count = len(ds.manifest.files)
+    seen: set[int] = set()
+    for k, batch in enumerate(batches):
+        assert batch.done is not None
+        done = set(np.flatnonzero(np.unpackbits(np.frombuffer(batch.done, np.uint8))[:count]))
+        assert seen <= done  # it only grows
+        seen = done
+        later = set().union(*shards[k:])
+        assert not done & later, (k, sorted(done & later))
+    assert len(seen) >= count - 2 * WINDOW  # all but the last shards read, within the lag
