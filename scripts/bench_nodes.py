@@ -6,8 +6,9 @@ Each node is a process of its own (its own cache folder and download counters), 
 ranks in lockstep (`ShardSampler(ds, num_replicas=4, rank=r, ranks_per_node=2)`, batches of 64
 through `Loader`, num_workers=0, so that every fetch is counted in the node's process), the two
 nodes at once. For each output (raw 32x32 images in `pt`; photo-like 500x375 JPEGs in
-`webdataset`; shards of 1 MB) and each `cache_limit` (a quarter and an eighth of the output, raised to the
-sampler's `working_set()` where that is more):
+`webdataset`; shards of 1 MB), each reading setting (the default `window` 8 and `prefetch` 8,
+and 2 and 2 for a small cache) and each `cache_limit` (a quarter and an eighth of the output,
+raised to the sampler's `working_set()` where that is more):
   - bytes / share: what the node downloaded in the first epoch over its share of the output
     (half of it); target <= 1.05;
   - peak / limit: the cache's data files, sampled every 2 ms, over the limit; target <= 1.0;
@@ -42,13 +43,17 @@ from imgpack.storage.lazy import cached_files
 NODES, PER_NODE, BATCH = 2, 2, 64
 #: Shard size of the outputs: about 60 shards each at the default counts.
 SHARD = "1MB"
+#: (window, prefetch) of the readers: the defaults, and small ones for a small cache.
+READING = ((8, 8), (2, 2))
 
 
 def _data_bytes(cache: Path) -> int:
     return sum(size for _, _, size in cached_files(cache))
 
 
-def node(url: str, node_number: int, limit: int, cache: Path, queue: Any) -> None:
+def node(
+    url: str, node_number: int, limit: int, cache: Path, queue: Any, reading: tuple[int, int]
+) -> None:
     """One node: its ranks read two epochs in lockstep; what it measured goes to ``queue``."""
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     names = [f.path for f in open_dataset(url, cache_dir=cache / "probe").manifest.files]
@@ -57,8 +62,9 @@ def node(url: str, node_number: int, limit: int, cache: Path, queue: Any) -> Non
     store = fetched / (time.perf_counter() - start)
     loaders = []
     for local in range(PER_NODE):
-        ds = open_dataset(url, cache_dir=cache / "cache", cache_limit=limit)
-        sampler = ShardSampler(ds, seed=3, num_replicas=NODES * PER_NODE,
+        window, prefetch = reading
+        ds = open_dataset(url, cache_dir=cache / "cache", cache_limit=limit, prefetch=prefetch)
+        sampler = ShardSampler(ds, seed=3, num_replicas=NODES * PER_NODE, window=window,
                                rank=node_number * PER_NODE + local, ranks_per_node=PER_NODE)  # fmt: skip
         loaders.append(Loader(ds, batch_size=BATCH, sampler=sampler, collate_fn=collate))
     wanted: set[int] = set()  # the shards this node's ranks read this epoch
@@ -103,19 +109,31 @@ def main() -> None:
             fsspec.filesystem("s3").put(str(local), url.removeprefix("s3://"), recursive=True)
             files = open_dataset(local).manifest.files
             total = sum(f.bytes for f in files)
-            for share in (4, 8):
-                probe = ShardSampler(
-                    open_dataset(url, cache_dir=Path(scratch) / "probe", cache_limit="1TB"),
-                    seed=3, num_replicas=NODES * PER_NODE, rank=0, ranks_per_node=PER_NODE,
-                )  # fmt: skip
-                need = probe.working_set(lag=BATCH) or 0
+            for share, (window, prefetch) in [(s, r) for r in READING for s in (4, 8)]:
+                need = 0  # the most either node holds at once
+                for first in range(0, NODES * PER_NODE, PER_NODE):
+                    probe = ShardSampler(
+                        open_dataset(url, cache_dir=Path(scratch) / "probe", cache_limit="1TB",
+                                     prefetch=prefetch),
+                        seed=3, num_replicas=NODES * PER_NODE, rank=first,
+                        ranks_per_node=PER_NODE, window=window,
+                    )  # fmt: skip
+                    probe.step = BATCH  # as the Loader of each rank sets it
+                    need = max(need, probe.working_set(lag=BATCH) or 0)
                 limit = max(total // share, need)
                 context = multiprocessing.get_context("spawn")
                 queue = context.Queue()
                 nodes = [
                     context.Process(
                         target=node,
-                        args=(url, n, limit, Path(scratch) / f"{fmt}-{share}-node{n}", queue),
+                        args=(
+                            url,
+                            n,
+                            limit,
+                            Path(scratch) / f"{fmt}-{share}-{window}-node{n}",
+                            queue,
+                            (window, prefetch),
+                        ),
                     )
                     for n in range(NODES)
                 ]
@@ -126,7 +144,9 @@ def main() -> None:
                     process.join()
                 for r in found:
                     cold_bytes, cold_fetches, cold_rate = r["downloads"][0]
-                    key = f"{name}, limit 1/{share}, node {r['node']}"
+                    key = (
+                        f"{name}, window {window} prefetch {prefetch}, 1/{share}, node {r['node']}"
+                    )
                     results[key] = {**r, "limit": limit, "total": total}
                     rows.append((key, (
                         f"bytes/share {cold_bytes / (total / NODES):.3f}  "

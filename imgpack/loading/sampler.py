@@ -159,6 +159,9 @@ class ShardSampler(Sampler[int]):
         #: batches ahead): a shard is let go that many positions after its last read
         #: (:class:`~imgpack.loading.Loader` sets it).
         self.lag = 0
+        #: Positions handed out at once (a batch of :meth:`batches`; ``Loader`` sets it): shards
+        #: are named and let go at batch edges.
+        self.step = 1
         self.check_cache_limit()
         pin = getattr(dataset, "pin_files", None)
         if callable(pin):
@@ -285,7 +288,7 @@ class ShardSampler(Sampler[int]):
         streams = [self._shards_of(self._rank_part(order, 0, labels, r)) for r in ranks]
         ahead = int(getattr(self.dataset.options, "prefetch", 0))  # type: ignore[attr-defined]
         sizes = [entry.bytes for entry in files]
-        held = node_bytes(streams, sizes, ahead, self.lag if lag is None else lag)
+        held = node_bytes(streams, sizes, ahead, self.lag if lag is None else lag, self.step)
         return min(held + max(sizes), sum(sizes))
 
     def check_cache_limit(self) -> None:

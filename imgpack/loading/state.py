@@ -72,6 +72,7 @@ class Loader(DataLoader[Any]):
         # read: a shard's pin is let go that many samples after its last read is handed out.
         size = getattr(self.batch_sampler, "batch_size", None) or 1
         sampler.lag = size * (self.num_workers * (self.prefetch_factor or 0) + 1)
+        sampler.step = size
         sampler.check_cache_limit()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

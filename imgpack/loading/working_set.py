@@ -45,28 +45,31 @@ def schedule(shards: np.ndarray, ahead: int) -> tuple[dict[int, list[int]], dict
     return hints, lasts
 
 
-def live_intervals(shards: np.ndarray, ahead: int, lag: int) -> dict[int, tuple[int, int]]:
+def live_intervals(
+    shards: np.ndarray, ahead: int, lag: int, step: int = 1
+) -> dict[int, tuple[int, int]]:
     """Each shard of a stream and the steps ``[start, stop)`` it is held: from when it is named
     (the first read of the shard ``ahead`` places before it; its own first read for the first
-    ``ahead + 1``) to ``lag`` steps after its last read."""
+    ``ahead + 1``) to ``lag`` steps after its last read, both at the edges of the batches of
+    ``step`` positions the sampler hands out (it names and lets go a batch at a time)."""
     sequence, at = first_reads(shards)
-    named = at[np.maximum(np.arange(len(at)) - ahead, 0)]
+    named = at[np.maximum(np.arange(len(at)) - ahead, 0)] // step * step
     lasts = dict(zip(*(v.tolist() for v in last_reads(shards)), strict=True))
     return {
-        int(shard): (int(start), int(lasts[int(shard)]) + lag + 1)
+        int(shard): (int(start), -(-(int(lasts[int(shard)]) + lag + 1) // step) * step)
         for shard, start in zip(sequence.tolist(), named.tolist(), strict=True)
     }
 
 
 def node_bytes(
-    streams: Sequence[np.ndarray], shard_bytes: Sequence[int], ahead: int, lag: int
+    streams: Sequence[np.ndarray], shard_bytes: Sequence[int], ahead: int, lag: int, step: int = 1
 ) -> int:
     """The most bytes a node holds at once while its ranks read ``streams`` (each rank's
     shards, position by position, in lockstep): each shard from the earliest step a rank names
     it to the latest step a rank lets it go."""
     held: dict[int, tuple[int, int]] = {}
     for stream in streams:
-        for shard, (start, stop) in live_intervals(stream, ahead, lag).items():
+        for shard, (start, stop) in live_intervals(stream, ahead, lag, step).items():
             low, high = held.get(shard, (start, stop))
             held[shard] = (min(low, start), max(high, stop))
     if not held:
