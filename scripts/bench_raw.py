@@ -20,6 +20,9 @@ of all the images (no file, no label, no check): what any loader of these bytes 
 on this machine. Beside it, the DataLoader's own cost: a dataset that returns one prepared
 batch each time, through `shuffle=True`, through a batch sampler that yields index arrays and
 through `Loader` with `ShardSampler` batches.
+With --from-disk the outputs are dropped from the page cache and read once before the rounds,
+as a training run finds an output that was not in memory (the kernel then holds them in large
+folios, mapped 2 MB at a time); by default they are read as the conversion left them.
 Every figure is the best of --repeats rounds, the formats measured in turn
 within each round, the limit at the start of each. On a machine whose memory bandwidth drifts
 (a VM: the limit itself moved 1.7x between runs here), a share of the best limit says little;
@@ -27,7 +30,7 @@ so each format's Loader epoch is also paired with the limit measured just before
 it, and the share printed as "paired" is the median over rounds of the Loader rate over the mean
 of those two limits.
 
-    python scripts/bench_raw.py [--count 50000] [--formats pt,lmdb] [--repeats 3]
+    python scripts/bench_raw.py [--count 50000] [--formats pt,lmdb] [--repeats 3] [--from-disk]
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchlib import index_select_limit, machine, make_png_folder, print_table, save_json
+from benchlib import (
+    index_select_limit,
+    machine,
+    make_png_folder,
+    print_table,
+    read_from_disk,
+    save_json,
+)
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from imgpack import convert, open_dataset
@@ -115,6 +125,11 @@ def main() -> None:
         default=64,
         help="also read pt and webdataset outputs of about this many shards (0: not)",
     )
+    parser.add_argument(
+        "--from-disk",
+        action="store_true",
+        help="drop the outputs from the page cache and read them once before the rounds",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
@@ -137,6 +152,8 @@ def main() -> None:
             convert(src, out, fmt, encoding="raw", size=32, progress=False, shard_size=size)
         shards = len(open_dataset(out).manifest.files)
         outputs[f"{fmt}, {shards} shards"] = out
+    if args.from_disk:
+        read_from_disk(list(outputs.values()))
     reference = open_dataset(outputs[formats[0]])
     images, _ = collate(reference.__getitems__(list(range(len(reference)))))
     in_ram = images.permute(0, 2, 3, 1).contiguous()  # (N, H, W, C), as the files hold them
@@ -191,12 +208,16 @@ def main() -> None:
                 f"{float(np.median(paired[fmt])):5.1%})",
             )
         )
-    print_table(f"raw 32x32, {n} samples, batch 256, shuffle=True, num_workers=0", rows)
+    state = "read from disk" if args.from_disk else "as written"
+    print_table(
+        f"raw 32x32, {n} samples, batch 256, shuffle=True, num_workers=0, outputs {state}", rows
+    )
     save_json(
         args.json,
         {
             "machine": machine(),
             "count": n,
+            "from_disk": args.from_disk,
             "limit": limit,
             "limits": limits,
             "dataloader_floor": max(floors),

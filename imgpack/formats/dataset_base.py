@@ -852,10 +852,10 @@ class PreadDataset(ImageDataset):
         in shard 0) at ``starts``: straight into ``out`` from one shard. From two, one of them
         holding at least half the batch (a webdataset output's default two shards): the whole
         batch is gathered from that one in one call, the other's rows standing in for one of
-        its own (a call costs more than a few hot rows' copy), then the other's rows gathered
-        into scratch space with one more and put over them (rows as :func:`void_rows`: a
-        memcpy each, from memory just written). Otherwise each shard's rows are gathered with
-        one numpy assignment, straight into their places."""
+        its own (a call costs more than a few hot rows' copy), then the other's rows put over
+        them with one numpy assignment (a memcpy a row: for a minority of rows cheaper than
+        another ``index_select`` into scratch space and a copy from there). Otherwise each
+        shard's rows are gathered with one numpy assignment, straight into their places."""
         if shard_of is None:
             self._rows_into(0, starts, out)
             return
@@ -871,9 +871,8 @@ class PreadDataset(ImageDataset):
             filled = starts.copy()
             filled[others] = starts[int(elsewhere.argmin())]
             self._rows_into(first, filled, out)
-            scratch = scratch_tensor((len(others), width))
-            self._rows_into(int(shard_of[others[0]]), starts[others], scratch)
-            target[others] = void_rows(scratch.numpy())
+            other = int(shard_of[others[0]])
+            target[others] = self._row_windows(other, width)[starts[others]]
             return
         order, runs = shard_runs(shard_of)
         ordered = starts[order]
