@@ -29,10 +29,10 @@ from imgpack.storage.lazy import cached_files
 SHARDS = 16
 
 
-def _output(s3: str, tmp_path: Path, fmt: str) -> tuple[str, Path]:
+def _output(s3: str, tmp_path: Path, fmt: str, raw: bool = False) -> tuple[str, Path]:
     src = build_uniform_folder(tmp_path / "src", count=96, classes=4, size=12, seed=3)
     local = tmp_path / "local"
-    options = {"encoding": "raw", "size": 12} if fmt == "pt" else {}
+    options = {"encoding": "raw", "size": 12} if fmt == "pt" or raw else {}
     convert(src, local, fmt, progress=False, **options)  # its shard size, to get 16 shards
     per_shard = sum(f.bytes for f in open_dataset(local).manifest.files) // SHARDS
     url = f"{s3}/lazy-{fmt}-{tmp_path.name}"
@@ -189,6 +189,47 @@ def test_a_shard_damaged_in_the_cache_is_fetched_again(s3: str, tmp_path: Path) 
     for i, (image, label) in enumerate(got):
         assert label == reference[i][1] and bool((image == reference[i][0]).all()), i
     assert bool((got[10][0] == want[0]).all())
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset", "tfrecord"])
+def test_a_shard_fetched_here_is_not_checked_again_record_by_record(
+    s3: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raw record is checked against its checksum the first time a reader reads it, unless
+    this process fetched its shard just now: the fetch checked the whole file against the
+    manifest's sha256. A copy found in the cache (fetched earlier, maybe damaged on disk since)
+    is checked record by record, as a local output is."""
+    import imgpack.formats.checking as checking
+    import imgpack.formats.tfrecord.reader as tfrecord_reader
+
+    url, local = _output(s3, tmp_path, fmt, raw=True)
+    checked: list[int] = []
+    intact, crcs_match = checking.records_intact, tfrecord_reader.data_crcs_match
+
+    def counting(rows: object, labels: object, crcs: object) -> bool:
+        checked.append(len(labels))  # type: ignore[arg-type]
+        return intact(rows, labels, crcs)  # type: ignore[arg-type]
+
+    def counting_crcs(mapped: object, data: object, offsets: object, sizes: object) -> object:
+        checked.append(len(offsets))  # type: ignore[arg-type]
+        return crcs_match(mapped, data, offsets, sizes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checking, "records_intact", counting)
+    monkeypatch.setattr(tfrecord_reader, "data_crcs_match", counting_crcs)
+    reference = open_dataset(local)
+    n = len(reference)
+    images, labels = collate(reference.__getitems__(list(range(n))))
+    assert sum(checked) == n  # a local output: every record checked on its first read
+    for fresh_cache in (True, False):  # fetched by this reader, then found in the cache
+        checked.clear()
+        ds = open_dataset(url, cache_dir=tmp_path / "cache")
+        order = list(range(n))[::-1]
+        got_images, got_labels = collate(ds.__getitems__(order))
+        assert sum(checked) == (0 if fresh_cache else n), fresh_cache
+        assert bool((got_images == images[order]).all())
+        assert got_labels.tolist() == labels[order].tolist()
+        assert bool(ds.checks.marks().all())  # type: ignore[union-attr]
+        ds.release_files()
 
 
 @pytest.mark.parametrize("batched", [False, True])

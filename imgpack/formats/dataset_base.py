@@ -276,7 +276,35 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         path = here.files.hold(name)
         if not here.batch_depth:  # a batch keeps every file it touches until it is read
             here.files.trim(self.pinned_files)
+        if self.checks.once and self.opened.files.fetched_here(name):
+            self._checked_whole(name)
         return path
+
+    @functools.cached_property
+    def _shard_numbers(self) -> dict[str, int]:
+        """Each data file's shard number, by its name in the manifest."""
+        return {entry.path: number for number, entry in enumerate(self.manifest.files)}
+
+    def _hold_fetched(self, indices: np.ndarray) -> None:
+        """For an output read lazily whose raw records are checked once each: the files of
+        samples ``indices`` held (fetched where they are not in the cache) before the batch's
+        records are checked, so that those this process just fetched, checked whole, are marked
+        checked first (:meth:`_checked_whole`)."""
+        if self._lazy is None or not self.checks.once or not self._sharded:
+            return
+        files = self.manifest.files
+        for number in self._touched(indices):
+            self.local_file(files[number].path)
+
+    def _checked_whole(self, name: str) -> None:
+        """Data file ``name`` was checked whole against the manifest's sha256 in this process
+        (fetched just now): its records are marked checked, so that the first read of each
+        does not check it again (raw records, checked once each by default)."""
+        number = self._shard_numbers.get(name)
+        marks = self.checks.marks()
+        if number is None or marks is None or not self._sharded:
+            return
+        marks[self._first[number] : self._first[number + 1]] = 1
 
     def _release_file(self, name: str) -> None:
         """Close what this process's handles hold of file ``name`` (a lazily read output lets
@@ -661,6 +689,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         here.batch_depth += 1
         try:
             here.maps.check(lambda: self._touched(indices))
+            self._hold_fetched(indices)
             images, labels = self._gather(indices)
         finally:
             here.batch_depth -= 1

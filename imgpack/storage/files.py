@@ -45,6 +45,11 @@ class OutputFiles:
         reader's hook, called when a file it held is let go (to close its handles of it)."""
         return FileHolder(self, on_release)
 
+    def fetched_here(self, name: str) -> bool:
+        """Whether this process fetched file ``name`` and checked it whole as it arrived (then
+        a first read need not check its records one by one)."""
+        return False
+
     def close(self) -> None:
         """Let go of what keeps these files in the cache (a fetched output's pin): for the
         one that opened them, once it is done reading."""
@@ -81,6 +86,9 @@ class LazyFiles(OutputFiles):
 
     def holder(self, on_release: Callable[[str], None]) -> FileHolder:
         return LazyHolder(self, on_release)
+
+    def fetched_here(self, name: str) -> bool:
+        return self.output.fetched_here(name)
 
 
 class FileHolder:

@@ -92,6 +92,8 @@ class LazyOutput:
         self.limit = cache_limit(limit)
         self._fs: Any = None
         self._fs_pid: tuple[int, int] | None = None  # (process, forks) it was made in
+        #: The data files this process fetched (each checked whole as it arrived), and its pid.
+        self._fetched: tuple[int, set[str]] = (os.getpid(), set())
         # The manifest and its bytes: read here, or given by the opener that read them.
         self.manifest, data = remote or read_remote_manifest(self.url, storage_options)
         self.root = cache.entry(self.url, self.manifest, data)
@@ -123,6 +125,7 @@ class LazyOutput:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_fs"], state["_fs_pid"] = None, None  # each process opens its own filesystem
+        state["_fetched"] = (0, set())  # what the process it goes to fetches itself
         return state
 
     def file(self, name: str) -> Path:
@@ -140,11 +143,24 @@ class LazyOutput:
                 finally:
                     if reserved is not None:
                         reserved.unlink(missing_ok=True)
+                pid, names = self._fetched
+                if pid != os.getpid():
+                    names = set()
+                    self._fetched = (os.getpid(), names)
+                names.add(name)
         except StorageError:
             raise
         except OSError as exc:
             self._read_only(exc, self._good(remote))
         return target
+
+    def fetched_here(self, name: str) -> bool:
+        """Whether this process fetched data file ``name`` (checked whole against the
+        manifest's size and sha256 as it arrived): its records are as the writer wrote them,
+        and a first read need not check them one by one. A copy found in the cache, checked
+        by an earlier process, is not: it may have been damaged on disk since."""
+        pid, names = self._fetched
+        return pid == os.getpid() and name in names
 
     def local(self, name: str) -> Path:
         """The checked local copy of data file ``name``, pinned only while it is fetched: for
