@@ -125,6 +125,30 @@ def test_a_pickle_in_a_shard_runs_nothing(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_a_shard_loads_as_torch_loads_it_safely(tmp_path: Path) -> None:
+    """The restricted unpickler gives what ``torch.load(weights_only=True)`` gives, for raw and
+    encoded shards and shards with fields; a global outside a shard's two goes to torch's safe
+    unpickler (a later torch writing its tensors otherwise still loads)."""
+    from imgpack.formats.pt.loading import load_shard
+
+    src = build_uniform_folder(tmp_path / "u", count=6)
+    for name, options in (("raw", {"encoding": "raw", "size": 8}), ("png", {"encoding": "png"})):
+        out = tmp_path / name
+        convert(src, out, "pt", progress=False, **options)
+        path = out / "shard-00000.pt"
+        fast, safe = load_shard(path), torch.load(path, mmap=True, weights_only=True)
+        assert fast.keys() == safe.keys()
+        for key, value in safe.items():
+            if isinstance(value, torch.Tensor):
+                assert bool((fast[key] == value).all()), key
+            else:
+                assert fast[key] == value, key
+    shard = torch.load(tmp_path / "raw" / "shard-00000.pt", weights_only=True)
+    shard["device"] = torch.device("cpu")  # a global torch's safe unpickler takes
+    torch.save(shard, tmp_path / "other.pt")
+    assert load_shard(tmp_path / "other.pt")["device"] == torch.device("cpu")
+
+
 @pytest.fixture
 def hdf5_out(tmp_path: Path) -> Path:
     out = tmp_path / "h5"

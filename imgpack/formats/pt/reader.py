@@ -20,6 +20,7 @@ from imgpack.formats.dataset_base import (
     new_batch_tensor,
 )
 from imgpack.formats.gather import shard_runs, take_rows, void_rows
+from imgpack.formats.pt.loading import load_shard
 from imgpack.formats.writer_base import default_shard_name
 
 if TYPE_CHECKING:
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
 
 
 class PTDataset(ImageDataset):
-    """Dataset over a ``pt`` output. Shards are memory-mapped with
-    ``torch.load(path, mmap=True, weights_only=True)`` on first use in each process; a raw batch
+    """Dataset over a ``pt`` output. Shards are memory-mapped with ``torch.load(path,
+    mmap=True)`` through an unpickler restricted to a shard's globals
+    (:func:`~imgpack.formats.pt.loading.load_shard`) on first use in each process; a raw batch
     is one numpy gather per shard it touches (never a parallel torch op: a forked process
     reads on)."""
 
@@ -69,7 +71,7 @@ class PTDataset(ImageDataset):
         entry = self.manifest.files[number]
         path = self.local_file(entry.path)
         try:
-            shard = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            shard = load_shard(path)
         except Exception as exc:
             raise DataError(f"{path}: cannot load shard: {exc}") from None
         self._here().maps.note(number, path)

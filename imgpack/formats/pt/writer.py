@@ -33,6 +33,7 @@ import torch
 
 from imgpack.checksum import record_crc
 from imgpack.fields import Field, fields_crc
+from imgpack.formats.pt.loading import load_shard
 from imgpack.formats.writer_base import HashedFile, ShardedWriter
 from imgpack.images import Encoded
 
@@ -94,7 +95,7 @@ class PTWriter(ShardedWriter):
 
     def shard_samples(self, path: Path) -> int | None:
         try:
-            shard = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            shard = load_shard(path)
             return len(shard["labels"])
         except Exception:
             return -1
