@@ -295,6 +295,13 @@ OUTPUT_OPTIONS = (
         "checkpoint; the output is the same as an uninterrupted run's.",
     ),
     click.option(
+        "--shard-tasks",
+        is_flag=True,
+        help="pt, tfrecord, webdataset to a local or shared path: each worker writes whole "
+        "shards by the shard plan, the same bytes a conversion to a bucket writes (a bucket DST "
+        "is always written so).",
+    ),
+    click.option(
         "--on-error",
         type=click.Choice(ON_ERROR),
         default=_default("on_error"),

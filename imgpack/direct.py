@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -123,7 +124,11 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
     prefetch = getattr(fetch, "prefetch", None)
     skipped: list[dict[str, str]] = []
     tally = DatasetStats.empty(task.job.policy.channels, len(task.config.classes), task.job.stats)
-    with tempfile.TemporaryDirectory(prefix="imgpack-shard-") as tmp:
+    local_dst = not location.is_url(task.url)  # a folder on this machine: renamed in place
+    scratch = f"{root}/{WORK}" if local_dst else None
+    if scratch is not None:
+        os.makedirs(scratch, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="imgpack-shard-", dir=scratch) as tmp:
         writer = format_spec(task.config.format).writer_class()(Path(tmp), task.config)
         assert isinstance(writer, ShardedWriter)
         with writer:
@@ -155,12 +160,12 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
             strict=True,
         ):  # fmt: skip
             assert old.name == name
-            fs.put_file(str(old), f"{root}/{new.name}")
             companions.append(Companion(new.name, old.stat().st_size, digest))
-        fs.put_file(str(local), f"{root}/{target.name}")
+            _put(fs, old, f"{root}/{new.name}", local_dst)
         entry = FileEntry(
             target.name, local.stat().st_size, written.num_samples, written.sha256, companions
         )
+        _put(fs, local, f"{root}/{target.name}", local_dst)
     names = [entry.path, *(c.path for c in entry.companions)]
     receipt = {
         "shard": task.number,
@@ -172,13 +177,39 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         "stats": tally.to_json(),
         # What the store says of each object just uploaded: the commit refuses a shard object
         # the listing then names otherwise (swapped or rewritten since).
-        "etags": {name: location.content_tag(fs.info(f"{root}/{name}")) for name in names},
+        "etags": {name: content_tag(fs.info(f"{root}/{name}")) for name in names},
         # The conversion it is for: another conversion's receipt copied over is refused.
         "output_id": task.config.output_id,
     }
     receipt["check"] = receipt_check(receipt)
-    fs.pipe_file(f"{root}/{task.receipt}", json.dumps(receipt, sort_keys=True).encode())
+    body = json.dumps(receipt, sort_keys=True).encode()
+    if local_dst:  # whole or not at all, as a store's PUT is
+        target_receipt = Path(root) / task.receipt
+        partial = target_receipt.with_name(f".{target_receipt.name}.{os.getpid()}.tmp")
+        partial.write_bytes(body)
+        os.replace(partial, target_receipt)
+    else:
+        fs.pipe_file(f"{root}/{task.receipt}", body)
     return receipt
+
+
+def _put(fs: Any, file: Path, path: str, local: bool) -> None:
+    """Put a written ``file`` at ``path`` of DST: renamed there on a local or shared path (the
+    file was written beside it, in DST's work folder), uploaded to a store."""
+    if local:
+        os.replace(file, path)
+    else:
+        fs.put_file(str(file), path)
+
+
+def content_tag(info: dict[str, Any]) -> str:
+    """What identifies a written file's content: the store's (ETag, version), or for a file on
+    a local or shared path its inode, size and modification time (a file written again, or
+    another renamed over it, has others)."""
+    tag = location.content_tag(info)
+    if tag or info.get("ino") is None:
+        return tag
+    return f"{info['ino']}:{info.get('size')}:{info.get('mtime')}"
 
 
 def receipt_check(receipt: dict[str, Any]) -> str:
@@ -227,7 +258,7 @@ def _files(fs: Any, root: str, url: str) -> tuple[dict[str, int], dict[str, str]
         raise location.remote_error(url, exc) from None
     listed = [(path[len(root) :].lstrip("/"), info) for path, info in listing.listed_objects(found)]
     sizes = {name: int(info.get("size") or 0) for name, info in listed}
-    return sizes, {name: location.content_tag(info) for name, info in listed}
+    return sizes, {name: content_tag(info) for name, info in listed}
 
 
 def convert_to_bucket(
@@ -252,8 +283,35 @@ def convert_to_bucket(
         raise location.remote_error(url, exc) from None
     names = shard_names(plan, total)
     done = set(_receipts(dest, work, plan, bounds, names)[0]) if options.resume else set()
+    _write_shards(plan, url, storage_options, executor, bounds, range(first, last), done)
+    receipts, bad = _receipts(dest, work, plan, bounds, names)
+    if bad:
+        path, problem = next(iter(sorted(bad.items())))
+        raise ImgpackError(
+            f"{url}/{path}: {problem}; nothing committed ({len(bad)} such receipt(s)): "
+            "--resume writes those shards again"
+        )
+    if len(receipts) < total:
+        return _part_summary(plan, receipts, first, last, url, total)
+    return commit(plan, dest, work, [receipts[k] for k in range(total)])
+
+
+def _write_shards(
+    plan: Plan,
+    url: str,
+    storage_options: dict[str, Any] | None,
+    executor: Any,
+    bounds: Sequence[int],
+    mine: Sequence[int],
+    done: set[int],
+) -> None:
+    """Write shards ``mine`` of the plan cut at ``bounds`` into DST ``url`` by shard tasks,
+    but those ``done`` (their receipts hold): each shard, then its receipt."""
+    options = plan.options
+    total = len(bounds) - 1
+    work = f"{WORK}/{plan.output_id}"
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
-    numbers = [k for k in range(first, last) if k not in done]
+    numbers = [k for k in mine if k not in done]
 
     def tasks() -> Iterator[ShardTask]:  # made as they are sent: one shard's samples at a time
         for k in numbers:
@@ -270,10 +328,10 @@ def convert_to_bucket(
                 options.on_error,
             )
 
-    mine = bounds[last] - bounds[first]
+    count = sum(bounds[k + 1] - bounds[k] for k in mine)
     bar = tqdm(
-        total=mine,
-        initial=mine - sum(bounds[k + 1] - bounds[k] for k in numbers),
+        total=count,
+        initial=count - sum(bounds[k + 1] - bounds[k] for k in numbers),
         unit="img",
         desc=options.format,
         file=sys.stderr,
@@ -293,16 +351,6 @@ def convert_to_bucket(
                     "written so far are kept: --resume continues)",
                 )
             bar.update(len(task.samples))
-    receipts, bad = _receipts(dest, work, plan, bounds, names)
-    if bad:
-        path, problem = next(iter(sorted(bad.items())))
-        raise ImgpackError(
-            f"{url}/{path}: {problem}; nothing committed ({len(bad)} such receipt(s)): "
-            "--resume writes those shards again"
-        )
-    if len(receipts) < total:
-        return _part_summary(plan, receipts, first, last, url, total)
-    return commit(plan, dest, work, [receipts[k] for k in range(total)])
 
 
 def shard_plan(plan: Plan) -> tuple[list[int], int, int]:
@@ -325,6 +373,20 @@ def shard_names(plan: Plan, total: int) -> list[str]:
 
 def receipt_name(number: int) -> str:
     return f"shard-{number:05d}.json"
+
+
+def receipts_in(folder: Path) -> int:
+    """How many receipts the work folder of a local conversion by shard tasks holds."""
+    work = folder / WORK
+    if not work.is_dir():
+        return 0
+    return sum(
+        1
+        for output in work.iterdir()
+        if output.is_dir()
+        for name in os.listdir(output)
+        if name.startswith("shard-") and name.endswith(".json")
+    )
 
 
 def _without_killers(plan: Plan, executor: Any, task: ShardTask) -> dict[str, Any]:
@@ -432,9 +494,9 @@ def _receipts(
     bad: dict[str, str] = {}
     if not paths:
         return found, bad
-    blobs = dest.fs.cat([f"{dest.root}/{p}" for p in paths], on_error="return")
+    blobs = _read_all(dest, [f"{dest.root}/{p}" for p in paths])
     for path in paths:
-        blob = blobs.get(f"{dest.root}/{path}")
+        blob: Any = blobs.get(f"{dest.root}/{path}")
         try:
             receipt = json.loads(blob)
             number = int(receipt["shard"])
@@ -448,6 +510,21 @@ def _receipts(
         else:
             bad[path] = problem
     return found, bad
+
+
+def _read_all(dest: Destination, paths: list[str]) -> dict[str, Any]:
+    """The contents of ``paths`` in DST (an error in place of one that cannot be read): from a
+    store in one batch of GETs; on a local path file by file (fsspec's local ``cat`` would take
+    a name with ``[`` for a pattern)."""
+    if location.is_url(dest.url):
+        return dict(dest.fs.cat(paths, on_error="return"))
+    found: dict[str, Any] = {}
+    for path in paths:
+        try:
+            found[path] = Path(path).read_bytes()
+        except OSError as exc:
+            found[path] = exc
+    return found
 
 
 def _receipt_problem(
@@ -528,14 +605,7 @@ def commit(
 ) -> Manifest:
     """Write the manifest of the whole output from its shards' receipts, last; remove what an
     output replaced left and the work folder."""
-    manifest = _manifest(plan, receipts)
-    manifest.part = None
-    if not manifest.num_samples:
-        first = manifest.skipped[0] if manifest.skipped else {"path": "?", "reason": "?"}
-        raise ImgpackError(
-            f"{plan.where}: every one of the {len(plan.scan.samples)} image files was skipped; "
-            f"nothing to write (first: {first['path']}: {first['reason']})"
-        )
+    manifest = _whole(plan, receipts)
     keep = {MANIFEST_NAME, *(f.path for f in manifest.files)}
     keep |= {c.path for f in manifest.files for c in f.companions}
     listed = dest.relisted()
@@ -544,6 +614,71 @@ def commit(
     dest.fs.pipe_file(f"{dest.root}/{MANIFEST_NAME}", manifest_bytes(manifest))  # the commit
     with contextlib.suppress(FileNotFoundError):
         dest.fs.rm(f"{dest.root}/{work}", recursive=True)
+    return manifest
+
+
+def _whole(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
+    """The manifest of the whole output from every shard's receipt; an error when every
+    sample was skipped."""
+    manifest = _manifest(plan, receipts)
+    manifest.part = None
+    if not manifest.num_samples:
+        first = manifest.skipped[0] if manifest.skipped else {"path": "?", "reason": "?"}
+        raise ImgpackError(
+            f"{plan.where}: every one of the {len(plan.scan.samples)} image files was skipped; "
+            f"nothing to write (first: {first['path']}: {first['reason']})"
+        )
+    return manifest
+
+
+def applies_locally(options: Any, source: Any, executor: Executor) -> bool:
+    """Whether a conversion to a local or shared path is written by shard tasks: a sharded
+    format, an image folder, one part, and an executor that runs tasks (as :func:`applies`),
+    when ``shard_tasks`` asks for it."""
+    from imgpack.sources.folder.source import FolderSource
+
+    return (
+        options.shard_tasks
+        and options.spec.sharded
+        and options.num_parts == 1
+        and isinstance(source, FolderSource)
+        and hasattr(executor, "tasks")
+        and hasattr(executor, "alone")
+        and issubclass(options.spec.writer_class(), ShardedWriter)
+    )
+
+
+def write_local(plan: Plan, folder: Path, executor: Any) -> Manifest:
+    """Run a planned conversion (its layout ``"shards"``) with shard tasks writing into the
+    local ``folder`` (the output's temp folder beside DST, published by the caller): each task
+    writes its shard there under its final name, by a rename, then its receipt under
+    ``.imgpack-work/<output id>/``. Shards whose receipts hold (a resumed run) are not written
+    again. Returns the manifest of the whole output, made from the receipts (not written); the
+    work folder is removed. The same shards, byte for byte, as :func:`convert_to_bucket`
+    uploads for the same plan."""
+    url = str(folder)
+    bounds = shard_plan(plan)[0]
+    total = len(bounds) - 1
+    work = f"{WORK}/{plan.output_id}"
+    dest = Destination.list(url, None)
+    names = shard_names(plan, total)
+    work_folder = folder / WORK
+    if work_folder.is_dir():
+        for left in work_folder.iterdir():  # a killed task's scratch
+            if left.name.startswith("imgpack-shard-"):
+                shutil.rmtree(left, ignore_errors=True)
+    (folder / work).mkdir(parents=True, exist_ok=True)  # where the receipts go
+    done = set(_receipts(dest, work, plan, bounds, names)[0])
+    _write_shards(plan, url, None, executor, bounds, range(total), done)
+    receipts, bad = _receipts(dest, work, plan, bounds, names)
+    if bad or len(receipts) < total:
+        path, problem = next(iter(sorted(bad.items())), ("?", "missing"))
+        raise ImgpackError(
+            f"{folder}/{path}: {problem}; nothing published ({len(bad)} such receipt(s)): "
+            "--resume writes those shards again"
+        )
+    manifest = _whole(plan, [receipts[k] for k in range(total)])
+    shutil.rmtree(folder / WORK, ignore_errors=True)
     return manifest
 
 
@@ -570,4 +705,14 @@ def _part_summary(
     return manifest
 
 
-__all__ = ["WORK", "ShardTask", "applies", "commit", "convert_to_bucket", "cut", "write_shard"]
+__all__ = [
+    "WORK",
+    "ShardTask",
+    "applies",
+    "applies_locally",
+    "commit",
+    "convert_to_bucket",
+    "cut",
+    "write_local",
+    "write_shard",
+]

@@ -71,6 +71,10 @@ class ConvertOptions:
     #: Types of source fields as ``NAME:TYPE`` (``--field caption:str``), taken instead of the
     #: ones the source would infer.
     field_types: tuple[str, ...] = ()
+    #: Write a sharded output on a local or shared path by shard tasks (:mod:`imgpack.direct`):
+    #: each worker writes whole shards by the shard plan, as for a bucket (the same bytes), and
+    #: receipts are what resumes. A bucket DST is always written so.
+    shard_tasks: bool = False
 
     def __post_init__(self) -> None:
         spec = formats.get(self.format)

@@ -369,6 +369,14 @@ def _resume_note(tmp: Path) -> str | None:
     """What a run stopped by SIGTERM or Ctrl-C says when its temp dir holds a checkpoint of
     written samples (the dir is kept for ``--resume``), else ``None`` (it is removed)."""
     checkpoint = Checkpoint.load(tmp)
+    if checkpoint is not None and checkpoint.writer.get("layout") == direct.LAYOUT:
+        shards = direct.receipts_in(tmp)
+        if not shards:
+            return None
+        return (
+            f"kept {tmp} with {shards} shard(s) written: run the same command with --resume "
+            "to continue from there"
+        )
     if checkpoint is None or not checkpoint.writer or checkpoint.count == 0:
         return None
     return (
@@ -574,7 +582,9 @@ def dry_run(
     with source_location(src, storage_options, cache_dir, _in_place(options)) as local:
         source = sources.resolve(Path(local), options.source, options.source_options)
         the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
-        exact = direct.applies(options, dst, source, runner)
+        exact = direct.applies(options, dst, source, runner) or (
+            not is_url(dst) and direct.applies_locally(options, source, runner)
+        )
         sizes = list(direct.sample_sizes(the_plan))
         shards: list[str] = []
         if exact:  # the shard plan the tasks follow, and this part's shards of it
@@ -659,6 +669,8 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         recover(dst, holding_lock=True)
         clear_leftovers(dst)
         the_plan = plan(src, dst, options)
+        if direct.applies_locally(options, the_plan.source, executor):
+            the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
         try:
             return _convert(the_plan, executor)
         except ImgpackError:
@@ -729,11 +741,16 @@ def _convert(the_plan: Plan, executor: Executor | None) -> Manifest:
             )
     start = checkpoint.position if checkpoint is not None else 0
     with temp_output(the_plan.dst, existing, keep=_resume_note) as tmp:
+        by_shards = the_plan.layout == direct.LAYOUT
         if checkpoint is None:  # at once: a run killed from here on can be recognised
-            Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable).save(tmp)
-        outcomes = process(the_plan, executor, start)
-        written = write(the_plan, tmp, outcomes, checkpoint)
-        manifest = build_manifest(the_plan, tmp, written)
+            writer = {"layout": direct.LAYOUT} if by_shards else {}
+            Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable, writer=writer).save(tmp)
+        if by_shards:  # shard tasks write whole shards; receipts say which are done
+            manifest = direct.write_local(the_plan, tmp, executor)
+        else:
+            outcomes = process(the_plan, executor, start)
+            written = write(the_plan, tmp, outcomes, checkpoint)
+            manifest = build_manifest(the_plan, tmp, written)
         write_manifest(tmp, manifest)
         publish(tmp, the_plan.dst, replace=options.overwrite)
     # Removed only now: a run killed before the rename can still be resumed.

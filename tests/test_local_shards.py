@@ -1,0 +1,177 @@
+"""Conversion to a local path by shard tasks (imgpack.direct.write_local): the workers write
+whole shards into the output's temp folder and only receipts come back, as for a bucket. One
+plan gives one output wherever it is written: the same files, byte for byte, locally and in a
+bucket (moto's server on 127.0.0.1, the ``s3`` fixture), with any number of workers, and after
+a run killed midway is resumed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+from click.testing import CliRunner
+from conftest import build_uniform_folder
+
+import imgpack.direct as direct
+from imgpack import convert, open_dataset, verify
+from imgpack.cli import main
+from imgpack.manifest import MANIFEST_NAME
+from imgpack.publishing import leftovers
+
+SHARDED = ("pt", "tfrecord", "webdataset")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_uniform_folder(tmp_path_factory.mktemp("src") / "src", count=40, classes=4)
+
+
+def _files(root: Path) -> dict[str, str]:
+    """Each file of a local output but its manifest, by name: its sha256."""
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.iterdir())
+        if p.name != MANIFEST_NAME
+    }
+
+
+def _bucket_files(url: str) -> dict[str, str]:
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    root = url.removeprefix("s3://")
+    return {
+        path[len(root) + 1 :]: hashlib.sha256(fs.cat_file(path)).hexdigest()
+        for path in sorted(fs.find(root))
+        if not path.endswith(f"/{MANIFEST_NAME}")
+    }
+
+
+@pytest.mark.parametrize("fmt", SHARDED)
+def test_a_local_output_is_the_bucket_output_byte_for_byte(
+    s3: str, images: Path, tmp_path: Path, fmt: str
+) -> None:
+    """The same images and options converted to a local path and to a bucket: the same shard
+    files (and index files), the same manifest entries and output id; the temp folder and its
+    receipts are gone, and the output reads and verifies."""
+    args = {"shard_size": "4KB", "workers": 2, "progress": False, "shard_tasks": True}
+    local = convert(images, tmp_path / "out", fmt, **args)
+    bucket = convert(images, f"{s3}/local-{fmt}-{tmp_path.name}", fmt, **args)
+    assert len(local.files) > 4
+    assert local.output_id == bucket.output_id
+    assert local.files == bucket.files
+    assert _files(tmp_path / "out") == _bucket_files(f"{s3}/local-{fmt}-{tmp_path.name}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder, no receipts
+    assert not (tmp_path / "out" / direct.WORK).exists()
+    assert verify(tmp_path / "out").ok
+    ds = open_dataset(tmp_path / "out")
+    assert len(ds) == 40 and ds.targets == sorted(ds.targets)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+def test_any_number_of_workers_writes_the_same_bytes(
+    images: Path, tmp_path: Path, fmt: str
+) -> None:
+    outputs = []
+    for workers in (1, 2, 4):
+        out = tmp_path / f"w{workers}"
+        convert(images, out, fmt, shard_size="3KB", workers=workers, progress=False,
+                shard_tasks=True)  # fmt: skip
+        outputs.append(_files(out))
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def _slowed_convert(src: Path, dst: Path, args: list[str]) -> subprocess.Popen[bytes]:
+    """``imgpack convert`` in a process of its own whose shard tasks each take 0.3 s more."""
+    slow = (
+        "import time, imgpack.direct as d; w = d.write_shard\n"
+        "def slow(t):\n    time.sleep(0.3); return w(t)\n"
+        "d.write_shard = slow\n"
+    )
+    script = f"{slow}from imgpack.cli import main\nmain()"
+    command = [sys.executable, "-c", script, "convert", str(src), str(dst), "-q", *args]
+    return subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "tfrecord"])
+def test_a_killed_conversion_resumes_to_the_same_bytes(
+    images: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILLed once some shards have receipts: DST does not exist, the temp folder is kept,
+    and --resume writes only the shards without a receipt, to the bytes of a run that was not
+    interrupted."""
+    args = ["--format", fmt, "--shard-tasks", "--shard-size", "2KB", "--workers", "2"]
+    reference = tmp_path / "reference"
+    done = CliRunner().invoke(main, ["convert", str(images), str(reference), "-q", *args])
+    assert done.exit_code == 0, done.output
+    total = len(open_dataset(reference).manifest.files)
+    dst = tmp_path / "out"
+    process = _slowed_convert(images, dst, args)
+    deadline = time.monotonic() + 120
+    receipts: list[Path] = []
+    while time.monotonic() < deadline and len(receipts) < 3:
+        receipts = [r for t in leftovers(dst) for r in t.glob(f"{direct.WORK}/*/shard-*.json")]
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    assert not dst.exists() and len(leftovers(dst)) == 1
+    written: list[int] = []
+    real = direct.write_shard
+
+    def counting(task: direct.ShardTask) -> dict[str, object]:
+        written.append(task.number)
+        return real(task)
+
+    monkeypatch.setattr(direct, "write_shard", counting)
+    again = ["convert", str(images), str(dst), "-q", "--resume", *args[:-2]]
+    resumed = CliRunner().invoke(main, [*again, "--workers", "1"])
+    assert resumed.exit_code == 0, resumed.output
+    assert 0 < len(written) <= total - len(receipts)
+    assert _files(dst) == _files(reference)
+    assert leftovers(dst) == []
+
+
+def test_an_interrupted_run_says_what_it_kept(images: Path, tmp_path: Path) -> None:
+    """SIGTERM once some shards are written: the temp folder is kept for --resume and the
+    message says how many shards it holds."""
+    dst = tmp_path / "out"
+    process = _slowed_convert(
+        images, dst, ["--format", "pt", "--shard-tasks", "--shard-size", "2KB"]
+    )
+    deadline = time.monotonic() + 120
+    receipts: list[Path] = []
+    while time.monotonic() < deadline and len(receipts) < 2:
+        receipts = [r for t in leftovers(dst) for r in t.glob(f"{direct.WORK}/*/shard-*.json")]
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert b"shard(s) written: run the same command with --resume" in err, err
+    assert len(leftovers(dst)) == 1 and not dst.exists()
+
+
+@pytest.mark.parametrize("name", ["o[1]", "o**x"])
+def test_a_destination_name_is_never_a_pattern(images: Path, tmp_path: Path, name: str) -> None:
+    """The temp folder beside DST is named after it: a name with glob characters is a name."""
+    convert(images, tmp_path / name, "pt", shard_size="4KB", shard_tasks=True, progress=False)
+    assert len(open_dataset(tmp_path / name)) == 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_the_dry_run_names_the_shards_the_tasks_write(images: Path, tmp_path: Path) -> None:
+    from imgpack.pipeline import dry_run
+
+    planned = dry_run(images, tmp_path / "out", "tfrecord", shard_size="4KB", shard_tasks=True)
+    manifest = convert(
+        images, tmp_path / "out", "tfrecord", shard_size="4KB", shard_tasks=True, progress=False
+    )
+    assert planned.shards_exact
+    assert planned.shards == [f.path for f in manifest.files]
