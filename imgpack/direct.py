@@ -193,6 +193,33 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
     return receipt
 
 
+def _write(dest: Destination, name: str, data: bytes) -> None:
+    """Write file ``name`` of DST: one PUT to a store; on a local or shared path a temp file
+    renamed in (whole or not at all, as a PUT is), its folder made first."""
+    if location.is_url(dest.url):
+        dest.fs.pipe_file(f"{dest.root}/{name}", data)
+        return
+    target = Path(dest.root) / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    partial.write_bytes(data)
+    os.replace(partial, target)
+
+
+def _remove(dest: Destination, name: str) -> None:
+    """Remove file or folder ``name`` of DST (fsspec's local ``rm`` would take a name with
+    ``[`` for a pattern)."""
+    if location.is_url(dest.url):
+        with contextlib.suppress(FileNotFoundError):
+            dest.fs.rm(f"{dest.root}/{name}", recursive=True)
+        return
+    target = Path(dest.root) / name
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)
+
+
 def _put(fs: Any, file: Path, path: str, local: bool) -> None:
     """Put a written ``file`` at ``path`` of DST: renamed there on a local or shared path (the
     file was written beside it, in DST's work folder), uploaded to a store."""
@@ -278,7 +305,7 @@ def convert_to_bucket(
         return committed
     plan_file = {"output_id": plan.output_id, "format": options.format, "shards": total}
     try:  # the first write: a bucket that does not exist is named here
-        dest.fs.pipe_file(f"{dest.root}/{work}/plan.json", json.dumps(plan_file).encode())
+        _write(dest, f"{work}/plan.json", json.dumps(plan_file).encode())
     except FileNotFoundError as exc:
         raise location.remote_error(url, exc) from None
     names = shard_names(plan, total)
@@ -457,14 +484,14 @@ def _check_destination(dest: Destination, plan: Plan, work: str) -> Manifest | N
             "or replace it with --overwrite"
         )
     for other in others:  # replaced: its shards are overwritten, or removed at the commit
-        dest.fs.rm(f"{dest.root}/{WORK}/{other}", recursive=True)
+        _remove(dest, f"{WORK}/{other}")
     if MANIFEST_NAME in dest.files:
         manifest = _read_manifest(dest)
         if manifest.output_id == plan.output_id and (options.resume or options.num_parts > 1):
             return manifest
         if not options.overwrite:
             raise FileExistsError(f"{dest.url}: already exists (use --overwrite to replace it)")
-        dest.fs.rm_file(f"{dest.root}/{MANIFEST_NAME}")  # withdrawn: no reader opens it now
+        _remove(dest, MANIFEST_NAME)  # withdrawn: no reader opens it now
         return None
     ours = any(p.startswith(f"{work}/") for p in dest.files)
     if dest.files and not ours and not others:
@@ -610,10 +637,12 @@ def commit(
     keep |= {c.path for f in manifest.files for c in f.companions}
     listed = dest.relisted()
     for stale in sorted(p for p in listed.files if p not in keep and not p.startswith(f"{WORK}/")):
-        dest.fs.rm_file(f"{dest.root}/{stale}")
-    dest.fs.pipe_file(f"{dest.root}/{MANIFEST_NAME}", manifest_bytes(manifest))  # the commit
-    with contextlib.suppress(FileNotFoundError):
-        dest.fs.rm(f"{dest.root}/{work}", recursive=True)
+        _remove(dest, stale)
+    _write(dest, MANIFEST_NAME, manifest_bytes(manifest))  # the commit
+    _remove(dest, work)
+    if not location.is_url(dest.url):  # on a path, the work folder itself goes too
+        with contextlib.suppress(OSError):
+            (Path(dest.root) / WORK).rmdir()
     return manifest
 
 
@@ -633,14 +662,15 @@ def _whole(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
 
 def applies_locally(options: Any, source: Any, executor: Executor) -> bool:
     """Whether a conversion to a local or shared path is written by shard tasks: a sharded
-    format, an image folder, one part, and an executor that runs tasks (as :func:`applies`),
-    when ``shard_tasks`` asks for it."""
+    format, an image folder and an executor that runs tasks (as :func:`applies`), when
+    ``shard_tasks`` asks for it. One part is written in the output's temp folder
+    (:func:`write_local`); with ``num_parts``, every part writes into DST itself
+    (:func:`convert_to_bucket`, the path taken for a bucket prefix)."""
     from imgpack.sources.folder.source import FolderSource
 
     return (
         options.shard_tasks
         and options.spec.sharded
-        and options.num_parts == 1
         and isinstance(source, FolderSource)
         and hasattr(executor, "tasks")
         and hasattr(executor, "alone")

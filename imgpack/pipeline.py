@@ -81,7 +81,7 @@ from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, 
 from imgpack.sources.listing import source_location
 from imgpack.stats import DatasetStats, PixelSums
 from imgpack.storage.destination import build_folder, output_folder
-from imgpack.storage.location import is_url
+from imgpack.storage.location import is_url, local_path
 from imgpack.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -483,12 +483,18 @@ def convert(
                 source_location(src, storage_options, cache_dir, _in_place(options))
             )
             source = sources.resolve(Path(local_src), options.source, options.source_options)
-            if direct.applies(options, dst, source, runner):  # shard tasks write to the bucket
+            in_place = (  # parts by shard tasks on a shared path: written there, as a bucket
+                not is_url(dst)
+                and options.num_parts > 1
+                and direct.applies_locally(options, source, runner)
+            )
+            if direct.applies(options, dst, source, runner) or in_place:  # shard tasks write DST
                 source.check()
                 the_plan = replace(
                     _plan(local_src, dst, options, check_dst=False), layout=direct.LAYOUT
                 )
-                return direct.convert_to_bucket(the_plan, str(dst), storage_options, runner)
+                target = str(dst) if is_url(dst) else str(local_path(dst).absolute())
+                return direct.convert_to_bucket(the_plan, target, storage_options, runner)
             local_dst = Path(stack.enter_context(destination))
         if is_url(dst):  # the bucket's output was checked; the build is this run's
             options = replace(options, overwrite=False)
@@ -670,6 +676,7 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         clear_leftovers(dst)
         the_plan = plan(src, dst, options)
         if direct.applies_locally(options, the_plan.source, executor):
+            assert options.num_parts == 1  # parts write into DST itself (convert)
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
         try:
             return _convert(the_plan, executor)

@@ -76,20 +76,34 @@ PARTS = ("convert", "fit", "full", "sample", "samples")
 CONVERT_CPU: dict[str, list[tuple[float, float, float]]] = {}
 
 
-def convert_once(src: Path, out: Path, fmt: str, cores: int, _seed: int) -> float:
-    """Images/s of a validated conversion (encoding="original"); its CPU time is kept in
-    :data:`CONVERT_CPU` (the pool's processes are reaped when it ends, so they count)."""
+def convert_once(
+    src: Path,
+    out: Path,
+    fmt: str,
+    cores: int,
+    _seed: int,
+    shard_tasks: bool = False,
+    shard_size: str | None = None,
+) -> float:
+    """Images/s of a validated conversion (encoding="original"; by shard tasks with
+    ``shard_tasks``); its CPU time is kept in :data:`CONVERT_CPU` under the format (and
+    ``"shard tasks"``) (the pool's processes are reaped when it ends, so they count)."""
     shutil.rmtree(out, ignore_errors=True)
     before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    manifest = convert(src, out, format=fmt, encoding="original", workers=cores, progress=False)
+    sizes = {"shard_size": shard_size} if shard_size else {}
+    tasks = {"shard_tasks": True} if shard_tasks else {}
+    manifest = convert(
+        src, out, format=fmt, encoding="original", workers=cores, progress=False, **sizes, **tasks
+    )
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     main, pool = (
         a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime
         for a, b in zip(after, before, strict=True)
     )
-    CONVERT_CPU.setdefault(fmt, []).append((main, pool, seconds))
+    key = f"{fmt}, shard tasks" if shard_tasks else fmt
+    CONVERT_CPU.setdefault(key, []).append((main, pool, seconds))
     return manifest.num_samples / seconds
 
 
@@ -118,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", default="0,1,2", help="DataLoader num_workers to read with")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--shard-tasks",
+        action="store_true",
+        help="also convert each sharded format by shard tasks (convert(..., shard_tasks=True))",
+    )
+    parser.add_argument("--shard-size", default=None, help="the conversions' shard size")
     parser.add_argument("--json", help="also save the figures here")
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
@@ -170,8 +190,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         found: dict[str, Any] = {}
         first = len(rows)
         if "convert" in parts or not (out / "imgpack.json").exists():
-            converting = partial(convert_once, src, out, fmt, cores)
+            size = args.shard_size
+            converting = partial(convert_once, src, out, fmt, cores, shard_size=size)
             paired("convert", "validate", converting, also=["validate+hash"])
+            if args.shard_tasks and fmt in ("pt", "tfrecord", "webdataset"):
+                tasks = partial(
+                    convert_once, src, out, fmt, cores, shard_tasks=True, shard_size=size
+                )
+                paired("convert, shard tasks", "validate", tasks, also=["validate+hash"])
+                shards = len(open_dataset(out).manifest.files)
+                rows.append((f"{fmt}: shard tasks wrote", f"{shards} shard(s)"))
+                converting(0)  # the one writer's output, which the reads below take
             # Where the CPU goes, against the decodes alone (cores x count / the limit's rate).
             main, pool, wall = np.median(np.array(CONVERT_CPU[fmt]), axis=0)
             alone = cores * len(payloads) / float(np.median(seen["validate"][-args.repeats :]))

@@ -175,3 +175,24 @@ def test_the_dry_run_names_the_shards_the_tasks_write(images: Path, tmp_path: Pa
     )
     assert planned.shards_exact
     assert planned.shards == [f.path for f in manifest.files]
+
+
+@pytest.mark.parametrize("fmt", ["tfrecord", "webdataset"])
+def test_any_number_of_parts_write_one_local_output(images: Path, tmp_path: Path, fmt: str) -> None:
+    """K = 1, 2, 3 parts written into one DST on a shared path (the parts of a cluster job):
+    the same files byte for byte; until the last part finishes DST holds no manifest, and the
+    last one writes it."""
+    args = {"shard_size": "3KB", "workers": 2, "progress": False, "shard_tasks": True}
+    convert(images, tmp_path / "whole", fmt, **args)
+    reference = _files(tmp_path / "whole")
+    for count in (2, 3):
+        dst = tmp_path / f"k{count}"
+        for part in range(count):
+            done = convert(images, dst, fmt, num_parts=count, part=part, **args)
+            if part < count - 1:
+                assert done.part is not None and not (dst / MANIFEST_NAME).exists()
+        assert done.part is None and (dst / MANIFEST_NAME).is_file()
+        assert _files(dst) == reference
+        assert verify(dst).ok
+        again = convert(images, dst, fmt, num_parts=count, part=0, **args)
+        assert again == done  # committed already: nothing is written again
