@@ -264,6 +264,22 @@ main()
 """
 
 
+def count_shard_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The numbers of the shards shard tasks write from now on in this process (workers=1:
+    its tasks run here), in the order written."""
+    import imgpack.direct as direct
+
+    written: list[int] = []
+    real = direct.write_shard
+
+    def counting(task: direct.ShardTask) -> dict[str, Any]:
+        written.append(task.number)
+        return real(task)
+
+    monkeypatch.setattr(direct, "write_shard", counting)
+    return written
+
+
 def pip_install(package: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin package at ``package`` (tests/plugins/...), pip-installed into a folder of
     its own (put it on PYTHONPATH to use it); built from a copy, since builds leave files

@@ -16,7 +16,7 @@ import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder
+from conftest import build_uniform_folder, count_shard_writes
 
 import imgpack.direct as direct
 from imgpack import convert, open_dataset, verify
@@ -234,14 +234,7 @@ def test_a_killed_driver_resumes_to_the_same_bytes(
     left = _bucket(url)
     assert "imgpack.json" not in left
     total = len(open_dataset(reference, cache_dir=tmp_path / "c").manifest.files)
-    written: list[int] = []
-    real = direct.write_shard
-
-    def counting(task: direct.ShardTask) -> dict[str, object]:
-        written.append(task.number)
-        return real(task)
-
-    monkeypatch.setattr(direct, "write_shard", counting)
+    written = count_shard_writes(monkeypatch)
     refused = CliRunner().invoke(main, ["convert", src_url, url, "-q", "--format", "lmdb"])
     assert refused.exit_code != 0 and "holds no imgpack.json" in refused.output
     workers = "1" if resumed == "in-process" else "2"  # receipts written by other processes

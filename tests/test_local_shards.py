@@ -17,7 +17,7 @@ from pathlib import Path
 import fsspec
 import pytest
 from click.testing import CliRunner
-from conftest import build_uniform_folder
+from conftest import build_uniform_folder, count_shard_writes
 
 import imgpack.direct as direct
 from imgpack import convert, open_dataset, verify
@@ -99,6 +99,18 @@ def _slowed_convert(src: Path, dst: Path, args: list[str]) -> subprocess.Popen[b
     return subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
 
 
+def _receipts_when(process: subprocess.Popen[bytes], dst: Path, count: int) -> list[Path]:
+    """The receipts in the temp folder of the conversion ``process`` to ``dst`` once it holds
+    ``count`` (the process still running; two minutes at most)."""
+    deadline = time.monotonic() + 120
+    receipts: list[Path] = []
+    while time.monotonic() < deadline and len(receipts) < count:
+        receipts = [r for t in leftovers(dst) for r in t.glob(f"{direct.WORK}/*/shard-*.json")]
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.05)
+    return receipts
+
+
 @pytest.mark.parametrize("fmt", ["pt", "tfrecord"])
 def test_a_killed_conversion_resumes_to_the_same_bytes(
     images: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
@@ -113,23 +125,11 @@ def test_a_killed_conversion_resumes_to_the_same_bytes(
     total = len(open_dataset(reference).manifest.files)
     dst = tmp_path / "out"
     process = _slowed_convert(images, dst, args)
-    deadline = time.monotonic() + 120
-    receipts: list[Path] = []
-    while time.monotonic() < deadline and len(receipts) < 3:
-        receipts = [r for t in leftovers(dst) for r in t.glob(f"{direct.WORK}/*/shard-*.json")]
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
-        time.sleep(0.05)
+    receipts = _receipts_when(process, dst, 3)
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate()
     assert not dst.exists() and len(leftovers(dst)) == 1
-    written: list[int] = []
-    real = direct.write_shard
-
-    def counting(task: direct.ShardTask) -> dict[str, object]:
-        written.append(task.number)
-        return real(task)
-
-    monkeypatch.setattr(direct, "write_shard", counting)
+    written = count_shard_writes(monkeypatch)
     again = ["convert", str(images), str(dst), "-q", "--resume", *args[:-2]]
     resumed = CliRunner().invoke(main, [*again, "--workers", "1"])
     assert resumed.exit_code == 0, resumed.output
@@ -145,12 +145,7 @@ def test_an_interrupted_run_says_what_it_kept(images: Path, tmp_path: Path) -> N
     process = _slowed_convert(
         images, dst, ["--format", "pt", "--shard-tasks", "--shard-size", "2KB"]
     )
-    deadline = time.monotonic() + 120
-    receipts: list[Path] = []
-    while time.monotonic() < deadline and len(receipts) < 2:
-        receipts = [r for t in leftovers(dst) for r in t.glob(f"{direct.WORK}/*/shard-*.json")]
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
-        time.sleep(0.05)
+    _receipts_when(process, dst, 2)
     os.killpg(process.pid, signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode != 0
