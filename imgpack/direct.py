@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from imgpack.checksum import content_digest
 from imgpack.errors import ImageError, ImgpackError
-from imgpack.executors import WORKER_DIED, Executor, Failure, Job, TaskDied
+from imgpack.executors import WORKER_DIED, Executor, Failure, Job, Outcome, TaskDied
 from imgpack.formats import get as format_spec
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig
 from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
@@ -119,9 +119,33 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
     ``{"shard", "start", "stop", "count", "skipped", "file"}`` (``file``: its manifest entry).
     With ``--on-error fail``, the first bad file is returned as ``{"failed": {...}}`` and
     nothing is uploaded."""
+    return shard_from(task, _converted(task))
+
+
+def _converted(task: ShardTask) -> Iterator[Outcome]:
+    """Each sample of the task converted here, in order (a bad file, or one excluded, as a
+    :class:`~imgpack.executors.Failure`)."""
+    prefetch = getattr(task.job.fetch, "prefetch", None)
+    for at in range(0, len(task.samples), FETCH_GROUP):
+        group = task.samples[at : at + FETCH_GROUP]
+        if prefetch is not None:
+            prefetch([s for s in group if s.path not in task.excluded])
+        for sample in group:
+            reason = task.excluded.get(sample.path)
+            if reason is not None:
+                yield Failure(sample.path, reason)
+                continue
+            try:
+                yield task.job.convert(sample)
+            except ImageError as exc:
+                yield Failure(exc.path, exc.reason)
+
+
+def shard_from(task: ShardTask, outcomes: Iterable[Outcome]) -> dict[str, Any]:
+    """:func:`write_shard` with the task's samples converted already: ``outcomes``, one per
+    sample in order (converted in this process, or by a pool for a driver that writes the
+    shard itself: the same bytes)."""
     fs, root = location.filesystem(task.url, json.loads(task.storage_options) or None)
-    fetch = task.job.fetch
-    prefetch = getattr(fetch, "prefetch", None)
     skipped: list[dict[str, str]] = []
     tally = DatasetStats.empty(task.job.policy.channels, len(task.config.classes), task.job.stats)
     local_dst = not location.is_url(task.url)  # a folder on this machine: renamed in place
@@ -133,24 +157,14 @@ def write_shard(task: ShardTask) -> dict[str, Any]:
         assert isinstance(writer, ShardedWriter)
         with writer:
             writer.open_shard()
-            for at in range(0, len(task.samples), FETCH_GROUP):
-                group = task.samples[at : at + FETCH_GROUP]
-                if prefetch is not None:
-                    prefetch([s for s in group if s.path not in task.excluded])
-                for sample in group:
-                    reason = task.excluded.get(sample.path)
-                    path = sample.path
-                    if reason is None:
-                        try:
-                            encoded = task.job.convert(sample)
-                            writer.add(encoded)
-                            tally.add(encoded.label, encoded.height, encoded.width, encoded.sums)
-                            continue
-                        except ImageError as exc:
-                            path, reason = exc.path, exc.reason
+            for outcome in outcomes:
+                if isinstance(outcome, Failure):
                     if task.on_error == "fail":
-                        return {"failed": {"path": path, "reason": reason}}
-                    skipped.append({"path": path, "reason": reason})
+                        return {"failed": {"path": outcome.path, "reason": outcome.reason}}
+                    skipped.append({"path": outcome.path, "reason": outcome.reason})
+                    continue
+                writer.add(outcome)
+                tally.add(outcome.label, outcome.height, outcome.width, outcome.sums)
         (written,) = writer.close()
         local = Path(tmp) / written.path
         target = Path(tmp) / writer.final_name(task.number, task.total)
@@ -331,9 +345,11 @@ def _write_shards(
     bounds: Sequence[int],
     mine: Sequence[int],
     done: set[int],
+    kept: bool = True,
 ) -> None:
     """Write shards ``mine`` of the plan cut at ``bounds`` into DST ``url`` by shard tasks,
-    but those ``done`` (their receipts hold): each shard, then its receipt."""
+    but those ``done`` (their receipts hold): each shard, then its receipt. ``kept``: whether
+    what is written stays when a bad file stops the run (not in a temp folder that goes)."""
     options = plan.options
     total = len(bounds) - 1
     work = f"{WORK}/{plan.output_id}"
@@ -366,18 +382,35 @@ def _write_shards(
         dynamic_ncols=True,
     )
     with bar:
+        workers = getattr(executor, "workers", None) or 0
+        if len(numbers) < workers:  # fewer shards than workers: the pool converts each one's
+            for task in tasks():  # samples, and this process writes it (the same bytes)
+                receipt = shard_from(task, executor.outcomes(task.job, task.samples))
+                _raise_failed(plan, receipt, kept)
+                bar.update(len(task.samples))
+            return
         for task, result in executor.tasks(write_shard, tasks()):
             receipt = result
             if isinstance(result, TaskDied):
                 receipt = _without_killers(plan, executor, task)
-            if "failed" in receipt:
-                failed = receipt["failed"]
-                raise ImageError(
-                    f"{plan.where}/{failed['path']}",
-                    f"{failed['reason']} (use --on-error skip to skip such files; the shards "
-                    "written so far are kept: --resume continues)",
-                )
+            _raise_failed(plan, receipt, kept)
             bar.update(len(task.samples))
+
+
+def _raise_failed(plan: Plan, receipt: dict[str, Any], kept: bool) -> None:
+    """The error a shard's result stands for when a bad file stopped it (``--on-error fail``);
+    ``kept``: whether the shards written so far stay for ``--resume``."""
+    if "failed" in receipt:
+        failed = receipt["failed"]
+        after = (
+            "the shards written so far are kept: --resume continues"
+            if kept
+            else ("nothing was written")
+        )
+        raise ImageError(
+            f"{plan.where}/{failed['path']}",
+            f"{failed['reason']} (use --on-error skip to skip such files; {after})",
+        )
 
 
 def shard_plan(plan: Plan) -> tuple[list[int], int, int]:
@@ -699,7 +732,7 @@ def write_local(plan: Plan, folder: Path, executor: Any) -> Manifest:
                 shutil.rmtree(left, ignore_errors=True)
     (folder / work).mkdir(parents=True, exist_ok=True)  # where the receipts go
     done = set(_receipts(dest, work, plan, bounds, names)[0])
-    _write_shards(plan, url, None, executor, bounds, range(total), done)
+    _write_shards(plan, url, None, executor, bounds, range(total), done, kept=False)
     receipts, bad = _receipts(dest, work, plan, bounds, names)
     if bad or len(receipts) < total:
         path, problem = next(iter(sorted(bad.items())), ("?", "missing"))

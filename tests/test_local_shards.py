@@ -191,3 +191,37 @@ def test_any_number_of_parts_write_one_local_output(images: Path, tmp_path: Path
         assert verify(dst).ok
         again = convert(images, dst, fmt, num_parts=count, part=0, **args)
         assert again == done  # committed already: nothing is written again
+
+
+@pytest.mark.parametrize("fmt", SHARDED)
+def test_fewer_shards_than_workers_are_converted_by_every_worker(
+    images: Path, tmp_path: Path, fmt: str
+) -> None:
+    """An output of fewer shards than workers: the pool converts each shard's images and the
+    driver writes the shard, so no worker waits; the bytes are those one task writes alone."""
+    args = {"progress": False, "shard_tasks": True}
+    one = convert(images, tmp_path / "w1", fmt, workers=1, **args)
+    many = convert(images, tmp_path / "w4", fmt, workers=4, **args)
+    assert len(one.files) == 1 and one.files == many.files
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w4")
+
+
+def test_a_bad_image_in_a_shard_the_driver_writes_is_named_or_skipped(
+    images: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from imgpack.errors import ImageError
+
+    src = tmp_path / "src"
+    shutil.copytree(images, src)
+    (src / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    args = {"progress": False, "shard_tasks": True}
+    with pytest.raises(ImageError, match=r"broken\.png: .*nothing was written"):
+        convert(src, tmp_path / "failed", "webdataset", workers=4, **args)
+    assert not (tmp_path / "failed").exists() and not leftovers(tmp_path / "failed")
+    one = convert(src, tmp_path / "w1", "webdataset", workers=1, on_error="skip", **args)
+    many = convert(src, tmp_path / "w4", "webdataset", workers=4, on_error="skip", **args)
+    assert [s["path"] for s in many.skipped] == ["class1/broken.png"]
+    assert one.skipped == many.skipped and many.num_samples == 40
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w4")
