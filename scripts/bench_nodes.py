@@ -70,7 +70,7 @@ def node(
     wanted: set[int] = set()  # the shards this node's ranks read this epoch
     for loader in loaders:
         sampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
-        wanted |= set(sampler._shards_of(sampler._positions()[0]).tolist())
+        wanted |= set(sampler.shards_read())
     peak, done = [0], threading.Event()
 
     def watch() -> None:

@@ -63,6 +63,8 @@ def test_each_node_reads_its_own_shards_every_sample_once(output: Path) -> None:
         ]
         shared = sum(len(s) for s in by_node) - shards
         assert shared <= nodes - 1 + 1, (nodes, shared)  # a shard on each cut (and a pad)
+        for r, sampler in enumerate(samplers):  # what each rank says it reads
+            assert sampler.shards_read() == sorted(set(shard_of(parts[r]).tolist()))
         for n in range(nodes):  # a node's samples: its share, within a pad
             mine = sum(len(parts[n * per_node + r]) for r in range(per_node))
             assert abs(mine - COUNT / nodes) <= per_node

@@ -264,6 +264,12 @@ class ShardSampler(Sampler[int]):
         ahead = int(self.dataset.options.prefetch)  # type: ignore[attr-defined]
         return schedule(self._shards_of(np.asarray(indices, np.int64)), ahead)
 
+    def shards_read(self) -> list[int]:
+        """The shards this rank reads samples of in this epoch (what is left of it, after a
+        loaded state), sorted: on several nodes, the ones its node's cache fetches for it."""
+        indices, _ = self._positions()
+        return np.unique(self._shards_of(np.asarray(indices, np.int64))).tolist()
+
     def _shards_of(self, indices: np.ndarray) -> np.ndarray:
         starts = np.cumsum(self._sizes, dtype=np.int64)
         return np.searchsorted(starts, indices, side="right")
