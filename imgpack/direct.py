@@ -478,15 +478,21 @@ def _without_killers(plan: Plan, executor: Any, task: ShardTask) -> dict[str, An
     return dict(receipt)
 
 
-def sample_sizes(plan: Plan) -> Iterator[int]:
-    """The bytes the shard plan counts for each sample, in scan order: a raw record's fixed
-    size, else the source file's size as the store lists it (or as the file system says)."""
+def sample_sizes(plan: Plan, framed: bool = True) -> Iterator[int]:
+    """The bytes the shard plan counts for each sample, in scan order: what the format's writer
+    adds to a shard for it (:meth:`~imgpack.formats.writer_base.ShardedWriter.estimated_bytes`)
+    given a raw record's fixed size, else the source file's size as the store lists it (or as
+    the file system says). ``framed=False``: those sizes as they are (what ``--dry-run``
+    counts)."""
     opts = plan.options
+    estimate = getattr(opts.spec.writer_class(), "estimated_bytes", None)
+    if estimate is None or not framed:  # the image's bytes as they are
+        estimate = _as_stored
     if opts.encoding_spec.name == "raw":
         fixed = opts.policy.fixed_size
         assert fixed is not None  # raw needs a fixed size (checked with the options)
         height, width = fixed
-        record = height * width * opts.policy.channels
+        record = estimate(height * width * opts.policy.channels, raw=True)
         for _ in plan.scan.samples:
             yield record
         return
@@ -498,7 +504,11 @@ def sample_sizes(plan: Plan) -> Iterator[int]:
                 size = os.stat(plan.src / samples[index].path).st_size
             except OSError:
                 size = 0  # the task names it
-        yield size
+        yield estimate(size)
+
+
+def _as_stored(stored: int, raw: bool = False) -> int:
+    return stored
 
 
 def _check_destination(dest: Destination, plan: Plan, work: str) -> Manifest | None:

@@ -591,7 +591,8 @@ def dry_run(
         exact = direct.applies(options, dst, source, runner) or (
             not is_url(dst) and direct.applies_locally(options, source, runner)
         )
-        sizes = list(direct.sample_sizes(the_plan))
+        sizes = list(direct.sample_sizes(the_plan, framed=False))
+        framed = list(direct.sample_sizes(the_plan)) if options.spec.sharded else sizes
         shards: list[str] = []
         if exact:  # the shard plan the tasks follow, and this part's shards of it
             the_plan = replace(the_plan, layout=direct.LAYOUT)
@@ -601,7 +602,7 @@ def dry_run(
         else:  # one writer: this part's samples, where it would roll over by their sizes
             start, stop = the_plan.bounds
             if options.spec.sharded:
-                cuts = direct.cut(iter(sizes[start:stop]), options.shard_size or sys.maxsize)
+                cuts = direct.cut(iter(framed[start:stop]), options.shard_size or sys.maxsize)
                 shards = direct.shard_names(the_plan, len(cuts) - 1)
         where = the_plan.where
     return DryRun(

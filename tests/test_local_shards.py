@@ -225,3 +225,17 @@ def test_a_bad_image_in_a_shard_the_driver_writes_is_named_or_skipped(
     assert [s["path"] for s in many.skipped] == ["class1/broken.png"]
     assert one.skipped == many.skipped and many.num_samples == 40
     assert _files(tmp_path / "w1") == _files(tmp_path / "w4")
+
+
+@pytest.mark.parametrize("fmt", SHARDED)
+def test_the_shard_plan_counts_the_bytes_written(images: Path, tmp_path: Path, fmt: str) -> None:
+    """``--shard-size`` counts what a shard holds, its format's framing included: a raw
+    webdataset sample is three tar members, 3 KB for 192 bytes of pixels, and its shards stay
+    within the size (plus the tar's closing blocks) instead of holding 16x as many samples."""
+    limit = 8_000
+    manifest = convert(images, tmp_path / "out", fmt, encoding="raw", size=8, progress=False,
+                       shard_size=limit, shard_tasks=True)  # fmt: skip
+    sizes = [f.bytes for f in manifest.files]
+    assert len(sizes) > 1
+    assert max(sizes) <= limit + 10_240, sizes  # a tar ends in whole 10,240-byte records
+    assert sum(sizes) / len(sizes) >= limit / 3, sizes

@@ -172,6 +172,17 @@ class ShardedWriter(Writer):
     def shard_name(self, index: int) -> str:
         return default_shard_name(self.config.format, index)
 
+    #: Bytes a sample adds to a shard beside its stored image, about (its label, checksum,
+    #: path and the format's framing): what :meth:`estimated_bytes` adds.
+    SAMPLE_OVERHEAD = 48
+
+    @classmethod
+    def estimated_bytes(cls, stored: int, raw: bool = False) -> int:
+        """What a sample whose stored image is ``stored`` bytes (``raw``: its pixels) adds to a
+        shard, as near as can be said before it is encoded: what a shard plan cuts by, so that
+        ``--shard-size`` counts the bytes written, framing included, there too."""
+        return stored + cls.SAMPLE_OVERHEAD
+
     @abstractmethod
     def _start_shard(self, path: Path) -> None: ...
 

@@ -39,6 +39,14 @@ class WebDatasetWriter(ShardedWriter):
     def shard_name(self, index: int) -> str:
         return layout.shard_name(index)
 
+    @classmethod
+    def estimated_bytes(cls, stored: int, raw: bool = False) -> int:
+        """The image member (a header block, its data padded to whole blocks; a ``.npy``
+        header of 128 bytes before raw pixels), then ``.cls`` and ``.json``, a block of header
+        and one of data each: 6,144 bytes for a 32x32 RGB raw sample."""
+        data = stored + (128 if raw else 0)
+        return layout.BLOCK + -(-data // layout.BLOCK) * layout.BLOCK + 4 * layout.BLOCK
+
     def _start_shard(self, path: Path) -> None:
         self._path = path
         self._fh = HashedFile(path)  # closed in _end_shard/_abort
