@@ -249,6 +249,8 @@ def _unreadable(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
     real = os.scandir
 
     def scandir(path: object = ".") -> object:
+        if isinstance(path, int):  # a descriptor (shutil.rmtree lists folders by them)
+            return real(path)
         if Path(os.fsdecode(path)) == folder:  # type: ignore[arg-type]
             raise PermissionError(13, "Permission denied", os.fsdecode(path))  # type: ignore[arg-type]
         return real(path)  # type: ignore[arg-type]
