@@ -47,6 +47,7 @@ from imgpack.scan import Sample, SampleTable
 from imgpack.sources import listing
 from imgpack.stats import DatasetStats
 from imgpack.storage import location
+from imgpack.storage.cache import write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +199,7 @@ def shard_from(task: ShardTask, outcomes: Iterable[Outcome]) -> dict[str, Any]:
     receipt["check"] = receipt_check(receipt)
     body = json.dumps(receipt, sort_keys=True).encode()
     if local_dst:  # whole or not at all, as a store's PUT is
-        target_receipt = Path(root) / task.receipt
-        partial = target_receipt.with_name(f".{target_receipt.name}.{os.getpid()}.tmp")
-        partial.write_bytes(body)
-        os.replace(partial, target_receipt)
+        write_bytes(Path(root) / task.receipt, body)
     else:
         fs.pipe_file(f"{root}/{task.receipt}", body)
     return receipt
@@ -215,9 +213,7 @@ def _write(dest: Destination, name: str, data: bytes) -> None:
         return
     target = Path(dest.root) / name
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    partial.write_bytes(data)
-    os.replace(partial, target)
+    write_bytes(target, data)
 
 
 def _remove(dest: Destination, name: str) -> None:
@@ -744,11 +740,17 @@ def write_local(plan: Plan, folder: Path, executor: Any) -> Manifest:
     done = set(_receipts(dest, work, plan, bounds, names)[0])
     _write_shards(plan, url, None, executor, bounds, range(total), done, kept=False)
     receipts, bad = _receipts(dest, work, plan, bounds, names)
-    if bad or len(receipts) < total:
-        path, problem = next(iter(sorted(bad.items())), ("?", "missing"))
+    if bad:  # the temp folder goes with the error: a new run writes every shard again
+        path, problem = next(iter(sorted(bad.items())))
         raise ImgpackError(
-            f"{folder}/{path}: {problem}; nothing published ({len(bad)} such receipt(s)): "
-            "--resume writes those shards again"
+            f"{folder}/{path}: {problem}; nothing was published ({len(bad)} such receipt(s)): "
+            "run the same command again"
+        )
+    missing = [k for k in range(total) if k not in receipts]
+    if missing:
+        raise ImgpackError(
+            f"{folder}: shard(s) {', '.join(map(str, missing[:5]))} have no receipt though "
+            "their tasks ended; nothing was published: run the same command again"
         )
     manifest = _whole(plan, [receipts[k] for k in range(total)])
     shutil.rmtree(folder / WORK, ignore_errors=True)

@@ -319,3 +319,43 @@ def test_a_one_file_output_above_the_cache_limit_is_refused_before_fetching(
     assert cache_stats.downloads == before and not list(cache.rglob("data.*"))
     monkeypatch.delenv("IMGPACK_CACHE_LIMIT")
     assert len(open_dataset(url, cache_dir=cache, cache_limit="1GB")) == len(open_dataset(local))
+
+
+def test_records_marked_by_workers_and_a_resume_across_ranks_read_exactly(
+    s3: str, tmp_path: Path
+) -> None:
+    """Two ranks, each with 2 DataLoader workers, read part of an epoch of a raw output from a
+    fresh cache: the records the workers read are marked checked in the bitmap the parent
+    shares with them (fetched there, or checked there). Their states, saved with workers, are
+    resumed by new readers with 2 workers on the same cache: every sample once, as stored."""
+    url, local = _output(s3, tmp_path, "webdataset", raw=True)
+    reference = open_dataset(local)
+    every = _rows(
+        [collate(reference.__getitems__(list(range(len(reference)))))]  # type: ignore[list-item]
+    )
+
+    def loaders() -> list[tuple[object, Loader]]:
+        made = []
+        for rank in range(2):
+            ds = open_dataset(url, cache_dir=tmp_path / "cache")
+            sampler = ShardSampler(ds, seed=2, num_replicas=2, rank=rank, window=2)
+            made.append(
+                (ds, Loader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=collate))
+            )
+        return made
+
+    first, states, seen = loaders(), [], Counter()  # type: ignore[var-annotated]
+    for rank, (ds, loader) in enumerate(first):
+        # The positions it reads first, as a sampler of the same arguments deals them.
+        read = list(ShardSampler(ds, seed=2, num_replicas=2, rank=rank, window=2))[:20]  # type: ignore[arg-type]
+        batches = iter(loader)
+        taken = [next(batches) for _ in range(5)]
+        seen += _rows(taken)
+        states.append(loader.state_dict())
+        marks = ds.checks.marks()  # type: ignore[attr-defined]
+        assert marks is not None and bool(marks[read].all())  # set in the workers, seen here
+        del batches
+    for (_, loader), state in zip(loaders(), states, strict=True):
+        loader.load_state_dict(state)
+        seen += _rows(loader)
+    assert seen == every

@@ -300,6 +300,10 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """Data file ``name`` was checked whole against the manifest's sha256 in this process
         (fetched just now): its records are marked checked, so that the first read of each
         does not check it again (raw records, checked once each by default)."""
+        here = self._here()
+        if name in here.checked_whole:  # marked already (a file is held batch after batch)
+            return
+        here.checked_whole.add(name)
         number = self._shard_numbers.get(name)
         marks = self.checks.marks()
         if number is None or marks is None or not self._sharded:
@@ -999,6 +1003,8 @@ class _Process:
     #: What the format's reader learned here (:attr:`ImageDataset.learns`): where records lie,
     #: found while reading them; ``None`` for readers that keep nothing.
     learned: Any = None
+    #: Files fetched here whose records were marked checked (:meth:`ImageDataset._checked_whole`).
+    checked_whole: set[str] = field(default_factory=set)
 
 
 def check_file_order(root: Path, manifest: Manifest, name: Callable[[int, int], str]) -> None:
