@@ -394,3 +394,41 @@ def test_a_shard_is_hashed_as_it_is_written(
             entry.sha256 == hashlib.sha256((tmp_path / "pt" / entry.path).read_bytes()).hexdigest()
         )
     verify(tmp_path / "pt")
+
+
+def test_a_shard_reaches_its_file_in_aligned_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard written a few KB at a time (tar members, TFRecord records) reaches the file in
+    runs that end on 2 MB boundaries (the kernel then caches it in large folios that a reader's
+    memory map takes whole), the rest at a flush or the close; the bytes and the digest are
+    the ones written, whatever the sizes of the writes and a flush midway."""
+    import hashlib
+
+    from imgpack.formats.writer_base import FOLIO, WRITE_BUFFER, HashedFile
+
+    calls: list[tuple[int, int]] = []  # (offset, bytes) of each system call that wrote
+    real = os.writev
+
+    def writev(fd: int, parts: list[memoryview]) -> int:
+        written = real(fd, parts)
+        calls.append((os.lseek(fd, 0, os.SEEK_CUR) - written, written))
+        return written
+
+    monkeypatch.setattr(os, "writev", writev)
+    rng = np.random.default_rng(1)
+    sizes = [512, 3584, 1024] * 2000 + [3 * WRITE_BUFFER + 5] + [6144] * 1500 + [7]
+    pieces = [rng.bytes(int(size)) for size in sizes]
+    shard = HashedFile(tmp_path / "shard")
+    for k, piece in enumerate(pieces):
+        shard.write(piece if k % 2 else memoryview(piece))
+        if k == len(pieces) // 3:
+            shard.flush()  # a flush writes what is held: the runs after it end aligned again
+    digest = shard.close()
+    data = (tmp_path / "shard").read_bytes()
+    assert data == b"".join(pieces)
+    assert digest == hashlib.sha256(data).hexdigest()
+    flushed = [k for k, (at, count) in enumerate(calls) if (at + count) % FOLIO]
+    assert len(flushed) == 2  # the flush midway and the close
+    assert all(count >= FOLIO for at, count in calls[: flushed[0]])
+    assert all(count >= FOLIO for at, count in calls[flushed[0] + 1 : flushed[1]])

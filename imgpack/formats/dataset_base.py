@@ -45,7 +45,7 @@ from imgpack.fields import Field
 from imgpack.formats.batch import Batch, Images, field_column, label_tensor
 from imgpack.formats.checking import Record as Record  # re-exported for the readers
 from imgpack.formats.checking import RecordChecks
-from imgpack.formats.gather import readonly_tensor, row_windows, shard_runs, take_windows, void_rows
+from imgpack.formats.gather import Windows, readonly_tensor, shard_runs, void_rows
 from imgpack.formats.mapping import MappedFiles
 from imgpack.formats.streaming import stored_samples
 from imgpack.images import Encoded, ImagePolicy
@@ -853,21 +853,20 @@ class PreadDataset(ImageDataset):
             self._here().maps.note(number, self._local(number))
         return mapped
 
-    def _row_windows(self, number: int, width: int) -> np.ndarray:
-        """Shard ``number``'s bytes as a read-only array of ``size - width + 1`` items of
-        ``width`` bytes (:func:`void_rows`): item ``s`` is the ``width`` bytes at offset ``s``
-        (no copy; numpy's fancy indexing of it gathers rows at any offsets in one call)."""
+    def _windows(self, number: int, width: int) -> Windows:
+        """Shard ``number``'s bytes as rows of ``width`` bytes at any offset (no copy), made
+        once per shard, width and process."""
         windows = self.handles.windows
         found = windows.get((number, width))
         if found is None:
-            found = windows[(number, width)] = row_windows(self._mapped(number), width)
+            found = windows[(number, width)] = Windows(self._mapped_tensor(number), width)
         return found
 
     def _rows_into(self, number: int, starts: np.ndarray, out: torch.Tensor) -> None:
         """Row ``k`` of ``out`` (a contiguous ``(n, width)`` uint8 tensor) is the ``width``
         bytes of shard ``number`` at offset ``starts[k]`` (offsets inside the file, as its
-        checked index gives them): one gather (:func:`take_windows`)."""
-        take_windows(self._mapped_tensor(number), out.shape[1], starts, out)
+        checked index gives them): one gather (:meth:`Windows.take`)."""
+        self._windows(number, out.shape[1]).take(starts, out)
 
     def _mapped_tensor(self, number: int) -> torch.Tensor:
         """Shard ``number``'s bytes as a uint8 tensor over its memory map (read only), made
@@ -905,12 +904,12 @@ class PreadDataset(ImageDataset):
             filled[others] = starts[int(elsewhere.argmin())]
             self._rows_into(first, filled, out)
             other = int(shard_of[others[0]])
-            target[others] = self._row_windows(other, width)[starts[others]]
+            target[others] = self._windows(other, width).rows[starts[others]]
             return
         order, runs = shard_runs(shard_of)
         ordered = starts[order]
         for number, start, stop in runs:
-            target[order[start:stop]] = self._row_windows(number, width)[ordered[start:stop]]
+            target[order[start:stop]] = self._windows(number, width).rows[ordered[start:stop]]
 
     def _local(self, number: int) -> Path:
         """Shard ``number``'s local path (fetched first, for an output read lazily)."""
@@ -968,7 +967,7 @@ class ShardFiles:
     fds: dict[int, int] = field(default_factory=dict)
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # the maps' bytes
-    windows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # row_windows
+    windows: dict[tuple[int, int], Windows] = field(default_factory=dict)  # by shard, width
 
 
 def _weak_hook(reader: ImageDataset) -> Callable[[str], None]:

@@ -76,7 +76,7 @@ TORCH_GATHER_BYTES = 384 * 1024
 
 
 def _torch_gathers(rows: int, width: int) -> bool:
-    """Whether a gather of ``rows`` rows of ``width`` bytes goes through torch."""
+    """Whether a gather of ``rows`` rows of ``width`` bytes goes through torch (else numpy)."""
     return rows * width >= TORCH_GATHER_BYTES and torch_may_gather()
 
 
@@ -111,6 +111,27 @@ def take_windows(
         return
     array = data.numpy() if isinstance(data, torch.Tensor) else data
     void_rows(target.numpy())[:] = row_windows(array, width)[starts]
+
+
+class Windows:
+    """The bytes of a file (``data``: a 1-D uint8 tensor over its memory map) as rows of
+    ``width`` bytes at any offset, both views a gather takes (:func:`take_windows`'s) made once:
+    a reader keeps one per shard and row width, and gathers a batch with :meth:`take`."""
+
+    def __init__(self, data: torch.Tensor, width: int) -> None:
+        self.width = width
+        #: Item ``s`` is the ``width`` bytes at offset ``s`` (numpy's fancy indexing: a memcpy each).
+        self.rows = row_windows(data.numpy(), width)
+        self._tensor = data.as_strided((max(0, len(data) - width + 1), width), (1, 1))
+
+    def take(self, starts: np.ndarray, out: torch.Tensor) -> None:
+        """Row ``k`` of ``out`` (contiguous ``(n, width)`` uint8) is the ``width`` bytes at
+        offset ``starts[k]`` (each inside the data): one gather, torch's or numpy's as
+        :func:`take_rows` chooses."""
+        if _torch_gathers(len(starts), self.width):
+            torch.index_select(self._tensor, 0, torch.from_numpy(starts), out=out)
+            return
+        void_rows(out.numpy())[:] = self.rows[starts]
 
 
 def byte_rows(data: torch.Tensor | np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
