@@ -13,12 +13,15 @@ image's size alone, before it is decoded, so the decode can do only the work the
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from imgpack.errors import OptionError
+from imgpack.forking import torch_may_run
 from imgpack.stored import Payload, decode_stored, jpeg_mode, widen
 from imgpack.units import parse_image_size
 
@@ -26,6 +29,11 @@ try:
     import simplejpeg as _simplejpeg
 except ImportError:  # Pillow decodes every JPEG whole then
     _simplejpeg = None
+
+try:  # built where a C compiler and libjpeg-turbo's headers were (setup.py)
+    import imgpack._jpegregion as _jpegregion
+except ImportError:  # the whole image at a DCT scale (simplejpeg), then the crop
+    _jpegregion = None  # type: ignore[assignment]
 
 #: The tries torchvision makes before it falls back to the centre crop.
 TRIES = 10
@@ -225,26 +233,75 @@ def _epoch_indices(indices: np.ndarray, epoch: int, done: bytes | None = None) -
 
 
 def crop_resize(
-    pixels: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int], flip: bool
+    pixels: np.ndarray,
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    flip: bool,
+    exact: bool = True,
 ) -> np.ndarray:
     """The ``box`` (top, left, height, width, in ``pixels``' coordinates) of HxWxC uint8
-    ``pixels``, resized to ``size`` (H, W) with Pillow's bilinear filter, flipped left to right
-    when ``flip``. A box of whole pixels is cropped, then resized: what torchvision's
-    ``RandomResizedCrop`` does to a PIL image; a box in a JPEG decoded at a reduced scale has
-    fractional edges and is resized in one step from there (Pillow's ``resize(box=)``)."""
+    ``pixels``, resized to ``size`` (H, W) with a bilinear filter (antialiased when it shrinks),
+    flipped left to right when ``flip``. A box of whole pixels is cropped, then resized: what
+    torchvision's ``RandomResizedCrop`` does to a PIL image; a box in a JPEG decoded at a
+    reduced scale has fractional edges and is resized in one step from there (Pillow's
+    ``resize(box=)``). ``exact=False`` (pixels already within a tolerance of the stored image's,
+    a JPEG's): a box of whole pixels is resized by torch's antialiased bilinear kernel for
+    uint8, what torchvision's ``RandomResizedCrop`` does to a tensor (within 1 of Pillow's, about
+    3x faster), where torch's threads may run (:func:`imgpack.forking.torch_may_run`)."""
     top, left, height, width = box
     gray = pixels.shape[2] == 1
-    img = Image.fromarray(pixels[:, :, 0] if gray else pixels)
     region = (float(left), float(top), float(left + width), float(top + height))
     target = (size[1], size[0])
-    if all(v.is_integer() for v in region):
+    whole = all(v.is_integer() for v in region)
+    if not exact and whole and not gray and torch_may_run():
+        import torch  # a conversion (no crops) never imports it
+
+        y, x, h, w = int(top), int(left), int(height), int(width)
+        crop = torch.from_numpy(np.ascontiguousarray(pixels[y : y + h, x : x + w]))
+        batch = crop.permute(2, 0, 1)[None]  # (1, C, H, W) over channels-last memory
+        resized = torch.nn.functional.interpolate(
+            batch, size=size, mode="bilinear", antialias=True, align_corners=False
+        )
+        chw = resized[0].flip(-1) if flip else resized[0]
+        return chw.permute(1, 2, 0).numpy()  # HWC, over CHW memory: see place()
+    img = Image.fromarray(pixels[:, :, 0] if gray else pixels)
+    if whole:
         img = img.crop(region).resize(target, Image.Resampling.BILINEAR)
     else:
         img = img.resize(target, Image.Resampling.BILINEAR, box=region)
     out = np.asarray(img)
     if gray:
         out = out[:, :, None]
-    return out[:, ::-1] if flip else out
+    return _flipped(out) if flip else out
+
+
+def _flipped(pixels: np.ndarray) -> np.ndarray:
+    """HxWxC ``pixels`` flipped left to right, as a new contiguous array: through torch's flip
+    where its threads may run (numpy copies a negatively strided view value by value: 227 µs
+    for a 224x224 RGB crop against torch's 18 µs), else through numpy."""
+    if not torch_may_run():
+        return np.ascontiguousarray(pixels[:, ::-1])
+    import torch
+
+    with warnings.catch_warnings():  # read only (Pillow's array): torch only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(pixels)
+    return source.flip(1).numpy()
+
+
+def place(pixels: np.ndarray, out: Any) -> None:
+    """Copy HxWxC uint8 ``pixels`` (a crop) into ``out``, a CxHxW uint8 tensor (a batch's
+    sample): a plain copy for the crops torch resized (their HWC array is a view of CHW memory),
+    a transposing one for the others; through torch where its threads may run, else numpy."""
+    if not torch_may_run():
+        out.numpy()[:] = pixels.transpose(2, 0, 1)
+        return
+    import torch
+
+    with warnings.catch_warnings():  # read only (Pillow's array): torch only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(pixels)
+    out.copy_(source.permute(2, 0, 1))
 
 
 def decode_box(
@@ -256,19 +313,25 @@ def decode_box(
 ) -> np.ndarray:
     """A stored record's ``box`` (top, left, height, width in the stored image), resized to
     ``size`` and flipped when ``flip``: HxWxC uint8 (C = ``channels``). A JPEG is decoded at the
-    smallest DCT scale whose scaled box still covers ``size`` (libjpeg-turbo through
-    ``simplejpeg``), the box taken from that; a PNG, or raw pixels (an array), in full."""
+    smallest DCT scale whose scaled box still covers ``size``, only around the box where the
+    region decoder was built (:func:`_region_jpeg`), else whole (simplejpeg), and resized
+    within a tolerance (``crop_resize(exact=False)``); a PNG, or raw pixels (an array), in
+    full, then cropped and resized as torchvision does to a PIL image."""
     top, left, height, width = box
     if isinstance(payload, np.ndarray):
         return widen(crop_resize(payload, (top, left, height, width), size, flip), channels)
     pixels = None
     if _simplejpeg is not None and bytes(payload[:3]) == b"\xff\xd8\xff":
+        if _jpegregion is not None:
+            cropped = _region_jpeg(payload, channels, box, size, flip)
+            if cropped is not None:
+                return cropped
         pixels = _scaled_jpeg(payload, channels, box, size)
     if pixels is not None:
         scaled, full = pixels
         sy, sx = scaled.shape[0] / full[0], scaled.shape[1] / full[1]
         region = (top * sy, left * sx, height * sy, width * sx)
-        return widen(crop_resize(scaled, region, size, flip), channels)
+        return widen(crop_resize(scaled, region, size, flip, exact=False), channels)
     whole = decode_stored(payload, channels)
     return widen(crop_resize(whole, (top, left, height, width), size, flip), channels)
 
@@ -278,6 +341,55 @@ def decode_box(
 #: pixels further from a full decode's crop (mean |difference| 0.57 against 0.00, the largest
 #: 129 against 28, on ImageNet-size photos: ``scripts/bench_recipe.py``).
 SCALES = (8, 4, 2)
+
+
+def _scale_factor(box: tuple[float, float, float, float], size: tuple[int, int]) -> int:
+    """The smallest DCT scale of :data:`SCALES` (else 1) that keeps ``box`` at least ``size``."""
+    _, _, box_h, box_w = box
+    return next((k for k in SCALES if box_h / k >= size[0] and box_w / k >= size[1]), 1)
+
+
+def _region_jpeg(
+    payload: Payload,
+    channels: int,
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    flip: bool,
+) -> np.ndarray | None:
+    """:func:`decode_box` of a JPEG through libjpeg-turbo's partial decompression
+    (``imgpack._jpegregion``): at the DCT scale :func:`_scaled_jpeg` takes, only the rows and
+    the iMCU columns around the box are decoded, with a margin that holds every pixel the
+    bilinear resize reads and the chroma upsampling's edge: the result is the scaled path's.
+    ``None`` for the other paths (a colour space or damage the decoder declines)."""
+    assert _jpegregion is not None
+    top, left, height, width = box
+    try:
+        found = jpeg_mode(payload, channels)
+        if found is None:
+            return None
+        full_h, full_w, mode = found
+        factor = _scale_factor(box, size)
+        scaled_h, scaled_w = -(-full_h // factor), -(-full_w // factor)
+        sy, sx = scaled_h / full_h, scaled_w / full_w
+        top, left, height, width = top * sy, left * sx, height * sy, width * sx
+        # Pillow's bilinear resize reads up to max(1, in/out) pixels beyond each output
+        # pixel's span; two more cover the upsampling at a cropped edge.
+        margin_y = math.ceil(max(1.0, height / size[0])) + 2
+        margin_x = math.ceil(max(1.0, width / size[1])) + 2
+        y0 = max(0, math.floor(top) - margin_y)
+        y1 = min(scaled_h, math.ceil(top + height) + margin_y)
+        x0 = max(0, math.floor(left) - margin_x)
+        x1 = min(scaled_w, math.ceil(left + width) + margin_x)
+        data, rows, cols, depth, xoffset, got_h, got_w = _jpegregion.decode(
+            payload, mode, factor, y0, y1, x0, x1
+        )
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if (got_h, got_w) != (scaled_h, scaled_w):  # not the scale the box was taken at
+        return None
+    pixels = np.frombuffer(data, np.uint8).reshape(rows, cols, depth)
+    shifted = (top - y0, left - xoffset, height, width)
+    return widen(crop_resize(pixels, shifted, size, flip, exact=False), channels)
 
 
 def _scaled_jpeg(
@@ -295,8 +407,7 @@ def _scaled_jpeg(
         if found is None:
             return None
         height, width, mode = found
-        _, _, box_h, box_w = box
-        factor = next((k for k in SCALES if box_h / k >= size[0] and box_w / k >= size[1]), 1)
+        factor = _scale_factor(box, size)
         pixels = _simplejpeg.decode_jpeg(
             payload,
             colorspace=mode,

@@ -18,8 +18,8 @@ for every Python contender: `imgpack.recipe`'s draw):
   simplejpeg       the best hand-written loader: simplejpeg full decode, crop, resize, flip
   dali             DALI's CPU pipeline (readers.file, decoders.image_random_crop, resize, flip)
                    over the same files, num_threads = max(1, W)
-  limit            cores x one process's rate of imgpack's own decode of the same boxes
-                   (recipe.decode_box), measured in the same round
+  limit            cores x one core's rate of imgpack's own decode of the same boxes
+                   (recipe.decode_box, torch on one thread), measured in the same round
 
 Every figure is the best of --repeats rounds (images/s); the ratios are imgpack's over each
 contender at the same W.
@@ -169,14 +169,21 @@ def dali_rate(paths: list[Path], threads: int, batch: int) -> float | None:
 
 
 def limit_rate(payloads: list[bytes], heights: np.ndarray, widths: np.ndarray) -> float:
-    """Cores x one process's rate of imgpack's decode of the recipe's boxes (in RAM)."""
+    """Cores x one core's rate of imgpack's decode of the recipe's boxes (in RAM): torch on
+    one thread, as in a DataLoader worker (its resize kernel would use every core here)."""
     idx = np.arange(len(payloads), dtype=np.int64)
     boxes = RECIPE.boxes(0, 0, idx, heights, widths)
-    start = time.perf_counter()
-    for k, data in enumerate(payloads):
-        box = (boxes.top[k], boxes.left[k], boxes.height[k], boxes.width[k])
-        decode_box(data, 3, box, RECIPE.size, bool(boxes.flip[k]))
-    return usable_cpus() * len(payloads) / (time.perf_counter() - start)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        for k, data in enumerate(payloads):
+            box = (boxes.top[k], boxes.left[k], boxes.height[k], boxes.width[k])
+            decode_box(data, 3, box, RECIPE.size, bool(boxes.flip[k]))
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return usable_cpus() * len(payloads) / seconds
 
 
 def pixel_difference(

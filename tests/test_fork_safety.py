@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import build_uniform_folder
@@ -126,5 +127,26 @@ def test_a_forked_child_with_threads_gathers_without_torch(
         ok = gather.torch_may_gather() == (threads == 1)
         torch.set_num_threads(1)
         os._exit(0 if ok and gather.torch_may_gather() else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_a_forked_child_with_threads_resizes_crops_without_torch() -> None:
+    """The recipe's JPEG crops are resized by torch's kernel where torch's threads may run, and
+    by Pillow in a forked child with several threads (torch's pool would hang it there): the
+    parent resizes through torch first, then the child's crop is Pillow's, pixel for pixel."""
+    from imgpack import recipe
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (90, 120, 3), dtype=np.uint8)
+    box = (5.0, 7.0, 80.0, 100.0)
+    pillow = recipe.crop_resize(pixels, box, (32, 32), False)
+    fast = recipe.crop_resize(pixels, box, (32, 32), False, exact=False)
+    assert np.abs(fast.astype(np.int64) - pillow).max() <= 2
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(2)
+        found = recipe.crop_resize(pixels, box, (32, 32), False, exact=False)
+        os._exit(0 if np.array_equal(found, pillow) else 3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

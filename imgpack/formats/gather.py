@@ -6,12 +6,13 @@ in a process forked with several threads) and numpy's fancy indexing, a memcpy a
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
+
+from imgpack.forking import torch_may_run
 
 
 def void_rows(data: np.ndarray) -> np.ndarray:
@@ -45,28 +46,14 @@ def row_windows(data: Any, width: int) -> np.ndarray:
     return np.ndarray((count,), np.dtype((np.void, width)), buffer=data, strides=(1,))
 
 
-#: Whether this process was forked from another (after which torch's OpenMP pool, if the
-#: parent started it, no longer works: see :func:`torch_may_gather`).
-_FORKED = False
-
-
-def _forked() -> None:
-    global _FORKED
-    _FORKED = True
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
-
-
 def torch_may_gather() -> bool:
     """Whether a gather may use torch's ``index_select`` here: it runs on torch's intra-op
     threads (OpenMP), and GNU OpenMP's pool does not survive ``fork()``: a forked child that
     enters it after its parent did waits forever. So torch gathers in a process that was not
     forked (its pool is its own) or that runs torch on one thread (DataLoader workers: no
     OpenMP region is entered); elsewhere (a process forked with several threads) numpy
-    copies the rows, single-threaded, at about half the speed."""
-    return not _FORKED or torch.get_num_threads() == 1
+    copies the rows, single-threaded, at about half the speed (:mod:`imgpack.forking`)."""
+    return torch_may_run()
 
 
 #: Gathers of fewer bytes than this copy their rows with numpy even where torch may gather:
