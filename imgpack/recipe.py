@@ -57,11 +57,17 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
 def uniforms(seed: int, epoch: int, indices: np.ndarray, draw: int) -> np.ndarray:
     """Draw number ``draw`` of each sample of ``indices`` in ``epoch``: floats in ``[0, 1)``
     (53 random bits each), a pure function of ``(seed, epoch, index, draw)``."""
+    return _draws(seed, epoch, indices, np.array([draw], np.uint64))[:, 0]
+
+
+def _draws(seed: int, epoch: int, indices: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """:func:`uniforms` for every draw number of ``draws`` (uint64) at once: a ``(len(indices),
+    len(draws))`` array, in one pass over the samples (a batch's boxes take 23 draws each)."""
     key = _splitmix(np.full(1, seed & (2**64 - 1), np.uint64))
     key = _splitmix(key ^ np.uint64(epoch & (2**64 - 1)))
     with np.errstate(over="ignore"):
         x = _splitmix(key ^ (np.asarray(indices, np.int64).astype(np.uint64) * _GOLDEN))
-        x = _splitmix(x ^ np.uint64(draw))
+        x = _splitmix(x[:, None] ^ draws[None, :])
     return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
@@ -120,21 +126,18 @@ class RandomResizedCrop:
         found = np.zeros(len(indices), bool)
         box_h = np.zeros(len(indices), np.int64)
         box_w = np.zeros(len(indices), np.int64)
+        drawn = _draws(seed, epoch, indices, np.arange(_FLIP + 1, dtype=np.uint64))
         for attempt in range(TRIES):
-            share = uniforms(seed, epoch, indices, 2 * attempt)
+            share = drawn[:, 2 * attempt]
             target = area * (self.scale[0] + share * (self.scale[1] - self.scale[0]))
-            aspect = np.exp(
-                log_low + uniforms(seed, epoch, indices, 2 * attempt + 1) * (log_high - log_low)
-            )
+            aspect = np.exp(log_low + drawn[:, 2 * attempt + 1] * (log_high - log_low))
             w = np.rint(np.sqrt(target * aspect)).astype(np.int64)
             h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
             fits = ~found & (w > 0) & (w <= width) & (h > 0) & (h <= height)
             box_h[fits], box_w[fits] = h[fits], w[fits]
             found |= fits
-        top = np.floor(uniforms(seed, epoch, indices, _TOP) * (height - box_h + 1)).astype(np.int64)
-        left = np.floor(uniforms(seed, epoch, indices, _LEFT) * (width - box_w + 1)).astype(
-            np.int64
-        )
+        top = np.floor(drawn[:, _TOP] * (height - box_h + 1)).astype(np.int64)
+        left = np.floor(drawn[:, _LEFT] * (width - box_w + 1)).astype(np.int64)
         # The fallback: the whole image, or its centre cut to the nearer end of ``ratio``.
         rest = ~found
         if rest.any():
@@ -147,7 +150,7 @@ class RandomResizedCrop:
             box_h[rest], box_w[rest] = h, w
             top[rest] = (height[rest] - h) // 2
             left[rest] = (width[rest] - w) // 2
-        flip = uniforms(seed, epoch, indices, _FLIP) < self.flip
+        flip = drawn[:, _FLIP] < self.flip
         return Boxes(top, left, box_h, box_w, flip)
 
 
@@ -298,9 +301,12 @@ def place(pixels: np.ndarray, out: Any) -> None:
         return
     import torch
 
-    with warnings.catch_warnings():  # read only (Pillow's array): torch only reads it
-        warnings.simplefilter("ignore", UserWarning)
+    if pixels.flags.writeable:
         source = torch.from_numpy(pixels)
+    else:
+        with warnings.catch_warnings():  # read only (Pillow's array): torch only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.from_numpy(pixels)
     out.copy_(source.permute(2, 0, 1))
 
 
