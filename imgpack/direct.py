@@ -41,7 +41,14 @@ from imgpack.errors import ImageError, ImgpackError
 from imgpack.executors import WORKER_DIED, Executor, Failure, Job, Outcome, TaskDied
 from imgpack.formats import get as format_spec
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig
-from imgpack.manifest import MANIFEST_NAME, Companion, FileEntry, Manifest, manifest_bytes
+from imgpack.manifest import (
+    MANIFEST_NAME,
+    Companion,
+    FileEntry,
+    Manifest,
+    manifest_bytes,
+    part_manifest_name,
+)
 from imgpack.planning import Plan, manifest_for
 from imgpack.scan import Sample, SampleTable
 from imgpack.sources import listing
@@ -329,7 +336,10 @@ def convert_to_bucket(
             "--resume writes those shards again"
         )
     if len(receipts) < total:
-        return _part_summary(plan, receipts, first, last, url, total)
+        summary = _part_summary(plan, receipts, first, last, url, total)
+        if all(k in receipts for k in range(first, last)):
+            _keep_part(plan, dest, summary)
+        return summary
     return commit(plan, dest, work, [receipts[k] for k in range(total)])
 
 
@@ -764,6 +774,8 @@ def _part_summary(
     (nothing is written: the last part to finish commits the whole output)."""
     mine = [receipts[k] for k in range(first, last) if k in receipts]
     manifest = _manifest(plan, mine)
+    if plan.options.part:  # what the scan could not take is listed once, by part 0 (merge)
+        manifest.skipped = manifest.skipped[len(plan.scan.unreadable) :]
     start = mine[0]["start"] if mine else 0
     stop = mine[-1]["stop"] if mine else 0
     manifest.part = {
@@ -772,12 +784,22 @@ def _part_summary(
         "start": start,
         "stop": stop,
         "pending": total - len(receipts),  # shards of other parts without a receipt yet
+        "first_shard": first,  # its shards carry the whole output's names (check_file_order)
+        "shards": total,
     }
     log.info(
         "%s: part %d of %d written (%d shards); the output is committed by the last part to "
         "finish", url, plan.options.part, plan.options.num_parts, last - first,
     )  # fmt: skip
     return manifest
+
+
+def _keep_part(plan: Plan, dest: Destination, manifest: Manifest) -> None:
+    """Write a finished part's manifest beside its shards (:func:`part_manifest_name`): a part
+    written into a folder of its own is then an output ``imgpack merge`` joins; in a DST the
+    parts share, the last part's commit removes it with the other leftovers."""
+    name = part_manifest_name(plan.options.part, plan.options.num_parts)
+    _write(dest, name, manifest_bytes(manifest))
 
 
 __all__ = [

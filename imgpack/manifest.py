@@ -33,6 +33,18 @@ from imgpack.stats import DatasetStats
 ENCODING_NAMES = ("original", "jpeg", "png", "raw")
 
 MANIFEST_NAME = "imgpack.json"
+
+
+def part_manifest_name(index: int, count: int) -> str:
+    """Where a part written by shard tasks keeps its manifest until the whole output is
+    committed (``.imgpack-part-1-of-3.json``): a part written into a folder of its own (to be
+    merged) is read by ``imgpack merge`` from there; in a DST shared with the other parts, the
+    last part's commit removes it."""
+    return f".imgpack-part-{index}-of-{count}.json"
+
+
+#: What :func:`part_manifest_name` gives, as a glob.
+PART_MANIFEST_GLOB = ".imgpack-part-*-of-*.json"
 SCHEMA_VERSION = 1
 #: Hex digits of an output id.
 OUTPUT_ID_LENGTH = 16
@@ -78,7 +90,8 @@ class Manifest:
     #: mixes the files of two outputs. ``""`` in outputs of imgpack before 0.3.
     output_id: str = ""
     #: Set for a part of a partitioned conversion: ``{"index", "count", "start", "stop"}``
-    #: (the part's number, how many parts, its slice of the scan).
+    #: (the part's number, how many parts, its slice of the scan); a part written by shard
+    #: tasks adds ``"first_shard"`` and ``"shards"``: its shards are those of the whole output.
     part: dict[str, int] | None = None
     #: The dataset statistics the conversion recorded (:class:`imgpack.stats.DatasetStats`'s
     #: JSON); ``None`` in outputs made before imgpack recorded them.
@@ -214,6 +227,11 @@ def _part(value: Any) -> dict[str, int] | None:
     part = {key: _count(value[key], f"part.{key}") for key in ("index", "count", "start", "stop")}
     if not part["index"] < part["count"] or part["start"] > part["stop"]:
         raise ValueError(f"part {part} is not a part of a conversion")
+    if "first_shard" in value or "shards" in value:  # written by shard tasks (direct.py)
+        part["first_shard"] = _count(value.get("first_shard"), "part.first_shard")
+        part["shards"] = _count(value.get("shards"), "part.shards")
+        if part["first_shard"] > part["shards"]:
+            raise ValueError(f"part {part} is not a part of a conversion")
     return part
 
 

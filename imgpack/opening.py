@@ -23,6 +23,7 @@ storage knows nothing of readers.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from imgpack.errors import DataError, ManifestError, OptionError
-from imgpack.manifest import Manifest, file_problem, read_manifest
+from imgpack.manifest import (
+    MANIFEST_NAME,
+    PART_MANIFEST_GLOB,
+    Manifest,
+    file_problem,
+    read_manifest,
+)
 from imgpack.publishing import recover
 from imgpack.recipe import CenterCrop, Crop, RandomResizedCrop
 from imgpack.storage.cache import fetch_output
@@ -213,6 +220,45 @@ def open_output(
     manifest = read_manifest(root)
     check_files(root, manifest)
     return Opened(root, manifest, LocalFiles(root), str(location))
+
+
+def open_part(location: str | os.PathLike[str] | Opened, options: ReadOptions) -> Opened:
+    """:func:`open_output` for ``imgpack merge``: a local folder where a part was written by
+    shard tasks apart from the others holds no ``imgpack.json`` (only the last part to finish
+    a shared DST writes one) but its part's manifest (:func:`part_manifest_name`), and is
+    opened by that, its files checked as any output's."""
+    if isinstance(location, Opened) or is_url(location):
+        return open_output(location, options)
+    root = local_path(location)
+    manifest = read_part_manifest(root)
+    if manifest is None:
+        return open_output(location, options)
+    check_files(root, manifest)
+    return Opened(root, manifest, LocalFiles(root), str(location))
+
+
+def read_part_manifest(root: Path) -> Manifest | None:
+    """The manifest of the part written by shard tasks in the folder ``root`` (see
+    :func:`open_part`), or ``None`` where it holds an output's own manifest or no part's."""
+    if (root / MANIFEST_NAME).exists():
+        return None
+    found = sorted(root.glob(PART_MANIFEST_GLOB)) if root.is_dir() else []
+    if not found:
+        return None
+    if len(found) > 1:
+        raise OptionError(
+            f"{root}: holds the manifests of {len(found)} parts ({found[0].name}, ...) and no "
+            f"{MANIFEST_NAME}: a DST shared by parts is finished by running its last part "
+            "again, not merged"
+        )
+    try:
+        data = json.loads(found[0].read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{found[0]}: unreadable manifest: {exc}") from None
+    manifest = Manifest.from_json(data, where=str(found[0]))
+    if manifest.part is None:
+        raise ManifestError(f"{found[0]}: not a part's manifest (no part record)")
+    return manifest
 
 
 def open_manifest(

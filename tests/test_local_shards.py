@@ -239,3 +239,56 @@ def test_the_shard_plan_counts_the_bytes_written(images: Path, tmp_path: Path, f
     assert len(sizes) > 1
     assert max(sizes) <= limit + 10_240, sizes  # a tar ends in whole 10,240-byte records
     assert sum(sizes) / len(sizes) >= limit / 3, sizes
+
+
+@pytest.mark.parametrize("fmt", SHARDED)
+def test_parts_written_apart_merge_into_the_single_conversions_files(
+    images: Path, tmp_path: Path, fmt: str
+) -> None:
+    """K = 2 and 3 parts by shard tasks, each into a folder of its own (the parts of a job
+    whose nodes share no disk): each folder is a part (its manifest beside its shards, under
+    the whole output's names), readable as the others' parts are, and ``imgpack merge`` joins
+    them into the single conversion's files, byte for byte, through the CLI."""
+    from click.testing import CliRunner
+
+    from imgpack.cli import main
+
+    args = {"shard_size": "3KB", "workers": 2, "progress": False, "shard_tasks": True}
+    whole = convert(images, tmp_path / "whole", fmt, **args)
+    reference = _files(tmp_path / "whole")
+    for count in (2, 3):
+        parts = [tmp_path / f"k{count}-p{part}" for part in range(count)]
+        seen = 0
+        for part, folder in enumerate(parts):
+            done = convert(images, folder, fmt, num_parts=count, part=part, **args)
+            assert done.part is not None and not (folder / MANIFEST_NAME).exists()
+            assert (folder / f".imgpack-part-{part}-of-{count}.json").is_file()
+            seen += done.num_samples
+        assert seen == whole.num_samples
+        merged = tmp_path / f"merged-{count}"
+        result = CliRunner().invoke(main, ["merge", *map(str, parts), str(merged), "-q"])
+        assert result.exit_code == 0, result.output
+        assert _files(merged) == reference
+        manifest = open_dataset(merged).manifest
+        assert [f.path for f in manifest.files] == [f.path for f in whole.files]
+        assert [f.sha256 for f in manifest.files] == [f.sha256 for f in whole.files]
+        assert open_dataset(merged).targets == open_dataset(tmp_path / "whole").targets
+        assert verify(merged).ok
+
+
+def test_a_shared_destination_is_not_merged(images: Path, tmp_path: Path) -> None:
+    """Parts that share a DST leave their manifests there until the last commits; one that did
+    not finish (two part manifests, no ``imgpack.json``) is refused by merge in one line."""
+    from click.testing import CliRunner
+
+    from imgpack.cli import main
+
+    args = {"shard_size": "3KB", "workers": 1, "progress": False, "shard_tasks": True}
+    dst = tmp_path / "shared"
+    for part in (0, 1):
+        convert(images, dst, "pt", num_parts=3, part=part, **args)
+    assert len(list(dst.glob(".imgpack-part-*"))) == 2
+    result = CliRunner().invoke(main, ["merge", str(dst), str(tmp_path / "m"), "-q"])
+    assert result.exit_code != 0 and "running its last part again" in result.output
+    convert(images, dst, "pt", num_parts=3, part=2, **args)
+    assert (dst / MANIFEST_NAME).is_file() and not list(dst.glob(".imgpack-part-*"))

@@ -1011,12 +1011,17 @@ def check_file_order(root: Path, manifest: Manifest, name: Callable[[int, int], 
     """The manifest of a sharded output must list its shards under the names its writer gives
     them, in order (``name(number, total)``): a manifest whose files were reordered or renamed
     would serve one shard's samples for another's."""
-    total = len(manifest.files)
+    total, first = len(manifest.files), 0
+    part = manifest.part if isinstance(manifest.part, dict) else {}
+    if type(part.get("first_shard")) is int and type(part.get("shards")) is int:
+        # A part written by shard tasks: shards first.. of the whole output's (merging.py).
+        first, total = part["first_shard"], part["shards"]
     for number, entry in enumerate(manifest.files):
-        if entry.path != name(number, total):
+        if entry.path != name(first + number, total):
             raise ManifestError(
                 f"{root}: the manifest lists {entry.path} as shard {number}, which its writer "
-                f"names {name(number, total)} (the manifest's files were edited or reordered)"
+                f"names {name(first + number, total)} (the manifest's files were edited or "
+                "reordered)"
             )
 
 
