@@ -355,6 +355,19 @@ def _scale_factor(box: tuple[float, float, float, float], size: tuple[int, int])
     return next((k for k in SCALES if box_h / k >= size[0] and box_w / k >= size[1]), 1)
 
 
+def _jpeg_plan(
+    payload: Payload, channels: int, box: tuple[float, float, float, float], size: tuple[int, int]
+) -> tuple[int, int, str, int] | None:
+    """A stored JPEG's full height and width, the colour space it decodes to (``gray`` or
+    ``rgb``) and the DCT scale the box allows (:func:`_scale_factor`), from its header; ``None``
+    for Pillow's path. Raises what the header read raises (``ValueError``)."""
+    found = jpeg_mode(payload, channels)
+    if found is None:
+        return None
+    height, width, mode = found
+    return height, width, mode, _scale_factor(box, size)
+
+
 def _region_jpeg(
     payload: Payload,
     channels: int,
@@ -370,11 +383,10 @@ def _region_jpeg(
     assert _jpegregion is not None
     top, left, height, width = box
     try:
-        found = jpeg_mode(payload, channels)
-        if found is None:
+        planned = _jpeg_plan(payload, channels, box, size)
+        if planned is None:
             return None
-        full_h, full_w, mode = found
-        factor = _scale_factor(box, size)
+        full_h, full_w, mode, factor = planned
         scaled_h, scaled_w = -(-full_h // factor), -(-full_w // factor)
         sy, sx = scaled_h / full_h, scaled_w / full_w
         top, left, height, width = top * sy, left * sx, height * sy, width * sx
@@ -409,11 +421,10 @@ def _scaled_jpeg(
     space or damage simplejpeg declines)."""
     assert _simplejpeg is not None
     try:
-        found = jpeg_mode(payload, channels)
-        if found is None:
+        planned = _jpeg_plan(payload, channels, box, size)
+        if planned is None:
             return None
-        height, width, mode = found
-        factor = _scale_factor(box, size)
+        height, width, mode, factor = planned
         pixels = _simplejpeg.decode_jpeg(
             payload,
             colorspace=mode,
