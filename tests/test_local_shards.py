@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -38,7 +39,7 @@ def _files(root: Path) -> dict[str, str]:
     return {
         p.name: hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.iterdir())
-        if p.name != MANIFEST_NAME
+        if p.name != MANIFEST_NAME and p.is_file()
     }
 
 
@@ -241,6 +242,13 @@ def test_the_shard_plan_counts_the_bytes_written(images: Path, tmp_path: Path, f
     assert sum(sizes) / len(sizes) >= limit / 3, sizes
 
 
+def open_dataset_part(folder: Path) -> Any:
+    """The manifest a part written apart keeps beside its shards."""
+    from imgpack.opening import read_part_manifest
+
+    return read_part_manifest(folder)
+
+
 @pytest.mark.parametrize("fmt", SHARDED)
 def test_parts_written_apart_merge_into_the_single_conversions_files(
     images: Path, tmp_path: Path, fmt: str
@@ -265,6 +273,11 @@ def test_parts_written_apart_merge_into_the_single_conversions_files(
             assert (folder / f".imgpack-part-{part}-of-{count}.json").is_file()
             seen += done.num_samples
         assert seen == whole.num_samples
+        before = _files(parts[0])
+        again = convert(images, parts[0], fmt, num_parts=count, part=0, resume=True, **args)
+        kept = open_dataset_part(parts[0]).part  # a resumed part writes nothing new
+        assert {k: v for k, v in again.part.items() if k != "pending"} == kept
+        assert _files(parts[0]) == before
         merged = tmp_path / f"merged-{count}"
         result = CliRunner().invoke(main, ["merge", *map(str, parts), str(merged), "-q"])
         assert result.exit_code == 0, result.output
