@@ -4,8 +4,8 @@
 decompression (``jpeg_skip_scanlines``, ``jpeg_crop_scanline``), for the training recipe's
 random crops. It needs a C compiler and libjpeg-turbo's headers (Debian: ``libjpeg-dev``);
 where they are missing the build goes on without it, and the crops decode through simplejpeg
-(the whole image at a DCT scale, then the crop), with the same results within the tolerance
-``docs/recipe.md`` states.
+(the whole image at a DCT scale, then the crop), within 2 of 255 of the same crops
+(``docs/loading.md``, "Random crops").
 """
 
 from setuptools import Extension, setup

@@ -122,6 +122,7 @@ static int run(struct job *job, struct failure *err) {
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer data;
     const char *colorspace;
     int denom;
@@ -188,6 +189,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_jpegregion",
     "A JPEG's region decoded alone (libjpeg-turbo's partial decompression).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__jpegregion(void) { return PyModule_Create(&module); }

@@ -665,9 +665,12 @@ def _receipt_problem(
     return None
 
 
-def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
+def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]], unreadable: bool = True) -> Manifest:
+    """The manifest of the shards ``receipts`` describe; ``unreadable``: whether it lists the
+    files the scan could not take (the whole output, and its part 0, do)."""
     files = [_entry(r["file"]) for r in receipts]
-    skipped = [*plan.scan.unreadable, *(s for r in receipts for s in r["skipped"])]
+    listed = plan.scan.unreadable if unreadable else []
+    skipped = [*listed, *(s for r in receipts for s in r["skipped"])]
     tally = DatasetStats.total(r.get("stats") for r in receipts)  # an older receipt: None
     count = sum(r["count"] for r in receipts)
     manifest = manifest_for(plan, files, count, skipped, tally)
@@ -770,12 +773,12 @@ def write_local(plan: Plan, folder: Path, executor: Any) -> Manifest:
 def _part_summary(
     plan: Plan, receipts: dict[int, dict[str, Any]], first: int, last: int, url: str, total: int
 ) -> Manifest:
-    """What a part that did not finish the output returns: its own shards' manifest entries
-    (nothing is written: the last part to finish commits the whole output)."""
+    """What a part that did not finish the output returns: its own shards' manifest entries,
+    with the part record (the last part to finish commits the whole output; a finished part's
+    summary is kept beside its shards by :func:`_keep_part`)."""
     mine = [receipts[k] for k in range(first, last) if k in receipts]
-    manifest = _manifest(plan, mine)
-    if plan.options.part:  # what the scan could not take is listed once, by part 0 (merge)
-        manifest.skipped = manifest.skipped[len(plan.scan.unreadable) :]
+    # What the scan could not take is listed once, by part 0, as merge expects.
+    manifest = _manifest(plan, mine, unreadable=plan.options.part == 0)
     start = mine[0]["start"] if mine else 0
     stop = mine[-1]["stop"] if mine else 0
     manifest.part = {

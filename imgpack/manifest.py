@@ -33,18 +33,6 @@ from imgpack.stats import DatasetStats
 ENCODING_NAMES = ("original", "jpeg", "png", "raw")
 
 MANIFEST_NAME = "imgpack.json"
-
-
-def part_manifest_name(index: int, count: int) -> str:
-    """Where a part written by shard tasks keeps its manifest until the whole output is
-    committed (``.imgpack-part-1-of-3.json``): a part written into a folder of its own (to be
-    merged) is read by ``imgpack merge`` from there; in a DST shared with the other parts, the
-    last part's commit removes it."""
-    return f".imgpack-part-{index}-of-{count}.json"
-
-
-#: What :func:`part_manifest_name` gives, as a glob.
-PART_MANIFEST_GLOB = ".imgpack-part-*-of-*.json"
 SCHEMA_VERSION = 1
 #: Hex digits of an output id.
 OUTPUT_ID_LENGTH = 16
@@ -288,11 +276,29 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise FileNotFoundError(f"{directory}: no such imgpack output")
     if not path.is_file():
         raise NotAnOutput(not_an_output(directory))
+    return read_manifest_file(path)
+
+
+def read_manifest_file(path: Path) -> Manifest:
+    """Read and validate the manifest file ``path`` (an output's, or a part's kept beside its
+    shards: :func:`part_manifest_name`)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{path}: unreadable manifest: {exc}") from None
     return Manifest.from_json(data, where=str(path))
+
+
+def part_manifest_name(index: int, count: int) -> str:
+    """Where a part written by shard tasks keeps its manifest until the whole output is
+    committed (``.imgpack-part-1-of-3.json``): a part written into a folder of its own (to be
+    merged) is read by ``imgpack merge`` from there; in a DST shared with the other parts, the
+    last part's commit removes it."""
+    return f".imgpack-part-{index}-of-{count}.json"
+
+
+#: What :func:`part_manifest_name` gives, as a glob.
+PART_MANIFEST_GLOB = ".imgpack-part-*-of-*.json"
 
 
 def not_an_output(directory: Path) -> str:

@@ -23,7 +23,6 @@ storage knows nothing of readers.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from imgpack.manifest import (
     Manifest,
     file_problem,
     read_manifest,
+    read_manifest_file,
 )
 from imgpack.publishing import recover
 from imgpack.recipe import CenterCrop, Crop, RandomResizedCrop
@@ -251,11 +251,7 @@ def read_part_manifest(root: Path) -> Manifest | None:
             f"{MANIFEST_NAME}: a DST shared by parts is finished by running its last part "
             "again, not merged"
         )
-    try:
-        data = json.loads(found[0].read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{found[0]}: unreadable manifest: {exc}") from None
-    manifest = Manifest.from_json(data, where=str(found[0]))
+    manifest = read_manifest_file(found[0])
     if manifest.part is None:
         raise ManifestError(f"{found[0]}: not a part's manifest (no part record)")
     return manifest

@@ -13,17 +13,19 @@ image's size alone, before it is decoded, so the decode can do only the work the
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
 
 from imgpack.errors import OptionError
-from imgpack.forking import torch_may_run
 from imgpack.stored import Payload, decode_stored, jpeg_mode, widen
+from imgpack.tensors import readonly_tensor, torch_may_run
 from imgpack.units import parse_image_size
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import simplejpeg as _simplejpeg
@@ -250,7 +252,7 @@ def crop_resize(
     ``resize(box=)``). ``exact=False`` (pixels already within a tolerance of the stored image's,
     a JPEG's): a box of whole pixels is resized by torch's antialiased bilinear kernel for
     uint8, what torchvision's ``RandomResizedCrop`` does to a tensor (within 1 of Pillow's, about
-    3x faster), where torch's threads may run (:func:`imgpack.forking.torch_may_run`)."""
+    3x faster), where torch's threads may run (:func:`imgpack.tensors.torch_may_run`)."""
     top, left, height, width = box
     gray = pixels.shape[2] == 1
     region = (float(left), float(top), float(left + width), float(top + height))
@@ -284,30 +286,17 @@ def _flipped(pixels: np.ndarray) -> np.ndarray:
     for a 224x224 RGB crop against torch's 18 µs), else through numpy."""
     if not torch_may_run():
         return np.ascontiguousarray(pixels[:, ::-1])
-    import torch
-
-    with warnings.catch_warnings():  # read only (Pillow's array): torch only reads it
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(pixels)
-    return source.flip(1).numpy()
+    return readonly_tensor(pixels).flip(1).numpy()
 
 
-def place(pixels: np.ndarray, out: Any) -> None:
+def place(pixels: np.ndarray, out: torch.Tensor) -> None:
     """Copy HxWxC uint8 ``pixels`` (a crop) into ``out``, a CxHxW uint8 tensor (a batch's
     sample): a plain copy for the crops torch resized (their HWC array is a view of CHW memory),
     a transposing one for the others; through torch where its threads may run, else numpy."""
     if not torch_may_run():
         out.numpy()[:] = pixels.transpose(2, 0, 1)
         return
-    import torch
-
-    if pixels.flags.writeable:
-        source = torch.from_numpy(pixels)
-    else:
-        with warnings.catch_warnings():  # read only (Pillow's array): torch only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(pixels)
-    out.copy_(source.permute(2, 0, 1))
+    out.copy_(readonly_tensor(pixels).permute(2, 0, 1))
 
 
 def decode_box(

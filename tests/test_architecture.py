@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.errors",
             "imgpack.version",
             "imgpack.system",
-            "imgpack.forking",
+            "imgpack.tensors",
             "imgpack.units",
             "imgpack.checksum",
             "imgpack.fields",
@@ -298,7 +298,7 @@ STATE_ALLOWED = {
     "imgpack.checksum._label_table": "a lookup table built on first use, the same for all",
     "imgpack.decoding._pools": "one decode thread pool per size in a process (reset on fork)",
     "imgpack.decoding._pools_lock": "guards _pools (made again after a fork)",
-    "imgpack.forking._FORKED": "set after a fork: torch's threaded kernels may not run here",
+    "imgpack.tensors._FORKED": "set after a fork: torch's threaded kernels may not run here",
     "imgpack.formats.lmdb.reader._environments": "LMDB allows one environment per file and "
     "process: readers of one output share it, counted",
     "imgpack.formats.lmdb.reader._environments_pid": "the process _environments belong to",

@@ -99,7 +99,7 @@ def test_dataloader_workers_read_after_the_parent_did(
 
 def test_the_read_side_has_no_address_tricks_and_gathers_in_one_place() -> None:
     """No ctypes memory mapping (a range reserved and files mapped into it); torch's
-    ``index_select`` (OpenMP threads, which hang a forked process) only in the three gathers,
+    ``index_select`` (OpenMP threads, which hang a forked process) only in the two gathers,
     each behind ``_torch_gathers``, which asks ``torch_may_gather``."""
     package = Path(__file__).resolve().parents[1] / "imgpack"
     for path in sorted(package.rglob("*.py")):
@@ -108,7 +108,7 @@ def test_the_read_side_has_no_address_tricks_and_gathers_in_one_place() -> None:
         if "formats" in path.parts and path.name != "gather.py":
             assert "index_select(" not in text, path
     base = (package / "formats" / "gather.py").read_text(encoding="utf-8")
-    assert base.count("index_select(") == base.count("    if _torch_gathers(") == 3
+    assert base.count("index_select(") == base.count("    if _torch_gathers(") == 2
     assert "and torch_may_gather()" in base
     assert not (package / "formats" / "span.py").exists()
 

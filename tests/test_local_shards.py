@@ -305,3 +305,31 @@ def test_a_shared_destination_is_not_merged(images: Path, tmp_path: Path) -> Non
     assert result.exit_code != 0 and "running its last part again" in result.output
     convert(images, dst, "pt", num_parts=3, part=2, **args)
     assert (dst / MANIFEST_NAME).is_file() and not list(dst.glob(".imgpack-part-*"))
+
+
+def test_merged_parts_list_what_the_scan_could_not_take_once(images: Path, tmp_path: Path) -> None:
+    """An image beside the class folders, skipped (``--on-error skip``): every part's scan
+    finds it, part 0 alone lists it, and the merged output lists it once, as one conversion
+    does."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from imgpack.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(images, src)
+    stray = next(p for p in sorted(src.rglob("*")) if p.is_file())
+    shutil.copy(stray, src / f"stray{stray.suffix}")
+    args = {"shard_size": "3KB", "progress": False, "shard_tasks": True, "on_error": "skip"}
+    whole = convert(src, tmp_path / "whole", "pt", **args)
+    assert [s["path"] for s in whole.skipped] == [f"stray{stray.suffix}"]
+    parts = [tmp_path / f"p{part}" for part in range(2)]
+    kept = [
+        convert(src, folder, "pt", num_parts=2, part=k, **args) for k, folder in enumerate(parts)
+    ]
+    assert [len(m.skipped) for m in kept] == [1, 0]
+    result = CliRunner().invoke(main, ["merge", *map(str, parts), str(tmp_path / "m"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert open_dataset(tmp_path / "m").manifest.skipped == whole.skipped
+    assert _files(tmp_path / "m") == _files(tmp_path / "whole")

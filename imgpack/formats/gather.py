@@ -6,13 +6,14 @@ in a process forked with several threads) and numpy's fancy indexing, a memcpy a
 
 from __future__ import annotations
 
-import warnings
+import functools
 from typing import Any
 
 import numpy as np
 import torch
 
-from imgpack.forking import torch_may_run
+from imgpack.tensors import readonly_tensor as readonly_tensor  # re-exported for the readers
+from imgpack.tensors import torch_may_run
 
 
 def void_rows(data: np.ndarray) -> np.ndarray:
@@ -52,7 +53,7 @@ def torch_may_gather() -> bool:
     enters it after its parent did waits forever. So torch gathers in a process that was not
     forked (its pool is its own) or that runs torch on one thread (DataLoader workers: no
     OpenMP region is entered); elsewhere (a process forked with several threads) numpy
-    copies the rows, single-threaded, at about half the speed (:mod:`imgpack.forking`)."""
+    copies the rows, single-threaded, at about half the speed (:mod:`imgpack.tensors`)."""
     return torch_may_run()
 
 
@@ -88,28 +89,32 @@ def take_windows(
     data: np.ndarray | torch.Tensor, width: int, starts: np.ndarray, out: np.ndarray | torch.Tensor
 ) -> None:
     """Row ``k`` of ``out`` (contiguous ``(n, width)`` uint8) is ``data[starts[k] : starts[k] +
-    width]`` (``data``: 1-D uint8, each row inside it): one gather over a sliding-window view,
-    torch's or numpy's as :func:`take_rows` chooses."""
+    width]`` (``data``: 1-D uint8, each row inside it): one gather over a sliding-window view
+    (:meth:`Windows.take`, its views made for this one gather)."""
+    source = data if isinstance(data, torch.Tensor) else readonly_tensor(data)
     target = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
-    if _torch_gathers(len(starts), width):
-        source = data if isinstance(data, torch.Tensor) else readonly_tensor(data)
-        windows = source.as_strided((len(source) - width + 1, width), (1, 1))
-        torch.index_select(windows, 0, torch.from_numpy(starts), out=target.view(-1, width))
-        return
-    array = data.numpy() if isinstance(data, torch.Tensor) else data
-    void_rows(target.numpy())[:] = row_windows(array, width)[starts]
+    Windows(source, width).take(starts, target.view(-1, width))
 
 
 class Windows:
-    """The bytes of a file (``data``: a 1-D uint8 tensor over its memory map) as rows of
-    ``width`` bytes at any offset, both views a gather takes (:func:`take_windows`'s) made once:
-    a reader keeps one per shard and row width, and gathers a batch with :meth:`take`."""
+    """The bytes of a file (``data``: a 1-D uint8 tensor, over its memory map) as rows of
+    ``width`` bytes at any offset (no copy): a reader keeps one per shard and row width, and
+    gathers a batch with :meth:`take`; each view is made on first use, once."""
 
     def __init__(self, data: torch.Tensor, width: int) -> None:
-        self.width = width
-        #: Item ``s`` is the ``width`` bytes at offset ``s`` (numpy's fancy indexing: a memcpy each).
-        self.rows = row_windows(data.numpy(), width)
-        self._tensor = data.as_strided((max(0, len(data) - width + 1), width), (1, 1))
+        self.data, self.width = data, width
+
+    @functools.cached_property
+    def rows(self) -> np.ndarray:
+        """Item ``s`` is the ``width`` bytes at offset ``s`` (numpy's fancy indexing of it
+        gathers rows at any offsets, a memcpy each)."""
+        return row_windows(self.data.numpy(), self.width)
+
+    @functools.cached_property
+    def _tensor(self) -> torch.Tensor:
+        """Row ``s`` is the ``width`` bytes at offset ``s`` (for ``index_select``)."""
+        count = max(0, len(self.data) - self.width + 1)
+        return self.data.as_strided((count, self.width), (1, 1))
 
     def take(self, starts: np.ndarray, out: torch.Tensor) -> None:
         """Row ``k`` of ``out`` (contiguous ``(n, width)`` uint8) is the ``width`` bytes at
@@ -129,11 +134,3 @@ def byte_rows(data: torch.Tensor | np.ndarray, start: np.ndarray, width: int) ->
     out = np.empty((len(start), width), np.uint8)
     take_windows(data, width, np.minimum(np.maximum(start, 0), last), out)
     return out
-
-
-def readonly_tensor(data: np.ndarray) -> torch.Tensor:
-    """A tensor over the bytes of a read-only array (a memory map opened for reading), to be
-    read only (torch has no read-only tensors and warns)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(data)

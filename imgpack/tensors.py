@@ -1,4 +1,6 @@
-"""Whether torch's intra-op threads may run in this process.
+"""Using torch from anywhere in the package: whether its threaded kernels may run in this
+process, and a tensor over a read-only array. torch is imported on first use, so a module that
+needs these (the recipe, the gathers) costs a conversion nothing.
 
 Torch runs its intra-op work (a large ``index_select``, an image resize) on GNU OpenMP's
 thread pool, and that pool does not survive ``fork()``: a forked child that enters it after
@@ -11,6 +13,12 @@ own (numpy, Pillow).
 from __future__ import annotations
 
 import os
+import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 #: Whether this process was forked from another.
 _FORKED = False
@@ -30,3 +38,15 @@ def torch_may_run() -> bool:
     import torch
 
     return not _FORKED or torch.get_num_threads() == 1
+
+
+def readonly_tensor(data: np.ndarray) -> torch.Tensor:
+    """A tensor over the bytes of ``data``, an array that may be read only (a memory map opened
+    for reading, Pillow's pixels), to be read only: torch has no read-only tensors and warns."""
+    import torch
+
+    if data.flags.writeable:
+        return torch.from_numpy(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
