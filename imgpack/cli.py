@@ -791,6 +791,12 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
         f"ignored:   {_ignored(manifest)}",
         f"created:   {manifest.created_by}",
     ]
+    if manifest.part is not None:  # one part of a partitioned conversion, not yet merged
+        part = manifest.part
+        lines.append(
+            f"part:      --part {part['index']} of --num-parts {part['count']} (image files "
+            f"{part['start']} to {part['stop']} of the scan): imgpack merge joins the parts"
+        )
     if manifest.stats is None:
         lines.append("stats:     none (made before imgpack recorded them; convert again for them)")
     else:

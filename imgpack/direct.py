@@ -335,12 +335,29 @@ def convert_to_bucket(
             f"{url}/{path}: {problem}; nothing committed ({len(bad)} such receipt(s)): "
             "--resume writes those shards again"
         )
-    if len(receipts) < total:
-        summary = _part_summary(plan, receipts, first, last, url, total)
-        if all(k in receipts for k in range(first, last)):
-            _keep_part(plan, dest, summary)
-        return summary
+    if options.num_parts > 1:  # the last part to finish a DST the parts share commits it
+        summary = _part_summary(plan, receipts, bounds, first, last, url)
+        if not all(k in receipts for k in range(first, last)):
+            return summary
+        _keep_part(plan, dest, summary)
+        if len(receipts) < total or not _every_part_kept(dest, options.num_parts):
+            return summary
+    elif len(receipts) < total:
+        missing = next(k for k in range(total) if k not in receipts)
+        raise ImgpackError(
+            f"{url}: shard {missing} has no receipt though its task ended; nothing committed: "
+            "--resume writes it again"
+        )
     return commit(plan, dest, work, [receipts[k] for k in range(total)])
+
+
+def _every_part_kept(dest: Destination, count: int) -> bool:
+    """Whether every one of the ``count`` parts has kept its manifest in DST: the parts share
+    it, and all have finished. A part written into a folder of its own finds only its own there
+    (it is merged with the others), even one that holds every shard of a plan with fewer shards
+    than parts."""
+    listed = set(dest.relisted().files)
+    return all(part_manifest_name(k, count) in listed for k in range(count))
 
 
 def _write_shards(
@@ -771,7 +788,12 @@ def write_local(plan: Plan, folder: Path, executor: Any) -> Manifest:
 
 
 def _part_summary(
-    plan: Plan, receipts: dict[int, dict[str, Any]], first: int, last: int, url: str, total: int
+    plan: Plan,
+    receipts: dict[int, dict[str, Any]],
+    bounds: Sequence[int],
+    first: int,
+    last: int,
+    url: str,
 ) -> Manifest:
     """What a part that did not finish the output returns: its own shards' manifest entries,
     with the part record (the last part to finish commits the whole output; a finished part's
@@ -779,8 +801,8 @@ def _part_summary(
     mine = [receipts[k] for k in range(first, last) if k in receipts]
     # What the scan could not take is listed once, by part 0, as merge expects.
     manifest = _manifest(plan, mine, unreadable=plan.options.part == 0)
-    start = mine[0]["start"] if mine else 0
-    stop = mine[-1]["stop"] if mine else 0
+    total = len(bounds) - 1
+    start, stop = bounds[first], bounds[last]  # a part with no shard: an empty range
     manifest.part = {
         "index": plan.options.part,
         "count": plan.options.num_parts,

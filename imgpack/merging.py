@@ -39,7 +39,7 @@ from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile, file_entries
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.manifest import Manifest, write_manifest
-from imgpack.opening import Opened, open_manifest, open_part, read_part_manifest
+from imgpack.opening import Opened, open_manifest, open_output
 from imgpack.publishing import (
     check_destination,
     clear_leftovers,
@@ -85,7 +85,7 @@ def merge(
         raise OptionError("give the parts to merge")
     # Each part opened by the one route (a part in a bucket fetched whole into the cache).
     where = ReadOptions(storage_options=storage_options, cache_dir=cache_dir, verify=True)
-    opened = [open_part(p, where) for p in parts]
+    opened = [open_output(p, where) for p in parts]
     roots = [o.root for o in opened]
     target = local_path(dst)
     for root in roots:
@@ -106,7 +106,7 @@ def merge(
         with temp_output(target) as tmp:
             files = _join(ordered, [by_root[root] for root, _ in ordered], tmp, progress)
             for root, manifest in ordered:
-                if (read_part_manifest(root) or open_manifest(root)[1]) != manifest:
+                if open_manifest(root)[1] != manifest:
                     raise DataError(
                         f"{root}: the part was replaced while it was being merged; nothing was "
                         "published: merge again"

@@ -216,30 +216,25 @@ def open_output(
         check_files(root, manifest)
         return Opened(root, manifest, CachedFiles(root, pin), url)
     root = local_path(location)
-    recover(root)  # a replacement killed midway: the previous output put back first
-    manifest = read_manifest(root)
+    manifest = _local_manifest(root)
     check_files(root, manifest)
     return Opened(root, manifest, LocalFiles(root), str(location))
 
 
-def open_part(location: str | os.PathLike[str] | Opened, options: ReadOptions) -> Opened:
-    """:func:`open_output` for ``imgpack merge``: a local folder where a part was written by
-    shard tasks apart from the others holds no ``imgpack.json`` (only the last part to finish
-    a shared DST writes one) but its part's manifest (:func:`part_manifest_name`), and is
-    opened by that, its files checked as any output's."""
-    if isinstance(location, Opened) or is_url(location):
-        return open_output(location, options)
-    root = local_path(location)
-    manifest = read_part_manifest(root)
-    if manifest is None:
-        return open_output(location, options)
-    check_files(root, manifest)
-    return Opened(root, manifest, LocalFiles(root), str(location))
+def _local_manifest(root: Path) -> Manifest:
+    """The manifest of the local output ``root``, put back first where a replacement of it was
+    killed midway; a folder where a part was written by shard tasks apart from the others holds
+    no ``imgpack.json`` but its part's manifest (:func:`read_part_manifest`), and is a part as
+    one written by one writer is: read, checked and merged alike."""
+    recover(root)
+    return read_part_manifest(root) or read_manifest(root)
 
 
 def read_part_manifest(root: Path) -> Manifest | None:
-    """The manifest of the part written by shard tasks in the folder ``root`` (see
-    :func:`open_part`), or ``None`` where it holds an output's own manifest or no part's."""
+    """The manifest of the part written by shard tasks in the folder ``root`` apart from the
+    other parts (``.imgpack-part-I-of-K.json``: only the last part to finish a DST the parts
+    share writes ``imgpack.json``), or ``None`` where it holds an output's own manifest or no
+    part's."""
     if (root / MANIFEST_NAME).exists():
         return None
     found = sorted(root.glob(PART_MANIFEST_GLOB)) if root.is_dir() else []
@@ -248,8 +243,8 @@ def read_part_manifest(root: Path) -> Manifest | None:
     if len(found) > 1:
         raise OptionError(
             f"{root}: holds the manifests of {len(found)} parts ({found[0].name}, ...) and no "
-            f"{MANIFEST_NAME}: a DST shared by parts is finished by running its last part "
-            "again, not merged"
+            f"{MANIFEST_NAME}: a DST shared by parts that have not all finished; it becomes "
+            "one output by running its last part again (it is neither read nor merged before)"
         )
     manifest = read_manifest_file(found[0])
     if manifest.part is None:
@@ -268,8 +263,7 @@ def open_manifest(
         url = str(location).rstrip("/")
         return url, read_remote_manifest(url, storage_options)[0]
     root = local_path(location)
-    recover(root)
-    return root, read_manifest(root)
+    return root, _local_manifest(root)
 
 
 def check_files(root: Path, manifest: Manifest, present: bool = True) -> None:

@@ -333,3 +333,37 @@ def test_merged_parts_list_what_the_scan_could_not_take_once(images: Path, tmp_p
     assert result.exit_code == 0, result.output
     assert open_dataset(tmp_path / "m").manifest.skipped == whole.skipped
     assert _files(tmp_path / "m") == _files(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_more_parts_than_shards(images: Path, tmp_path: Path, shared: bool) -> None:
+    """A plan of one shard in 3 parts: parts 0 and 1 hold no shard, part 2 every one. Written
+    apart, none of them commits an output (part 2 holds the whole output's shard, but merge joins
+    the three: the single conversion's files); into one shared DST, the last part to run commits
+    it, whichever holds the shard. Each part written apart is read as a part."""
+    args = {"progress": False, "shard_tasks": True}
+    whole = convert(images, tmp_path / "whole", "pt", **args)
+    assert len(whole.files) == 1
+    if shared:
+        dst = tmp_path / "shared"
+        for part in (2, 0, 1):  # the part with the shard first
+            done = convert(images, dst, "pt", num_parts=3, part=part, **args)
+            assert (done.part is None) == (part == 1)
+            assert (dst / MANIFEST_NAME).is_file() == (part == 1)
+        assert _files(dst) == _files(tmp_path / "whole")
+        assert open_dataset(dst).targets == open_dataset(tmp_path / "whole").targets
+        return
+    parts = [tmp_path / f"p{part}" for part in range(3)]
+    kept = [convert(images, p, "pt", num_parts=3, part=k, **args) for k, p in enumerate(parts)]
+    assert [m.num_samples for m in kept] == [0, 0, whole.num_samples]
+    assert [(m.part["start"], m.part["stop"]) for m in kept] == [(0, 0), (0, 0), (0, 40)]
+    assert not any((p / MANIFEST_NAME).exists() for p in parts)
+    assert open_dataset(parts[2]).targets == open_dataset(tmp_path / "whole").targets
+    assert len(open_dataset(parts[0])) == 0
+    info = CliRunner().invoke(main, ["info", str(parts[2])])
+    assert info.exit_code == 0, info.output
+    assert "part:      --part 2 of --num-parts 3 (image files 0 to 40" in info.output
+    result = CliRunner().invoke(main, ["merge", *map(str, parts), str(tmp_path / "m"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert _files(tmp_path / "m") == _files(tmp_path / "whole")
+    assert verify(tmp_path / "m").ok
