@@ -295,11 +295,13 @@ OUTPUT_OPTIONS = (
         "checkpoint; the output is the same as an uninterrupted run's.",
     ),
     click.option(
-        "--shard-tasks",
-        is_flag=True,
-        help="pt, tfrecord, webdataset to a local or shared path: each worker writes whole "
-        "shards by the shard plan, the same bytes a conversion to a bucket writes (a bucket DST "
-        "is always written so).",
+        "--shard-tasks/--one-writer",
+        default=_default("shard_tasks"),
+        show_default=True,
+        help="pt, tfrecord, webdataset from an image folder to a local or shared path: each "
+        "worker writes whole shards by the shard plan, the same bytes a conversion to a bucket "
+        "writes (a bucket DST is always written so); --one-writer: one process writes every "
+        "shard, rolling over by the bytes written, and resumes by its checkpoint.",
     ),
     click.option(
         "--on-error",

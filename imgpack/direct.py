@@ -406,8 +406,12 @@ def _write_shards(
     )
     with bar:
         workers = getattr(executor, "workers", None) or 0
-        if len(numbers) < workers:  # fewer shards than workers: the pool converts each one's
-            for task in tasks():  # samples, and this process writes it (the same bytes)
+        # The pool converts each shard's samples and this process writes it (the same bytes)
+        # when there are fewer shards than workers, and when DST is a path the workers may
+        # not share (a Ray cluster's nodes writing into this machine's folder).
+        on_path = not location.is_url(url) and not getattr(executor, "local_machine", False)
+        if len(numbers) < workers or on_path:
+            for task in tasks():
                 receipt = shard_from(task, executor.outcomes(task.job, task.samples))
                 _raise_failed(plan, receipt, kept)
                 bar.update(len(task.samples))
@@ -689,6 +693,8 @@ def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]], unreadable: bool =
     listed = plan.scan.unreadable if unreadable else []
     skipped = [*listed, *(s for r in receipts for s in r["skipped"])]
     tally = DatasetStats.total(r.get("stats") for r in receipts)  # an older receipt: None
+    if not receipts:  # a part with no shard (fewer shards than parts): it adds nothing
+        tally = DatasetStats.empty(plan.job.policy.channels, len(plan.scan.classes), plan.job.stats)
     count = sum(r["count"] for r in receipts)
     manifest = manifest_for(plan, files, count, skipped, tally)
     if listing.remote_source(plan.src) is not None:  # the bucket, not the listing's folder

@@ -218,6 +218,11 @@ class LocalExecutor:
     in a new pool, and the outcomes stay in scan order.
     """
 
+    #: Its workers run on this machine: they write the shards of a conversion to a local path
+    #: themselves (:mod:`imgpack.direct`). An executor without it (Ray, whose tasks may run
+    #: on other nodes) converts the samples and the driver writes such shards.
+    local_machine = True
+
     def __init__(self, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"workers must be 1 or more, not {workers}")

@@ -71,10 +71,12 @@ class ConvertOptions:
     #: Types of source fields as ``NAME:TYPE`` (``--field caption:str``), taken instead of the
     #: ones the source would infer.
     field_types: tuple[str, ...] = ()
-    #: Write a sharded output on a local or shared path by shard tasks (:mod:`imgpack.direct`):
-    #: each worker writes whole shards by the shard plan, as for a bucket (the same bytes), and
-    #: receipts are what resumes. A bucket DST is always written so.
-    shard_tasks: bool = False
+    #: Write a sharded output of an image folder on a local or shared path by shard tasks
+    #: (:mod:`imgpack.direct`): each worker writes whole shards by the shard plan, as for a
+    #: bucket (the same bytes), and receipts are what resumes. A bucket DST is always written
+    #: so. ``False``: the one-writer engine (one process writes every shard, resumed by its
+    #: checkpoint), the way every other source kind and ``lmdb``/``hdf5`` are written.
+    shard_tasks: bool = True
 
     def __post_init__(self) -> None:
         spec = formats.get(self.format)

@@ -676,8 +676,9 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         recover(dst, holding_lock=True)
         clear_leftovers(dst)
         the_plan = plan(src, dst, options)
-        if direct.applies_locally(options, the_plan.source, executor):
-            assert options.num_parts == 1  # parts write into DST itself (convert)
+        # Parts by shard tasks write into DST itself (convert); a part built here for a URL
+        # DST that no task can write to (fsspec's per-process memory://) has one writer.
+        if options.num_parts == 1 and direct.applies_locally(options, the_plan.source, executor):
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
         try:
             return _convert(the_plan, executor)

@@ -224,17 +224,43 @@ def build_uniform_folder(
     return root
 
 
+def manifest_file(output: Path) -> Path:
+    """The file that holds ``output``'s manifest: ``imgpack.json``, or in a part written by
+    shard tasks apart from the others (the default for sharded formats), its part's manifest
+    (``.imgpack-part-I-of-K.json``)."""
+    from imgpack.manifest import MANIFEST_NAME, PART_MANIFEST_GLOB
+
+    if (output / MANIFEST_NAME).exists():
+        return output / MANIFEST_NAME
+    (found,) = sorted(output.glob(PART_MANIFEST_GLOB))
+    return found
+
+
+def output_manifest(output: Path) -> Any:
+    """``output``'s manifest (:func:`manifest_file`), an output's or a part's."""
+    from imgpack.manifest import read_manifest_file
+
+    return read_manifest_file(manifest_file(output))
+
+
+def rewrite_manifest(output: Path, manifest: Any) -> None:
+    """Replace ``output``'s manifest (:func:`manifest_file`) with ``manifest``."""
+    from imgpack.manifest import manifest_bytes
+
+    manifest_file(output).write_bytes(manifest_bytes(manifest))
+
+
 def refresh_manifest(output: Path) -> None:
     """Record the current size and sha256 of every file in ``output``'s manifest, as if the
     damage a test made through a format's own library (LMDB, h5py, torch) had been there when
     the output was written: the readers' per-record checks must find it."""
-    from imgpack.manifest import read_manifest, sha256_file, write_manifest
+    from imgpack.manifest import sha256_file
 
-    manifest = read_manifest(output)
+    manifest = output_manifest(output)
     for entry in [*manifest.files, *(c for e in manifest.files for c in e.companions)]:
         entry.bytes = (output / entry.path).stat().st_size
         entry.sha256 = sha256_file(output / entry.path)
-    write_manifest(output, manifest)
+    rewrite_manifest(output, manifest)
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import build_uniform_folder, slow_cli
+from conftest import build_uniform_folder, manifest_file, slow_cli
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from imgpack import convert, open_dataset, verify
+from imgpack import convert, direct, open_dataset, verify
 from imgpack.cli import main
 from imgpack.errors import ImgpackError
 from imgpack.pipeline import CHECKPOINT, leftovers
@@ -98,8 +98,9 @@ def test_a_damaged_part_merges_right_or_not_at_all(
     for root, copy in zip(roots, copies, strict=True):
         shutil.copytree(root, copy)
     files = sorted(p for p in copies[which].iterdir() if p.is_file() and p.name != "lock.mdb")
-    data = [p for p in files if p.name != "imgpack.json"]
-    target = data[int(damage[0][0] * len(data))] if in_data else copies[which] / "imgpack.json"
+    manifest = manifest_file(copies[which])  # imgpack.json, or a part's manifest
+    data = [p for p in files if p != manifest]
+    target = data[int(damage[0][0] * len(data))] if in_data else manifest
     _flip(target, damage)
     out = work / "out"
     result = CliRunner().invoke(main, ["merge", *map(str, copies), str(out), "-q"])
@@ -115,58 +116,74 @@ def test_a_damaged_part_merges_right_or_not_at_all(
 SLOW_CLI = slow_cli(0.02)
 
 
+def _killed(base: Path, fmt: str, engine: str) -> tuple[Path, list[list[Any]]]:
+    """The temp dir of a conversion by ``engine`` (``--one-writer``: kept once its checkpoint
+    counts a sample; ``--shard-tasks``: once 2 shards have receipts) SIGKILLed midway, and the
+    pixels of an uninterrupted run."""
+    dst = base / f"killed-{fmt}{engine}"
+    command = [sys.executable, "-c", SLOW_CLI, "convert", str(base / "src"), str(dst)]
+    command += ["-q", "--format", fmt, "--workers", "1", "--shard-size", "1000", engine]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = leftovers(dst)
+        receipts = found[0].glob(f"{direct.WORK}/*/shard-*.json") if found else iter(())
+        if engine == "--shard-tasks" and len(list(receipts)) >= 2:
+            break
+        checkpoint = found[0] / CHECKPOINT if found else None
+        if checkpoint and checkpoint.exists() and json.loads(checkpoint.read_text())["count"]:
+            break
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    (tmp,) = leftovers(dst)
+    keep = base / f"keep-{fmt}{engine}"
+    shutil.move(tmp, keep)
+    whole = base / f"whole-{fmt}{engine}"
+    convert(base / "src", whole, format=fmt, progress=False, workers=1, shard_size=1000,
+            shard_tasks=engine == "--shard-tasks")  # fmt: skip
+    return keep, _digests(whole)
+
+
 @pytest.fixture(scope="module")
-def killed(base: Path) -> dict[str, tuple[Path, list[list[Any]]]]:
-    """Per format: the temp dir of a conversion SIGKILLed after a few shards, and the pixels
-    of an uninterrupted run."""
-    made = {}
-    for fmt in ("pt", "tfrecord", "webdataset"):
-        dst = base / f"killed-{fmt}"
-        command = [sys.executable, "-c", SLOW_CLI, "convert", str(base / "src"), str(dst)]
-        command += ["-q", "--format", fmt, "--workers", "1"]
-        command += ["--shard-size", "1000"]
-        process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            found = leftovers(dst)
-            checkpoint = found[0] / CHECKPOINT if found else None
-            if checkpoint and checkpoint.exists() and json.loads(checkpoint.read_text())["count"]:
-                break
-            assert process.poll() is None, process.communicate()
-            time.sleep(0.01)
-        process.send_signal(signal.SIGKILL)
-        process.communicate(timeout=60)
-        (tmp,) = leftovers(dst)
-        keep = base / f"keep-{fmt}"
-        shutil.move(tmp, keep)
-        whole = base / f"whole-{fmt}"
-        convert(base / "src", whole, format=fmt, progress=False, workers=1, shard_size=1000)
-        made[fmt] = (keep, _digests(whole))
-    return made
+def killed(base: Path) -> dict[tuple[str, str], tuple[Path, list[list[Any]]]]:
+    """Per format and engine: the temp dir of a conversion SIGKILLed after a few shards, and
+    the pixels of an uninterrupted run."""
+    return {
+        (fmt, engine): _killed(base, fmt, engine)
+        for fmt in ("pt", "tfrecord", "webdataset")
+        for engine in ("--one-writer", "--shard-tasks")
+    }
 
 
+@pytest.mark.parametrize("engine", ["--one-writer", "--shard-tasks"])
 @pytest.mark.parametrize("fmt", ["pt", "tfrecord", "webdataset"])
 @FUZZ
 @given(damage=flips, in_checkpoint=st.booleans(), pick=st.floats(0, 1, exclude_max=True))
 def test_a_damaged_checkpoint_resumes_right_or_not_at_all(
     fmt: str,
+    engine: str,
     damage: list[tuple[float, int]],
     in_checkpoint: bool,
     pick: float,
-    killed: dict[str, tuple[Path, list[list[Any]]]],
+    killed: dict[tuple[str, str], tuple[Path, list[list[Any]]]],
     base: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    keep, expected = killed[fmt]
+    """A killed run's temp folder with bytes flipped in its checkpoint or in one of its files
+    (shards; receipts too, by shard tasks): ``--resume`` gives the uninterrupted run's pixels,
+    or fails in one line and publishes nothing."""
+    keep, expected = killed[(fmt, engine)]
     work = tmp_path_factory.mktemp("resume")
     dst = work / "out"
     tmp = work / f".out.fuzz{fmt}.imgpack-tmp"
     shutil.copytree(keep, tmp)
-    files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != CHECKPOINT)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != CHECKPOINT)
     target = tmp / CHECKPOINT if in_checkpoint or not files else files[int(pick * len(files))]
     _flip(target, damage)
     args = ["convert", str(base / "src"), str(dst), "-q", "--format", fmt, "--resume"]
-    args += ["--workers", "1", "--shard-size", "1000"]
+    args += ["--workers", "1", "--shard-size", "1000", engine]
     result = CliRunner().invoke(main, args)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output

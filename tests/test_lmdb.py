@@ -288,3 +288,37 @@ def test_the_record_table_is_the_files_own_mapping_and_checked_whole(
         got = fresh.__getitems__(list(range(start, start + 10)))
         assert torch.equal(got.images, expected.images[start : start + 10])  # type: ignore[call-overload]
     assert fresh._learned.spans is None
+
+
+def _point_past_the_end(data: Path, field: int) -> None:
+    """Set a field of both meta pages (64-bit layout: 128 the main tree's root, 136 the last
+    page used) to a page past the file's end; its size and everything else unchanged."""
+    blob = bytearray(data.read_bytes())
+    pages = len(blob) // 4096
+    for meta in (0, 4096):
+        blob[meta + field : meta + field + 8] = (pages + 100).to_bytes(8, "little")
+    data.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("field", [128, 136])
+def test_a_meta_page_pointing_past_the_end_is_refused_not_a_crash(
+    tmp_path: Path, field: int
+) -> None:
+    """LMDB follows the file's own page numbers: a damaged meta page that points past the end
+    of ``data.mdb`` (the size the manifest records unchanged) was a SIGBUS that killed the
+    reader, ``imgpack verify`` and ``imgpack merge``. It is refused in one line naming the
+    file; verify reports it."""
+    import subprocess
+    import sys
+
+    src = build_uniform_folder(tmp_path / "src", count=12)
+    out = tmp_path / "out"
+    convert(src, out, "lmdb", progress=False)
+    _point_past_the_end(out / "data.mdb", field)
+    with pytest.raises(DataError, match=r"data\.mdb: its meta page points past the file's end"):
+        open_dataset(out)[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "imgpack", "verify", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 1, done.stderr  # a report, not a signal
+    assert "data.mdb" in done.stdout and "Traceback" not in done.stdout + done.stderr

@@ -367,3 +367,37 @@ def test_more_parts_than_shards(images: Path, tmp_path: Path, shared: bool) -> N
     assert result.exit_code == 0, result.output
     assert _files(tmp_path / "m") == _files(tmp_path / "whole")
     assert verify(tmp_path / "m").ok
+
+
+class _Elsewhere:
+    """A task executor whose workers may run on other machines, as Ray's (no
+    ``local_machine``): here a one-process pool, so its tasks would run in this process."""
+
+    def __init__(self) -> None:
+        from imgpack.executors import LocalExecutor
+
+        self.inner, self.workers = LocalExecutor(1), 1
+
+    def outcomes(self, job: Any, samples: Any) -> Any:
+        return self.inner.outcomes(job, samples)
+
+    def tasks(self, function: Any, items: Any) -> Any:
+        return self.inner.tasks(function, items)
+
+    def alone(self, job: Any, samples: Any) -> Any:
+        return self.inner.alone(job, samples)
+
+
+def test_workers_elsewhere_leave_a_paths_shards_to_the_driver(
+    images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local DST is a folder of this machine: workers that may run on other nodes convert the
+    samples, and the driver writes each shard of the same plan, so the files are the pool's,
+    byte for byte (and Ray's output is a local conversion's)."""
+    args = {"shard_size": "3KB", "progress": False}
+    written = count_shard_writes(monkeypatch)
+    convert(images, tmp_path / "elsewhere", "webdataset", executor=_Elsewhere(), **args)
+    assert written == []  # no task wrote a shard
+    convert(images, tmp_path / "pool", "webdataset", workers=1, **args)
+    assert len(written) > 2  # a pool on this machine: its tasks write them
+    assert _files(tmp_path / "elsewhere") == _files(tmp_path / "pool")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import build_uniform_folder
+from conftest import build_uniform_folder, manifest_file
 
 from imgpack import convert, merge, open_dataset, verify
 from imgpack.cli import main
@@ -57,7 +57,7 @@ def _parts(src: Path, base: Path, fmt: str, count: int = PARTS) -> list[Path]:
 def test_parts_merged_equal_one_conversion(fmt: str, src: Path, tmp_path: Path) -> None:
     single = convert(src, tmp_path / "single", fmt, **_options(fmt))  # type: ignore[arg-type]
     parts = _parts(src, tmp_path, fmt)
-    manifests = [json.loads((p / "imgpack.json").read_text()) for p in parts]
+    manifests = [json.loads(manifest_file(p).read_text()) for p in parts]
     assert [m["part"]["index"] for m in manifests] == [0, 1, 2]
     assert sum(m["num_samples"] for m in manifests) == single.num_samples == 50
     assert {m["output_id"] for m in manifests} == {single.output_id}  # one conversion, one id
@@ -84,8 +84,9 @@ def test_a_part_index_changed_after_its_conversion_is_not_merged(
     fmt: str, src: Path, tmp_path: Path
 ) -> None:
     parts = _parts(src, tmp_path, fmt)
-    manifest = json.loads((parts[1] / "imgpack.json").read_text())
-    index = parts[1] / manifest["files"][0]["companions"][0]["path"]
+    manifest = json.loads(manifest_file(parts[1]).read_text())
+    entry = next(f for f in manifest["files"] if f["num_samples"])  # a skipped file's is empty
+    index = parts[1] / entry["companions"][0]["path"]
     text = index.read_text()
     end = text.index("\n") - 1  # the first line's last digit, another digit: same size
     index.write_text(text[:end] + str((int(text[end]) + 1) % 10) + text[end + 1 :])
@@ -133,6 +134,30 @@ def _refused(parts: list[Path], dst: Path, match: str) -> None:
     result = CliRunner().invoke(main, ["merge", *map(str, parts), str(dst)])
     assert result.exit_code == 2  # a usage error: the usage, then the one-line reason
     assert result.output.strip().splitlines()[-1].startswith("Error: ")
+
+
+def test_a_damaged_one_file_part_is_refused_before_its_library_opens_it(
+    lmdb_parts: list[Path], tmp_path: Path
+) -> None:
+    """Bytes of an LMDB part's meta pages flipped (its size unchanged): LMDB follows the file's
+    own page numbers, past its end (a SIGBUS that kills the merge), so the part is hashed
+    against its manifest first and refused in one line."""
+    parts = [tmp_path / p.name for p in lmdb_parts]
+    for source, copy in zip(lmdb_parts, parts, strict=True):
+        shutil.copytree(source, copy)
+    data = parts[1] / "data.mdb"
+    blob = bytearray(data.read_bytes())
+    pages = len(blob) // 4096
+    for meta in (0, 4096):  # both meta pages (64-bit layout): the main tree's root page, then
+        # the last page used, past the file's end; the magic and everything else as they were
+        blob[meta + 128 : meta + 136] = (pages + 100).to_bytes(8, "little")
+        blob[meta + 136 : meta + 144] = (pages + 200).to_bytes(8, "little")
+    data.write_bytes(bytes(blob))
+    with pytest.raises(ImgpackError, match=r"data\.mdb: its sha256 is not"):
+        merge(parts, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    result = CliRunner().invoke(main, ["merge", *map(str, parts), str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
 
 
 def test_a_missing_part_is_refused(lmdb_parts: list[Path], tmp_path: Path) -> None:

@@ -153,23 +153,33 @@ def test_resume_with_nothing_to_resume_converts(many: Path, tmp_path: Path) -> N
     assert manifest.num_samples == 3
 
 
-def test_resume_after_a_kill_before_the_writer_started(many: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shard_tasks", [True, False])
+def test_resume_after_a_kill_before_the_writer_started(
+    many: Path, tmp_path: Path, shard_tasks: bool
+) -> None:
     """Killed between creating its temp folder and starting its writer (importing torch, say):
-    the leftover holds only the fingerprint, and --resume starts over in its place."""
+    the leftover holds only the fingerprint, and --resume starts over in its place; by shard
+    tasks (the default for sharded formats) and by the one writer."""
     src = many.parent / "few2"
     for i in range(3):
         (src / "a").mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (4, 4), (i, 0, 0)).save(src / "a" / f"{i}.png")
     out = tmp_path / "out"
-    reference = convert(src, tmp_path / "ref", "pt", progress=False)
+    reference = convert(src, tmp_path / "ref", "pt", progress=False, shard_tasks=shard_tasks)
+    from dataclasses import replace
+
+    from imgpack import direct
     from imgpack.options import ConvertOptions
     from imgpack.pipeline import Checkpoint, plan
 
     early = tmp_path / ".out.abc.imgpack-tmp"
     early.mkdir()
-    Checkpoint(plan(src, out, ConvertOptions(format="pt")).fingerprint).save(early)
+    the_plan = plan(src, out, ConvertOptions(format="pt", shard_tasks=shard_tasks))
+    if shard_tasks:  # the plan such a run follows
+        the_plan = replace(the_plan, layout=direct.LAYOUT)
+    Checkpoint(the_plan.fingerprint).save(early)
     (tmp_path / ".out.nockpt.imgpack-tmp").mkdir()  # no checkpoint at all: named, not trusted
-    manifest = convert(src, out, "pt", resume=True, progress=False)
+    manifest = convert(src, out, "pt", resume=True, progress=False, shard_tasks=shard_tasks)
     assert manifest.num_samples == reference.num_samples
     assert not early.exists()
     assert _files(out)["shard-00000.pt"] == _files(tmp_path / "ref")["shard-00000.pt"]

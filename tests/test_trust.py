@@ -18,13 +18,20 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder, refresh_manifest, slow_cli
+from conftest import (
+    build_uniform_folder,
+    output_manifest,
+    refresh_manifest,
+    rewrite_manifest,
+    slow_cli,
+)
 from PIL import Image
 from torch.utils.data import DataLoader
 
 import imgpack
 from imgpack import convert, merge, open_dataset, verify
 from imgpack.cli import main
+from imgpack.direct import WORK
 from imgpack.errors import DataError, ImgpackError, ManifestError, OptionError
 from imgpack.exporting import export
 from imgpack.formats.tfrecord import example, framing
@@ -85,7 +92,7 @@ def _parts(src: Path, root: Path, fmt: str, count: int = 2) -> list[Path]:
 def test_merge_refuses_a_part_file_that_is_a_link(src: Path, tmp_path: Path, fmt: str) -> None:
     parts = _parts(src, tmp_path, fmt)
     victim = tmp_path / "secret.bin"
-    shard = parts[1] / read_manifest(parts[1]).files[0].path
+    shard = parts[1] / output_manifest(parts[1]).files[0].path
     victim.write_bytes(shard.read_bytes())
     shard.unlink()
     os.symlink(victim, shard)
@@ -137,11 +144,12 @@ def test_merge_streaming_reads_the_pinned_part(src: Path, tmp_path: Path) -> Non
 
 def test_merge_refuses_a_manifest_that_drops_a_part(src: Path, tmp_path: Path) -> None:
     parts = _parts(src, tmp_path, "pt", count=3)
-    m0, m2 = read_manifest(parts[0]), read_manifest(parts[2])
+    m0, m2 = output_manifest(parts[0]), output_manifest(parts[2])
+    assert m0.num_samples and m2.part["start"] > m0.part["stop"]  # part 1 between them
     m0.part = {**m0.part, "count": 2, "stop": m2.part["start"]}  # type: ignore[dict-item]
     m2.part = {**m2.part, "count": 2, "index": 1}  # type: ignore[dict-item]
-    write_manifest(parts[0], m0)
-    write_manifest(parts[2], m2)
+    rewrite_manifest(parts[0], m0)
+    rewrite_manifest(parts[2], m2)
     with pytest.raises(OptionError, match="damaged"):
         merge([parts[0], parts[2]], tmp_path / "out", progress=False)
 
@@ -259,9 +267,14 @@ def test_tfrecord_raw_crcs_are_checked_once_per_reader_by_default(
 SLOW_CLI = slow_cli(0.01)
 
 
-def _killed_run(src: Path, dst: Path, fmt: str, sig: int = signal.SIGKILL) -> subprocess.Popen[str]:
+def _killed_run(
+    src: Path, dst: Path, fmt: str, sig: int = signal.SIGKILL, one_writer: bool = False
+) -> subprocess.Popen[str]:
+    """``imgpack convert`` of slowed images, sent ``sig`` once it has kept work to resume: a
+    checkpoint of 6 samples or more (the one-writer engine: ``lmdb``, ``hdf5``, or a sharded
+    format with ``one_writer``), or 2 shards' receipts (shard tasks, the sharded default)."""
     command = [sys.executable, "-c", SLOW_CLI, "convert", str(src), str(dst), "-q", "--format"]
-    command += [fmt, "--workers", "1"]
+    command += [fmt, "--workers", "1", *(["--one-writer"] if one_writer else [])]
     if fmt in ("pt", "webdataset", "tfrecord"):
         command += ["--shard-size", "3000"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -272,6 +285,8 @@ def _killed_run(src: Path, dst: Path, fmt: str, sig: int = signal.SIGKILL) -> su
             state = json.loads((found[0] / CHECKPOINT).read_text())
             if state["count"] >= 6:
                 break
+        if found and len(list(found[0].glob(f"{WORK}/*/shard-*.json"))) >= 2:
+            break
         if process.poll() is not None:
             raise AssertionError(f"finished too early: {process.communicate()}")
         time.sleep(0.02)
@@ -297,7 +312,7 @@ def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -
     resumed at all); no file outside the output is touched; the output is never short or
     repeated."""
     dst = tmp_path / "out"
-    process = _killed_run(big, dst, fmt)
+    process = _killed_run(big, dst, fmt, one_writer=True)
     process.communicate(timeout=60)
     (tmp_dir,) = leftovers(dst)
     backup = tmp_path / "backup"
@@ -325,6 +340,7 @@ def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -
         {**state, "stats": {**state["stats"], "sum": [v + 1 for v in state["stats"]["sum"]]}},
     ]  # fmt: skip
     args = ["convert", str(big), str(dst), "-q", "--format", fmt, "--shard-size", "3000"]
+    args.append("--one-writer")
     for case in cases:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         shutil.copytree(backup, tmp_dir)

@@ -21,6 +21,7 @@ from imgpack.formats.batch import Images, label_tensor
 from imgpack.formats.dataset_base import ImageDataset, Record, new_batch_tensor
 from imgpack.formats.gather import byte_rows, take_windows
 from imgpack.formats.lmdb import record
+from imgpack.formats.lmdb.meta import check_meta
 from imgpack.images import Kind
 from imgpack.scan import UNLABELLED, valid_label
 
@@ -57,6 +58,7 @@ def acquire_environment(root: Path) -> Any:
         if known is not None:
             known[1] += 1
             return known[0]
+        check_meta(root / "data.mdb")  # damage LMDB would follow past the file's end
         env = lmdb.open(
             str(root), readonly=True, lock=False, readahead=False, meminit=False, subdir=True
         )
