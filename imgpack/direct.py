@@ -40,7 +40,7 @@ from imgpack.checksum import content_digest
 from imgpack.errors import ImageError, ImgpackError
 from imgpack.executors import WORKER_DIED, Executor, Failure, Job, Outcome, TaskDied
 from imgpack.formats import get as format_spec
-from imgpack.formats.writer_base import ShardedWriter, WriterConfig
+from imgpack.formats.writer_base import ShardedWriter, WriterConfig, shard_size_note
 from imgpack.manifest import (
     MANIFEST_NAME,
     Companion,
@@ -68,16 +68,15 @@ FETCH_GROUP = 32
 
 def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
     """Whether a conversion is written by shard tasks: a sharded format, DST in object storage
-    that every process writes to (not fsspec's per-process ``memory://``), an image folder (a
-    bucket's or a shared path: its listing gives each sample's bytes) and an executor that runs
-    tasks."""
-    from imgpack.sources.folder.source import FolderSource
-
+    that every process writes to (not fsspec's per-process ``memory://``), a source whose
+    samples' sizes are known before they are read (an image folder, a bucket's or a shared
+    path's: its listing gives each sample's bytes; :meth:`~imgpack.sources.base.Source.
+    plans_shards`) and an executor that runs tasks."""
     return (
         options.spec.sharded
         and location.is_url(dst)
         and not str(dst).startswith("memory://")
-        and isinstance(source, FolderSource)
+        and source.plans_shards()
         and hasattr(executor, "tasks")
         and hasattr(executor, "alone")
         and issubclass(options.spec.writer_class(), ShardedWriter)
@@ -378,6 +377,10 @@ def _write_shards(
     work = f"{WORK}/{plan.output_id}"
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
     numbers = [k for k in mine if k not in done]
+    if options.shard_size:  # said once, as the one writer says it
+        largest = max(sample_sizes(plan, framed=False), default=0)
+        if largest > options.shard_size:
+            log.warning("%s", shard_size_note(options.shard_size, largest))
 
     def tasks() -> Iterator[ShardTask]:  # made as they are sent: one shard's samples at a time
         for k in numbers:
@@ -527,10 +530,7 @@ def sample_sizes(plan: Plan, framed: bool = True) -> Iterator[int]:
     for index in range(len(samples)):
         size = samples.size(index) if isinstance(samples, SampleTable) else -1
         if size < 0:
-            try:
-                size = os.stat(plan.src / samples[index].path).st_size
-            except OSError:
-                size = 0  # the task names it
+            size = max(0, plan.source.stored_size(samples[index]))  # -1: its task names it
         yield estimate(size)
 
 
@@ -737,16 +737,15 @@ def _whole(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
 
 def applies_locally(options: Any, source: Any, executor: Executor) -> bool:
     """Whether a conversion to a local or shared path is written by shard tasks: a sharded
-    format, an image folder and an executor that runs tasks (as :func:`applies`), when
-    ``shard_tasks`` asks for it. One part is written in the output's temp folder
-    (:func:`write_local`); with ``num_parts``, every part writes into DST itself
-    (:func:`convert_to_bucket`, the path taken for a bucket prefix)."""
-    from imgpack.sources.folder.source import FolderSource
-
+    format, a source whose samples' sizes are known before they are read (as :func:`applies`),
+    an executor that runs tasks, and ``shard_tasks`` (the default; ``--one-writer`` turns it
+    off). One part is written
+    in the output's temp folder (:func:`write_local`); with ``num_parts``, every part writes
+    into DST itself (:func:`convert_to_bucket`, the path taken for a bucket prefix)."""
     return (
         options.shard_tasks
         and options.spec.sharded
-        and isinstance(source, FolderSource)
+        and source.plans_shards()
         and hasattr(executor, "tasks")
         and hasattr(executor, "alone")
         and issubclass(options.spec.writer_class(), ShardedWriter)

@@ -678,7 +678,8 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         the_plan = plan(src, dst, options)
         # Parts by shard tasks write into DST itself (convert); a part built here for a URL
         # DST that no task can write to (fsspec's per-process memory://) has one writer.
-        if options.num_parts == 1 and direct.applies_locally(options, the_plan.source, executor):
+        local = direct.applies_locally(options, the_plan.source, executor)
+        if options.num_parts == 1 and local:
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
         try:
             return _convert(the_plan, executor)

@@ -401,3 +401,29 @@ def test_workers_elsewhere_leave_a_paths_shards_to_the_driver(
     convert(images, tmp_path / "pool", "webdataset", workers=1, **args)
     assert len(written) > 2  # a pool on this machine: its tasks write them
     assert _files(tmp_path / "elsewhere") == _files(tmp_path / "pool")
+
+
+def test_an_unlabelled_folder_is_written_by_shard_tasks(
+    s3: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unlabelled folder (``--no-labels``) plans its shards as an image folder does: the
+    tasks write them, locally and to a bucket, the same files for any worker count; a label
+    list, whose rows may be URLs, keeps the one writer."""
+    args = {"shard_size": "3KB", "progress": False, "no_labels": True}
+    written = count_shard_writes(monkeypatch)
+    one = convert(images, tmp_path / "one", "webdataset", workers=1, **args)
+    assert written and one.classes == [] and len(one.files) > 2
+    listed = tmp_path / "list.csv"
+    rows = [f"{p.relative_to(images)},{p.parent.name}" for p in sorted(images.rglob("*.png"))]
+    listed.write_text("path,label\n" + "\n".join(rows) + "\n")
+    written.clear()
+    convert(images, tmp_path / "listed", "webdataset", labels=str(listed), workers=1,
+            shard_size="3KB", progress=False)  # fmt: skip
+    assert written == []  # the one writer
+    monkeypatch.undo()  # the pool's workers run the real tasks
+    two = convert(images, tmp_path / "two", "webdataset", workers=2, **args)
+    url = f"{s3}/unlabelled-{tmp_path.name}"
+    bucket = convert(images, url, "webdataset", workers=2, **args)
+    assert one.files == two.files == bucket.files
+    assert _files(tmp_path / "one") == _files(tmp_path / "two") == _bucket_files(url)
+    assert open_dataset(tmp_path / "one").targets == [-1] * 40

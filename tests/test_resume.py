@@ -70,6 +70,33 @@ def _kill_at(process: subprocess.Popen[bytes], dst: Path, position: int) -> int:
     raise AssertionError("no checkpoint reached in time")
 
 
+#: ``imgpack convert`` whose shard tasks each take 0.05 s more: a killed run leaves some.
+SLOWED_TASKS = (
+    "import time, imgpack.direct as d; w = d.write_shard\n"
+    "def slow(t):\n    time.sleep(0.05); return w(t)\n"
+    "d.write_shard = slow\n"
+    "from imgpack.cli import main\nmain()"
+)
+
+
+def _kill_at_receipt(process: subprocess.Popen[bytes], dst: Path, count: int) -> int:
+    """SIGKILL ``process`` (shard tasks) once ``count`` shards have receipts; how many had."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        receipts = [r for left in leftovers(dst) for r in left.glob(".imgpack-work/*/shard-*.json")]
+        if len(receipts) >= count:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return len(receipts)
+        if process.poll() is not None:
+            _, err = process.communicate()
+            raise AssertionError(f"finished before {count} receipts: {err!r}")
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    raise AssertionError("no receipts in time")
+
+
 def _files(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "lock.mdb"}
 
@@ -92,9 +119,19 @@ def test_killed_conversion_resumes_to_the_same_bytes(fmt: str, many: Path, tmp_p
     )
     assert done.returncode == 0, done.stderr
     out = tmp_path / "out"
-    target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
-    reached = _kill_at(_convert(many, out, *_args(fmt)), out, target)
-    assert 0 < reached < COUNT
+    if fmt in SHARD:  # shard tasks (the default): killed once some shards have receipts
+        total = len(open_dataset(reference).manifest.files)
+        target = random.Random(fmt).randint(total // 4, 3 * total // 4)
+        command = [sys.executable, "-c", SLOWED_TASKS, "convert", str(many), str(out), "-q"]
+        slowed = subprocess.Popen(
+            [*command, *_args(fmt)], start_new_session=True, stderr=subprocess.PIPE
+        )
+        reached = _kill_at_receipt(slowed, out, target)
+        assert 0 < reached < total
+    else:  # the one writer: killed once its checkpoint passed a sample
+        target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
+        reached = _kill_at(_convert(many, out, *_args(fmt)), out, target)
+        assert 0 < reached < COUNT
     assert not out.exists()  # nothing half-written looks like an output
     [left] = leftovers(out)
     resumed = subprocess.run(

@@ -98,6 +98,18 @@ class Source(ABC):
         """The fetcher of one run (``run``: a token unique to the run, which keys the readers
         workers open, see :func:`opened`)."""
 
+    def plans_shards(self) -> bool:
+        """Whether every sample's size in SRC is known before any is read
+        (:meth:`stored_size`), so that a sharded output is planned shard by shard and written by
+        shard tasks (:mod:`imgpack.direct`), wherever DST is. Default: no, the one writer
+        writes it."""
+        return False
+
+    def stored_size(self, sample: Sample) -> int:
+        """The bytes of ``sample``'s image as SRC holds it, for the shard plan (a kind that
+        :meth:`plans_shards`), ``-1`` when it cannot be found (its task names it)."""
+        return -1
+
     def identity(self, scan: Scan) -> str:
         """What identifies SRC as it was scanned, beyond :meth:`stamp` (an output's id, a list
         file's hash), recorded in the fetcher: a worker refuses a source that changed since."""
@@ -107,6 +119,14 @@ class Source(ABC):
         """What identifies one sample's bytes for the output id (a file's size and modification
         time); ``"-"`` when :meth:`identity` covers it already."""
         return "-"
+
+
+def file_size(path: str | os.PathLike[str]) -> int:
+    """The size of the file at ``path`` as the file system says, ``-1`` when it cannot say."""
+    try:
+        return os.stat(path).st_size
+    except (OSError, ValueError):
+        return -1
 
 
 def kept_fields(
