@@ -466,17 +466,20 @@ def receipt_name(number: int) -> str:
 
 
 def receipts_in(folder: Path) -> int:
-    """How many receipts the work folder of a local conversion by shard tasks holds."""
-    work = folder / WORK
-    if not work.is_dir():
+    """How many receipts the work folder of a local conversion by shard tasks holds (while
+    it runs too: its tasks' scratch folders beside the receipts come and go)."""
+    count = 0
+    try:
+        outputs = [p for p in (folder / WORK).iterdir() if not p.name.startswith("imgpack-shard-")]
+    except OSError:
         return 0
-    return sum(
-        1
-        for output in work.iterdir()
-        if output.is_dir()
-        for name in os.listdir(output)
-        if name.startswith("shard-") and name.endswith(".json")
-    )
+    for output in outputs:
+        try:
+            names = os.listdir(output)
+        except OSError:  # not a folder, or gone
+            continue
+        count += sum(1 for n in names if n.startswith("shard-") and n.endswith(".json"))
+    return count
 
 
 def _without_killers(plan: Plan, executor: Any, task: ShardTask) -> dict[str, Any]:

@@ -21,7 +21,8 @@ it is what this machine's cores deliver in that minute:
 
 The figures, each against its limit:
   convert      imgpack.convert(src, out, format=F, encoding="original", workers=cores)
-               (vs validate, and vs validate+hash), with the CPU time of the writing process
+               (vs validate, vs validate+hash, and vs decode: with statistics on, the
+               default, every kept JPEG is decoded in full), with the CPU time of the writing process
                and of its pool beside the CPU time of the decodes alone
   fit batches  open_dataset(out, size=224) + collate, DataLoader(batch_size=--batch,
                shuffle=True), num_workers 0, 1, 2  (vs decode+fit)
@@ -194,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if "convert" in parts or not (out / "imgpack.json").exists():
             size = args.shard_size
             converting = partial(convert_once, src, out, fmt, cores, shard_size=size)
-            paired("convert", "validate", converting, also=["validate+hash"])
+            # With statistics on (the default) each kept JPEG is decoded in full: the full
+            # decode is that conversion's limit; the 1/8-scale validation, with --no-stats.
+            paired("convert", "validate", converting, also=["validate+hash", "decode"])
             if fmt in ("pt", "tfrecord", "webdataset"):
                 shards = len(open_dataset(out).manifest.files)
                 rows.append((f"{fmt}: shard tasks wrote", f"{shards} shard(s)"))
@@ -202,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 alone = partial(
                     convert_once, src, out, fmt, cores, one_writer=True, shard_size=size
                 )
-                paired("convert, one writer", "validate", alone, also=["validate+hash"])
+                paired("convert, one writer", "validate", alone, also=["validate+hash", "decode"])
                 converting(0)  # the default engine's output, which the reads below take
             # Where the CPU goes, against the decodes alone (cores x count / the limit's rate).
             main, pool, wall = np.median(np.array(CONVERT_CPU[fmt]), axis=0)

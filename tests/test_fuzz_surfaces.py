@@ -127,8 +127,7 @@ def _killed(base: Path, fmt: str, engine: str) -> tuple[Path, list[list[Any]]]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         found = leftovers(dst)
-        receipts = found[0].glob(f"{direct.WORK}/*/shard-*.json") if found else iter(())
-        if engine == "--shard-tasks" and len(list(receipts)) >= 2:
+        if engine == "--shard-tasks" and found and direct.receipts_in(found[0]) >= 2:
             break
         checkpoint = found[0] / CHECKPOINT if found else None
         if checkpoint and checkpoint.exists() and json.loads(checkpoint.read_text())["count"]:

@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from imgpack import convert, open_dataset, verify
+from imgpack import convert, direct, open_dataset, verify
 from imgpack.converters import FORMATS
 from imgpack.errors import OptionError
 from imgpack.pipeline import CHECKPOINT, leftovers
@@ -48,26 +49,43 @@ def _convert(src: Path, dst: Path | str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
 
 
-def _kill_at(process: subprocess.Popen[bytes], dst: Path, position: int) -> int:
-    """SIGKILL ``process`` once its checkpoint has passed ``position``; the position reached."""
+def _checkpoint_position(dst: Path) -> int:
+    """The position a one-writer run's checkpoint has reached (-1: none yet)."""
+    for left in leftovers(dst):
+        try:
+            return int(json.loads((left / CHECKPOINT).read_text())["position"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return -1
+
+
+def _receipts(dst: Path) -> int:
+    """How many shards a run by shard tasks has receipts for."""
+    return sum(direct.receipts_in(t) for t in leftovers(dst))
+
+
+def _kill_at(
+    process: subprocess.Popen[bytes],
+    dst: Path,
+    target: int,
+    progress: Callable[[Path], int] = _checkpoint_position,
+) -> int:
+    """SIGKILL ``process`` once its ``progress`` (default: its checkpoint's position; or
+    :func:`_receipts`) has reached ``target``; what it had reached."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        for left in leftovers(dst):
-            try:
-                reached = json.loads((left / CHECKPOINT).read_text())["position"]
-            except (OSError, ValueError, KeyError):
-                continue
-            if reached >= position:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
-                return int(reached)
+        reached = progress(dst)
+        if reached >= target:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return reached
         if process.poll() is not None:
             _, err = process.communicate()
-            raise AssertionError(f"finished before reaching {position}: {err!r}")
+            raise AssertionError(f"finished before reaching {target}: {err!r}")
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate()
-    raise AssertionError("no checkpoint reached in time")
+    raise AssertionError(f"{target} not reached in time")
 
 
 #: ``imgpack convert`` whose shard tasks each take 0.05 s more: a killed run leaves some.
@@ -77,24 +95,6 @@ SLOWED_TASKS = (
     "d.write_shard = slow\n"
     "from imgpack.cli import main\nmain()"
 )
-
-
-def _kill_at_receipt(process: subprocess.Popen[bytes], dst: Path, count: int) -> int:
-    """SIGKILL ``process`` (shard tasks) once ``count`` shards have receipts; how many had."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        receipts = [r for left in leftovers(dst) for r in left.glob(".imgpack-work/*/shard-*.json")]
-        if len(receipts) >= count:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            return len(receipts)
-        if process.poll() is not None:
-            _, err = process.communicate()
-            raise AssertionError(f"finished before {count} receipts: {err!r}")
-        time.sleep(0.005)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate()
-    raise AssertionError("no receipts in time")
 
 
 def _files(out: Path) -> dict[str, bytes]:
@@ -126,7 +126,7 @@ def test_killed_conversion_resumes_to_the_same_bytes(fmt: str, many: Path, tmp_p
         slowed = subprocess.Popen(
             [*command, *_args(fmt)], start_new_session=True, stderr=subprocess.PIPE
         )
-        reached = _kill_at_receipt(slowed, out, target)
+        reached = _kill_at(slowed, out, target, _receipts)
         assert 0 < reached < total
     else:  # the one writer: killed once its checkpoint passed a sample
         target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)

@@ -167,6 +167,24 @@ def test_pixel_sums_and_the_combination_are_exact() -> None:
 
 
 @pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 3), (1, 1), (9, 2, 3), (17, 513, 3), (300, 300), (441, 415, 3), (1000, 3001, 3)],
+)
+def test_pixel_sums_are_exact_for_any_shape(shape: tuple[int, ...]) -> None:
+    """Sums of values and of squares, per channel, as exact integers: images smaller than a
+    block row, with a tail, gray (counted as 3 channels when read as RGB), larger than a block,
+    a strided view, and the largest values everywhere (no column sum overflows)."""
+    rng = np.random.default_rng(len(shape) * 1000 + shape[0])
+    image = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    for pixels in (image, np.full_like(image, 255), image[::2, ::3]):
+        values = pixels.reshape(-1, 1 if pixels.ndim == 2 else pixels.shape[2]).astype(np.int64)
+        sums, squares = values.sum(0).tolist(), (values**2).sum(0).tolist()
+        assert pixel_sums(pixels) == (tuple(sums), tuple(squares))
+        if pixels.ndim == 2:
+            assert pixel_sums(pixels, 3) == (tuple(sums * 3), tuple(squares * 3))
+
+
+@pytest.mark.parametrize(
     ("edit", "words"),
     [
         (lambda s, m: s.update(samples=s["samples"] - 1), "samples"),

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 import imgpack
 from imgpack import convert, merge, open_dataset, verify
 from imgpack.cli import main
-from imgpack.direct import WORK
+from imgpack.direct import receipts_in
 from imgpack.errors import DataError, ImgpackError, ManifestError, OptionError
 from imgpack.exporting import export
 from imgpack.formats.tfrecord import example, framing
@@ -285,7 +285,7 @@ def _killed_run(
             state = json.loads((found[0] / CHECKPOINT).read_text())
             if state["count"] >= 6:
                 break
-        if found and len(list(found[0].glob(f"{WORK}/*/shard-*.json"))) >= 2:
+        if found and receipts_in(found[0]) >= 2:
             break
         if process.poll() is not None:
             raise AssertionError(f"finished too early: {process.communicate()}")
