@@ -149,10 +149,13 @@ def walk_images(
     class_name: str,
     unreadable: list[dict[str, str]],
     ignored: list[dict[str, str]],
+    sizes: list[int] | None = None,
 ) -> list[str]:
     """Relative POSIX paths of the image files under ``root/class_name`` (``""``: all of
     ``root``), in torchvision's order; every other file passed over is added to ``ignored`` by
-    path, with why (hidden, not an image, a link back into the walk).
+    path, with why (hidden, not an image, a link back into the walk). ``sizes``: a list that
+    gets each image's size in bytes, in the same order (the walk stats every image already;
+    the shard plan is cut from them).
 
     The walk keeps its own stack (no recursion: a tree thousands of levels deep is fine), follows
     symbolic links to folders but never around a loop, and adds to ``unreadable`` the folders
@@ -161,7 +164,7 @@ def walk_images(
     the run would refuse without reading them (a broken link, a FIFO or device, an empty or
     unreadable file): the dry run refuses what the run refuses.
     """
-    found: list[tuple[str, str]] = []
+    found: list[tuple[str, str, int]] = []
     passed = ignored
     visited: set[tuple[int, int]] = set()
     stack = [class_name]
@@ -210,11 +213,22 @@ def walk_images(
             elif (why := _unfit_image(str(folder / name), entry)) is not None:
                 unreadable.append({"path": printable(rel), "reason": why})
             else:
-                found.append((rel_dir, name))
+                found.append((rel_dir, name, _size(entry)))
         # Depth first, subfolders in sorted order (os.walk's order); order is restored below.
         stack.extend(_join(rel_dir, d) for d in sorted(subfolders, reverse=True))
     found.sort()
-    return [_join(d, n) for d, n in found]
+    if sizes is not None:
+        sizes.extend(size for _, _, size in found)
+    return [_join(d, n) for d, n, _ in found]
+
+
+def _size(entry: os.DirEntry[str]) -> int:
+    """The size of an image file the walk took (its stat is cached by the walk's check);
+    ``-1`` when it cannot be had now (its task names the file)."""
+    try:
+        return entry.stat().st_size
+    except OSError:
+        return -1
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
@@ -272,9 +286,10 @@ def scan_folder(root: str | os.PathLike[str], classes: list[str] | None = None) 
     strays, ignored = top_files(root)
     unreadable = [{"path": path, "reason": STRAY_IMAGE} for path in strays]
 
-    def walk(name: str) -> tuple[list[str], list[dict[str, str]], None, None]:
+    def walk(name: str) -> tuple[list[str], list[dict[str, str]], list[int], None]:
         passed: list[dict[str, str]] = []
-        return walk_images(root, name, unreadable, passed), passed, None, None
+        sizes: list[int] = []
+        return walk_images(root, name, unreadable, passed, sizes), passed, sizes, None
 
     return _scan(str(root), folders, classes, walk, unreadable, ignored)
 
