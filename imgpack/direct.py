@@ -742,9 +742,9 @@ def applies_locally(options: Any, source: Any, executor: Executor) -> bool:
     """Whether a conversion to a local or shared path is written by shard tasks: a sharded
     format, a source whose samples' sizes are known before they are read (as :func:`applies`),
     an executor that runs tasks, and ``shard_tasks`` (the default; ``--one-writer`` turns it
-    off). One part is written
-    in the output's temp folder (:func:`write_local`); with ``num_parts``, every part writes
-    into DST itself (:func:`convert_to_bucket`, the path taken for a bucket prefix)."""
+    off). One part is written in the output's temp folder (:func:`write_local`); with
+    ``num_parts``, every part writes into DST itself (:func:`convert_to_bucket`, the path taken
+    for a bucket prefix)."""
     return (
         options.shard_tasks
         and options.spec.sharded
