@@ -16,7 +16,7 @@ from pathlib import Path
 
 from imgpack.errors import OptionError, ScanError
 from imgpack.images import Encoding, ImagePolicy
-from imgpack.scan import UNLABELLED, Sample, Scan
+from imgpack.scan import UNLABELLED, Sample, SampleTable, Scan
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_size, file_stamp
 from imgpack.sources.folder.scan import IMAGE_EXTENSIONS, walk_images
 from imgpack.sources.folder.sidecars import sidecar_fields
@@ -56,15 +56,18 @@ class UnlabelledSource(Source):
             )
         unreadable: list[dict[str, str]] = []
         ignored: list[dict[str, str]] = []
-        paths = walk_images(self.src, "", unreadable, ignored)
+        sizes: list[int] = []
+        paths = walk_images(self.src, "", unreadable, ignored, sizes)
         if not paths and not unreadable:
             raise ScanError(
                 f"{self.src}: found no image files. Images are recognised by the extensions "
                 f"{', '.join(IMAGE_EXTENSIONS)} (any case)"
             )
+        samples = SampleTable()  # packed, with the sizes the shard plan is cut from
+        samples.extend(paths, UNLABELLED, sizes)
         scan = Scan(
             classes=[],
-            samples=[Sample(path, UNLABELLED) for path in paths],
+            samples=samples,
             ignored_files=len(ignored),
             ignored=ignored,
             unreadable=unreadable,
