@@ -69,9 +69,10 @@ FETCH_GROUP = 32
 def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
     """Whether a conversion is written by shard tasks: a sharded format, DST in object storage
     that every process writes to (not fsspec's per-process ``memory://``), a source whose
-    samples' sizes are known before they are read (an image folder, a bucket's or a shared
-    path's: its listing gives each sample's bytes; :meth:`~imgpack.sources.base.Source.
-    plans_shards`) and an executor that runs tasks."""
+    samples' sizes are known before they are read
+    (:meth:`~imgpack.sources.base.Source.plans_shards`: an image folder, a bucket's or a
+    shared path's, whose listing gives each sample's bytes) and an executor that runs
+    tasks."""
     return (
         options.spec.sharded
         and location.is_url(dst)
@@ -377,7 +378,9 @@ def _write_shards(
     work = f"{WORK}/{plan.output_id}"
     config = replace(plan.writer_config(), shard_size=sys.maxsize)
     numbers = [k for k in mine if k not in done]
-    if options.shard_size:  # said once, as the one writer says it
+    # Said once, as the one writer says it. An image larger than the shard size is a shard of
+    # its own, so the sizes are looked at again only where a shard holds one image.
+    if options.shard_size and any(bounds[k + 1] - bounds[k] == 1 for k in range(total)):
         largest = max(sample_sizes(plan, framed=False), default=0)
         if largest > options.shard_size:
             log.warning("%s", shard_size_note(options.shard_size, largest))

@@ -16,9 +16,10 @@ conversion of SRC:
 The parts share their conversion's output id, so shards need no rewrite. The merged output is
 published like a conversion: DST locked, built in a temp folder beside it, manifest last.
 
-Parts written by shard tasks (``--shard-tasks``) into folders of their own hold their part's
-manifest under :func:`~imgpack.manifest.part_manifest_name` (only a DST the parts share gets an
-``imgpack.json``, from the last part to finish); the merge reads it there. Their shards already
+Parts written by shard tasks (the default for sharded formats of an image folder) into folders
+of their own hold their part's manifest under :func:`~imgpack.manifest.part_manifest_name`
+(only a DST the parts share gets an ``imgpack.json``, from the last part to finish); the route
+opens a part by it (:func:`~imgpack.opening.open_output`). Their shards already
 carry the whole output's names, so the merged files are the single conversion's, byte for
 byte.
 """
@@ -142,8 +143,8 @@ def _check_digests(opened: Opened) -> None:
         if entry.sha256 and sha256_file(path) != entry.sha256:
             raise DataError(
                 f"{path}: its sha256 is not the one its part's manifest records (the part is "
-                "damaged or was changed after its conversion; imgpack verify tells more); "
-                "nothing was merged"
+                "damaged or was changed after its conversion); nothing was merged: convert that "
+                "part again"
             )
 
 

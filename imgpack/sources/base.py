@@ -107,8 +107,10 @@ class Source(ABC):
 
     def stored_size(self, sample: Sample) -> int:
         """The bytes of ``sample``'s image as SRC holds it, for the shard plan (a kind that
-        :meth:`plans_shards`), ``-1`` when it cannot be found (its task names it)."""
-        return -1
+        :meth:`plans_shards`), ``-1`` when it cannot be found (its task names it). Default: the
+        file SRC/``sample.path``, as an image folder holds it (a scan that knows the sizes keeps
+        them in its :class:`~imgpack.scan.SampleTable`, and this is not asked)."""
+        return file_size(self.src / sample.path)
 
     def identity(self, scan: Scan) -> str:
         """What identifies SRC as it was scanned, beyond :meth:`stamp` (an output's id, a list

@@ -56,6 +56,6 @@ def check_meta(path: Path) -> None:
     if last >= pages or any(root != NO_PAGE and root > last for root in roots):
         raise DataError(
             f"{path}: its meta page points past the file's end (page "
-            f"{max(last, *(r for r in roots if r != NO_PAGE))} of {pages}): the file is damaged "
-            "(imgpack verify tells more)"
+            f"{max(last, *(r for r in roots if r != NO_PAGE))} of {pages}): the file is damaged; "
+            "convert the output again, or restore it from a copy"
         )

@@ -15,7 +15,7 @@ from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, process_file
 from imgpack.scan import Sample, Scan, listed_id
 from imgpack.sources import listing
-from imgpack.sources.base import Fetcher, ScanRequest, Source, file_size, file_stamp
+from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import (
     SPLIT_NAMES,
     find_classes,
@@ -116,9 +116,6 @@ class FolderSource(Source):
 
     def plans_shards(self) -> bool:
         return True  # its listing (or the file system) gives every image's size
-
-    def stored_size(self, sample: Sample) -> int:
-        return file_size(self.src / sample.path)
 
     def scan(self, request: ScanRequest) -> Scan:
         remote = self.remote

@@ -17,7 +17,7 @@ from pathlib import Path
 from imgpack.errors import OptionError, ScanError
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.scan import UNLABELLED, Sample, SampleTable, Scan
-from imgpack.sources.base import Fetcher, ScanRequest, Source, file_size, file_stamp
+from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import IMAGE_EXTENSIONS, walk_images
 from imgpack.sources.folder.sidecars import sidecar_fields
 from imgpack.sources.folder.source import FileFetcher, refuse_unreadable
@@ -78,9 +78,6 @@ class UnlabelledSource(Source):
 
     def plans_shards(self) -> bool:
         return self._tars is None  # a folder's images (a tar's members: one writer)
-
-    def stored_size(self, sample: Sample) -> int:
-        return file_size(self.src / sample.path)
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         if self._tars is not None:
