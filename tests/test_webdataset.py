@@ -286,6 +286,61 @@ def test_raw_batches_across_shards_are_gathered_exactly(tmp_path: Path) -> None:
         fresh.__getitems__([0, damaged, 39])
 
 
+@pytest.mark.parametrize("verify", [None, False, True])
+def test_raw_batches_of_a_two_shard_output_are_gathered_exactly(
+    tmp_path: Path, verify: bool | None
+) -> None:
+    """A raw output of one large shard and a short last one (the default layout's shape): a
+    batch with most rows in the large shard is one gather there plus the short shard's rows,
+    one with most in the short shard goes shard by shard; every way gives the pt output's
+    pixels and labels in batch order, and a damaged ``.npy`` header in the short shard is
+    named whichever way the batch is gathered."""
+    from imgpack.readers import collate
+
+    src = build_uniform_folder(tmp_path / "src", count=40, size=16)
+    convert(
+        src,
+        tmp_path / "wds",
+        "webdataset",
+        encoding="raw",
+        size=16,
+        shard_size="100KB",
+        progress=False,
+    )
+    convert(src, tmp_path / "pt", "pt", encoding="raw", size=16, progress=False)
+    ds = open_dataset(tmp_path / "wds", verify=verify)
+    reference = open_dataset(tmp_path / "pt")
+    counts = [f.num_samples for f in ds.manifest.files]
+    assert len(counts) == 2 and counts[0] > counts[1] > 0
+    large, short = list(range(counts[0])), list(range(counts[0], 40))
+    order = np.random.default_rng(1).permutation(40).tolist()
+    shapes = [
+        order,  # both shards, most in the large one
+        large[:5] + short[:2],  # most in the large shard
+        short[:2] + large[:5],  # the first row in the short one
+        short[:5] + large[:1],  # most in the short shard
+        short[:3],  # the short shard alone
+        large[:3] + short[:3],  # exactly half
+        (large[:2] + short[:1]) * 3,  # the same samples again
+        [39, 0, -1],
+    ]
+    for _ in range(2):  # the first reads (checked as gathered), then the later ones
+        for batch in shapes:
+            images, labels = collate(ds.__getitems__(batch))
+            expected = collate(reference.__getitems__(batch))
+            assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+    shard = tmp_path / "wds" / ds.manifest.files[1].path
+    offset = int(shard.with_suffix(".idx").read_text().splitlines()[1].split()[0])
+    blob = bytearray(shard.read_bytes())
+    blob[offset + 8] ^= 0xFF  # inside the second short-shard sample's .npy header
+    shard.write_bytes(bytes(blob))
+    damaged = counts[0] + 1
+    for batch in ([*large[:5], damaged], [damaged, *short[:1]]):
+        fresh = open_dataset(tmp_path / "wds", verify=verify)
+        with pytest.raises(DataError, match=rf"sample {damaged} "):
+            fresh.__getitems__(batch)
+
+
 @pytest.mark.parametrize(
     ("name", "size"), [("0000000001.jpg", 12345), ("a" * 100, 0), ("7.cls", 1), ("x", 8**11 - 1)]
 )

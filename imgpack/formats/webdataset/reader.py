@@ -23,6 +23,7 @@ from imgpack.formats.dataset_base import (
     new_batch_tensor,
     scratch_tensor,
 )
+from imgpack.formats.gather import Spread
 from imgpack.formats.webdataset import layout
 
 if TYPE_CHECKING:
@@ -71,6 +72,15 @@ class WebDatasetDataset(PreadDataset):
             #: Whether every image member is the size the image shape gives (else each batch's
             #: are compared, and one that is not goes through the record path).
             self._regular = bool((self._sizes == self._member_size).all())
+            #: Where the pixels lie, for batches spread over several shards.
+            self._spread = (
+                Spread(
+                    self._shard_of(np.arange(len(self))).astype(np.int32),
+                    self._offsets + len(self._npy),
+                )
+                if len(self._starts) > 2
+                else None
+            )
 
     @property
     def _index_width(self) -> int:
@@ -237,27 +247,34 @@ class WebDatasetDataset(PreadDataset):
             rows[k] = np.frombuffer(data, np.uint8, offset=head)
         return out.permute(0, 3, 1, 2), labels
 
-    def _members(self, indices: np.ndarray) -> tuple[np.ndarray | None, np.ndarray] | None:
-        """Shard numbers (``None`` for a one-shard output) and member offsets of raw samples
-        ``indices``, or ``None`` when one of their ``.npy`` members is not the size the
-        output's image shape gives (the record path then names it)."""
-        if not len(indices):
-            return None
-        if not self._regular and (self._sizes[indices] != self._member_size).any():
-            return None
-        return self._shards(indices), self._offsets[indices]
+    def _regular_members(self, indices: np.ndarray) -> bool:
+        """Whether raw samples ``indices`` (at least one) each have an ``.npy`` member of the
+        size the output's image shape gives (else the record path names the one that has not)."""
+        return len(indices) > 0 and (
+            self._regular or bool((self._sizes[indices] == self._member_size).all())
+        )
+
+    def _gather_members(self, indices: np.ndarray, out: torch.Tensor) -> None:
+        """Row ``k`` of ``out`` (contiguous ``(n, width)`` uint8) is the first ``width`` bytes
+        of sample ``indices[k]``'s image member, from the memory-mapped shards."""
+        self._gather_rows(self._shards(indices), self._offsets[indices], out)
+
+    def _gather_pixels(self, indices: np.ndarray, out: torch.Tensor) -> None:
+        """Row ``k`` of ``out`` (contiguous ``(n, H * W * C)`` uint8) is the pixels of sample
+        ``indices[k]``'s ``.npy`` member, from the memory-mapped shards."""
+        if self._spread is None:
+            self._rows_into(0, self._offsets[indices] + len(self._npy), out)
+            return
+        self._spread.gather(indices, out, self._windows, self._gather_rows)
 
     def _raw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The whole ``.npy`` members of raw samples ``indices`` (what each checksum covers,
         with the fields' bytes where the output has fields: then ``None``), gathered from the
         memory-mapped shards."""
-        if self.manifest.fields:
-            return None
-        found = self._members(indices)
-        if found is None:
+        if self.manifest.fields or not self._regular_members(indices):
             return None
         rows = scratch_tensor((len(indices), self._member_size))
-        self._gather_rows(*found, rows)
+        self._gather_members(indices, rows)
         return rows.numpy(), self._labels[indices], self._crcs[indices]
 
     def _gather_checked(self, indices: np.ndarray) -> torch.Tensor | None:
@@ -280,18 +297,15 @@ class WebDatasetDataset(PreadDataset):
         checksums, which cover the headers, were checked (by default the first time this
         reader read each; ``verify=True``: just now). ``None`` when a member is not the
         output's ``.npy`` array: the record path names it."""
-        found = self._members(indices)
-        if found is None:
+        if not self._regular_members(indices):
             return None
-        shard_of, offsets = found
-        head = len(self._npy)
         if not (self.verify or self.checks.once):  # no checksum covered the headers
-            heads = scratch_tensor((len(indices), head))
-            self._gather_rows(shard_of, offsets, heads)
+            heads = scratch_tensor((len(indices), len(self._npy)))
+            self._gather_members(indices, heads)
             if not (heads.numpy() == np.frombuffer(self._npy, np.uint8)).all():
                 return None
         out = new_batch_tensor((len(indices), *self._shape))
-        self._gather_rows(shard_of, offsets + head, out.view(len(indices), -1))
+        self._gather_pixels(indices, out.view(len(indices), -1))
         return out.permute(0, 3, 1, 2)
 
     def _stored_bytes(self, record: Record) -> bytes:
