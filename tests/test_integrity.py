@@ -79,6 +79,37 @@ def test_a_damaged_raw_record_is_caught_at_its_first_read(
     assert len(ds.__getitems__([9, 6])) == 2
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_record_never_read_is_checked_however_often_the_others_were(
+    fmt: str, uniform_folder: Path, tmp_path: Path
+) -> None:
+    """Raw records are checked the first time each is read; a reader that has read every other
+    record several times over (more reads than records: its marks are then scanned whole, in
+    the training process and in each DataLoader worker) still checks the one it never read."""
+    from torch.utils.data import DataLoader
+
+    from imgpack.readers import collate
+
+    out = tmp_path / "out"
+    convert(uniform_folder, out, fmt, encoding="raw", size=16, progress=False)
+    pixels = open_dataset(out)[7][0].permute(1, 2, 0).contiguous().numpy().tobytes()
+    _flip_inside_a_record(out, pixels)
+    ds = open_dataset(out)
+    others = [i for i in range(len(ds)) if i != 7]
+    for _ in range(3):
+        for start in range(0, len(others), 4):
+            ds.__getitems__(others[start : start + 4])
+    named = r"sample 7 .*(checksum|CRC) mismatch|CRC mismatch.*\(sample 7\)"
+    with pytest.raises(DataError, match=named):
+        ds.__getitems__([0, 7])
+    fresh = open_dataset(out)
+    loader = DataLoader(fresh, batch_size=4, sampler=others * 3 + [7], num_workers=2,
+                        collate_fn=collate)  # fmt: skip
+    with pytest.raises(DataError, match=r"(checksum|CRC) mismatch"):
+        for _ in loader:
+            pass
+
+
 def test_records_intact_agrees_with_each_records_checksum() -> None:
     """The batch check (one CRC of the records' payloads against their checksums combined)
     says intact exactly when every record's own checksum matches: groups of any size, several

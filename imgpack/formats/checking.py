@@ -77,9 +77,13 @@ class RecordChecks:
         self._fields = fields
         self._count = count
         self._seen: np.ndarray | None = shared_marks(count) if self.once else None
+        #: Whether this process saw every mark set (marks are only ever set: it stays so).
+        self._complete = False
+        #: Samples asked about since the marks were last scanned whole.
+        self._asked = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_seen": None}  # a spawned process marks its own
+    def __getstate__(self) -> dict[str, Any]:  # a spawned process marks its own
+        return {**self.__dict__, "_seen": None, "_complete": False, "_asked": 0}
 
     def all(self, reader: CheckedReader, chunk: int = 4096) -> None:
         """Check every record against its checksum (raising :class:`DataError` at the first
@@ -101,8 +105,25 @@ class RecordChecks:
         by default when one of them was not checked yet."""
         if self.every:
             return True
+        if self._complete:  # every record checked: no lookup at all
+            return False
         seen = self.marks()
-        return seen is not None and len(indices) > 0 and not seen[indices].all()
+        if seen is None or not len(indices):
+            return False
+        if not seen[indices].all():
+            return True
+        self._note_checked(seen, len(indices))
+        return False
+
+    def _note_checked(self, seen: np.ndarray, asked: int) -> None:
+        """A batch of ``asked`` records was found checked: once as many have been asked about
+        as there are records (an epoch, or a subset read again and again), the marks are
+        scanned whole, so that a reader whose every record is checked stops looking them up
+        (one scan per ``count`` records read at most)."""
+        self._asked += asked
+        if self._asked >= self._count:
+            self._asked = 0
+            self._complete = bool(seen.all())
 
     def raw(self, reader: CheckedReader, indices: np.ndarray) -> None:
         """Check raw records ``indices`` before they are gathered: all of them when every read
@@ -110,11 +131,14 @@ class RecordChecks:
         if self.every:
             self.rows(reader, indices)
             return
+        if self._complete:
+            return
         seen = self.marks()
         if seen is None or not len(indices):
             return
         marks = seen[indices]
         if marks.all():  # every epoch after the first: one gather of 1-byte marks
+            self._note_checked(seen, len(indices))
             return
         fresh = np.unique(indices[marks == 0])
         self.rows(reader, fresh)

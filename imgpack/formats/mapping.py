@@ -4,7 +4,7 @@ A memory-mapped file cut in place (truncated) while it is read is not an error b
 that kills the process at the first byte past its new end. :class:`MappedFiles` keeps, per
 shard a reader mapped in this process, a descriptor of the file (it names the file mapped, even
 if another is renamed over the path) and its size then; a read refuses, in one line, a batch
-that touches a file that shrank since (one ``fstat`` per mapped shard the batch touches), and a
+that touches a file that shrank since (its size asked once per mapped shard the batch touches), and a
 file already shorter than the manifest says when it is mapped.
 """
 
@@ -59,14 +59,15 @@ class MappedFiles:
         the descriptor."""
         if not self._maps:
             return  # nothing mapped in this process yet
-        # A few files: each checked (an fstat, ~1 µs) rather than the batch's shards found.
-        numbers = list(self._maps) if len(self._maps) <= FEW else touched()
-        for number in numbers:
-            found = self._maps.get(number)
-            if found is None:
-                continue
-            path, fd, size = found
-            now = os.fstat(fd).st_size
+        # A few files: each checked rather than the batch's shards found. The size is asked
+        # by seeking the guard's own descriptor to the end (~0.25 µs; an fstat ~0.9 µs, most
+        # of it building its result): nothing reads through that descriptor.
+        if len(self._maps) <= FEW:
+            entries = list(self._maps.values())
+        else:
+            entries = [self._maps[n] for n in touched() if n in self._maps]
+        for path, fd, size in entries:
+            now = os.lseek(fd, 0, os.SEEK_END)
             if now < size:
                 raise DataError(
                     f"{path}: {now:,} bytes now, {size:,} when this process mapped it: the file "
