@@ -71,8 +71,8 @@ def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
     that every process writes to (not fsspec's per-process ``memory://``), a source whose
     samples' sizes are known before they are read
     (:meth:`~imgpack.sources.base.Source.plans_shards`: an image folder, a bucket's or a
-    shared path's, whose listing gives each sample's bytes) and an executor that runs
-    tasks."""
+    shared path's, whose listing gives each sample's bytes; a label list of files) and an
+    executor that runs tasks."""
     return (
         options.spec.sharded
         and location.is_url(dst)
@@ -534,7 +534,7 @@ def sample_sizes(plan: Plan, framed: bool = True) -> Iterator[int]:
         return
     samples = plan.scan.samples
     for index in range(len(samples)):
-        size = samples.size(index) if isinstance(samples, SampleTable) else -1
+        size = samples.size(index) if isinstance(samples, SampleTable) else samples[index].size
         if size < 0:
             size = max(0, plan.source.stored_size(samples[index]))  # -1: its task names it
         yield estimate(size)

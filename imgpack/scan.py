@@ -49,6 +49,10 @@ class Sample:
     #: The values of the fields the scan found for it (a label list's other columns), by
     #: name; ``None`` where the source has none or reads them with the image.
     fields: Mapping[str, Any] | None = field(default=None, compare=False)
+    #: The bytes of its image as SRC holds it, where the scan found them (a listed object, a
+    #: stat'ed file, a tar member's header); ``-1``: not known (the shard plan asks the source,
+    #: :meth:`~imgpack.sources.base.Source.stored_size`).
+    size: int = field(default=-1, compare=False)
 
 
 def listed_id(etag: str) -> int:
@@ -111,7 +115,7 @@ class SampleTable(Sequence[Sample]):
     def _sample(self, i: int) -> Sample:
         start = self._ends[i - 1] if i else 0
         path = self._paths[start : self._ends[i]].decode("utf-8", "surrogateescape")
-        return Sample(path, self._labels[i], listed=self._listed[i])
+        return Sample(path, self._labels[i], listed=self._listed[i], size=self._sizes[i])
 
     def size(self, index: int) -> int:
         """The source size in bytes of sample ``index`` as listed, ``-1`` when not known."""

@@ -541,14 +541,14 @@ def test_a_tar_member_that_is_not_its_type_is_refused_by_sample(tmp_path: Path) 
 def test_a_killed_conversion_with_fields_resumes_to_the_same_bytes(
     fmt: str, tmp_path: Path
 ) -> None:
-    """Fields are in the checkpoints (HDF5's journal, the shards): a conversion with fields
-    killed with SIGKILL resumes to exactly the bytes of an uninterrupted one, every value read
-    back."""
+    """Fields are in the checkpoints (HDF5's journal, LMDB's commits) and in the shards and
+    their receipts: a conversion of a label list with fields killed with SIGKILL resumes to
+    exactly the bytes of an uninterrupted one, every value read back."""
     import random
     import subprocess
     import sys
 
-    from test_resume import COUNT, SHARD, _convert, _files, _kill_at
+    from test_resume import COUNT, SHARD, SLOWED_TASKS, _convert, _files, _kill_at, _receipts
 
     from imgpack import verify
     from imgpack.pipeline import leftovers
@@ -570,10 +570,18 @@ def test_a_killed_conversion_with_fields_resumes_to_the_same_bytes(
     done = subprocess.run([*command, str(tmp_path / "reference"), "-q", *args], capture_output=True)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "out"
-    # Before the second LMDB commit / HDF5 block (1,000 samples each): past it, 400 samples
-    # are left, and a loaded machine finished them before the poll saw the checkpoint.
-    target = random.Random(fmt).randint(COUNT // 4, COUNT // 3)
-    assert 0 < _kill_at(_convert(src, out, *args), out, target) < COUNT
+    if fmt in SHARD:  # shard tasks (a list of files plans its shards): killed by receipts
+        total = len(open_dataset(tmp_path / "reference").manifest.files)
+        target = random.Random(fmt).randint(total // 4, 3 * total // 4)
+        slowed = [sys.executable, "-c", SLOWED_TASKS, "convert", str(src), str(out), "-q", *args]
+        process = subprocess.Popen(slowed, start_new_session=True, stderr=subprocess.PIPE)
+        assert 0 < _kill_at(process, out, target, _receipts) < total
+    else:
+        # Before the second LMDB commit / HDF5 block (1,000 samples each): past it, 400
+        # samples are left, and a loaded machine finished them before the poll saw the
+        # checkpoint.
+        target = random.Random(fmt).randint(COUNT // 4, COUNT // 3)
+        assert 0 < _kill_at(_convert(src, out, *args), out, target) < COUNT
     resumed = subprocess.run([*command, str(out), "-q", "--resume", *args], capture_output=True)
     assert resumed.returncode == 0, resumed.stderr
     assert leftovers(out) == [] and _files(out) == _files(tmp_path / "reference")

@@ -112,14 +112,16 @@ def _receipts_when(process: subprocess.Popen[bytes], dst: Path, count: int) -> i
     return receipts
 
 
-@pytest.mark.parametrize("fmt", ["pt", "tfrecord"])
+@pytest.mark.parametrize(("fmt", "listed"), [("pt", False), ("tfrecord", False), ("pt", True)])
 def test_a_killed_conversion_resumes_to_the_same_bytes(
-    images: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+    images: Path, tmp_path: Path, fmt: str, listed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGKILLed once some shards have receipts: DST does not exist, the temp folder is kept,
     and --resume writes only the shards without a receipt, to the bytes of a run that was not
-    interrupted."""
+    interrupted; from an image folder, and from a label list of its files."""
     args = ["--format", fmt, "--shard-tasks", "--shard-size", "2KB", "--workers", "2"]
+    if listed:
+        args = ["--labels", str(_label_list(images, tmp_path / "list.csv")), *args]
     reference = tmp_path / "reference"
     done = CliRunner().invoke(main, ["convert", str(images), str(reference), "-q", *args])
     assert done.exit_code == 0, done.output
@@ -407,19 +409,11 @@ def test_an_unlabelled_folder_is_written_by_shard_tasks(
     s3: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An unlabelled folder (``--no-labels``) plans its shards as an image folder does: the
-    tasks write them, locally and to a bucket, the same files for any worker count; a label
-    list, whose rows may be URLs, keeps the one writer."""
+    tasks write them, locally and to a bucket, the same files for any worker count."""
     args = {"shard_size": "3KB", "progress": False, "no_labels": True}
     written = count_shard_writes(monkeypatch)
     one = convert(images, tmp_path / "one", "webdataset", workers=1, **args)
     assert written and one.classes == [] and len(one.files) > 2
-    listed = tmp_path / "list.csv"
-    rows = [f"{p.relative_to(images)},{p.parent.name}" for p in sorted(images.rglob("*.png"))]
-    listed.write_text("path,label\n" + "\n".join(rows) + "\n")
-    written.clear()
-    convert(images, tmp_path / "listed", "webdataset", labels=str(listed), workers=1,
-            shard_size="3KB", progress=False)  # fmt: skip
-    assert written == []  # the one writer
     monkeypatch.undo()  # the pool's workers run the real tasks
     two = convert(images, tmp_path / "two", "webdataset", workers=2, **args)
     url = f"{s3}/unlabelled-{tmp_path.name}"
@@ -427,3 +421,114 @@ def test_an_unlabelled_folder_is_written_by_shard_tasks(
     assert one.files == two.files == bucket.files
     assert _files(tmp_path / "one") == _files(tmp_path / "two") == _bucket_files(url)
     assert open_dataset(tmp_path / "one").targets == [-1] * 40
+
+
+def _tars(images: Path, folder: Path) -> Path:
+    """``images`` as two foreign WebDataset tars (``key.png``, ``key.cls`` and ``key.txt`` per
+    sample, as the ``webdataset`` package writes them), in ``folder``."""
+    import io
+    import tarfile
+
+    folder.mkdir()
+    files = sorted(images.rglob("*.png"))
+    classes = sorted({p.parent.name for p in files})
+    for number, chunk in enumerate((files[:25], files[25:])):
+        with tarfile.open(folder / f"part-{number}.tar", "w") as tar:
+            for k, file in enumerate(chunk):
+                members = {
+                    "png": file.read_bytes(),
+                    "cls": str(classes.index(file.parent.name)).encode(),
+                    "txt": f"caption {number} {k}".encode(),
+                }
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{number}{k:04d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return folder
+
+
+@pytest.mark.parametrize("no_labels", [False, True])
+def test_tars_are_written_by_shard_tasks(
+    s3: str, images: Path, tmp_path: Path, no_labels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Foreign WebDataset tars (labelled or not) plan their shards from their members'
+    headers: the tasks write them, and one plan gives the same files, byte for byte, with 1
+    and 2 workers and in a bucket, each sample's image, label and text field as the tars hold
+    them, in the tars' order."""
+    tars = _tars(images, tmp_path / "tars")
+    args: dict[str, Any] = {
+        "shard_size": "3KB", "progress": False, "no_labels": no_labels, "fields": ("txt",)
+    }  # fmt: skip
+    written = count_shard_writes(monkeypatch)
+    one = convert(tars, tmp_path / "one", "pt", workers=1, **args)
+    assert sorted(written) == list(range(len(one.files))) and len(one.files) > 2
+    monkeypatch.undo()
+    two = convert(tars, tmp_path / "two", "pt", workers=2, **args)
+    url = f"{s3}/tars-{tmp_path.name}"
+    bucket = convert(tars, url, "pt", workers=2, **args)
+    assert one.output_id == two.output_id == bucket.output_id
+    assert one.files == two.files == bucket.files
+    assert _files(tmp_path / "one") == _files(tmp_path / "two") == _bucket_files(url)
+    ds = open_dataset(tmp_path / "one", fields="txt")
+    files = sorted(images.rglob("*.png"))
+    assert len(ds) == 40 and ds.stored_paths()[:2] == [
+        "part-0.tar/00000.png",
+        "part-0.tar/00001.png",
+    ]
+    assert ds[26][2] == "caption 1 1"
+    if not no_labels:
+        assert [ds.classes[t] for t in ds.targets] == [
+            str(sorted({p.parent.name for p in files}).index(p.parent.name)) for p in files
+        ]
+    assert verify(tmp_path / "one").ok
+
+
+def _label_list(images: Path, where: Path, extra: list[str] | None = None) -> Path:
+    """A CSV label list of ``images`` (paths relative to it, in reverse order, each with a
+    ``weight`` column: a field), and ``extra`` rows after them."""
+    rows = [
+        f"{p.relative_to(images)},{p.parent.name},{k / 8}"
+        for k, p in enumerate(sorted(images.rglob("*.png"), reverse=True))
+    ]
+    where.write_text("path,label,weight\n" + "\n".join([*rows, *(extra or [])]) + "\n")
+    return where
+
+
+@pytest.mark.parametrize("fmt", SHARDED)
+def test_a_label_list_of_files_is_written_by_shard_tasks(
+    s3: str, images: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A label list whose rows are files plans its shards from their sizes: the tasks write
+    them, and one plan gives the same files, byte for byte, with 1 and 2 workers, in a bucket,
+    and from 2 parts sharing DST; the samples keep the list's order, labels and fields. A list
+    with a URL row keeps the one writer."""
+    listed = _label_list(images, tmp_path / "list.csv")
+    args: dict[str, Any] = {"labels": str(listed), "shard_size": "3KB", "progress": False}
+    written = count_shard_writes(monkeypatch)
+    one = convert(images, tmp_path / "one", fmt, workers=1, **args)
+    assert sorted(written) == list(range(len(one.files))) and len(one.files) > 2
+    monkeypatch.undo()  # the pool's workers run the real tasks
+    two = convert(images, tmp_path / "two", fmt, workers=2, **args)
+    url = f"{s3}/listed-{fmt}-{tmp_path.name}"
+    bucket = convert(images, url, fmt, workers=2, **args)
+    for part in (0, 1):
+        convert(images, tmp_path / "parts", fmt, workers=2, num_parts=2, part=part, **args)
+    parts = open_dataset(tmp_path / "parts").manifest
+    assert one.output_id == two.output_id == bucket.output_id == parts.output_id
+    assert one.files == two.files == bucket.files == parts.files
+    assert _files(tmp_path / "one") == _files(tmp_path / "two") == _bucket_files(url)
+    assert _files(tmp_path / "parts") == _files(tmp_path / "one")
+    ds = open_dataset(tmp_path / "one", fields="weight")
+    order = sorted(images.rglob("*.png"), reverse=True)
+    assert ds.stored_paths() == [str(p.relative_to(images)) for p in order]
+    assert [ds.classes[t] for t in ds.targets] == [p.parent.name for p in order]
+    assert [float(ds[k][2]) for k in (0, 5)] == [0.0, 5 / 8]
+    assert verify(tmp_path / "one").ok
+
+    fs = fsspec.filesystem("s3")
+    remote = f"{s3}/sources-{fmt}-{tmp_path.name}/extra.png"
+    fs.put(str(order[0]), remote.removeprefix("s3://"))
+    with_url = _label_list(images, tmp_path / "urls.csv", [f"{remote},{order[0].parent.name},9"])
+    written = count_shard_writes(monkeypatch)
+    mixed = convert(images, tmp_path / "mixed", fmt, workers=1, **{**args, "labels": str(with_url)})
+    assert written == [] and sum(f.num_samples for f in mixed.files) == 41  # the one writer

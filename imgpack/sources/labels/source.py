@@ -23,6 +23,7 @@ type) stops the run naming its line, or with ``--on-error skip`` is recorded as 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import stat
@@ -31,7 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
+from imgpack.errors import (
+    DataError,
+    ImageError,
+    ImgpackError,
+    OptionError,
+    ScanError,
+    first_line,
+)
 from imgpack.fields import Field, from_text, infer_field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
 from imgpack.manifest import sha256_file
@@ -42,13 +50,15 @@ from imgpack.sources.base import (
     Source,
     digest,
     empty_classes,
+    file_size,
     file_stamp,
     kept_fields,
     label_map,
 )
 
-#: One good row of a list: its line, path, label value and all its columns.
-Row = tuple[int, str, Any, dict[str, Any]]
+#: One good row of a list: its line, path, label value, all its columns, and its file's size
+#: (``-1``: a URL's, not known).
+Row = tuple[int, str, Any, dict[str, Any], int]
 
 #: The suffixes of files taken for a label list when given as SRC.
 LIST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
@@ -84,16 +94,16 @@ class LabelListSource(Source):
 
     def scan(self, request: ScanRequest) -> Scan:
         rows, unreadable = self._rows(request)
-        classes, label_of = label_map([value for _, _, value, _ in rows], request.classes)
+        classes, label_of = label_map([row[2] for row in rows], request.classes)
         fields, names = self._fields(rows, request)
         samples: list[Sample] = []
-        for line, path, value, record in rows:
+        for line, path, value, record, size in rows:
             label = label_of(value)
             values, problem = self._values(fields, record)
             if isinstance(label, str) or problem is not None:
                 self._bad(request, unreadable, line, path, problem or str(label))
             else:
-                samples.append(Sample(path, label, line, fields=values))
+                samples.append(Sample(path, label, line, fields=values, size=size))
         if not samples and not unreadable:
             raise ScanError(f"{self.list_file}: lists no image")
         origin = {
@@ -117,14 +127,14 @@ class LabelListSource(Source):
         (:func:`infer_field`); and the names of all of them."""
         own = (self.settings["path_column"], self.settings["label_column"])
         names: dict[str, None] = {}
-        for *_, record in rows:
+        for *_, record, _ in rows:
             names.update((k, None) for k in record if k not in own)
         every = list(names)
         text = not self._json_lines
         found = kept_fields(
             every,
             request,
-            lambda name: infer_field(name, [r.get(name) for *_, r in rows], text=text),
+            lambda name: infer_field(name, [row[3].get(name) for row in rows], text=text),
             lambda name: f"{self.list_file}: column {name!r}",
         )
         return found, every
@@ -158,7 +168,8 @@ class LabelListSource(Source):
         return self.list_file.suffix.lower() in (".jsonl", ".ndjson")
 
     def _rows(self, request: ScanRequest) -> tuple[list[Row], list[dict[str, str]]]:
-        """``(line, path, label, row)`` of every good row, and the bad rows skipped so far."""
+        """``(line, path, label, row, size)`` of every good row, and the bad rows skipped so
+        far."""
         path_key = self.settings["path_column"]
         label_key = self.settings["label_column"]
         rows: list[Row] = []
@@ -167,11 +178,12 @@ class LabelListSource(Source):
         for line, record, problem in self._records():
             path = record.get(path_key) if record is not None else None
             identity: Any = None
+            size = -1
             if record is not None and problem is None:
-                problem, identity = self._problem(record, path_key, label_key, seen)
+                problem, identity, size = self._problem(record, path_key, label_key, seen)
             if problem is None and isinstance(path, str):
                 seen[identity] = (line, path)
-                rows.append((line, path, record[label_key] if record else None, record or {}))
+                rows.append((line, path, record[label_key] if record else None, record or {}, size))
                 continue
             named = path if isinstance(path, str) else None
             self._bad(request, unreadable, line, named, problem or "unreadable row")
@@ -183,34 +195,36 @@ class LabelListSource(Source):
         path_key: str,
         label_key: str,
         seen: dict[Any, tuple[int, str]],
-    ) -> tuple[str | None, Any]:
-        """What is wrong with one row (or ``None``), and the file it names: two paths to one
-        file (``./img/0.png`` and ``img/0.png``, ``img/../img/1.png``, a link) are one file,
-        so the second is refused by its line, never a second sample."""
+    ) -> tuple[str | None, Any, int]:
+        """What is wrong with one row (or ``None``), the file it names and that file's size
+        (``-1`` for a URL): two paths to one file (``./img/0.png`` and ``img/0.png``,
+        ``img/../img/1.png``, a link) are one file, so the second is refused by its line, never
+        a second sample."""
         path, value = record.get(path_key), record.get(label_key)
         if not isinstance(path, str) or not path.strip():
-            return f"no {path_key!r} value", None
+            return f"no {path_key!r} value", None, -1
         if value is None or value == "":
-            return f"no {label_key!r} value", None
+            return f"no {label_key!r} value", None, -1
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            return f"label {value!r} is neither a class name nor an integer", None
+            return f"label {value!r} is neither a class name nor an integer", None, -1
         if isinstance(value, int) and value < 0:
-            return f"label {value} is negative", None
+            return f"label {value} is negative", None, -1
         identity: Any = path
+        size = -1
         if not is_url(path):
             try:
                 st = os.stat(self._full(path))
             except (OSError, ValueError):
-                return f"{path}: no such file", None
+                return f"{path}: no such file", None, -1
             if not stat.S_ISREG(st.st_mode):
-                return f"{path}: no such file", None
-            identity = (st.st_dev, st.st_ino)
+                return f"{path}: no such file", None, -1
+            identity, size = (st.st_dev, st.st_ino), st.st_size
         if identity in seen:
             line, other = seen[identity]
             if other == path:
-                return f"{path} is listed already, on line {line}", None
-            return f"{path} is the file {other} names, listed on line {line}", None
-        return None, identity
+                return f"{path} is listed already, on line {line}", None, -1
+            return f"{path} is the file {other} names, listed on line {line}", None, -1
+        return None, identity, size
 
     def _records(self) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
         """``(line, row, problem)`` for every row of the list."""
@@ -291,6 +305,29 @@ class LabelListSource(Source):
         unreadable.append(
             {"path": path or f"{self.list_file.name}:{line}", "reason": f"line {line}: {problem}"}
         )
+
+    def plans_shards(self) -> bool:
+        """A list of files only: each row's file size is known before it is read (the scan
+        stats every file, :attr:`~imgpack.scan.Sample.size`). A list with a URL row keeps the one writer, which takes the
+        samples as the workers read them."""
+        return not self._lists_urls
+
+    @functools.cached_property
+    def _lists_urls(self) -> bool:
+        """Whether a row of the list names a URL (a list that cannot be read: no; the scan
+        says what is wrong with it)."""
+        key = self.settings["path_column"]
+        try:
+            for _, record, _ in self._records():
+                path = record.get(key) if record is not None else None
+                if isinstance(path, str) and is_url(path):
+                    return True
+        except ImgpackError:
+            return False
+        return False
+
+    def stored_size(self, sample: Sample) -> int:  # the scan's stat gave it (Sample.size)
+        return -1 if is_url(sample.path) else file_size(self._full(sample.path))
 
     def identity(self, scan: Scan) -> str:
         return digest((scan.origin or {}).get("sha256"))

@@ -77,7 +77,7 @@ class UnlabelledSource(Source):
         return scan
 
     def plans_shards(self) -> bool:
-        return self._tars is None  # a folder's images (a tar's members: one writer)
+        return True  # a folder's images (stat'ed) or tars' members (their headers)
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         if self._tars is not None:

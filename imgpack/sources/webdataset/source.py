@@ -86,7 +86,8 @@ class WebDatasetSource(Source):
         return bool(self.settings.get("labels", True))
 
     def scan(self, request: ScanRequest) -> Scan:
-        found: list[tuple[str, Any, list[str]]] = []  # (source path, label value, extensions)
+        # (source path, label value, extensions, the image member's size)
+        found: list[tuple[str, Any, list[str], int]] = []
         unreadable: list[dict[str, str]] = []
         labelled = self.labelled
         if not labelled and request.classes is not None:
@@ -94,25 +95,25 @@ class WebDatasetSource(Source):
                 "an unlabelled source has no classes: --classes-from does not apply to --no-labels"
             )
         for path in self.files():
-            for key, image, value, problem, extensions in _samples(path, labelled):
+            for key, image, value, problem, extensions, size in _samples(path, labelled):
                 where = f"{path.name}/{image}" if image else f"{path.name}/{key}"
                 if problem is None:
-                    found.append((where, value, extensions))
+                    found.append((where, value, extensions, size))
                 else:
                     _bad(request, unreadable, path, key, where, problem)
         if labelled:
-            classes, label_of = label_map([v for _, v, _ in found], request.classes)
+            classes, label_of = label_map([v for _, v, _, _ in found], request.classes)
         else:
             classes, label_of = [], lambda _: UNLABELLED
         fields, names = _fields(found, request, self.labelled)
         samples: list[Sample] = []
-        for where, value, _ in found:
+        for where, value, _, size in found:
             label = label_of(value)
             if isinstance(label, str):
                 tar, _, member = where.partition("/")
                 _bad(request, unreadable, Path(tar), split_key(member)[0], where, label)
             else:
-                samples.append(Sample(where, label, len(samples)))
+                samples.append(Sample(where, label, len(samples), size=size))
         if not samples and not unreadable:
             raise ScanError(f"{self.src}: its tar files hold no sample")
         return Scan(
@@ -124,6 +125,9 @@ class WebDatasetSource(Source):
             fields=fields,
             field_names=names,
         )
+
+    def plans_shards(self) -> bool:
+        return True  # each image member's size is in its header (the scan keeps it)
 
     def identity(self, scan: Scan) -> str:
         return files_identity(self.files())
@@ -139,13 +143,13 @@ JSON_MEMBERS = ("json", "jsn")
 
 
 def _fields(
-    found: list[tuple[str, Any, list[str]]], request: ScanRequest, labelled: bool
+    found: list[tuple[str, Any, list[str], int]], request: ScanRequest, labelled: bool
 ) -> tuple[list[Field], list[str]]:
     """The samples' other members as fields, by extension in the order first seen (those
     ``--fields`` names, if given): ``txt`` text, ``json`` JSON, any other bytes, or the type
     ``--field`` gives; optional where a sample lacks one. And every such extension."""
     seen: dict[str, int] = {}
-    for _, _, extensions in found:
+    for _, _, extensions, _ in found:
         for ext in extensions:
             if ext != "cls" or not labelled:
                 seen[ext] = seen.get(ext, 0) + 1
@@ -177,9 +181,10 @@ def _bad(
 
 def _samples(
     path: Path, labelled: bool = True
-) -> list[tuple[str, str | None, Any, str | None, list[str]]]:
-    """``(key, image member, label value, problem, other extensions)`` of every sample of one
-    tar, in order (``labelled``: the label read from ``.cls`` or ``.json``; else none)."""
+) -> list[tuple[str, str | None, Any, str | None, list[str], int]]:
+    """``(key, image member, label value, problem, other extensions, image size)`` of every
+    sample of one tar, in order (``labelled``: the label read from ``.cls`` or ``.json``; else
+    none; the image member's size, ``-1`` where it has none)."""
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     order: list[str] = []
     problems: dict[str, str] = {}
@@ -202,16 +207,17 @@ def _samples(
                     groups[key] = {}
                     order.append(key)
                 groups[key].setdefault(ext.lower(), member)
-            out: list[tuple[str, str | None, Any, str | None, list[str]]] = []
+            out: list[tuple[str, str | None, Any, str | None, list[str], int]] = []
             for key in order:
                 members = groups[key]
                 kind = next((e for e in IMAGE_SUFFIXES if e in members), None)
                 image = members[kind].name if kind is not None else None
+                size = members[kind].size if kind is not None else -1
                 value, problem = _label(tar, members) if labelled else (None, None)
                 if image is None:
                     problem = "no image member (" + ", ".join(f".{e}" for e in members) + ")"
                 others = [e for e in members if e != kind]
-                out.append((key, image, value, problems.get(key, problem), others))
+                out.append((key, image, value, problems.get(key, problem), others, size))
             return out
     except (OSError, tarfile.TarError) as exc:
         raise ScanError(f"{path}: not a readable tar file: {exc}") from None
