@@ -46,6 +46,7 @@ from imgpack.formats.batch import Batch, Images, field_column, label_tensor
 from imgpack.formats.checking import Record as Record  # re-exported for the readers
 from imgpack.formats.checking import RecordChecks
 from imgpack.formats.gather import Windows, readonly_tensor, shard_runs, void_rows
+from imgpack.formats.holding import Holds
 from imgpack.formats.mapping import MappedFiles
 from imgpack.formats.streaming import stored_samples
 from imgpack.images import Encoded, ImagePolicy
@@ -262,53 +263,22 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """What this reader learned in this process (a :attr:`learns`)."""
         return self._here().learned
 
-    # -- files of an output read lazily ------------------------------------------------
+    # -- files of an output read lazily (the client: :mod:`imgpack.formats.holding`) ------
+    @functools.cached_property
+    def holds(self) -> Holds:
+        """This reader's client of its output's files (:class:`~imgpack.formats.holding.Holds`)."""
+        first = self._first if self._sharded else None
+        return Holds(self.opened, self.checks, first, self.options.prefetch)
+
     def local_file(self, name: str) -> Path:
-        """The local path of the output's file ``name``. For an output read lazily from a
-        bucket, the file is fetched on first use and pinned while this reader reads it
-        (:class:`~imgpack.storage.files.LazyHolder`: the last
-        :data:`~imgpack.storage.files.PINNED_FILES` files it used in this process, and every file of
-        a batch being gathered); older ones are let go, so the cache may evict them (with a
-        cache limit their handles are closed too: :meth:`_release_file`)."""
+        """The local path of the output's file ``name``: for an output read lazily from a
+        bucket, fetched on first use and pinned while this reader reads it (the last
+        :attr:`pinned_files` files it used in this process, and every file of a batch being
+        gathered); older ones are let go, so the cache may evict them (with a cache limit
+        their handles are closed too: :meth:`_release_file`)."""
         if self._lazy is None:
             return self.root / name
-        here = self._here()
-        path = here.files.hold(name)
-        if not here.batch_depth:  # a batch keeps every file it touches until it is read
-            here.files.trim(self.pinned_files)
-        if self.checks.once and self.opened.files.fetched_here(name):
-            self._checked_whole(name)
-        return path
-
-    @functools.cached_property
-    def _shard_numbers(self) -> dict[str, int]:
-        """Each data file's shard number, by its name in the manifest."""
-        return {entry.path: number for number, entry in enumerate(self.manifest.files)}
-
-    def _hold_fetched(self, indices: np.ndarray) -> None:
-        """For an output read lazily whose raw records are checked once each: the files of
-        samples ``indices`` held (fetched where they are not in the cache) before the batch's
-        records are checked, so that those this process just fetched, checked whole, are marked
-        checked first (:meth:`_checked_whole`)."""
-        if self._lazy is None or not self.checks.once or not self._sharded:
-            return
-        files = self.manifest.files
-        for number in self._touched(indices):
-            self.local_file(files[number].path)
-
-    def _checked_whole(self, name: str) -> None:
-        """Data file ``name`` was checked whole against the manifest's sha256 in this process
-        (fetched just now): its records are marked checked, so that the first read of each
-        does not check it again (raw records, checked once each by default)."""
-        here = self._here()
-        if name in here.checked_whole:  # marked already (a file is held batch after batch)
-            return
-        here.checked_whole.add(name)
-        number = self._shard_numbers.get(name)
-        marks = self.checks.marks()
-        if number is None or marks is None or not self._sharded:
-            return
-        marks[self._first[number] : self._first[number + 1]] = 1
+        return self.holds.local(self._here(), name, self.pinned_files)
 
     def _release_file(self, name: str) -> None:
         """Close what this process's handles hold of file ``name`` (a lazily read output lets
@@ -335,32 +305,15 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         """Shards (by number) this process's sampler has handed out for the last time this
         epoch (and the reads behind it, :attr:`~imgpack.loading.ShardSampler.lag`): the pins
         that fetching them ahead took are let go, so that the cache may evict them."""
-        if not self.fetches_ahead:
-            return
-        files = self.manifest.files
-        names = [files[k].path for k in shards if 0 <= k < len(files)]
-        here = self._here()
-        here.files.done(names)
-        here.files.let_go(set(names))  # this process's own pins on them too
-
-    def _let_go(self, done: bytes) -> None:
-        """Let go of this process's pins on the shards a batch says its sampler is done with
-        (a bitmap over the output's files): no later batch of the epoch reads them."""
-        files = self.manifest.files
-        finished = np.unpackbits(np.frombuffer(done, np.uint8))[: len(files)]
-        names = {files[k].path for k in np.flatnonzero(finished).tolist()}
-        if names:
-            self._here().files.let_go(names)
+        if self.fetches_ahead:
+            self.holds.read_past(self._here(), shards)
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Shards (by number) about to be read, in order: for an output read lazily, the next
         ``options.prefetch`` of them are fetched in the background of this process (a sampler
         calls it; nothing happens for a local output)."""
-        if not self.fetches_ahead:
-            return
-        files = self.manifest.files
-        names = [files[k].path for k in shards if 0 <= k < len(files)]
-        self._here().files.prefetch(names, self.options.prefetch)
+        if self.fetches_ahead:
+            self.holds.prefetch(self._here(), shards)
 
     def release_files(self) -> None:
         """Let every file this reader pinned in this process go (a lazily read output)."""
@@ -693,7 +646,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         here.batch_depth += 1
         try:
             here.maps.check(lambda: self._touched(indices))
-            self._hold_fetched(indices)
+            if self._lazy is not None and self.checks.once:  # fetched here: checked whole
+                self.holds.hold_batch(here, self._touched(indices), self.pinned_files)
             images, labels = self._gather(indices)
         finally:
             here.batch_depth -= 1
@@ -799,7 +753,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         epoch = getattr(indices, "epoch", None)  # a batch drawn for its epoch (EpochIndices)
         done = getattr(indices, "done", None)  # the shards its sampler is done with
         if done is not None and self._lazy is not None:
-            self._let_go(done)
+            self.holds.let_go(self._here(), done)
         wanted = self._indices(indices)
         images, labels = self._fetch(wanted, epoch)
         columns = self._field_values(wanted)
@@ -1003,7 +957,7 @@ class _Process:
     #: What the format's reader learned here (:attr:`ImageDataset.learns`): where records lie,
     #: found while reading them; ``None`` for readers that keep nothing.
     learned: Any = None
-    #: Files fetched here whose records were marked checked (:meth:`ImageDataset._checked_whole`).
+    #: Files fetched here whose records were marked checked (:class:`~imgpack.formats.holding.Holds`).
     checked_whole: set[str] = field(default_factory=set)
 
 
