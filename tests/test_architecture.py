@@ -52,6 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.decoding",
             "imgpack.recipe",
             "imgpack._jpegregion",
+            "imgpack._pixelsums",
             "imgpack.sources.folder.scan",
         ),
     ),

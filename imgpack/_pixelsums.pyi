@@ -1,0 +1,6 @@
+"""Per-channel sums of uint8 values and of their squares (``imgpack/_pixelsums.c``; built where
+a C compiler was, else absent)."""
+
+from typing_extensions import Buffer
+
+def sums(buffer: Buffer, depth: int, /) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
