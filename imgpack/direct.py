@@ -70,9 +70,8 @@ def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
     """Whether a conversion is written by shard tasks: a sharded format, DST in object storage
     that every process writes to (not fsspec's per-process ``memory://``), a source whose
     samples' sizes are known before they are read
-    (:meth:`~imgpack.sources.base.Source.plans_shards`: an image folder, a bucket's or a
-    shared path's, whose listing gives each sample's bytes; a label list of files) and an
-    executor that runs tasks."""
+    (:meth:`~imgpack.sources.base.Source.plans_shards`: every built-in kind, whose scan finds
+    each image's size, :attr:`~imgpack.scan.Sample.size`) and an executor that runs tasks."""
     return (
         options.spec.sharded
         and location.is_url(dst)

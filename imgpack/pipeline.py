@@ -466,6 +466,8 @@ def convert(
     runner = executors.create(executor, options.workers)
     # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
     build = build_folder(str(dst), cache_dir) if is_url(dst) else None
+    if build is not None and not options.spec.sharded:  # lmdb, hdf5: one file, one writer
+        log.warning("%s: %s (in %s)", str(dst).rstrip("/"), one_file_note(options.spec.name), build)
     destination = output_folder(
         dst,
         storage_options,
@@ -506,6 +508,16 @@ def convert(
             manifest.source["path"] = str(src).rstrip("/")
             write_manifest(Path(local_dst), manifest)
         return manifest
+
+
+def one_file_note(fmt: str) -> str:
+    """What a conversion of one-file format ``fmt`` (``lmdb``, ``hdf5``) to a bucket says: where
+    the file is built."""
+    return (
+        f"{fmt} is one file, written by one process: it is built whole on this machine's disk "
+        "and uploaded once complete, so that disk needs room for the whole output (pt, "
+        "tfrecord and webdataset shards are written to the bucket by the workers)"
+    )
 
 
 @dataclass
@@ -562,6 +574,8 @@ class DryRun:
         ]
         if self.largest_image > self.shard_size > 0:
             lines.append(f"warning:   {shard_size_note(self.shard_size, self.largest_image)}")
+        if is_url(self.dst) and not self.shard_size:
+            lines.append(f"note:      {one_file_note(self.format)}")
         if self.empty_classes:
             lines.append(
                 f"empty:     {', '.join(self.empty_classes)} (class folders with no image)"

@@ -17,6 +17,7 @@ from typing import Any
 
 import fsspec
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import build_uniform_folder, count_shard_writes
 
@@ -447,6 +448,90 @@ def _tars(images: Path, folder: Path) -> Path:
     return folder
 
 
+def test_a_label_list_of_urls_is_written_by_shard_tasks(
+    s3: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A label list of bucket URLs: the objects' sizes are asked in bulk (a folder the list
+    names 16 or more objects of by one listing, the others by one HEAD each), the tasks write
+    the shards, each object is read once, and a local DST with 1 and 2 workers and a bucket
+    DST get the same files."""
+    import s3fs
+
+    fs = fsspec.filesystem("s3")
+    base = f"{s3}/urls-{tmp_path.name}".removeprefix("s3://")
+    rows = []
+    for k, file in enumerate(sorted(images.rglob("*.png"))):
+        key = f"flat/{k:03d}.png" if k < 36 else f"own{k}/{k:03d}.png"
+        fs.put(str(file), f"{base}/{key}")
+        rows.append(f"s3://{base}/{key},{file.parent.name}")
+    listed = tmp_path / "urls.csv"
+    listed.write_text("path,label\n" + "\n".join(rows) + "\n")
+    calls: list[tuple[str, str]] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: object, method: str, *a: object, **k: object) -> object:
+        calls.append((method, str(k.get("Key") or k.get("Prefix") or "")))
+        return await real(self, method, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)  # the first conversion's
+    args: dict[str, Any] = {"shard_size": "3KB", "progress": False}
+    url = f"{s3}/urls-out-{tmp_path.name}"
+    _written_three_ways(listed, tmp_path, url, "webdataset", args, monkeypatch)
+    gets = sorted(key for method, key in calls if method == "get_object")
+    assert gets == sorted(row.split(",")[0].split("/", 3)[3] for row in rows)  # each once
+    lists = [key for method, key in calls if method.startswith("list_objects")]
+    heads = [key for method, key in calls if method == "head_object"]
+    assert lists == [f"{base.split('/', 1)[1]}/flat/"] and len(heads) == 4
+    ds = open_dataset(tmp_path / "one")
+    assert len(ds) == 40 and ds.stored_paths()[0] == rows[0].split(",")[0]
+
+
+@pytest.mark.parametrize("kind", ["webdataset png", "pt raw", "tensorflow", "hugging face"])
+def test_outputs_and_tfrecords_are_written_by_shard_tasks(
+    s3: str, images: Path, tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An imgpack output (its records carried over as they are, or re-encoded), a TFRecord
+    file TensorFlow wrote and a saved Hugging Face dataset plan their shards from their
+    records' sizes: the tasks write them, and one plan gives the same files, byte for byte,
+    with 1 and 2 workers and in a bucket; carried-over samples read back as the source holds
+    them."""
+    if kind == "webdataset png":
+        src = tmp_path / "src"
+        convert(images, src, "webdataset", encoding="png", progress=False)
+        args: dict[str, Any] = {"encoding": "png"}
+    elif kind == "pt raw":
+        src = tmp_path / "src"
+        convert(images, src, "pt", encoding="raw", size=8, progress=False)
+        args = {"encoding": "jpeg", "size": 8}
+    elif kind == "tensorflow":
+        src = Path(__file__).parent / "data" / "tensorflow-written-synthetic.tfrecord"
+        args = {}
+    else:
+        datasets = pytest.importorskip("datasets", reason="pip install 'imgpack[hf]'")
+        files = sorted(images.rglob("*.png"))
+        classes = sorted({p.parent.name for p in files})
+        features = datasets.Features(
+            {"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)}
+        )
+        table = {
+            "image": [{"bytes": p.read_bytes(), "path": p.name} for p in files],
+            "label": [classes.index(p.parent.name) for p in files],
+        }
+        src = tmp_path / "hf"
+        datasets.Dataset.from_dict(table, features=features).save_to_disk(str(src))
+        args = {}
+    args |= {"shard_size": "2KB", "progress": False}
+    url = f"{s3}/from-{kind.replace(' ', '-')}-{tmp_path.name}"
+    _written_three_ways(src, tmp_path, url, "tfrecord", args, monkeypatch)
+    out = open_dataset(tmp_path / "one")
+    if kind == "webdataset png":  # carried over as they are
+        source = open_dataset(src)
+        assert len(out) == len(source) and out.targets == source.targets
+        for k in (0, len(out) - 1):
+            assert torch.equal(out[k][0], source[k][0])
+    assert verify(tmp_path / "one").ok
+
+
 @pytest.mark.parametrize("no_labels", [False, True])
 def test_tars_are_written_by_shard_tasks(
     s3: str, images: Path, tmp_path: Path, no_labels: bool, monkeypatch: pytest.MonkeyPatch
@@ -459,16 +544,7 @@ def test_tars_are_written_by_shard_tasks(
     args: dict[str, Any] = {
         "shard_size": "3KB", "progress": False, "no_labels": no_labels, "fields": ("txt",)
     }  # fmt: skip
-    written = count_shard_writes(monkeypatch)
-    one = convert(tars, tmp_path / "one", "pt", workers=1, **args)
-    assert sorted(written) == list(range(len(one.files))) and len(one.files) > 2
-    monkeypatch.undo()
-    two = convert(tars, tmp_path / "two", "pt", workers=2, **args)
-    url = f"{s3}/tars-{tmp_path.name}"
-    bucket = convert(tars, url, "pt", workers=2, **args)
-    assert one.output_id == two.output_id == bucket.output_id
-    assert one.files == two.files == bucket.files
-    assert _files(tmp_path / "one") == _files(tmp_path / "two") == _bucket_files(url)
+    _written_three_ways(tars, tmp_path, f"{s3}/tars-{tmp_path.name}", "pt", args, monkeypatch)
     ds = open_dataset(tmp_path / "one", fields="txt")
     files = sorted(images.rglob("*.png"))
     assert len(ds) == 40 and ds.stored_paths()[:2] == [
@@ -481,6 +557,26 @@ def test_tars_are_written_by_shard_tasks(
             str(sorted({p.parent.name for p in files}).index(p.parent.name)) for p in files
         ]
     assert verify(tmp_path / "one").ok
+
+
+def _written_three_ways(
+    src: Path, tmp_path: Path, url: str, fmt: str, args: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Any:  # fmt: skip
+    """``src`` converted to ``fmt`` with ``args`` by one worker (its tasks, run here, write
+    every shard), by two, and to the bucket ``url``: one output id, one manifest's files and
+    the same bytes every way. The local output is ``tmp_path / "one"``; its manifest is
+    returned."""
+    written = count_shard_writes(monkeypatch)
+    one = convert(src, tmp_path / "one", fmt, workers=1, **args)
+    assert sorted(written) == list(range(len(one.files))) and len(one.files) > 2
+    monkeypatch.undo()  # the pool's workers run the real tasks
+    two = convert(src, tmp_path / "two", fmt, workers=2, **args)
+    bucket = convert(src, url, fmt, workers=2, **args)
+    assert one.output_id == two.output_id == bucket.output_id
+    assert one.files == two.files == bucket.files
+    assert _files(tmp_path / "one") == _files(tmp_path / "two") == _bucket_files(url)
+    return one
 
 
 def _label_list(images: Path, where: Path, extra: list[str] | None = None) -> Path:
@@ -500,23 +596,15 @@ def test_a_label_list_of_files_is_written_by_shard_tasks(
 ) -> None:
     """A label list whose rows are files plans its shards from their sizes: the tasks write
     them, and one plan gives the same files, byte for byte, with 1 and 2 workers, in a bucket,
-    and from 2 parts sharing DST; the samples keep the list's order, labels and fields. A list
-    with a URL row keeps the one writer."""
+    and from 2 parts sharing DST; the samples keep the list's order, labels and fields."""
     listed = _label_list(images, tmp_path / "list.csv")
     args: dict[str, Any] = {"labels": str(listed), "shard_size": "3KB", "progress": False}
-    written = count_shard_writes(monkeypatch)
-    one = convert(images, tmp_path / "one", fmt, workers=1, **args)
-    assert sorted(written) == list(range(len(one.files))) and len(one.files) > 2
-    monkeypatch.undo()  # the pool's workers run the real tasks
-    two = convert(images, tmp_path / "two", fmt, workers=2, **args)
     url = f"{s3}/listed-{fmt}-{tmp_path.name}"
-    bucket = convert(images, url, fmt, workers=2, **args)
+    one = _written_three_ways(images, tmp_path, url, fmt, args, monkeypatch)
     for part in (0, 1):
         convert(images, tmp_path / "parts", fmt, workers=2, num_parts=2, part=part, **args)
     parts = open_dataset(tmp_path / "parts").manifest
-    assert one.output_id == two.output_id == bucket.output_id == parts.output_id
-    assert one.files == two.files == bucket.files == parts.files
-    assert _files(tmp_path / "one") == _files(tmp_path / "two") == _bucket_files(url)
+    assert one.output_id == parts.output_id and one.files == parts.files
     assert _files(tmp_path / "parts") == _files(tmp_path / "one")
     ds = open_dataset(tmp_path / "one", fields="weight")
     order = sorted(images.rglob("*.png"), reverse=True)
@@ -524,11 +612,3 @@ def test_a_label_list_of_files_is_written_by_shard_tasks(
     assert [ds.classes[t] for t in ds.targets] == [p.parent.name for p in order]
     assert [float(ds[k][2]) for k in (0, 5)] == [0.0, 5 / 8]
     assert verify(tmp_path / "one").ok
-
-    fs = fsspec.filesystem("s3")
-    remote = f"{s3}/sources-{fmt}-{tmp_path.name}/extra.png"
-    fs.put(str(order[0]), remote.removeprefix("s3://"))
-    with_url = _label_list(images, tmp_path / "urls.csv", [f"{remote},{order[0].parent.name},9"])
-    written = count_shard_writes(monkeypatch)
-    mixed = convert(images, tmp_path / "mixed", fmt, workers=1, **{**args, "labels": str(with_url)})
-    assert written == [] and sum(f.num_samples for f in mixed.files) == 41  # the one writer

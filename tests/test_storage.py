@@ -161,6 +161,11 @@ def test_cli_with_a_bucket(s3: str, src: Path, tmp_path: Path) -> None:
     url = f"{s3}/cli"
     result = runner.invoke(main, ["convert", str(src), url, "--format", "lmdb", "-q"])
     assert result.exit_code == 0, result.output
+    planned = runner.invoke(main, ["convert", str(src), f"{url}-2", "--format", "hdf5",
+                                   "--dry-run"])  # fmt: skip
+    assert "note:      hdf5 is one file, written by one process: it is built whole" in (
+        planned.output
+    )
     result = runner.invoke(main, ["info", url])
     assert result.exit_code == 0 and "samples:   40" in result.output
     result = runner.invoke(main, ["verify", url, "-q"])
@@ -173,6 +178,20 @@ def test_cli_with_a_bucket(s3: str, src: Path, tmp_path: Path) -> None:
 
 
 # -- fsspec's memory filesystem: quick cases -----------------------------------------------------
+def test_only_a_one_file_format_to_a_bucket_is_built_on_this_disk(
+    mem: str, src: Path, cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An hdf5 or lmdb output to a bucket is built whole on the driver's disk, and the run says
+    so; a sharded format's is not said to be."""
+    convert(src, f"{mem}/one", "hdf5", progress=False, cache_dir=cache)
+    assert f"{mem}/one: hdf5 is one file, written by one process: it is built whole" in (
+        caplog.text
+    )
+    caplog.clear()
+    convert(src, f"{mem}/many", "tfrecord", progress=False, cache_dir=cache)
+    assert "built whole" not in caplog.text
+
+
 def test_overwrite_withdraws_then_replaces(mem: str, src: Path, cache: Path) -> None:
     url = f"{mem}/out"
     convert(src, url, "tfrecord", progress=False, shard_size=3000)
@@ -492,3 +511,31 @@ def test_shard_tasks_write_a_folders_sidecar_fields_to_a_bucket(s3: str, tmp_pat
     ds = open_dataset(f"{s3}/with-sidecars", fields="txt", cache_dir=tmp_path / "cache")
     paths = ds.stored_paths() or []
     assert [ds[i][2] for i in range(len(ds))] == [captions[p] for p in paths]
+
+
+def test_object_sizes_list_a_folder_named_often_and_ask_the_rest() -> None:
+    """Sizes of listed objects: a folder named 16 or more times by one listing, other objects
+    (and one the listing lacks) asked one by one, a missing object ``-1``, in the order
+    asked."""
+    from imgpack.storage import location
+
+    fs = fsspec.filesystem("memory")
+    base = "memory://object-sizes"
+    for k in range(20):
+        fs.pipe(f"{base}/many/{k}.png", b"x" * k)
+    fs.pipe(f"{base}/few/a.png", b"abc")
+    urls = [f"{base}/many/{k}.png" for k in range(20)]
+    urls += [f"{base}/few/a.png", f"{base}/few/missing.png", f"{base}/many/missing.png"]
+    listings: list[str] = []
+    real = type(fs).ls
+
+    def counted(self: object, path: str, *a: object, **k: object) -> object:
+        listings.append(str(path))
+        return real(self, path, *a, **k)  # type: ignore[arg-type]
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(type(fs), "ls", counted):
+        sizes = location.object_sizes(urls)
+    assert sizes == [*range(20), 3, -1, -1]
+    assert [p.rstrip("/").rsplit("/", 1)[-1] for p in listings] == ["many"]

@@ -234,6 +234,16 @@ def test_damaged_image_names_shard_and_sample(tmp_path: Path) -> None:
         unchecked.__getitems__([3, 4])
 
 
+def _raw_outputs(tmp_path: Path, shard_size: str) -> tuple[Path, Path]:
+    """40 uniform 16x16 images as a raw webdataset output in shards of ``shard_size``, and as
+    the raw pt output whose pixels it must give."""
+    src = build_uniform_folder(tmp_path / "src", count=40, size=16)
+    args: dict[str, Any] = {"encoding": "raw", "size": 16, "progress": False}
+    convert(src, tmp_path / "wds", "webdataset", shard_size=shard_size, **args)
+    convert(src, tmp_path / "pt", "pt", **args)
+    return tmp_path / "wds", tmp_path / "pt"
+
+
 def test_raw_batches_across_shards_are_gathered_exactly(tmp_path: Path) -> None:
     """Raw batches are gathered from the memory-mapped shards (headers compared, pixels copied
     into the batch): the same pixels and labels as the pt output of the same images, in batch
@@ -241,18 +251,8 @@ def test_raw_batches_across_shards_are_gathered_exactly(tmp_path: Path) -> None:
     read."""
     from imgpack.readers import collate
 
-    src = build_uniform_folder(tmp_path / "src", count=40, size=16)
-    convert(
-        src,
-        tmp_path / "wds",
-        "webdataset",
-        encoding="raw",
-        size=16,
-        shard_size="16KB",  # 4 samples a shard
-        progress=False,
-    )
-    convert(src, tmp_path / "pt", "pt", encoding="raw", size=16, progress=False)
-    ds, reference = open_dataset(tmp_path / "wds"), open_dataset(tmp_path / "pt")
+    wds, pt = _raw_outputs(tmp_path, "16KB")  # 4 samples a shard
+    ds, reference = open_dataset(wds), open_dataset(pt)
     assert len(ds.manifest.files) > 3 and ds.manifest.files[0].num_samples >= 4
     order = np.random.default_rng(0).permutation(40).tolist()
     starts = np.cumsum([0] + [f.num_samples for f in ds.manifest.files]).tolist()
@@ -297,19 +297,8 @@ def test_raw_batches_of_a_two_shard_output_are_gathered_exactly(
     named whichever way the batch is gathered."""
     from imgpack.readers import collate
 
-    src = build_uniform_folder(tmp_path / "src", count=40, size=16)
-    convert(
-        src,
-        tmp_path / "wds",
-        "webdataset",
-        encoding="raw",
-        size=16,
-        shard_size="100KB",
-        progress=False,
-    )
-    convert(src, tmp_path / "pt", "pt", encoding="raw", size=16, progress=False)
-    ds = open_dataset(tmp_path / "wds", verify=verify)
-    reference = open_dataset(tmp_path / "pt")
+    wds, pt = _raw_outputs(tmp_path, "100KB")
+    ds, reference = open_dataset(wds, verify=verify), open_dataset(pt)
     counts = [f.num_samples for f in ds.manifest.files]
     assert len(counts) == 2 and counts[0] > counts[1] > 0
     large, short = list(range(counts[0])), list(range(counts[0], 40))

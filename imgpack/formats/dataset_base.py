@@ -538,6 +538,20 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         :meth:`_records` (:func:`~imgpack.formats.streaming.stored_samples`)."""
         return stored_samples(self, start, stop, chunk)
 
+    def stored_sizes(self, chunk: int = 4096) -> np.ndarray:
+        """The bytes of every sample's stored image (int64, in order): what a conversion from
+        this output plans its shards by (the raw pixels' fixed size; by default each encoded
+        record read once, unchecked; formats with an index of sizes override it)."""
+        if not self._encoded:
+            image = self.manifest.image
+            return np.full(len(self), int(image["height"]) * int(image["width"]) * self.channels)
+        sizes = np.empty(len(self), np.int64)
+        for first in range(0, len(self), chunk):
+            indices = np.arange(first, min(len(self), first + chunk), dtype=np.int64)
+            for record in self._records(indices):
+                sizes[record.index] = len(record.payload)
+        return sizes
+
     def _stored_bytes(self, record: Record) -> bytes:
         """A record's image bytes as a writer takes them: the JPEG/PNG file, or the raw HWC
         pixels (formats that wrap pixels, like WebDataset's ``.npy`` members, unwrap them)."""

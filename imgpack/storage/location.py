@@ -219,6 +219,83 @@ def read_objects(fs: Any, paths: Sequence[str]) -> list[tuple[bytes, list[str]] 
     return [f if isinstance(f, BaseException) else (bytes(f), []) for f in found]
 
 
+#: Objects of one folder a list names at least, for their sizes to be found by one listing of
+#: the folder (a LIST answers for up to a thousand objects) rather than by one ``info`` each.
+LIST_AT = 16
+#: ``info`` requests in flight at once, where the filesystem is asynchronous.
+INFOS_AT_ONCE = 256
+
+
+def object_sizes(urls: Sequence[str]) -> list[int]:
+    """Each object's size in bytes as its store says (``-1``: not found, or not a file), asked
+    in bulk: the objects of a folder the list names :data:`LIST_AT` or more of by one listing
+    of that folder, the others (and any the listing did not give) by one ``info`` each, all
+    at once where the filesystem is asynchronous (s3fs, gcsfs). Listings are asked afresh,
+    never taken from fsspec's cache: every process that plans the same list finds the same
+    sizes."""
+    found = [-1] * len(urls)
+    systems: dict[int, Any] = {}
+    folders: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for k, url in enumerate(urls):
+        fs, path = filesystem(url)
+        systems[id(fs)] = fs
+        folders.setdefault((id(fs), path.rpartition("/")[0]), []).append((k, path))
+    asked: dict[int, list[tuple[int, str]]] = {}
+    for (key, folder), members in folders.items():
+        fs = systems[key]
+        listed = _listed_sizes(fs, folder) if folder and len(members) >= LIST_AT else {}
+        for k, path in members:
+            if path in listed:
+                found[k] = listed[path]
+            else:  # not listed (a folder that cannot be, a store that lists no sizes): asked
+                asked.setdefault(key, []).append((k, path))
+    for key, members in asked.items():
+        infos = _infos(systems[key], [path for _, path in members])
+        for (k, _), info in zip(members, infos, strict=True):
+            if isinstance(info, dict) and info.get("type") == "file":
+                size = info.get("size")
+                found[k] = size if isinstance(size, int) else -1
+    return found
+
+
+def _listed_sizes(fs: Any, folder: str) -> dict[str, int]:
+    """The sizes of the files directly in ``folder`` by path, listed afresh (none where it
+    cannot be listed)."""
+    fs.invalidate_cache(folder)
+    try:
+        entries = fs.ls(folder, detail=True)
+    except (OSError, ValueError):
+        return {}
+    return {
+        str(e["name"]).rstrip("/"): int(e["size"])
+        for e in entries
+        if e.get("type") == "file" and isinstance(e.get("size"), int)
+    }
+
+
+def _infos(fs: Any, paths: Sequence[str]) -> list[dict[str, Any] | BaseException]:
+    """``fs.info`` of each of ``paths`` (what it raised, for one it could not say)."""
+    for path in {p.rpartition("/")[0] for p in paths}:
+        fs.invalidate_cache(path)  # info answers from a cached listing where it has one
+    if getattr(fs, "async_impl", False) and hasattr(fs, "_info"):
+        from fsspec.asyn import sync
+
+        async def chunk(part: Sequence[str]) -> list[Any]:
+            return await asyncio.gather(*(fs._info(p) for p in part), return_exceptions=True)
+
+        out: list[Any] = []
+        for at in range(0, len(paths), INFOS_AT_ONCE):
+            out.extend(sync(fs.loop, chunk, paths[at : at + INFOS_AT_ONCE]))
+        return out
+    answers: list[dict[str, Any] | BaseException] = []
+    for path in paths:
+        try:
+            answers.append(fs.info(path))
+        except Exception as exc:  # fsspec backends raise their own errors
+            answers.append(exc)
+    return answers
+
+
 def forget_listings(fs: Any, root: str) -> None:
     """Forget every cached listing of ``root`` and of the folders below it (fsspec's
     ``dircache``), so that the next ``ls``/``find`` asks the store."""

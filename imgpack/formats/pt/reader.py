@@ -204,6 +204,12 @@ class PTDataset(ImageDataset):
             self.checks.record(self, index, payload, label, int(crcs[i]), where, fields)
         return payload, label, f"{where}: sample {index}"
 
+    def stored_sizes(self, chunk: int = 4096) -> np.ndarray:
+        if self._raw:
+            return super().stored_sizes(chunk)
+        parts = [np.diff(self._columns(k)[1]) for k in range(len(self.manifest.files))]
+        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+
     def _columns(self, number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, str]:
         """Shard ``number``'s data (images), offsets, labels and checksums as numpy views of
         its tensors, and its path: a record is a few array lookups (a tensor's is ~5 µs)."""

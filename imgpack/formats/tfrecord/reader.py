@@ -257,6 +257,16 @@ class TFRecordDataset(PreadDataset):
                 )
             yield from (sample for sample in found if sample is not None)
 
+    def stored_sizes(self, chunk: int = 4096) -> np.ndarray:
+        """Each record's framed size where the files are indexed (uncompressed: the record
+        holds the image and its few features, the plan's estimate of it); compressed files'
+        records are read for their images' sizes."""
+        shards = self.records.shards
+        sizes = [s.sizes for s in shards if not s.compressed]
+        if not self._encoded or len(sizes) < len(shards) or sum(map(len, sizes)) != len(self):
+            return super().stored_sizes(chunk)
+        return np.concatenate(sizes).astype(np.int64) if sizes else np.empty(0, np.int64)
+
     def _load_targets(self) -> list[int]:
         return list(self.records.labels)
 

@@ -112,6 +112,9 @@ class WebDatasetDataset(PreadDataset):
                 raise DataError(f"{path}: a field's entry points outside {shard.name}")
         return table
 
+    def stored_sizes(self, chunk: int = 4096) -> np.ndarray:
+        return self._sizes.copy() if self._encoded else super().stored_sizes(chunk)
+
     def _load_targets(self) -> list[int]:
         return self._labels.tolist()
 

@@ -61,10 +61,14 @@ class HFSource(Source):
         # The file names only, straight from the arrow column: the image bytes stay on disk.
         import pyarrow.compute as pc  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
+        images = ds.data.column(image)
         files = [
             os.path.basename(path) if path else None
-            for path in pc.struct_field(ds.data.column(image), "path").to_pylist()
+            for path in pc.struct_field(images, "path").to_pylist()
         ]
+        # Each image's stored bytes, what the shard plan is cut from (-1: kept as a path only).
+        lengths = pc.binary_length(pc.struct_field(images, "bytes")).to_pylist()
+        sizes = [-1 if n is None else int(n) for n in lengths]
         unique = len({f for f in files if f}) == len(files)
         paths = [
             f"{names[t]}/{f}" if unique and f else f"{names[t]}/{i:08d}.png"
@@ -74,7 +78,10 @@ class HFSource(Source):
         fields, every = hf_fields(ds, (image, label), request)
         return Scan(
             classes=classes,
-            samples=[Sample(p, t, i) for i, (p, t) in enumerate(zip(paths, labels, strict=True))],
+            samples=[
+                Sample(p, t, i, size=sizes[i])
+                for i, (p, t) in enumerate(zip(paths, labels, strict=True))
+            ],
             empty_classes=empty_classes(classes, labels),
             origin={
                 "format": "huggingface",
@@ -85,6 +92,12 @@ class HFSource(Source):
             fields=fields,
             field_names=every,
         )
+
+    def plans_shards(self) -> bool:
+        return True  # each image's byte length is in the arrow column (the scan reads it)
+
+    def stored_size(self, sample: Sample) -> int:
+        return -1  # an image kept as a path only: planned as empty (the same in every run)
 
     def identity(self, scan: Scan) -> str:
         return digest((scan.origin or {}).get("state_sha256"))

@@ -5,7 +5,9 @@ file (``.jsonl``/``.ndjson``: one object per line), with a path column (``path``
 column (``label``); ``-s path_column=`` and ``-s label_column=`` name others. A path is relative
 to SRC (``--labels FILE``: SRC is the folder the paths are relative to) or to the list's folder
 (the list as SRC), absolute, or a URL (``s3://...``, read in the workers through fsspec). Samples
-keep the list's order and its paths as written.
+keep the list's order and its paths as written. Each image's size is known before any is read
+(a file's stat; the URLs' sizes asked of their stores in bulk), so the output is planned shard
+by shard and written by shard tasks, as an image folder's is.
 
 Labels are class names or integers. When every label is an integer ``>= 0`` they are the labels
 and the classes are ``"0"`` to the largest; otherwise the classes are the sorted names. With
@@ -23,7 +25,6 @@ type) stops the run naming its line, or with ``--on-error skip`` is recorded as 
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import os
 import stat
@@ -35,7 +36,6 @@ from typing import Any
 from imgpack.errors import (
     DataError,
     ImageError,
-    ImgpackError,
     OptionError,
     ScanError,
     first_line,
@@ -57,7 +57,7 @@ from imgpack.sources.base import (
 )
 
 #: One good row of a list: its line, path, label value, all its columns, and its file's size
-#: (``-1``: a URL's, not known).
+#: (``-1``: a URL's, asked of its store once every row is read).
 Row = tuple[int, str, Any, dict[str, Any], int]
 
 #: The suffixes of files taken for a label list when given as SRC.
@@ -94,6 +94,7 @@ class LabelListSource(Source):
 
     def scan(self, request: ScanRequest) -> Scan:
         rows, unreadable = self._rows(request)
+        rows = _with_url_sizes(rows)
         classes, label_of = label_map([row[2] for row in rows], request.classes)
         fields, names = self._fields(rows, request)
         samples: list[Sample] = []
@@ -307,26 +308,12 @@ class LabelListSource(Source):
         )
 
     def plans_shards(self) -> bool:
-        """A list of files only: each row's file size is known before it is read (the scan
-        stats every file, :attr:`~imgpack.scan.Sample.size`). A list with a URL row keeps the one writer, which takes the
-        samples as the workers read them."""
-        return not self._lists_urls
+        """Each row's image size is known before it is read (:attr:`Sample.size
+        <imgpack.scan.Sample.size>`): the scan stats every file and asks the stores for the
+        URLs' sizes in bulk (:func:`imgpack.storage.location.object_sizes`)."""
+        return True
 
-    @functools.cached_property
-    def _lists_urls(self) -> bool:
-        """Whether a row of the list names a URL (a list that cannot be read: no; the scan
-        says what is wrong with it)."""
-        key = self.settings["path_column"]
-        try:
-            for _, record, _ in self._records():
-                path = record.get(key) if record is not None else None
-                if isinstance(path, str) and is_url(path):
-                    return True
-        except ImgpackError:
-            return False
-        return False
-
-    def stored_size(self, sample: Sample) -> int:  # the scan's stat gave it (Sample.size)
+    def stored_size(self, sample: Sample) -> int:  # the scan gave it (Sample.size)
         return -1 if is_url(sample.path) else file_size(self._full(sample.path))
 
     def identity(self, scan: Scan) -> str:
@@ -337,6 +324,20 @@ class LabelListSource(Source):
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         return LabelListFetcher(str(self.root), self.list_file.name)
+
+
+def _with_url_sizes(rows: list[Row]) -> list[Row]:
+    """``rows`` with each URL row's object size as its store lists it (``-1`` where it has
+    none: the task that reads it names it)."""
+    at = [k for k, row in enumerate(rows) if is_url(row[1])]
+    if not at:
+        return rows
+    from imgpack.storage.location import object_sizes
+
+    sized = list(rows)
+    for k, size in zip(at, object_sizes([rows[k][1] for k in at]), strict=True):
+        sized[k] = (*rows[k][:4], size)
+    return sized
 
 
 def _json_row(text: str) -> tuple[dict[str, Any] | None, str | None]:

@@ -62,6 +62,9 @@ class OutputSource(Source):
         }
         return scan_reader(self.src, ds, request, origin)
 
+    def plans_shards(self) -> bool:
+        return True  # every record's size is known from the output before any is converted
+
     def identity(self, scan: Scan) -> str:
         origin = scan.origin or {}
         return digest({k: origin.get(k) for k in ("output_id", "sha256")})
@@ -86,7 +89,8 @@ def _fields(ds: Any, request: ScanRequest) -> tuple[list[Field], dict[str, list[
 
 def scan_reader(src: Path, ds: Any, request: ScanRequest, origin: dict[str, Any]) -> Scan:
     """The scan of a dataset (an imgpack output, TFRecord files): its samples in its order, its
-    label map (or ``request.classes``, remapped by name) and its stored source paths."""
+    label map (or ``request.classes``, remapped by name), its stored source paths and the size
+    of each stored image (:meth:`~imgpack.formats.dataset_base.ImageDataset.stored_sizes`)."""
     source_classes = list(ds.manifest.classes)
     labels = [int(t) for t in ds.targets]
     stored = ds.stored_paths()
@@ -99,8 +103,15 @@ def scan_reader(src: Path, ds: Any, request: ScanRequest, origin: dict[str, Any]
     )
     classes, labels = relabel(src, source_classes, labels, request.classes)
     fields, columns = _fields(ds, request)
+    sizes = ds.stored_sizes().tolist()  # what the shard plan is cut from
     samples = [
-        Sample(name, label, index, fields={k: v[index] for k, v in columns.items()} or None)
+        Sample(
+            name,
+            label,
+            index,
+            fields={k: v[index] for k, v in columns.items()} or None,
+            size=sizes[index],
+        )
         for index, (name, label) in enumerate(zip(names, labels, strict=True))
     ]
     return Scan(
