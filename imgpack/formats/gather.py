@@ -147,15 +147,17 @@ class Spread:
     lookups made here once instead of each batch (a batch's shards, counts and stand-ins cost
     as much as its rows from the short shard, measured in a ``Loader`` epoch)."""
 
-    def __init__(self, shard_of: np.ndarray, starts: np.ndarray) -> None:
-        """``shard_of[i]`` is the shard holding sample ``i``, ``starts[i]`` the offset of its
-        bytes there (int64)."""
-        self.shard_of, self.starts = shard_of, starts
+    def __init__(self, shard_of: np.ndarray, starts: np.ndarray, skip: int = 0) -> None:
+        """``shard_of[i]`` is the shard holding sample ``i`` (the smallest integer type that
+        holds the shard numbers keeps it), and its bytes start ``skip`` bytes past
+        ``starts[i]`` (int64; kept as given, not copied: a reader's own offsets)."""
+        self.shard_of = shard_of.astype(np.min_scalar_type(max(0, int(shard_of.max(initial=0)))))
+        self.starts, self.skip = starts, skip
         self.main = int(np.bincount(shard_of).argmax()) if len(shard_of) else 0
         inside = shard_of == self.main
         stand_in = starts[int(inside.argmax())] if len(shard_of) else 0
         #: Each sample's start in the main shard, or the stand-in's for one elsewhere.
-        self.main_starts = np.where(inside, starts, stand_in)
+        self.main_starts = np.where(inside, starts, stand_in) + skip
         #: Whether each sample is elsewhere (``None``: every sample is in the main shard).
         self.away: np.ndarray | None = None if inside.all() else ~inside
         held = np.unique(shard_of)
@@ -179,13 +181,13 @@ class Spread:
             return
         others = np.flatnonzero(self.away[indices])
         if 2 * len(others) > len(indices):
-            spread(self.shard_of[indices], self.starts[indices], out)
+            spread(self.shard_of[indices].astype(np.int64), self.starts[indices] + self.skip, out)
             return
         windows(self.main, width).take(self.main_starts[indices], out)
         if not len(others):
             return
         picked = indices[others]
-        found, target = self.starts[picked], void_rows(out.numpy())
+        found, target = self.starts[picked] + self.skip, void_rows(out.numpy())
         if self.other is not None:
             target[others] = windows(self.other, width).rows[found]
             return

@@ -74,10 +74,7 @@ class WebDatasetDataset(PreadDataset):
             self._regular = bool((self._sizes == self._member_size).all())
             #: Where the pixels lie, for batches spread over several shards.
             self._spread = (
-                Spread(
-                    self._shard_of(np.arange(len(self))).astype(np.int32),
-                    self._offsets + len(self._npy),
-                )
+                Spread(self._shard_of(np.arange(len(self))), self._offsets, len(self._npy))
                 if len(self._starts) > 2
                 else None
             )
