@@ -299,20 +299,20 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     @property
     def fetches_ahead(self) -> bool:
         """Whether :meth:`prefetch` does anything: an output read lazily, with ``prefetch``."""
-        return self._lazy is not None and self.options.prefetch > 0
+        return self._lazy is not None and self.holds.fetches_ahead
 
     def read_past(self, shards: Sequence[int]) -> None:
         """Shards (by number) this process's sampler has handed out for the last time this
         epoch (and the reads behind it, :attr:`~imgpack.loading.ShardSampler.lag`): the pins
         that fetching them ahead took are let go, so that the cache may evict them."""
-        if self.fetches_ahead:
+        if self._lazy is not None:
             self.holds.read_past(self._here(), shards)
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Shards (by number) about to be read, in order: for an output read lazily, the next
         ``options.prefetch`` of them are fetched in the background of this process (a sampler
         calls it; nothing happens for a local output)."""
-        if self.fetches_ahead:
+        if self._lazy is not None:
             self.holds.prefetch(self._here(), shards)
 
     def release_files(self) -> None:

@@ -181,7 +181,7 @@ class Spread:
             return
         others = np.flatnonzero(self.away[indices])
         if 2 * len(others) > len(indices):
-            spread(self.shard_of[indices].astype(np.int64), self.starts[indices] + self.skip, out)
+            spread(self.shard_of[indices], self.starts[indices] + self.skip, out)
             return
         windows(self.main, width).take(self.main_starts[indices], out)
         if not len(others):

@@ -67,11 +67,11 @@ class Holds:
         return path
 
     def hold_batch(self, here: Here, shards: Iterable[int], pinned: int | None) -> None:
-        """For an output read lazily whose raw records are checked once each: the files of
-        ``shards`` (a batch's) held, fetched where they are not in the cache, before the
-        batch's records are checked, so that those this process just fetched are marked
-        checked first."""
-        if not self.lazy or not self.checks.once or self.first is None:
+        """For an output read lazily whose raw records are checked once each (the caller
+        asks only then: finding a batch's shards costs a search): the files of ``shards`` (a
+        batch's) held, fetched where they are not in the cache, before the batch's records are
+        checked, so that those this process just fetched are marked checked first."""
+        if self.first is None:  # one file: held by the read itself
             return
         for number in shards:
             self.local(here, self.names[number], pinned)

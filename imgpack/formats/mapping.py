@@ -4,8 +4,8 @@ A memory-mapped file cut in place (truncated) while it is read is not an error b
 that kills the process at the first byte past its new end. :class:`MappedFiles` keeps, per
 shard a reader mapped in this process, a descriptor of the file (it names the file mapped, even
 if another is renamed over the path) and its size then; a read refuses, in one line, a batch
-that touches a file that shrank since (its size asked once per mapped shard the batch touches), and a
-file already shorter than the manifest says when it is mapped.
+that touches a file that shrank since (its size asked once per mapped shard the batch touches),
+and a file already shorter than the manifest says when it is mapped.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class HFSource(Source):
         return True  # each image's byte length is in the arrow column (the scan reads it)
 
     def stored_size(self, sample: Sample) -> int:
-        return -1  # an image kept as a path only: planned as empty (the same in every run)
+        return -1  # an image kept as a path only (no bytes in the column): planned as empty
 
     def identity(self, scan: Scan) -> str:
         return digest((scan.origin or {}).get("state_sha256"))

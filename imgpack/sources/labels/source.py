@@ -33,13 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import (
-    DataError,
-    ImageError,
-    OptionError,
-    ScanError,
-    first_line,
-)
+from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
 from imgpack.fields import Field, from_text, infer_field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
 from imgpack.manifest import sha256_file
@@ -50,7 +44,6 @@ from imgpack.sources.base import (
     Source,
     digest,
     empty_classes,
-    file_size,
     file_stamp,
     kept_fields,
     label_map,
@@ -313,8 +306,8 @@ class LabelListSource(Source):
         URLs' sizes in bulk (:func:`imgpack.storage.location.object_sizes`)."""
         return True
 
-    def stored_size(self, sample: Sample) -> int:  # the scan gave it (Sample.size)
-        return -1 if is_url(sample.path) else file_size(self._full(sample.path))
+    def stored_size(self, sample: Sample) -> int:
+        return -1  # every size the scan could find is in Sample.size (a URL's store may lack one)
 
     def identity(self, scan: Scan) -> str:
         return digest((scan.origin or {}).get("sha256"))
