@@ -9,7 +9,9 @@ For the sharded formats (``pt``, ``tfrecord``, ``webdataset``) with DST in objec
     tasks    one task per shard (a pool process, a Ray task on any node) reads its samples
              from SRC, writes the shard with the format's own writer in a temp folder of its
              machine, uploads it under its final name, then its receipt (count, bytes,
-             sha256, skipped files) under DST/.imgpack-work/<output id>/
+             sha256, skipped files) under DST/.imgpack-work/<output id>/; a bucket SRC's
+             listing is saved in DST/.imgpack-work/listing/, so that the other parts and a
+             resume plan from it instead of listing SRC again
     commit   once every shard has a receipt, the manifest is made from the receipts and
              written last (readers see the output whole or not at all); the work folder is
              removed
@@ -62,6 +64,9 @@ log = logging.getLogger(__name__)
 LAYOUT = "shards"
 #: The folder under DST that holds an unfinished conversion's plan and receipts.
 WORK = ".imgpack-work"
+#: In it: the listing of a bucket SRC the conversion took (:func:`imgpack.sources.listing.
+#: save_listing`), read by its parts and resumes instead of listing SRC again.
+SAVED = f"{WORK}/listing"
 #: Samples whose objects a shard task GETs at once (bounded memory, round trips overlapped).
 FETCH_GROUP = 32
 
@@ -322,7 +327,10 @@ def convert_to_bucket(
     plan_file = {"output_id": plan.output_id, "format": options.format, "shards": total}
     try:  # the first write: a bucket that does not exist is named here
         _write(dest, f"{work}/plan.json", json.dumps(plan_file).encode())
-    except FileNotFoundError as exc:
+        if not location.is_url(url):  # a path's folders are made; a store has none
+            (Path(dest.root) / SAVED).mkdir(parents=True, exist_ok=True)
+        listing.save_listing(plan.src, dest.fs, f"{dest.root}/{SAVED}")
+    except (FileNotFoundError, PermissionError) as exc:
         raise location.remote_error(url, exc) from None
     names = shard_names(plan, total)
     done = set(_receipts(dest, work, plan, bounds, names)[0]) if options.resume else set()
@@ -548,8 +556,9 @@ def _check_destination(dest: Destination, plan: Plan, work: str) -> Manifest | N
     (``--overwrite``: its manifest removed first); the manifest of this very conversion when it
     was committed already (a part or a ``--resume`` run after the last part finished)."""
     options = plan.options
+    held = [p for p in dest.files if not p.startswith(f"{SAVED}/")]  # a listing is no work
     others = sorted(
-        {p.split("/")[1] for p in dest.files if p.count("/") >= 2 and p.startswith(f"{WORK}/")}
+        {p.split("/")[1] for p in held if p.count("/") >= 2 and p.startswith(f"{WORK}/")}
         - {plan.output_id}
     )
     if others and not options.overwrite:
@@ -568,8 +577,8 @@ def _check_destination(dest: Destination, plan: Plan, work: str) -> Manifest | N
             raise FileExistsError(f"{dest.url}: already exists (use --overwrite to replace it)")
         _remove(dest, MANIFEST_NAME)  # withdrawn: no reader opens it now
         return None
-    ours = any(p.startswith(f"{work}/") for p in dest.files)
-    if dest.files and not ours and not others:
+    ours = any(p.startswith(f"{work}/") for p in held)
+    if held and not ours and not others:
         raise FileExistsError(
             f"{dest.url}: already exists and holds no {MANIFEST_NAME}; refusing to replace it, "
             "with or without --overwrite (remove it yourself, or choose another destination)"
@@ -720,6 +729,7 @@ def commit(
         _remove(dest, stale)
     _write(dest, MANIFEST_NAME, manifest_bytes(manifest))  # the commit
     _remove(dest, work)
+    _remove(dest, SAVED)
     if not location.is_url(dest.url):  # on a path, the work folder itself goes too
         with contextlib.suppress(OSError):
             (Path(dest.root) / WORK).rmdir()

@@ -482,7 +482,9 @@ def convert(
             local_src = stack.enter_context(_saved_dataset(src, local_dst))
         else:
             local_src = stack.enter_context(
-                source_location(src, storage_options, cache_dir, _in_place(options))
+                source_location(
+                    src, storage_options, cache_dir, _in_place(options), _saved(dst, options)
+                )
             )
             source = sources.resolve(Path(local_src), options.source, options.source_options)
             in_place = (  # parts by shard tasks on a shared path: written there, as a bucket
@@ -599,7 +601,8 @@ def dry_run(
     read or written. Raises what :func:`convert` would raise before reading an image."""
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)  # made, not started
-    with source_location(src, storage_options, cache_dir, _in_place(options)) as local:
+    saved = _saved(dst, options)
+    with source_location(src, storage_options, cache_dir, _in_place(options), saved) as local:
         source = sources.resolve(Path(local), options.source, options.source_options)
         the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
         exact = direct.applies(options, dst, source, runner) or (
@@ -649,6 +652,16 @@ def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
     if options.source is not None or set(sources.names()) - set(sources.BUILTIN):
         return None
     return lambda paths: all("/" in path or path.startswith(".") for path in paths)
+
+
+def _saved(dst: str | os.PathLike[str], options: ConvertOptions) -> str | None:
+    """Where a part or a resume of a conversion to ``dst`` finds the bucket SRC's listing the
+    conversion took (:data:`imgpack.direct.SAVED`, written by shard tasks' runs); ``None`` for a
+    run that lists SRC itself."""
+    if not (options.resume or options.num_parts > 1):
+        return None
+    root = str(dst).rstrip("/") if is_url(dst) else str(local_path(dst).absolute())
+    return f"{root}/{direct.SAVED}"
 
 
 def _class_list(source: str) -> list[str]:

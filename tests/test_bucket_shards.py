@@ -93,8 +93,9 @@ def test_runs_and_any_number_of_parts_write_the_same_bytes(
     s3: str, src_url: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two runs (2 workers, 1 worker) and K = 1, 2, 3 parts written into one DST: byte for
-    byte the same output. Each part GETs only its own objects; the last part to finish
-    commits the manifest, and a part run again after that returns it."""
+    byte the same output. Each part GETs only its own objects; the parts after the first plan
+    from the listing it saved in DST (no LIST of SRC); the last part to finish commits the
+    manifest, and a part run again after that returns it."""
     import s3fs
 
     args = {"shard_size": "3KB", "progress": False}
@@ -104,12 +105,15 @@ def test_runs_and_any_number_of_parts_write_the_same_bytes(
     assert _bucket(f"{s3}/same-{fmt}-b") == reference
     read: list[str] = []
     heads: list[str] = []
+    lists: list[str] = []
     real = s3fs.S3FileSystem._call_s3
 
     async def counted(self: object, method: str, *a: object, **k: object) -> object:
         key = str(k.get("Key", ""))
         if key.startswith("shard-src/"):  # what a worker asks of a source object
             (read if method == "get_object" else heads).append(key.split("/", 1)[1])
+        if method == "list_objects_v2" and str(k.get("Prefix", "")).startswith("shard-src"):
+            lists.append(str(k["Prefix"]))
         return await real(self, method, *a, **k)  # type: ignore[arg-type]
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
@@ -118,7 +122,9 @@ def test_runs_and_any_number_of_parts_write_the_same_bytes(
         seen: set[str] = set()
         for i in range(count):
             read.clear()
+            lists.clear()
             done = convert(src_url, url, fmt, workers=1, num_parts=count, part=i, **args)
+            assert bool(lists) == (i == 0), lists  # part 0 listed SRC; the others read that
             if i < count - 1:
                 assert done.part is not None and "imgpack.json" not in _bucket(url)
                 assert sorted(read) == sorted({s for s in read})  # each object once
@@ -240,14 +246,88 @@ def test_a_killed_driver_resumes_to_the_same_bytes(
     workers = "1" if resumed == "in-process" else "2"  # receipts written by other processes
     again = ["convert", src_url, url, "-q", "--resume", *args[:-2], "--workers", workers]
     if resumed == "in-process":
+        lists = _source_lists(monkeypatch)
         done = CliRunner().invoke(main, again)
         assert done.exit_code == 0, done.output
         assert 0 < len(written) <= total - 3
+        assert lists == []  # planned from the listing the killed run saved in DST
     else:
         command = [sys.executable, "-c", "from imgpack.cli import main; main()", *again]
         ran = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0 and "still to be written" not in ran.stderr, ran.stderr
     assert _bucket(url) == _bucket(reference)
+
+
+def _source_lists(monkeypatch: pytest.MonkeyPatch, prefix: str = "shard-src") -> list[str]:
+    """The prefixes of the LISTs of SRC (objects under ``prefix``) this process asks from now."""
+    import s3fs
+
+    lists: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: object, method: str, *a: object, **k: object) -> object:
+        if method == "list_objects_v2" and str(k.get("Prefix", "")).startswith(prefix):
+            lists.append(str(k["Prefix"]))
+        return await real(self, method, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    return lists
+
+
+@pytest.mark.parametrize("damage", ["lines", "head", "another-source"])
+def test_a_saved_listing_that_is_not_this_sources_is_not_taken(
+    s3: str, src_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    damage: str,
+) -> None:  # fmt: skip
+    """Part 1 of 2 finds the listing part 0 saved damaged (its lines, its head) or another
+    SRC's: it says so where it is damaged, lists SRC itself, and the parts still make the
+    output of one conversion; the saved listing goes with the work folder at the commit."""
+    fs = fsspec.filesystem("s3")
+    args = {"shard_size": "3KB", "progress": False, "workers": 1}
+    reference = f"{s3}/saved-ref"
+    if "imgpack.json" not in _bucket(reference):
+        convert(src_url, reference, "webdataset", **args)
+    url = f"{s3}/saved-{damage}"
+    convert(src_url, url, "webdataset", num_parts=2, part=0, **args)
+    saved = f"{url.removeprefix('s3://')}/{direct.SAVED}"
+    assert set(fs.ls(saved)) == {f"{saved}/listing.json", f"{saved}/listing.jsonl.gz"}
+    if damage == "lines":
+        fs.pipe(f"{saved}/listing.jsonl.gz", b"\x1f\x8b not gzip")
+    elif damage == "head":
+        fs.pipe(f"{saved}/listing.json", b"{not json")
+    else:
+        head = json.loads(fs.cat(f"{saved}/listing.json"))
+        fs.pipe(f"{saved}/listing.json", json.dumps({**head, "source": f"{s3}/x"}).encode())
+    lists = _source_lists(monkeypatch)
+    with caplog.at_level("WARNING"):
+        done = convert(src_url, url, "webdataset", num_parts=2, part=1, **args)
+    assert lists and done.part is None
+    said = [r.getMessage() for r in caplog.records if "listed again" in r.getMessage()]
+    assert len(said) == (damage != "another-source"), said
+    assert _bucket(url) == _bucket(reference)
+
+
+def test_parts_on_a_shared_path_list_a_bucket_source_once(
+    s3: str, src_url: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SRC in a bucket, DST on a shared path written in place by 2 parts: part 0 lists SRC and
+    saves the listing in DST's work folder, part 1 plans from it (no LIST of SRC); the output
+    is the single conversion's, and the work folder is gone."""
+    args = {"shard_size": "3KB", "workers": 1, "progress": False}
+    whole = convert(src_url, tmp_path / "whole", "tfrecord", **args)
+    dst = tmp_path / "parts"
+    convert(src_url, dst, "tfrecord", num_parts=2, part=0, **args)
+    assert (dst / direct.SAVED / "listing.json").is_file()
+    lists = _source_lists(monkeypatch)
+    done = convert(src_url, dst, "tfrecord", num_parts=2, part=1, **args)
+    assert lists == [] and done.output_id == whole.output_id
+    files = sorted(p.relative_to(dst) for p in dst.rglob("*") if p.is_file())
+    assert files == sorted(
+        p.relative_to(tmp_path / "whole") for p in (tmp_path / "whole").rglob("*") if p.is_file()
+    )
+    assert not (dst / direct.WORK).exists()
+    for name in files:
+        assert (dst / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
 
 
 def test_what_a_bucket_destination_holds_is_checked(s3: str, src_url: str, images: Path) -> None:

@@ -6,6 +6,11 @@ list) are downloaded into a scratch folder first; an imgpack output is opened by
 (:func:`imgpack.opening.open_output`, through the cache). Either way the scan's classes and
 order are those of a local copy of the same tree.
 
+A listing is taken once per conversion: the run that lists SRC saves the listing in DST's work
+folder (:func:`save_listing`), and the parts and resumes of that conversion read it from there
+(:func:`source_location` with ``saved``) instead of listing SRC again, so they plan the very
+samples it planned (one output id) without a LIST of SRC.
+
 It sits with the storage layer (below the readers): ``imgpack verify`` of a bucket output takes
 its files as they are through :func:`source_folder`.
 """
@@ -14,10 +19,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gzip
+import hashlib
 import json
 import logging
 import shutil
 import tempfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -277,15 +285,28 @@ def source_location(
     storage_options: dict[str, Any] | None = None,
     cache_dir: Location | None = None,
     listing_only: Callable[[list[str]], bool] | None = None,
+    saved: str | None = None,
 ) -> Iterator[Path]:
     """A local path holding the conversion source ``location``: an output in a bucket opened by
     the route (:func:`imgpack.opening.open_output`: fetched whole into the cache, checked), any
     other URL (an image folder, TFRecord files) downloaded to a scratch folder, or only listed
-    there when ``listing_only`` says so (:func:`source_folder`)."""
+    there when ``listing_only`` says so (:func:`source_folder`).
+
+    ``saved``: where a listing of this source may have been saved (DST's work folder, for a part
+    or a resume of a conversion): when one of ``location`` is there, intact, it is taken instead
+    of listing (nothing of SRC is asked, not even whether it is an output)."""
     if not is_url(location):
         yield local_path(location)
         return
     url = str(location).rstrip("/")
+    if saved is not None and listing_only is not None:
+        scratch = _saved_folder(url, storage_options, saved)
+        if scratch is not None:
+            try:
+                yield scratch
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            return
     fs, root = filesystem(url, storage_options)
     try:
         is_output = fs.exists(f"{root}/{MANIFEST_NAME}")
@@ -301,3 +322,75 @@ def source_location(
         return
     with source_folder(url, storage_options, listing_only) as folder:
         yield folder
+
+
+# -- the listing saved for the parts and resumes of one conversion --------------------------
+#: In the folder a listing is saved to (DST's work folder): its lines (:data:`STORE_LISTING`),
+#: gzipped, then this head, written last: SRC's URL, the lines' sha256 and the folders' index.
+SAVED_LINES = "listing.jsonl.gz"
+SAVED_HEAD = "listing.json"
+#: In a scratch folder whose listing was read from a saved one: where (so it is not saved again).
+STORE_SAVED = ".imgpack-store-saved"
+_CHUNK = 1 << 20
+
+
+def save_listing(folder: Path, fs: Any, root: str) -> bool:
+    """Save the listing ``folder`` holds (a bucket source listed in place, :func:`source_folder`
+    with ``listing_only``) in ``root`` of ``fs``: the lines, then the head. Nothing for another
+    folder, or one whose listing was read from a saved one. Whether it was saved."""
+    remote = remote_source(folder)
+    if remote is None or (folder / STORE_SAVED).exists():
+        return False
+    digest = hashlib.sha256()
+    with (
+        open(folder / STORE_LISTING, "rb") as lines,
+        fs.open(f"{root}/{SAVED_LINES}", "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as packed,
+    ):
+        for chunk in iter(lambda: lines.read(_CHUNK), b""):
+            digest.update(chunk)
+            packed.write(chunk)
+    head = {"source": remote[0], "sha256": digest.hexdigest(), "folders": store_folders(folder)}
+    fs.pipe_file(f"{root}/{SAVED_HEAD}", json.dumps(head, sort_keys=True).encode())
+    return True
+
+
+def _saved_folder(url: str, storage_options: dict[str, Any] | None, saved: str) -> Path | None:
+    """A scratch folder holding the listing of ``url`` saved at ``saved``, as
+    :func:`source_folder` would have listed it; ``None`` when none of ``url`` is saved there, or
+    it cannot be read whole (then said, and SRC is listed again)."""
+    fs, root = filesystem(saved, storage_options)
+    try:
+        head = json.loads(fs.cat_file(f"{root}/{SAVED_HEAD}"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s/%s: cannot be read (%s); %s is listed again", saved, SAVED_HEAD, exc, url)
+        return None
+    if not isinstance(head, dict) or head.get("source") != url:
+        return None  # another source's, left by a conversion this one replaces
+    scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
+    digest = hashlib.sha256()
+    try:
+        with (
+            fs.open(f"{root}/{SAVED_LINES}", "rb") as raw,
+            gzip.GzipFile(fileobj=raw, mode="rb") as packed,
+            open(scratch / STORE_LISTING, "wb") as lines,
+        ):
+            for chunk in iter(lambda: packed.read(_CHUNK), b""):
+                digest.update(chunk)
+                lines.write(chunk)
+        if digest.hexdigest() != head.get("sha256") or not isinstance(head.get("folders"), dict):
+            raise ValueError("its lines are not those its head describes")
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
+        shutil.rmtree(scratch, ignore_errors=True)
+        log.warning(
+            "%s: the saved listing cannot be read (%s); %s is listed again", saved, exc, url
+        )
+        return None
+    (scratch / STORE_FOLDERS).write_text(json.dumps(head["folders"], sort_keys=True))
+    remote = {"url": url, "storage_options": storage_options or {}}
+    (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
+    (scratch / STORE_SAVED).write_text(saved)
+    log.info("%s: not listed again; the listing saved in %s is this conversion's", url, saved)
+    return scratch

@@ -79,7 +79,8 @@ class ObjectFetcher(Fetcher):
             raise DataError(
                 f"{self.url}/{sample.path}: the object was replaced after this conversion "
                 "listed it (its ETag or version is not the listed one); nothing of it is "
-                "committed: run the conversion again to list the bucket anew"
+                "committed: run the conversion again without --resume to list the bucket anew "
+                "(parts read the listing saved in DST/.imgpack-work/listing: remove it first)"
             )
         return process_bytes(data, sample.path, sample.label, policy, encoding)
 
