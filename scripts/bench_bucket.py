@@ -40,6 +40,8 @@ import fsspec
 from bench_storage import bucket
 from benchlib import machine, make_png_folder, print_table, save_json
 
+from imgpack.storage.location import TRANSFERS as LISTING_FOLDERS
+
 #: Run in the conversion's own process: when the plan was ready, the first receipt, the bytes
 #: the tasks sent back and the peak RSS.
 DRIVER = """
@@ -79,7 +81,7 @@ print("RESULT " + json.dumps({"plan_s": marks["plan"] - start, "first_s": marks[
 #: as a bucket source's scratch folder holds it, then the scan, the output id and the shard plan
 #: of a conversion to a bucket, in a process of its own; its VmHWM after, less before.
 PLANNING = """
-import json, sys
+import hashlib, json, sys, time
 from dataclasses import replace
 from pathlib import Path
 import torch  # the driver has it loaded
@@ -92,7 +94,8 @@ with open(folder / listing.STORE_LISTING, "wb") as out:
     for c in range(10):
         start = out.tell()
         for i in range(c, count, 10):
-            entry = [f"class{c:02d}/img{i:07d}.png", 3300 + i % 7, f'"{i:032x}"']
+            tag = hashlib.md5(str(i).encode()).hexdigest()  # as random as a store's ETags
+            entry = [f"class{c:02d}/img{i:07d}.png", 3300 + i % 7, f'"{tag}"']
             out.write(json.dumps(entry).encode() + b"\\n")
         index[f"class{c:02d}"] = [start, out.tell(), count // 10]
 (folder / listing.STORE_FOLDERS).write_text(json.dumps(index))
@@ -100,11 +103,28 @@ with open(folder / listing.STORE_LISTING, "wb") as out:
 def hwm():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
 before = hwm()
+start = time.perf_counter()
 options = ConvertOptions.create("webdataset", shard_size="256KB", progress=False)
 plan = replace(pipeline._plan(folder, "s3://b/dst", options, check_dst=False), layout="shards")
 plan.output_id
 bounds = direct.cut(direct.sample_sizes(plan), options.shard_size)
-print("RESULT " + json.dumps({"kib": hwm() - before, "shards": len(bounds) - 1}))
+planned = time.perf_counter() - start
+kib = hwm() - before
+# The listing saved in DST's work folder (here a local folder), then read back as a part or a
+# resume reads it instead of listing SRC.
+import fsspec
+saved = folder / "dst" / direct.SAVED
+saved.mkdir(parents=True)
+start = time.perf_counter()
+listing.save_listing(folder, fsspec.filesystem("file"), str(saved))
+save_s = time.perf_counter() - start
+start = time.perf_counter()
+scratch = listing._saved_folder("s3://b/src", None, str(saved))
+read_s = time.perf_counter() - start
+assert scratch is not None and listing.listing_digest(scratch) == listing.listing_digest(folder)
+packed = sum(p.stat().st_size for p in saved.iterdir())
+print("RESULT " + json.dumps({"kib": kib, "shards": len(bounds) - 1, "plan_s": planned,
+      "save_s": save_s, "read_s": read_s, "saved_bytes": packed}))
 """
 
 
@@ -194,11 +214,27 @@ def main() -> None:
         rows = {count: planning_memory(count) for count in planned}
         for count, row in rows.items():
             print(f"{count:>9} objects: driver peak RSS +{row['kib'] / 1024:.1f} MiB, "
-                  f"{row['shards']} shards")  # fmt: skip
+                  f"{row['shards']} shards; plan from the listing file {row['plan_s']:.2f} s; "
+                  f"listing saved {row['save_s']:.2f} s ({row['saved_bytes'] / 2**20:.1f} MiB), "
+                  f"read back {row['read_s']:.2f} s")  # fmt: skip
         first, last = planned[0], planned[-1]
         slope = (rows[last]["kib"] - rows[first]["kib"]) * 1024 / (last - first)
-        print(f"planning: {slope:.0f} B per image ({first} -> {last})")
-        save_json(args.json, {"machine": machine(), "planning": rows, "slope": slope})
+        per = {k: (rows[last][k] - rows[first][k]) / (last - first) * 1e6
+               for k in ("plan_s", "save_s", "read_s")}  # fmt: skip
+        print(f"planning: {slope:.0f} B per image ({first} -> {last}); per million objects: "
+              f"plan {per['plan_s']:.1f} s, save {per['save_s']:.1f} s, read back "
+              f"{per['read_s']:.1f} s")  # fmt: skip
+        # The LIST round trips a first run makes (1,000 keys a page, LISTING_FOLDERS at once).
+        for latency in (0.05, 0.2):
+            listed = 1e8 / 1000 * latency / LISTING_FOLDERS
+            print(f"projected for 100M objects, {latency * 1e3:.0f} ms a LIST page: the first run "
+                  f"lists in {listed / 3600:.1f} h and plans in {per['plan_s'] * 100 / 3600:.1f} "
+                  f"h; a part or a resume reads the saved listing in "
+                  f"{per['read_s'] * 100 / 60:.1f} min and plans in "
+                  f"{per['plan_s'] * 100 / 3600:.1f} h")  # fmt: skip
+        save_json(
+            args.json, {"machine": machine(), "planning": rows, "slope": slope, "per_million": per}
+        )
         return
     counts = [int(c) for c in args.counts.split(",")]
     executors = args.executors.split(",")
