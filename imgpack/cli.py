@@ -295,6 +295,13 @@ OUTPUT_OPTIONS = (
         "checkpoint; the output is the same as an uninterrupted run's.",
     ),
     click.option(
+        "--append",
+        is_flag=True,
+        help="Add SRC's images to the existing output at DST (pt, tfrecord, webdataset) as new "
+        "shards after its last one: the same format and options, its files untouched, new "
+        "classes after its own; the manifest is replaced last.",
+    ),
+    click.option(
         "--shard-tasks/--one-writer",
         default=_default("shard_tasks"),
         show_default=True,

@@ -38,6 +38,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from imgpack.appending import appended
 from imgpack.checksum import content_digest
 from imgpack.errors import ImageError, ImgpackError
 from imgpack.executors import WORKER_DIED, Executor, Failure, Job, Outcome, TaskDied
@@ -120,6 +121,9 @@ class ShardTask:
     on_error: str = "fail"
     #: Samples not to read, with why: the ones that kill their worker (found by the driver).
     excluded: dict[str, str] = field(default_factory=dict)
+    #: The output's number of the plan's first shard (after an appended output's shards): the
+    #: shard's file is named as shard ``first_shard + number`` of ``first_shard + total``.
+    first_shard: int = 0
 
     @property
     def stop(self) -> int:
@@ -179,7 +183,9 @@ def shard_from(task: ShardTask, outcomes: Iterable[Outcome]) -> dict[str, Any]:
                 tally.add(outcome.label, outcome.height, outcome.width, outcome.sums)
         (written,) = writer.close()
         local = Path(tmp) / written.path
-        target = Path(tmp) / writer.final_name(task.number, task.total)
+        target = Path(tmp) / writer.final_name(
+            task.first_shard + task.number, task.first_shard + task.total
+        )
         companions = []
         for (name, digest), old, new in zip(
             written.companions, writer.companions_of(local), writer.companions_of(target),
@@ -396,7 +402,7 @@ def _write_shards(
         for k in numbers:
             yield ShardTask(
                 plan.job,
-                replace(config, first_index=bounds[k]),
+                replace(config, first_index=plan.first_sample + bounds[k]),
                 k,
                 total,
                 bounds[k],
@@ -405,6 +411,7 @@ def _write_shards(
                 json.dumps(storage_options or {}, sort_keys=True),
                 f"{work}/{receipt_name(k)}",
                 options.on_error,
+                first_shard=plan.first_shard,
             )
 
     count = sum(bounds[k + 1] - bounds[k] for k in mine)
@@ -468,7 +475,8 @@ def shard_names(plan: Plan, total: int) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="imgpack-names-") as tmp:
         writer = format_spec(plan.options.format).writer_class()(Path(tmp), plan.writer_config())
         assert isinstance(writer, ShardedWriter)  # shard tasks write sharded formats only
-        return [writer.final_name(k, total) for k in range(total)]
+        first = plan.first_shard
+        return [writer.final_name(first + k, first + total) for k in range(total)]
 
 
 def receipt_name(number: int) -> str:
@@ -573,6 +581,13 @@ def _check_destination(dest: Destination, plan: Plan, work: str) -> Manifest | N
         manifest = _read_manifest(dest)
         if manifest.output_id == plan.output_id and (options.resume or options.num_parts > 1):
             return manifest
+        if plan.base is not None:  # appended to: its manifest is replaced at the commit
+            if manifest.output_id != plan.base.output_id:
+                raise FileExistsError(
+                    f"{dest.url}: was replaced or appended to while this append was planned; "
+                    "nothing was written: run the append again"
+                )
+            return None
         if not options.overwrite:
             raise FileExistsError(f"{dest.url}: already exists (use --overwrite to replace it)")
         _remove(dest, MANIFEST_NAME)  # withdrawn: no reader opens it now
@@ -737,8 +752,8 @@ def commit(
 
 
 def _whole(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
-    """The manifest of the whole output from every shard's receipt; an error when every
-    sample was skipped."""
+    """The manifest of the whole output from every shard's receipt (an appended output's
+    files first); an error when every sample was skipped."""
     manifest = _manifest(plan, receipts)
     manifest.part = None
     if not manifest.num_samples:
@@ -747,7 +762,7 @@ def _whole(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
             f"{plan.where}: every one of the {len(plan.scan.samples)} image files was skipped; "
             f"nothing to write (first: {first['path']}: {first['reason']})"
         )
-    return manifest
+    return appended(plan.base, manifest, plan.append_key) if plan.base is not None else manifest
 
 
 def applies_locally(options: Any, source: Any, executor: Executor) -> bool:

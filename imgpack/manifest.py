@@ -58,6 +58,9 @@ class FileEntry:
     num_samples: int
     sha256: str
     companions: list[Companion] = field(default_factory=list)
+    #: The output id this file carries, where it is not the manifest's: a file an earlier
+    #: version of an appended output wrote (``convert --append``). ``""``: the manifest's.
+    output_id: str = ""
 
 
 @dataclass
@@ -97,6 +100,18 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files)
 
+    def file_output_id(self, number: int) -> str:
+        """The output id data file ``number`` carries: its own (written by an earlier version of
+        an appended output), else the manifest's."""
+        return self.files[number].output_id or self.output_id
+
+    @property
+    def output_ids(self) -> frozenset[str]:
+        """Every output id the data files of this output carry."""
+        return frozenset(self.file_output_id(k) for k in range(len(self.files))) or frozenset(
+            {self.output_id}
+        )
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         del data["version"]
@@ -111,6 +126,8 @@ class Manifest:
         for entry in data["files"]:  # formats without index files keep their manifests as before
             if not entry["companions"]:
                 del entry["companions"]
+            if not entry["output_id"]:  # the manifest's: said once, at the top
+                del entry["output_id"]
         return {"imgpack": self.version, **data}
 
     @classmethod
@@ -162,6 +179,7 @@ class Manifest:
                         )
                         for c in entry.get("companions", [])
                     ],
+                    output_id=_output_id(entry.get("output_id", "")),
                 )
                 for entry in data["files"]
             ]

@@ -44,6 +44,9 @@ class ConvertOptions:
     overwrite: bool = False
     #: Continue an interrupted conversion of the same SRC, DST and options from its checkpoint.
     resume: bool = False
+    #: Add SRC's images to the existing output at DST as new shards after its last one
+    #: (:mod:`imgpack.appending`); its files stay as they are, its manifest is replaced last.
+    append: bool = False
     on_error: str = "fail"
     classes_from: str | None = None
     #: An explicit label map (the classes in label order), e.g. the union of a dataset's splits.
@@ -139,9 +142,36 @@ class ConvertOptions:
             if not self.classes or len(set(self.classes)) != len(self.classes):
                 raise OptionError("classes must be a non-empty list of distinct names")
         set_(self, "format_options", spec.check_options(self.format_options))
+        if self.append:
+            self._check_append(spec.sharded)
         if self.source is not None:
             sources.get(self.source)  # an unknown kind fails here; its options when SRC is known
         set_(self, "source_options", dict(self.source_options))
+
+    def _check_append(self, sharded: bool) -> None:
+        """What ``--append`` cannot go with, refused in one line."""
+        if not sharded:
+            raise OptionError(
+                f"--append: format {self.format!r} is one file; appending to it is not "
+                "supported yet (pt, tfrecord and webdataset outputs take --append)"
+            )
+        clash = next(
+            (name for name, given in (
+                ("--overwrite", self.overwrite),
+                ("--num-parts", self.num_parts > 1),
+                ("--one-writer", not self.shard_tasks),
+                ("--classes", self.classes is not None),
+                ("--classes-from", self.classes_from is not None),
+            ) if given),
+            None,
+        )  # fmt: skip
+        if clash is not None:
+            why = {
+                "--overwrite": "it adds to DST, never replaces it",
+                "--num-parts": "one run appends",
+                "--one-writer": "the appended shards are written by shard tasks",
+            }.get(clash, "the output's classes keep their labels, new ones come after")
+            raise OptionError(f"--append does not go with {clash}: {why}")
 
     @classmethod
     def create(cls, format: str = "pt", **options: Any) -> ConvertOptions:

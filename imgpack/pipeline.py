@@ -35,7 +35,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from imgpack import direct, executors, formats, hf, sources
+from imgpack import appending, direct, executors, formats, hf, sources
 from imgpack.checksum import content_digest
 from imgpack.errors import (
     DataError,
@@ -439,7 +439,9 @@ def convert(
             the aspect ratio kept), ``resample`` (Pillow filter), ``grayscale``,
             ``background`` (colour under transparent pixels), ``max_pixels`` (``None``: no
             decompression-bomb guard), ``workers`` (default: the usable CPUs), ``shard_size``
-            (``"512MB"``, ``"1GiB"``, an int), ``overwrite``, ``on_error`` (``fail`` stops at the
+            (``"512MB"``, ``"1GiB"``, an int), ``overwrite``, ``resume``, ``append`` (add SRC's
+            images to the output at ``dst`` as new shards: :mod:`imgpack.appending`),
+            ``on_error`` (``fail`` stops at the
             first bad file, DST untouched; ``skip`` records bad files in the manifest),
             ``classes_from`` (the label map of an imgpack output or a text file), ``progress``
             (a tqdm bar on stderr); the source's: ``source`` (its kind, default detected),
@@ -464,6 +466,8 @@ def convert(
     """
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)
+    if options.append:
+        return _append(src, dst, options, runner, storage_options, cache_dir)
     # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
     build = build_folder(str(dst), cache_dir) if is_url(dst) else None
     if build is not None and not options.spec.sharded:  # lmdb, hdf5: one file, one writer
@@ -640,6 +644,67 @@ def dry_run(
         image=options.policy.describe(),
         fields=[f.spec for f in the_plan.fields],
     )
+
+
+def _append(
+    src: Any,
+    dst: str | os.PathLike[str],
+    options: ConvertOptions,
+    runner: Executor,
+    storage_options: dict[str, Any] | None,
+    cache_dir: str | os.PathLike[str] | None,
+) -> Manifest:
+    """``convert --append`` (:mod:`imgpack.appending`): SRC planned as a conversion by shard
+    tasks whose shards, samples and new classes come after the output's at DST, written into
+    DST beside its files, its manifest replaced last (on a path, under DST's lock)."""
+    target = str(dst).rstrip("/") if is_url(dst) else str(local_path(dst).absolute())
+    if hf.is_dataset_object(src):
+        raise OptionError(
+            "--append: save the datasets.Dataset (save_to_disk) and append its folder"
+        )
+    with ExitStack() as stack:
+        if not is_url(dst):
+            if not Path(target).is_dir():
+                raise OptionError(
+                    f"{target}: --append adds to an existing output, and there is none; convert "
+                    "without --append to make one"
+                )
+            stack.enter_context(locked(Path(target)))
+        try:
+            base = open_manifest(target, storage_options)[1]
+        except ManifestError as exc:
+            raise OptionError(
+                f"--append adds to an existing imgpack output: {exc}; convert without --append "
+                "to make one"
+            ) from None
+        local_src = stack.enter_context(
+            source_location(
+                src, storage_options, cache_dir, _in_place(options), _saved(dst, options)
+            )
+        )
+        source = sources.resolve(Path(local_src), options.source, options.source_options)
+        if not (
+            direct.applies(options, dst, source, runner)
+            or direct.applies_locally(options, source, runner)
+        ):
+            raise OptionError(
+                f"--append: {src} cannot be appended by shard tasks with this executor (its "
+                "images' sizes are not known before they are read, or the executor runs no tasks)"
+            )
+        source.check()
+        first = _plan(local_src, dst, options, check_dst=False)
+        classes = appending.combined_classes(base, first.scan.classes, first.where)
+        scan = appending.relabelled(first.scan, classes)
+        the_plan = replace(first, scan=scan, layout=direct.LAYOUT, base=base)
+        appending.check_compatible(base, manifest_for(the_plan, [], 0, []), target)
+        if appending.last_key(base) == the_plan.append_key:
+            if options.resume:  # committed already: the output as it is
+                return base
+            raise OptionError(
+                f"{target}: the images of {the_plan.where} are its last append already; "
+                "appending them again would hold each twice, so nothing was done"
+            )
+        return direct.convert_to_bucket(the_plan, target, storage_options, runner)
 
 
 def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:

@@ -39,6 +39,19 @@ class Plan:
     #: ``"shards"`` when shard tasks write the output by a shard plan (:mod:`imgpack.direct`):
     #: other shard boundaries than one writer's, so another output id.
     layout: str = ""
+    #: The manifest of the output this conversion appends to (``--append``): the plan's shards
+    #: and samples come after its own (:mod:`imgpack.appending`).
+    base: Manifest | None = None
+
+    @property
+    def first_shard(self) -> int:
+        """The number of the plan's first shard in the output: after an appended output's."""
+        return len(self.base.files) if self.base is not None else 0
+
+    @property
+    def first_sample(self) -> int:
+        """The output position of the plan's first sample: after an appended output's."""
+        return self.base.num_samples if self.base is not None else 0
 
     @property
     def job(self) -> Job:
@@ -133,7 +146,7 @@ class Plan:
             shard_size=opts.shard_size or 0,
             settings=dict(opts.format_options),
             output_id=self.output_id,
-            first_index=self.bounds[0],
+            first_index=self.first_sample + self.bounds[0],
             fields=self.fields,
         )
 
@@ -145,7 +158,17 @@ class Plan:
         It depends only on what the output's bytes depend on: the options, the label map and
         every sample's path, label, size and modification time (not the source folder's
         location), so identical runs write identical bytes and a source that changed gives a
-        new id. The parts of a partitioned conversion share the id of the whole."""
+        new id. The parts of a partitioned conversion share the id of the whole. An append's
+        depends on the output it appends to as well (its id: a new version of it)."""
+        return self._identity(self.base.output_id if self.base is not None else None)
+
+    @cached_property
+    def append_key(self) -> str:
+        """What an append of these samples is known by in the output's manifest, whatever
+        version of the output it was appended to: its id without the base output's."""
+        return self._identity(None)
+
+    def _identity(self, base: str | None) -> str:
         opts = self.options
         digest = hashlib.sha256()
         head = {
@@ -157,6 +180,7 @@ class Plan:
             "origin": self.scan.origin,
             **({"layout": self.layout} if self.layout else {}),
             **({"fields": [f.spec for f in self.fields]} if self.fields else {}),
+            **({"appended_to": base} if base is not None else {}),
         }
         # A bucket's objects are known by what the store says of each (its listing: sizes and
         # ETags), files by their stat; other sources' contents are in the origin already.

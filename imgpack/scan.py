@@ -121,6 +121,14 @@ class SampleTable(Sequence[Sample]):
         """The source size in bytes of sample ``index`` as listed, ``-1`` when not known."""
         return self._sizes[index]
 
+    def relabelled(self, mapping: Sequence[int]) -> SampleTable:
+        """These samples with each label ``k`` made ``mapping[k]`` (:data:`UNLABELLED` kept)."""
+        other = SampleTable()
+        other._paths, other._ends = bytearray(self._paths), array("q", self._ends)
+        other._sizes, other._listed = array("q", self._sizes), array("q", self._listed)
+        other._labels = array("i", (v if v == UNLABELLED else mapping[v] for v in self._labels))
+        return other
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
 

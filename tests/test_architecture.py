@@ -94,6 +94,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.direct",
             "imgpack.planning",
             "imgpack.merging",
+            "imgpack.appending",
             "imgpack.exporting",
         ),
     ),

@@ -349,11 +349,13 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         except Exception:
             pass
 
-    def _check_output(self, found: Any, where: str) -> None:
-        """Refuse a data file that does not carry this reader's output id: the output was
-        replaced (``convert --overwrite``) after the reader read its manifest, and serving the
-        new files with what was read from the old ones would mix two outputs."""
-        check_output_id(self.manifest.output_id, found, where, self.root)
+    def _check_output(self, found: Any, where: str, number: int = 0) -> None:
+        """Refuse data file ``number`` when it does not carry the output id the manifest says
+        it carries: the output was replaced (``convert --overwrite``) after the reader read its
+        manifest, and serving the new files with what was read from the old ones would mix two
+        outputs."""
+        expected = self.manifest.file_output_id(number) if self.manifest.files else ""
+        check_output_id(expected or self.manifest.output_id, found, where, self.root)
 
     # -- fields ------------------------------------------------------------------------------
     def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
@@ -978,13 +980,19 @@ class _Process:
 def check_file_order(root: Path, manifest: Manifest, name: Callable[[int, int], str]) -> None:
     """The manifest of a sharded output must list its shards under the names its writer gives
     them, in order (``name(number, total)``): a manifest whose files were reordered or renamed
-    would serve one shard's samples for another's."""
+    would serve one shard's samples for another's. In an appended output, ``total`` is the
+    count of shards when a shard was written: the end of the run of shards that carry its id."""
     total, first = len(manifest.files), 0
     part = manifest.part if isinstance(manifest.part, dict) else {}
     if type(part.get("first_shard")) is int and type(part.get("shards")) is int:
         # A part written by shard tasks: shards first.. of the whole output's (merging.py).
         first, total = part["first_shard"], part["shards"]
+    ends = [total] * len(manifest.files)
+    for number in range(len(manifest.files) - 2, -1, -1):  # each version's last shard, back
+        same = manifest.file_output_id(number) == manifest.file_output_id(number + 1)
+        ends[number] = ends[number + 1] if same else first + number + 1
     for number, entry in enumerate(manifest.files):
+        total = ends[number]
         if entry.path != name(first + number, total):
             raise ManifestError(
                 f"{root}: the manifest lists {entry.path} as shard {number}, which its writer "

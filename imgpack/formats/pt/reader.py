@@ -77,7 +77,7 @@ class PTDataset(ImageDataset):
         self._here().maps.note(number, path)
         n = entry.num_samples
         if isinstance(shard, dict):
-            self._check_output(shard.get("output_id"), str(path))
+            self._check_output(shard.get("output_id"), str(path), number)
         keys = ("images", "labels") if self._raw else ("data", "offsets", "labels")
         if not isinstance(shard, dict) or any(k not in shard for k in keys):
             raise DataError(f"{path}: not a {self.manifest.encoding} shard (expected keys {keys})")

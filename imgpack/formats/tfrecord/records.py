@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -328,12 +329,30 @@ class Records:
                 )
         return label
 
-    def check_output(self, features: dict[str, example.FeatureValue], where: str) -> None:
+    @cached_property
+    def _ids(self) -> frozenset[str]:
+        """The output ids this output's shards carry."""
+        return self.manifest.output_ids
+
+    def check_output(
+        self, features: dict[str, example.FeatureValue], where: str, number: int | None = None
+    ) -> None:
         """Refuse a record of another output than the manifest this reader read (the output was
-        replaced meanwhile); foreign files and outputs without ids are not checked."""
-        if not self.foreign and self.manifest.output_id:
-            found = features.get(example.OUTPUT_ID_KEY) or [b""]
-            check_output_id(self.manifest.output_id, found[0], where, self.root)
+        replaced meanwhile): the id shard ``number`` carries, or for a record read without its
+        shard's number one of the ids the output's shards carry (more than one in an appended
+        output, each shard's first record checked exactly); foreign files and outputs without
+        ids are not checked."""
+        if self.foreign or not self.manifest.output_id:
+            return
+        found = (features.get(example.OUTPUT_ID_KEY) or [b""])[0]
+        if number is not None:
+            expected = self.manifest.file_output_id(number)
+        else:
+            text = found.decode("ascii", "replace") if isinstance(found, bytes) else found
+            if text in self._ids:
+                return
+            expected = self.manifest.output_id
+        check_output_id(expected, found, where, self.root)
 
     def check_first(self, number: int, fd: int) -> None:
         """Check the first record of shard ``number``, open as ``fd``, for the output id."""
@@ -346,7 +365,7 @@ class Records:
         if size > os.fstat(fd).st_size:
             raise DataError(f"{where}: truncated record")
         frame = framing.unframe(os.pread(fd, size, 0), where, self.check_crc)
-        self.check_output(parse(frame, where), where)
+        self.check_output(parse(frame, where), where, number)
 
     def iterate(
         self, wanted: dict[int, set[int]] | None = None

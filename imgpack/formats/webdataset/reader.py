@@ -143,7 +143,7 @@ class WebDatasetDataset(PreadDataset):
                 f"{layout.index_path(self._paths[number])}: does not match {self._paths[number].name}"
                 f": {problem} (a damaged or edited index)"
             )
-        expected = self.manifest.output_id
+        expected = self.manifest.file_output_id(number)
         if not expected or not self.manifest.files[number].num_samples:
             return
         found = None

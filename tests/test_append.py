@@ -1,0 +1,230 @@
+"""``imgpack convert SRC DST --append``: SRC's images added to an existing output as new shards
+after its last one; its files untouched, new classes after its own, the manifest replaced last
+(a reader opened before keeps the old version), a killed append resumable; on a path and in a
+bucket (moto's server on 127.0.0.1, the ``s3`` fixture), byte for byte the same."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import build_uniform_folder
+from torch.utils.data import DataLoader
+
+import imgpack.direct as direct
+from imgpack import convert, open_dataset, verify
+from imgpack.cli import main
+from imgpack.readers import collate
+
+SHARDED = ("pt", "tfrecord", "webdataset")
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_uniform_folder(tmp_path_factory.mktemp("a") / "a", count=12, classes=2)
+
+
+@pytest.fixture(scope="module")
+def second(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Classes class1 (also in ``first``), then class2 and class3 (new)."""
+    root = tmp_path_factory.mktemp("b") / "b"
+    build_uniform_folder(root, count=12, classes=3, seed=7)
+    (root / "class0").rename(root / "class3")
+    return root
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _read(ds: object) -> tuple[torch.Tensor, torch.Tensor]:
+    return collate(ds.__getitems__(list(range(len(ds)))))  # type: ignore[attr-defined]
+
+
+def _convert(args: list[str]) -> None:
+    done = CliRunner().invoke(main, ["convert", *args, "-q"])
+    assert done.exit_code == 0, done.output
+
+
+@pytest.mark.parametrize("fmt", SHARDED)
+def test_an_append_adds_shards_after_the_old_ones_and_keeps_their_bytes(
+    first: Path, second: Path, tmp_path: Path, fmt: str
+) -> None:
+    """The old files keep their bytes; old samples, then SRC's in its own order; an old class
+    keeps its label, new ones come after; a reader opened before reads the old version whole;
+    the whole output verifies and reads through a DataLoader with 2 workers."""
+    args = ["--format", fmt, "--shard-size", "2KB", "--workers", "2"]
+    out = tmp_path / "out"
+    _convert([str(first), str(out), *args])
+    old_files = _hashes(out)
+    old_manifest = json.loads((out / "imgpack.json").read_text())
+    before = open_dataset(out)
+    old_pixels, old_labels = _read(before)
+    _convert([str(second), str(out), "--append", *args])
+    after = _hashes(out)
+    assert {k: after[k] for k in old_files if k != "imgpack.json"} == {
+        k: v for k, v in old_files.items() if k != "imgpack.json"
+    }
+    ds = open_dataset(out)
+    manifest = ds.manifest
+    assert manifest.classes == ["class0", "class1", "class2", "class3"]
+    assert manifest.num_samples == 24 and manifest.output_id != old_manifest["output_id"]
+    assert [f.output_id for f in manifest.files[: len(old_manifest["files"])]] == [
+        old_manifest["output_id"]
+    ] * len(old_manifest["files"])
+    assert all(not f.output_id for f in manifest.files[len(old_manifest["files"]) :])
+    pixels, labels = _read(ds)
+    assert torch.equal(pixels[:12], old_pixels) and torch.equal(labels[:12], old_labels)
+    convert(second, tmp_path / "alone", fmt, progress=False)
+    alone = open_dataset(tmp_path / "alone")
+    alone_pixels, alone_labels = _read(alone)
+    assert torch.equal(pixels[12:], alone_pixels)
+    assert [manifest.classes[i] for i in labels[12:]] == [alone.classes[i] for i in alone_labels]
+    assert manifest.stats is not None and manifest.stats["per_class"] == [
+        int((labels == k).sum()) for k in range(4)
+    ]
+    record = manifest.source["appended"][0]
+    assert record["samples"] == 12 and record["new_classes"] == ["class2", "class3"]
+    assert record["output_id_before"] == old_manifest["output_id"]
+    again_pixels, again_labels = _read(before)  # opened before the append: the old version
+    assert len(before) == 12 and torch.equal(again_pixels, old_pixels)
+    assert torch.equal(again_labels, old_labels)
+    assert verify(out).ok
+    loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=collate)
+    got = [batch for batch in loader]
+    assert torch.equal(torch.cat([b[0] for b in got]), pixels)
+    assert torch.equal(torch.cat([b[1] for b in got]), labels)
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--format", "tfrecord"], "the output's format is 'pt'"),
+        (["--encoding", "png"], "the output's encoding is 'original'"),
+        (["--size", "8"], "the output's image"),
+        (["--format", "lmdb"], "is one file; appending to it is not supported yet"),
+        (["--overwrite"], "--append does not go with --overwrite"),
+    ],
+)
+def test_an_append_that_would_change_the_output_is_refused_in_one_line(
+    first: Path, second: Path, tmp_path: Path, extra: list[str], said: str
+) -> None:
+    out = tmp_path / "out"
+    _convert([str(first), str(out), "--format", "pt"])
+    kept = _hashes(out)
+    args = ["convert", str(second), str(out), "--append", "-q", "--format", "pt", *extra]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code != 0 and said in done.output, done.output
+    said_lines = [line for line in done.output.splitlines() if line.startswith("Error")]
+    assert "Traceback" not in done.output and len(said_lines) == 1, done.output
+    assert _hashes(out) == kept
+
+
+def test_an_append_to_nothing_or_of_the_same_images_again_is_refused(
+    first: Path, second: Path, tmp_path: Path
+) -> None:
+    missing = CliRunner().invoke(
+        main, ["convert", str(second), str(tmp_path / "none"), "--append", "--format", "pt"]
+    )
+    assert missing.exit_code != 0 and "there is none" in missing.output, missing.output
+    out = tmp_path / "out"
+    _convert([str(first), str(out), "--format", "webdataset"])
+    _convert([str(second), str(out), "--format", "webdataset", "--append"])
+    kept = _hashes(out)
+    again = CliRunner().invoke(
+        main, ["convert", str(second), str(out), "--format", "webdataset", "--append"]
+    )
+    assert again.exit_code != 0 and "its last append already" in again.output, again.output
+    resumed = CliRunner().invoke(
+        main, ["convert", str(second), str(out), "-q", "--format", "webdataset", "--append",
+               "--resume"],
+    )  # fmt: skip
+    assert resumed.exit_code == 0, resumed.output  # committed already: the output as it is
+    assert _hashes(out) == kept
+    unlabelled = CliRunner().invoke(
+        main, ["convert", str(second), str(out), "--format", "webdataset", "--append",
+               "--no-labels"],
+    )  # fmt: skip
+    assert unlabelled.exit_code != 0 and "gives no labels" in unlabelled.output, unlabelled.output
+
+
+def _receipts(dst: Path) -> int:
+    work = dst / direct.WORK
+    return sum(
+        1 for p in work.glob("*/shard-*.json") if p.parent.name != "listing"
+    ) if work.is_dir() else 0  # fmt: skip
+
+
+def test_a_killed_append_leaves_the_old_output_and_resumes_to_the_same_bytes(
+    first: Path, second: Path, tmp_path: Path
+) -> None:
+    """SIGKILLed once some appended shards have receipts: DST is the old output (the same
+    manifest, every sample read as before); --append --resume writes the rest, to the bytes of
+    an append that was not interrupted."""
+    args = ["--format", "tfrecord", "--shard-size", "1KB", "--workers", "2"]
+    reference = tmp_path / "reference"
+    _convert([str(first), str(reference), *args])
+    _convert([str(second), str(reference), "--append", *args])
+    out = tmp_path / "out"
+    _convert([str(first), str(out), *args])
+    old = _hashes(out)
+    old_pixels, _ = _read(open_dataset(out))
+    slow = (
+        "import time, imgpack.direct as d; w = d.write_shard\n"
+        "def slow(t):\n    time.sleep(0.3); return w(t)\n"
+        "d.write_shard = slow\n"
+    )
+    script = f"{slow}from imgpack.cli import main\nmain()"
+    command = [sys.executable, "-c", script, "convert", str(second), str(out), "-q", "--append",
+               *args]  # fmt: skip
+    process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _receipts(out) < 2:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    assert _hashes(out)["imgpack.json"] == old["imgpack.json"]
+    ds = open_dataset(out)
+    assert len(ds) == 12 and torch.equal(_read(ds)[0], old_pixels)
+    _convert([str(second), str(out), "--append", "--resume", *args])
+    assert _hashes(out) == _hashes(reference)
+
+
+def test_an_append_in_a_bucket_is_the_local_appends_bytes(
+    s3: str, first: Path, second: Path, tmp_path: Path
+) -> None:
+    args = {"shard_size": "2KB", "workers": 2, "progress": False}
+    local = tmp_path / "local"
+    convert(first, local, "webdataset", **args)
+    convert(second, local, "webdataset", append=True, **args)
+    url = f"{s3}/appended"
+    convert(first, url, "webdataset", **args)
+    manifest = convert(second, url, "webdataset", append=True, **args)
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    root = url.removeprefix("s3://")
+    remote = {p[len(root) + 1 :]: hashlib.sha256(fs.cat_file(p)).hexdigest() for p in fs.find(root)}
+    here = _hashes(local)
+    manifest_path = "imgpack.json"
+    assert {k: v for k, v in remote.items() if k != manifest_path} == {
+        k: v for k, v in here.items() if k != manifest_path
+    }
+    assert manifest.output_id == json.loads((local / manifest_path).read_text())["output_id"]
+    a, la = _read(open_dataset(url, cache_dir=tmp_path / "cache"))
+    b, lb = _read(open_dataset(local))
+    assert torch.equal(a, b) and torch.equal(la, lb)
