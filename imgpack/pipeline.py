@@ -558,6 +558,8 @@ class DryRun:
     image: dict[str, Any] = field(default_factory=dict)
     #: The fields the output will keep, as ``NAME:TYPE``.
     fields: list[str] = field(default_factory=list)
+    #: ``--append``: the samples and files of the output DST holds, which the plan follows.
+    appended_to: tuple[int, int] | None = None
 
     def lines(self) -> list[str]:
         """What ``--dry-run`` prints (the skipped files by name are the caller's to list)."""
@@ -578,6 +580,11 @@ class DryRun:
             f"skipped:   {len(self.skipped)} by the scan (bad images are found when they are read)",
             "ignored:   " + ignored_summary(self.ignored_files, by_reason(self.ignored)),
         ]
+        if self.appended_to is not None:
+            samples, files = self.appended_to
+            lines.insert(
+                1, f"append:    after the {samples} samples in {files} file(s) {self.dst} holds"
+            )
         if self.largest_image > self.shard_size > 0:
             lines.append(f"warning:   {shard_size_note(self.shard_size, self.largest_image)}")
         if is_url(self.dst) and not self.shard_size:
@@ -606,12 +613,21 @@ def dry_run(
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)  # made, not started
     saved = _saved(dst, options)
-    with source_location(src, storage_options, cache_dir, _in_place(options), saved) as local:
-        source = sources.resolve(Path(local), options.source, options.source_options)
-        the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
-        exact = direct.applies(options, dst, source, runner) or (
-            not is_url(dst) and direct.applies_locally(options, source, runner)
-        )
+    with ExitStack() as stack:
+        if options.append:
+            the_plan = stack.enter_context(
+                _append_plan(src, dst, options, runner, storage_options, cache_dir, lock=False)
+            )
+            exact = True
+        else:
+            local = stack.enter_context(
+                source_location(src, storage_options, cache_dir, _in_place(options), saved)
+            )
+            source = sources.resolve(Path(local), options.source, options.source_options)
+            the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
+            exact = direct.applies(options, dst, source, runner) or (
+                not is_url(dst) and direct.applies_locally(options, source, runner)
+            )
         sizes = list(direct.sample_sizes(the_plan, framed=False))
         framed = list(direct.sample_sizes(the_plan)) if options.spec.sharded else sizes
         shards: list[str] = []
@@ -643,6 +659,9 @@ def dry_run(
         largest_image=max(sizes[start:stop], default=0),
         image=options.policy.describe(),
         fields=[f.spec for f in the_plan.fields],
+        appended_to=(the_plan.base.num_samples, len(the_plan.base.files))
+        if the_plan.base is not None
+        else None,
     )
 
 
@@ -657,7 +676,31 @@ def _append(
     """``convert --append`` (:mod:`imgpack.appending`): SRC planned as a conversion by shard
     tasks whose shards, samples and new classes come after the output's at DST, written into
     DST beside its files, its manifest replaced last (on a path, under DST's lock)."""
-    target = str(dst).rstrip("/") if is_url(dst) else str(local_path(dst).absolute())
+    with _append_plan(src, dst, options, runner, storage_options, cache_dir, lock=True) as plan:
+        if plan.base is None:  # committed already (--resume): the output as it is
+            return open_manifest(_target(dst), storage_options)[1]
+        return direct.convert_to_bucket(plan, _target(dst), storage_options, runner)
+
+
+def _target(dst: str | os.PathLike[str]) -> str:
+    """DST as shard tasks write it: a URL, or an absolute path."""
+    return str(dst).rstrip("/") if is_url(dst) else str(local_path(dst).absolute())
+
+
+@contextmanager
+def _append_plan(
+    src: Any,
+    dst: str | os.PathLike[str],
+    options: ConvertOptions,
+    runner: Executor,
+    storage_options: dict[str, Any] | None,
+    cache_dir: str | os.PathLike[str] | None,
+    lock: bool,
+) -> Iterator[Plan]:
+    """The plan of an append of SRC to the output at DST, SRC open while it is used (DST's lock
+    held too where ``lock`` and DST is a path); its ``base`` is ``None`` when that append is
+    the output's last one already and ``--resume`` was given (else that is refused)."""
+    target = _target(dst)
     if hf.is_dataset_object(src):
         raise OptionError(
             "--append: save the datasets.Dataset (save_to_disk) and append its folder"
@@ -669,7 +712,8 @@ def _append(
                     f"{target}: --append adds to an existing output, and there is none; convert "
                     "without --append to make one"
                 )
-            stack.enter_context(locked(Path(target)))
+            if lock:
+                stack.enter_context(locked(Path(target)))
         try:
             base = open_manifest(target, storage_options)[1]
         except ManifestError as exc:
@@ -698,13 +742,13 @@ def _append(
         the_plan = replace(first, scan=scan, layout=direct.LAYOUT, base=base)
         appending.check_compatible(base, manifest_for(the_plan, [], 0, []), target)
         if appending.last_key(base) == the_plan.append_key:
-            if options.resume:  # committed already: the output as it is
-                return base
-            raise OptionError(
-                f"{target}: the images of {the_plan.where} are its last append already; "
-                "appending them again would hold each twice, so nothing was done"
-            )
-        return direct.convert_to_bucket(the_plan, target, storage_options, runner)
+            if not options.resume:
+                raise OptionError(
+                    f"{target}: the images of {the_plan.where} are its last append already; "
+                    "appending them again would hold each twice, so nothing was done"
+                )
+            the_plan = replace(the_plan, base=None)
+        yield the_plan
 
 
 def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:

@@ -134,6 +134,26 @@ def test_an_append_that_would_change_the_output_is_refused_in_one_line(
     assert _hashes(out) == kept
 
 
+def test_the_dry_run_of_an_append_names_its_shards(
+    first: Path, second: Path, tmp_path: Path
+) -> None:
+    """--dry-run plans an append as the append does (the new shards' names, after the old
+    ones'; the classes after the append) and writes nothing."""
+    out = tmp_path / "out"
+    _convert([str(first), str(out), "--format", "tfrecord", "--shard-size", "2KB"])
+    kept = _hashes(out)
+    args = [str(second), str(out), "--format", "tfrecord", "--shard-size", "2KB", "--append"]
+    planned = CliRunner().invoke(main, ["convert", *args, "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    assert _hashes(out) == kept
+    old = len(json.loads((out / "imgpack.json").read_text())["files"])
+    assert f"append:    after the 12 samples in {old} file(s)" in planned.output
+    assert "classes:   4 (class0, class1, class2, class3)" in planned.output
+    _convert(args)
+    new = [f["path"] for f in json.loads((out / "imgpack.json").read_text())["files"]][old:]
+    assert f"files:     {len(new)} (as planned: {new[0]}, {new[1]}" in planned.output
+
+
 def test_an_append_to_nothing_or_of_the_same_images_again_is_refused(
     first: Path, second: Path, tmp_path: Path
 ) -> None:
