@@ -806,6 +806,13 @@ def info(dst: str, as_json: bool, storage_option: tuple[str, ...]) -> None:
             f"part:      --part {part['index']} of --num-parts {part['count']} (image files "
             f"{part['start']} to {part['stop']} of the scan): imgpack merge joins the parts"
         )
+    appends = manifest.source.get("appended")
+    if isinstance(appends, list) and appends and isinstance(appends[-1], dict):
+        last = appends[-1]
+        lines.append(
+            f"appended:  {len(appends)} time(s); last {last.get('samples')} samples from "
+            f"{last.get('path')}"
+        )
     if manifest.stats is None:
         lines.append("stats:     none (made before imgpack recorded them; convert again for them)")
     else:

@@ -19,10 +19,13 @@ for every Python contender: `imgpack.recipe`'s draw):
   dali             DALI's CPU pipeline (readers.file, decoders.image_random_crop, resize, flip)
                    over the same files, num_threads = max(1, W)
   limit            cores x one core's rate of imgpack's own decode of the same boxes
-                   (recipe.decode_box, torch on one thread), measured in the same round
+                   (recipe.decode_box, torch on one thread), measured just before and just
+                   after each of imgpack's epochs
 
 Every figure is the best of --repeats rounds (images/s); the ratios are imgpack's over each
-contender at the same W.
+contender at the same W, and over the best limit. "paired" is imgpack's epoch over the mean of
+the limits measured around it, round by round (median and range): the machine's speed drifts
+between rounds, and a best-of ratio pairs figures from different moments.
 
     python scripts/bench_recipe.py [--count 1000] [--big 48] [--workers 0,1,2] [--repeats 3]
 """
@@ -235,12 +238,19 @@ def run_set(
         assert count == len(paths), f"{out}: {count} samples, the set has {len(paths)}"
     best: dict[tuple[str, int], float] = {}
     limits: list[float] = []
+    paired: dict[int, list[float]] = {w: [] for w in workers}
     for _ in range(repeats):
-        limits.append(limit_rate(payloads, heights, widths))
         for w in workers:
             threads = max(1, w)
+            # The limit just before and just after imgpack's epoch: their mean is the limit
+            # this epoch ran against (the machine's speed drifts between rounds).
+            before = limit_rate(payloads, heights, widths)
+            ours = loader_rate(open_dataset(original, recipe=RECIPE), w, batch, collate)
+            after = limit_rate(payloads, heights, widths)
+            limits += [before, after]
+            paired[w].append(ours / ((before + after) / 2))
             rates = {
-                "imgpack": loader_rate(open_dataset(original, recipe=RECIPE), w, batch, collate),
+                "imgpack": ours,
                 "imgpack 256": loader_rate(open_dataset(shorter, recipe=RECIPE), w, batch, collate),
                 "pillow": loader_rate(files["pillow"], w, batch),
                 "simplejpeg": loader_rate(files["simplejpeg"], w, batch),
@@ -273,7 +283,9 @@ def run_set(
                 + "  ".join(f"{k} {v:7,.0f}" for k, v in peers.items())
                 + f"  | imgpack / best peer {ours / top:4.2f}x"
                 + (f"  / dali {ours / peers['dali']:4.2f}x" if "dali" in peers else "")
-                + f"  / limit {ours / limit:4.2f}",
+                + f"  / limit {ours / limit:4.2f} (paired: median "
+                + f"{float(np.median(paired[w])):4.2f}, {min(paired[w]):4.2f}-"
+                + f"{max(paired[w]):4.2f})",
             )
         )
     return rows

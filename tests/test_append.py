@@ -99,6 +99,8 @@ def test_an_append_adds_shards_after_the_old_ones_and_keeps_their_bytes(
     ]
     record = manifest.source["appended"][0]
     assert record["samples"] == 12 and record["new_classes"] == ["class2", "class3"]
+    shown = CliRunner().invoke(main, ["info", str(out)])
+    assert f"appended:  1 time(s); last 12 samples from {second.resolve()}" in shown.output
     assert record["output_id_before"] == old_manifest["output_id"]
     again_pixels, again_labels = _read(before)  # opened before the append: the old version
     assert len(before) == 12 and torch.equal(again_pixels, old_pixels)
