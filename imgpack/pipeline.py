@@ -466,8 +466,11 @@ def convert(
     """
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)
-    if options.append:
-        return _append(src, dst, options, runner, storage_options, cache_dir)
+    if options.append:  # imgpack.appending: new shards after DST's, its manifest replaced last
+        with _append_plan(src, dst, options, runner, storage_options, cache_dir, True) as plan:
+            if plan.base is None:  # committed already (--resume): the output as it is
+                return open_manifest(_target(dst), storage_options)[1]
+            return direct.convert_to_bucket(plan, _target(dst), storage_options, runner)
     # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
     build = build_folder(str(dst), cache_dir) if is_url(dst) else None
     if build is not None and not options.spec.sharded:  # lmdb, hdf5: one file, one writer
@@ -501,8 +504,7 @@ def convert(
                 the_plan = replace(
                     _plan(local_src, dst, options, check_dst=False), layout=direct.LAYOUT
                 )
-                target = str(dst) if is_url(dst) else str(local_path(dst).absolute())
-                return direct.convert_to_bucket(the_plan, target, storage_options, runner)
+                return direct.convert_to_bucket(the_plan, _target(dst), storage_options, runner)
             local_dst = Path(stack.enter_context(destination))
         if is_url(dst):  # the bucket's output was checked; the build is this run's
             options = replace(options, overwrite=False)
@@ -665,23 +667,6 @@ def dry_run(
     )
 
 
-def _append(
-    src: Any,
-    dst: str | os.PathLike[str],
-    options: ConvertOptions,
-    runner: Executor,
-    storage_options: dict[str, Any] | None,
-    cache_dir: str | os.PathLike[str] | None,
-) -> Manifest:
-    """``convert --append`` (:mod:`imgpack.appending`): SRC planned as a conversion by shard
-    tasks whose shards, samples and new classes come after the output's at DST, written into
-    DST beside its files, its manifest replaced last (on a path, under DST's lock)."""
-    with _append_plan(src, dst, options, runner, storage_options, cache_dir, lock=True) as plan:
-        if plan.base is None:  # committed already (--resume): the output as it is
-            return open_manifest(_target(dst), storage_options)[1]
-        return direct.convert_to_bucket(plan, _target(dst), storage_options, runner)
-
-
 def _target(dst: str | os.PathLike[str]) -> str:
     """DST as shard tasks write it: a URL, or an absolute path."""
     return str(dst).rstrip("/") if is_url(dst) else str(local_path(dst).absolute())
@@ -769,8 +754,7 @@ def _saved(dst: str | os.PathLike[str], options: ConvertOptions) -> str | None:
     run that lists SRC itself."""
     if not (options.resume or options.num_parts > 1):
         return None
-    root = str(dst).rstrip("/") if is_url(dst) else str(local_path(dst).absolute())
-    return f"{root}/{direct.SAVED}"
+    return f"{_target(dst)}/{direct.SAVED}"
 
 
 def _class_list(source: str) -> list[str]:
