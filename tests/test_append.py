@@ -250,3 +250,22 @@ def test_an_append_in_a_bucket_is_the_local_appends_bytes(
     a, la = _read(open_dataset(url, cache_dir=tmp_path / "cache"))
     b, lb = _read(open_dataset(local))
     assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_an_append_from_a_bucket_source_reads_its_objects_in_place(
+    s3: str, first: Path, second: Path, tmp_path: Path
+) -> None:
+    """SRC an image folder in a bucket (listed, its objects read by the shard tasks): the
+    appended output holds the samples a local append of the same images gives, and DST keeps
+    no work folder."""
+    args = {"shard_size": "2KB", "workers": 2, "progress": False}
+    fsspec.filesystem("s3").put(str(second), "imgpack-test/append-src", recursive=True)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    for out, src in ((local, str(second)), (remote, f"{s3}/append-src")):
+        convert(first, out, "tfrecord", **args)
+        convert(src, out, "tfrecord", append=True, **args)
+    a, la = _read(open_dataset(remote))
+    b, lb = _read(open_dataset(local))
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert open_dataset(remote).manifest.source["appended"][0]["path"] == f"{s3}/append-src"
+    assert not (remote / direct.WORK).exists()
