@@ -920,6 +920,11 @@ def convert_splits(
         if not (root_path / name).is_dir() or name.startswith(".") or "/" in name:
             raise FileNotFoundError(f"{root_path / name}: no such split folder")
     options = _options(format, options, kwargs)
+    if options.append:
+        raise OptionError(
+            "--append adds one SRC to one output: append each split's folder to its output "
+            "(imgpack convert ROOT/train DST/train --append ...)"
+        )
     if options.classes is None and options.classes_from is None and dataset_dict:
         # The splits share the ClassLabel feature: its names, in their order, are the label map.
         first = sources.resolve(root_path / names[0], options.source, options.source_options)

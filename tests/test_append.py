@@ -184,6 +184,17 @@ def test_an_append_to_nothing_or_of_the_same_images_again_is_refused(
     assert unlabelled.exit_code != 0 and "gives no labels" in unlabelled.output, unlabelled.output
 
 
+def test_an_append_of_split_folders_is_refused_by_name(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "train").mkdir(parents=True)
+    build_uniform_folder(root / "train", count=4, classes=2)
+    args = ["convert", str(root), str(tmp_path / "out"), "--format", "pt", "--splits", "auto",
+            "--append"]  # fmt: skip
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code != 0 and "append each split's folder to its output" in done.output
+    assert "Traceback" not in done.output
+
+
 def _receipts(dst: Path) -> int:
     work = dst / direct.WORK
     return sum(
