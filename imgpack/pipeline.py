@@ -71,6 +71,7 @@ from imgpack.publishing import (
     inside,
     leftovers,
     locked,
+    parked_outputs,
     publish,
     recover,
     temp_output,
@@ -692,13 +693,18 @@ def _append_plan(
         )
     with ExitStack() as stack:
         if not is_url(dst):
-            if not Path(target).is_dir():
-                raise OptionError(
-                    f"{target}: --append adds to an existing output, and there is none; convert "
-                    "without --append to make one"
-                )
+            path = Path(target)
+            none = OptionError(
+                f"{target}: --append adds to an existing output, and there is none; convert "
+                "without --append to make one"
+            )
+            if not (path.is_dir() or parked_outputs(path)):
+                raise none
             if lock:
-                stack.enter_context(locked(Path(target)))
+                stack.enter_context(locked(path))
+            recover(path, holding_lock=lock)  # a replacement killed midway: put back first
+            if not path.is_dir():
+                raise none
         try:
             base = open_manifest(target, storage_options)[1]
         except ManifestError as exc:
@@ -706,6 +712,11 @@ def _append_plan(
                 f"--append adds to an existing imgpack output: {exc}; convert without --append "
                 "to make one"
             ) from None
+        if base.part is not None:
+            raise OptionError(
+                f"{target}: holds one part of a partitioned conversion; merge the parts first "
+                "(imgpack merge), then append to the merged output"
+            )
         local_src = stack.enter_context(
             source_location(
                 src, storage_options, cache_dir, _in_place(options), _saved(dst, options)

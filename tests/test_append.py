@@ -184,6 +184,19 @@ def test_an_append_to_nothing_or_of_the_same_images_again_is_refused(
     assert unlabelled.exit_code != 0 and "gives no labels" in unlabelled.output, unlabelled.output
 
 
+def test_an_append_to_one_part_of_a_partitioned_conversion_is_refused(
+    first: Path, second: Path, tmp_path: Path
+) -> None:
+    part = tmp_path / "part0"
+    convert(first, part, "pt", num_parts=2, part=0, progress=False)
+    kept = _hashes(part)
+    done = CliRunner().invoke(
+        main, ["convert", str(second), str(part), "--format", "pt", "--append"]
+    )
+    assert done.exit_code != 0 and "merge the parts first" in done.output, done.output
+    assert _hashes(part) == kept
+
+
 def test_an_append_of_split_folders_is_refused_by_name(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "train").mkdir(parents=True)
