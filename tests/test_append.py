@@ -293,3 +293,29 @@ def test_an_append_from_a_bucket_source_reads_its_objects_in_place(
     assert torch.equal(a, b) and torch.equal(la, lb)
     assert open_dataset(remote).manifest.source["appended"][0]["path"] == f"{s3}/append-src"
     assert not (remote / direct.WORK).exists()
+
+
+def test_an_appended_bucket_output_reuses_the_old_files_in_the_cache(
+    s3: str, first: Path, second: Path, tmp_path: Path
+) -> None:
+    """A bucket output read through the cache, then appended to, then opened again: only the
+    new shards are downloaded; the old ones are linked from the old version's cache entry once
+    their sha256 matches, and the samples are those of the same append made locally."""
+    from imgpack.storage.cache import stats as cache_stats
+
+    args = {"shard_size": "2KB", "workers": 2, "progress": False}
+    url, cache = f"{s3}/appended-cache", tmp_path / "cache"
+    convert(first, url, "pt", **args)
+    old_pixels, _ = _read(open_dataset(url, cache_dir=cache))
+    manifest = convert(second, url, "pt", append=True, **args)
+    old = [f for f in manifest.files if f.output_id]
+    downloads, reused = cache_stats.downloads, cache_stats.reused
+    pixels, labels = _read(open_dataset(url, cache_dir=cache))
+    assert cache_stats.reused - reused == len(old)
+    assert cache_stats.downloads - downloads == len(manifest.files) - len(old)
+    local = tmp_path / "local"
+    convert(first, local, "pt", **args)
+    convert(second, local, "pt", append=True, **args)
+    here, here_labels = _read(open_dataset(local))
+    assert torch.equal(pixels, here) and torch.equal(labels, here_labels)
+    assert torch.equal(pixels[: len(old_pixels)], old_pixels)

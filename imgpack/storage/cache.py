@@ -60,6 +60,9 @@ class CacheStats:
     downloads: int = 0
     downloaded_bytes: int = 0
     refetched: int = 0
+    #: Files taken from another version of the same output in the cache (an appended output's
+    #: old files), linked instead of downloaded.
+    reused: int = 0
 
 
 stats = CacheStats()
@@ -380,6 +383,11 @@ def fetch_file(fs: Any, remote: str, local: Path, entry: Remote, url: str) -> tu
             stats.refetched += 1
             log.warning("cache: %s is damaged or stale; fetching it again", target)
     tmp = local / f".{entry.path}.{os.getpid()}.{threading.get_ident()}.part"
+    if _reused(local, entry, tmp):
+        os.replace(tmp, target)
+        stats.reused += 1
+        st = target.stat()
+        return entry.path, st.st_size, st.st_mtime_ns
     os.close(_new_file(tmp))
     try:
         fs.get_file(remote, str(tmp))
@@ -399,6 +407,31 @@ def fetch_file(fs: Any, remote: str, local: Path, entry: Remote, url: str) -> tu
     stats.downloaded_bytes += size
     st = target.stat()
     return entry.path, st.st_size, st.st_mtime_ns
+
+
+def _reused(local: Path, entry: Remote, tmp: Path) -> bool:
+    """Whether ``entry`` was linked at ``tmp`` from the cache entry of another version of the
+    same output (same URL, another output id: the output was appended to, and its old files
+    are the same bytes), its size and sha256 checked there. Cache files are only ever replaced
+    by a rename, never written in place, so a linked file keeps the bytes it was hashed with."""
+    if not entry.sha256:
+        return False
+    prefix = local.name.rsplit("-", 1)[0]
+    for other in sorted(local.parent.glob(f"{prefix}-*")):
+        found = other / entry.path
+        if other == local or other.is_symlink() or not found.is_file() or found.is_symlink():
+            continue
+        try:
+            if found.stat().st_size != entry.bytes:
+                continue
+            os.link(found, tmp)
+        except OSError:  # evicted meanwhile, or a filesystem without hard links
+            tmp.unlink(missing_ok=True)
+            continue
+        if tmp.stat().st_size == entry.bytes and sha256_file(tmp) == entry.sha256:
+            return True
+        tmp.unlink(missing_ok=True)
+    return False
 
 
 def fetch_output(
