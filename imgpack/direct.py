@@ -844,8 +844,10 @@ def _part_summary(
         "start": start,
         "stop": stop,
         "pending": total - len(receipts),  # shards of other parts without a receipt yet
-        "first_shard": first,  # its shards carry the whole output's names (check_file_order)
-        "shards": total,
+        # its shards carry the whole output's names (check_file_order), after an appended
+        # output's own
+        "first_shard": plan.first_shard + first,
+        "shards": plan.first_shard + total,
     }
     log.info(
         "%s: part %d of %d written (%d shards); the output is committed by the last part to "

@@ -158,7 +158,6 @@ class ConvertOptions:
         clash = next(
             (name for name, given in (
                 ("--overwrite", self.overwrite),
-                ("--num-parts", self.num_parts > 1),
                 ("--one-writer", not self.shard_tasks),
                 ("--classes", self.classes is not None),
                 ("--classes-from", self.classes_from is not None),
@@ -168,7 +167,6 @@ class ConvertOptions:
         if clash is not None:
             why = {
                 "--overwrite": "it adds to DST, never replaces it",
-                "--num-parts": "one run appends",
                 "--one-writer": "the appended shards are written by shard tasks",
             }.get(clash, "the output's classes keep their labels, new ones come after")
             raise OptionError(f"--append does not go with {clash}: {why}")

@@ -685,7 +685,10 @@ def _append_plan(
 ) -> Iterator[Plan]:
     """The plan of an append of SRC to the output at DST, SRC open while it is used (DST's lock
     held too where ``lock`` and DST is a path); its ``base`` is ``None`` when that append is
-    the output's last one already and ``--resume`` was given (else that is refused)."""
+    the output's last one already and ``--resume`` was given, or this is a part of it (another
+    part committed it); else that is refused. The parts of an append (``--num-parts``) plan it
+    from the same output and write into DST, as the parts of any conversion by shard tasks do:
+    whichever finishes last commits."""
     target = _target(dst)
     if hf.is_dataset_object(src):
         raise OptionError(
@@ -700,6 +703,7 @@ def _append_plan(
             )
             if not (path.is_dir() or parked_outputs(path)):
                 raise none
+            lock = lock and options.num_parts == 1  # parts write DST at once, as any parts do
             if lock:
                 stack.enter_context(locked(path))
             recover(path, holding_lock=lock)  # a replacement killed midway: put back first
@@ -738,7 +742,7 @@ def _append_plan(
         the_plan = replace(first, scan=scan, layout=direct.LAYOUT, base=base)
         appending.check_compatible(base, manifest_for(the_plan, [], 0, []), target)
         if appending.last_key(base) == the_plan.append_key:
-            if not options.resume:
+            if not (options.resume or options.num_parts > 1):
                 raise OptionError(
                     f"{target}: the images of {the_plan.where} are its last append already; "
                     "appending them again would hold each twice, so nothing was done"

@@ -319,3 +319,43 @@ def test_an_appended_bucket_output_reuses_the_old_files_in_the_cache(
     here, here_labels = _read(open_dataset(local))
     assert torch.equal(pixels, here) and torch.equal(labels, here_labels)
     assert torch.equal(pixels[: len(old_pixels)], old_pixels)
+
+
+@pytest.mark.parametrize("where", ["path", "bucket"])
+def test_the_parts_of_an_append_write_the_single_appends_bytes(
+    s3: str, first: Path, second: Path, tmp_path: Path, where: str
+) -> None:
+    """K = 2 and 3 parts of one append, into a shared path or a bucket: until the last part
+    finishes, DST is the old output; then the single append's files, byte for byte, and a
+    part run again returns the output as it is."""
+    args = {"shard_size": "1KB", "workers": 1, "progress": False}
+    reference = tmp_path / "reference"
+    convert(first, reference, "tfrecord", **args)
+    convert(second, reference, "tfrecord", append=True, **args)
+    for count in (2, 3):
+        if where == "path":
+            dst: str | Path = tmp_path / f"k{count}"
+        else:
+            dst = f"{s3}/append-parts-{count}"
+        convert(first, dst, "tfrecord", **args)
+        for part in range(count):
+            done = convert(second, dst, "tfrecord", append=True, num_parts=count, part=part,
+                           **args)  # fmt: skip
+            if part < count - 1:
+                assert done.part is not None and len(open_dataset(
+                    dst, cache_dir=tmp_path / "c"
+                )) == 12  # fmt: skip
+        assert done.part is None and done.num_samples == 24
+        if where == "path":
+            assert _hashes(Path(dst)) == _hashes(reference)
+        else:
+            fs = fsspec.filesystem("s3")
+            fs.invalidate_cache()
+            root = str(dst).removeprefix("s3://")
+            remote = {
+                p[len(root) + 1 :]: hashlib.sha256(fs.cat_file(p)).hexdigest()
+                for p in fs.find(root)
+            }
+            assert remote == {k: v for k, v in _hashes(reference).items()}
+        again = convert(second, dst, "tfrecord", append=True, num_parts=count, part=0, **args)
+        assert again.output_id == done.output_id and again.num_samples == 24
