@@ -716,6 +716,11 @@ def _append_plan(
                 f"--append adds to an existing imgpack output: {exc}; convert without --append "
                 "to make one"
             ) from None
+        if not base.output_id:  # its files carry none: an appended version could not say so
+            raise OptionError(
+                f"{target}: was made by an imgpack before 0.3 (its manifest has no output id); "
+                "convert it again with this imgpack, then append to it"
+            )
         if base.part is not None:
             raise OptionError(
                 f"{target}: holds one part of a partitioned conversion; merge the parts first "

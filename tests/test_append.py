@@ -197,6 +197,24 @@ def test_an_append_to_one_part_of_a_partitioned_conversion_is_refused(
     assert _hashes(part) == kept
 
 
+def test_an_append_to_an_output_without_an_id_is_refused(
+    first: Path, second: Path, tmp_path: Path
+) -> None:
+    """An output of imgpack 0.1 or 0.2 has no output id, so an appended version could not tell
+    its files from the new ones: refused, saying what to do."""
+    out = tmp_path / "old"
+    convert(first, out, "webdataset", progress=False)
+    manifest = json.loads((out / "imgpack.json").read_text())
+    manifest["output_id"] = ""
+    (out / "imgpack.json").write_text(json.dumps(manifest))
+    kept = _hashes(out)
+    done = CliRunner().invoke(
+        main, ["convert", str(second), str(out), "--format", "webdataset", "--append"]
+    )
+    assert done.exit_code != 0 and "convert it again with this imgpack" in done.output
+    assert _hashes(out) == kept
+
+
 def test_an_append_of_split_folders_is_refused_by_name(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "train").mkdir(parents=True)
