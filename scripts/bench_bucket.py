@@ -207,6 +207,13 @@ def main() -> None:
         default=None,
         help="only the driver's planning memory (no store) at these N, e.g. 64000,256000,1024000",
     )
+    parser.add_argument(
+        "--list-cpu-us",
+        type=float,
+        default=110.0,
+        help="client CPU per listed object for the --planning projection (measured against "
+        "moto on this machine: 95-125 us, almost all of it s3fs and botocore parsing the pages)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.planning:
@@ -224,10 +231,14 @@ def main() -> None:
         print(f"planning: {slope:.0f} B per image ({first} -> {last}); per million objects: "
               f"plan {per['plan_s']:.1f} s, save {per['save_s']:.1f} s, read back "
               f"{per['read_s']:.1f} s")  # fmt: skip
-        # The LIST round trips a first run makes (1,000 keys a page, LISTING_FOLDERS at once).
+        # The LIST round trips a first run makes (1,000 keys a page, LISTING_FOLDERS at once),
+        # and the listing client's CPU (s3fs/botocore parse each page's XML in the driver's one
+        # process, threads or not): whichever is longer.
         for latency in (0.05, 0.2):
-            listed = 1e8 / 1000 * latency / LISTING_FOLDERS
-            print(f"projected for 100M objects, {latency * 1e3:.0f} ms a LIST page: the first run "
+            waited = 1e8 / 1000 * latency / LISTING_FOLDERS
+            listed = max(waited, 1e8 * args.list_cpu_us * 1e-6)
+            print(f"projected for 100M objects, {latency * 1e3:.0f} ms a LIST page and "
+                  f"{args.list_cpu_us:.0f} us of client CPU per listed object: the first run "
                   f"lists in {listed / 3600:.1f} h and plans in {per['plan_s'] * 100 / 3600:.1f} "
                   f"h; a part or a resume reads the saved listing in "
                   f"{per['read_s'] * 100 / 60:.1f} min and plans in "
