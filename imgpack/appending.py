@@ -25,10 +25,36 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from imgpack.errors import OptionError
+from imgpack.errors import ManifestError, OptionError
 from imgpack.manifest import Manifest
+from imgpack.opening import open_manifest
 from imgpack.scan import UNLABELLED, Sample, SampleTable, Scan
 from imgpack.stats import DatasetStats
+
+
+def base_output(target: str, storage_options: dict[str, Any] | None) -> Manifest:
+    """The manifest of the output at ``target`` that an append adds to: refused in one line
+    where there is none, where it was made before imgpack recorded output ids (its files carry
+    none, so a new version could not tell them from its own), or where it is one part of a
+    partitioned conversion."""
+    try:
+        base = open_manifest(target, storage_options)[1]
+    except ManifestError as exc:
+        raise OptionError(
+            f"--append adds to an existing imgpack output: {exc}; convert without --append to "
+            "make one"
+        ) from None
+    if not base.output_id:
+        raise OptionError(
+            f"{target}: was made by an imgpack before 0.3 (its manifest has no output id); "
+            "convert it again with this imgpack, then append to it"
+        )
+    if base.part is not None:
+        raise OptionError(
+            f"{target}: holds one part of a partitioned conversion; merge the parts first "
+            "(imgpack merge), then append to the merged output"
+        )
+    return base
 
 
 def combined_classes(base: Manifest, found: list[str], where: str) -> list[str]:
@@ -141,4 +167,11 @@ def appended(base: Manifest, new: Manifest, key: str) -> Manifest:
     )
 
 
-__all__ = ["appended", "check_compatible", "combined_classes", "last_key", "relabelled"]
+__all__ = [
+    "appended",
+    "base_output",
+    "check_compatible",
+    "combined_classes",
+    "last_key",
+    "relabelled",
+]

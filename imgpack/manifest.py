@@ -102,8 +102,9 @@ class Manifest:
 
     def file_output_id(self, number: int) -> str:
         """The output id data file ``number`` carries: its own (written by an earlier version of
-        an appended output), else the manifest's."""
-        return self.files[number].output_id or self.output_id
+        an appended output), else the manifest's (also for a number it does not list)."""
+        own = self.files[number].output_id if 0 <= number < len(self.files) else ""
+        return own or self.output_id
 
     @property
     def output_ids(self) -> frozenset[str]:

@@ -615,7 +615,6 @@ def dry_run(
     read or written. Raises what :func:`convert` would raise before reading an image."""
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)  # made, not started
-    saved = _saved(dst, options)
     with ExitStack() as stack:
         if options.append:
             the_plan = stack.enter_context(
@@ -623,6 +622,7 @@ def dry_run(
             )
             exact = True
         else:
+            saved = _saved(dst, options)
             local = stack.enter_context(
                 source_location(src, storage_options, cache_dir, _in_place(options), saved)
             )
@@ -709,23 +709,7 @@ def _append_plan(
             recover(path, holding_lock=lock)  # a replacement killed midway: put back first
             if not path.is_dir():
                 raise none
-        try:
-            base = open_manifest(target, storage_options)[1]
-        except ManifestError as exc:
-            raise OptionError(
-                f"--append adds to an existing imgpack output: {exc}; convert without --append "
-                "to make one"
-            ) from None
-        if not base.output_id:  # its files carry none: an appended version could not say so
-            raise OptionError(
-                f"{target}: was made by an imgpack before 0.3 (its manifest has no output id); "
-                "convert it again with this imgpack, then append to it"
-            )
-        if base.part is not None:
-            raise OptionError(
-                f"{target}: holds one part of a partitioned conversion; merge the parts first "
-                "(imgpack merge), then append to the merged output"
-            )
+        base = appending.base_output(target, storage_options)
         local_src = stack.enter_context(
             source_location(
                 src, storage_options, cache_dir, _in_place(options), _saved(dst, options)
@@ -738,7 +722,8 @@ def _append_plan(
         ):
             raise OptionError(
                 f"--append: {src} cannot be appended by shard tasks with this executor (its "
-                "images' sizes are not known before they are read, or the executor runs no tasks)"
+                "images' sizes are not known before they are read, or the executor runs no "
+                "tasks): append with --executor local or ray"
             )
         source.check()
         first = _plan(local_src, dst, options, check_dst=False)

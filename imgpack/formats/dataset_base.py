@@ -354,8 +354,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         it carries: the output was replaced (``convert --overwrite``) after the reader read its
         manifest, and serving the new files with what was read from the old ones would mix two
         outputs."""
-        expected = self.manifest.file_output_id(number) if self.manifest.files else ""
-        check_output_id(expected or self.manifest.output_id, found, where, self.root)
+        check_output_id(self.manifest.file_output_id(number), found, where, self.root)
 
     # -- fields ------------------------------------------------------------------------------
     def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
