@@ -397,38 +397,28 @@ class RayExecutor:
         self.workers = workers
 
     def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
-        ray = import_ray()
-        started = not ray.is_initialized()
-        if started:
-            connect_ray(ray, self.address or os.environ.get("RAY_ADDRESS") or None, self.workers)
-        window: deque[tuple[list[Sample], Any]] = deque()
-        try:
-            cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-            task = ray.remote(num_cpus=1, max_retries=RAY_TASK_RETRIES)(process_chunk)
-            job_ref = ray.put(job)
-            largest = max(1, min(MAX_CHUNK, len(samples) // (cpus * 8)))
-            for part in chunks(samples, largest):
-                window.append((list(part), task.remote(job_ref, list(part))))
-                if len(window) >= cpus * WINDOW_PER_WORKER:
+        with self._session() as (ray, started):
+            window: deque[tuple[list[Sample], Any]] = deque()
+            try:
+                cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+                task = ray.remote(num_cpus=1, max_retries=RAY_TASK_RETRIES)(process_chunk)
+                job_ref = ray.put(job)
+                largest = max(1, min(MAX_CHUNK, len(samples) // (cpus * 8)))
+                for part in chunks(samples, largest):
+                    window.append((list(part), task.remote(job_ref, list(part))))
+                    if len(window) >= cpus * WINDOW_PER_WORKER:
+                        yield from _ray_outcomes(ray, job_ref, *window.popleft())
+                while window:
                     yield from _ray_outcomes(ray, job_ref, *window.popleft())
-            while window:
-                yield from _ray_outcomes(ray, job_ref, *window.popleft())
-        except ray.exceptions.RayError as exc:
-            raise ImgpackError(
-                f"the Ray cluster failed the conversion: {first_line(exc)}"
-            ) from None
-        finally:
-            for _, ref in window:
-                ray.cancel(ref, force=True)
-            if started:
-                ray.shutdown()
+            finally:
+                _end_in_flight(ray, [ref for _, ref in window], started)
 
     def tasks(
         self, function: Callable[[Any], Any], items: Iterable[Any]
     ) -> Iterator[tuple[Any, Any]]:
         """See :meth:`TaskExecutor.tasks`: each item a Ray task (retried when its worker dies),
         at most ``TASKS_PER_WORKER`` per cluster CPU in flight."""
-        with self._session() as ray:
+        with self._session() as (ray, started):
             task = ray.remote(num_cpus=1, max_retries=RAY_TASK_RETRIES)(function)
             cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
             window: deque[tuple[Any, Any]] = deque()
@@ -442,23 +432,22 @@ class RayExecutor:
                     item, ref = window.popleft()
                     yield item, _ray_result(ray, ref)
             finally:
-                for _, ref in window:
-                    ray.cancel(ref, force=True)
+                _end_in_flight(ray, [ref for _, ref in window], started)
 
     def alone(self, job: Job, samples: Sequence[Sample]) -> list[Outcome]:
-        with self._session() as ray:
+        with self._session() as (ray, _):
             return _ray_alone(ray, ray.put(job), samples)
 
     @contextmanager
-    def _session(self) -> Iterator[Any]:
+    def _session(self) -> Iterator[tuple[Any, bool]]:
         """Ray, connected for as long as the block runs (a local Ray started for it, or the
-        cluster already initialised in this process, left running)."""
+        cluster already initialised in this process, left running), and whether it was started."""
         ray = import_ray()
         started = not ray.is_initialized()
         if started:
             connect_ray(ray, self.address or os.environ.get("RAY_ADDRESS") or None, self.workers)
         try:
-            yield ray
+            yield ray, started
         except ray.exceptions.RayError as exc:
             raise ImgpackError(
                 f"the Ray cluster failed the conversion: {first_line(exc)}"
@@ -482,6 +471,16 @@ def _ray_result(ray: Any, ref: Any) -> Any:
         raise ImgpackError(f"a conversion task failed on the Ray cluster: {what}") from None
     except _worker_lost(ray):
         return TaskDied()
+
+
+def _end_in_flight(ray: Any, refs: list[Any], started: bool) -> None:
+    """The tasks still in flight when a run stops early (a bad file, an error, Ctrl-C): a Ray
+    started for the run is shut down with them; on a running cluster they are waited for, as
+    the local pool waits for its running workers, so none writes after the run has cleaned up.
+    Never ``ray.cancel``: Ray 2.60's driver aborts when a cancel races with the task's own
+    completion (task_manager.cc, "Tried to complete task that was not pending")."""
+    if refs and not started:
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
 
 
 def _ray_outcomes(ray: Any, job_ref: Any, part: list[Sample], ref: Any) -> list[Outcome]:
