@@ -302,15 +302,6 @@ OUTPUT_OPTIONS = (
         "classes after its own; the manifest is replaced last.",
     ),
     click.option(
-        "--shard-tasks/--one-writer",
-        default=_default("shard_tasks"),
-        show_default=True,
-        help="pt, tfrecord, webdataset from an image folder to a local or shared path: each "
-        "worker writes whole shards by the shard plan, the same bytes a conversion to a bucket "
-        "writes (a bucket DST is always written so); --one-writer: one process writes every "
-        "shard, rolling over by the bytes written, and resumes by its checkpoint.",
-    ),
-    click.option(
         "--on-error",
         type=click.Choice(ON_ERROR),
         default=_default("on_error"),

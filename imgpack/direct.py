@@ -41,7 +41,7 @@ from tqdm import tqdm
 from imgpack.appending import appended
 from imgpack.checksum import content_digest
 from imgpack.errors import ImageError, ImgpackError
-from imgpack.executors import WORKER_DIED, Executor, Failure, Job, Outcome, TaskDied
+from imgpack.executors import WORKER_DIED, Failure, Job, Outcome, TaskDied
 from imgpack.formats import get as format_spec
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, shard_size_note
 from imgpack.manifest import (
@@ -72,21 +72,14 @@ SAVED = f"{WORK}/listing"
 FETCH_GROUP = 32
 
 
-def applies(options: Any, dst: Any, source: Any, executor: Executor) -> bool:
-    """Whether a conversion is written by shard tasks: a sharded format, DST in object storage
-    that every process writes to (not fsspec's per-process ``memory://``), a source whose
-    samples' sizes are known before they are read
-    (:meth:`~imgpack.sources.base.Source.plans_shards`: every built-in kind, whose scan finds
-    each image's size, :attr:`~imgpack.scan.Sample.size`) and an executor that runs tasks."""
-    return (
-        options.spec.sharded
-        and location.is_url(dst)
-        and not str(dst).startswith("memory://")
-        and source.plans_shards()
-        and hasattr(executor, "tasks")
-        and hasattr(executor, "alone")
-        and issubclass(options.spec.writer_class(), ShardedWriter)
-    )
+def applies(options: Any, dst: Any) -> bool:
+    """Whether a conversion is written by shard tasks straight into DST: a sharded format (one
+    whose writer is a :class:`~imgpack.formats.writer_base.ShardedWriter`) and DST in object
+    storage. Every source kind plans its shards from its images' sizes
+    (:func:`sample_sizes`), and every executor runs them: one that runs no tasks, or whose
+    workers cannot reach DST (fsspec's per-process ``memory://``), converts each shard's
+    samples and this process writes it (:func:`_write_shards`)."""
+    return applies_locally(options) and location.is_url(dst)
 
 
 def cut(sizes: Iterator[int], limit: int) -> list[int]:
@@ -257,13 +250,20 @@ def _put(fs: Any, file: Path, path: str, local: bool) -> None:
 
 
 def content_tag(info: dict[str, Any]) -> str:
-    """What identifies a written file's content: the store's (ETag, version), or for a file on
-    a local or shared path its inode, size and modification time (a file written again, or
-    another renamed over it, has others)."""
+    """What identifies a written file's content: the store's (ETag, version), for a file on a
+    local or shared path its inode, size and modification time (a file written again, or
+    another renamed over it, has others), for fsspec's ``memory://`` its size and when it was
+    written; ``""`` when the store says nothing of the kind (its shards cannot be committed)."""
     tag = location.content_tag(info)
-    if tag or info.get("ino") is None:
+    if tag:
         return tag
-    return f"{info['ino']}:{info.get('size')}:{info.get('mtime')}"
+    if info.get("ino") is not None:
+        return f"{info['ino']}:{info.get('size')}:{info.get('mtime')}"
+    created = info.get("created")  # fsspec's memory://: when the file was written
+    if created is None:
+        return ""
+    stamp = created.timestamp() if hasattr(created, "timestamp") else float(created)
+    return f"{info.get('size')}:{stamp!r}"
 
 
 def receipt_check(receipt: dict[str, Any]) -> str:
@@ -427,10 +427,12 @@ def _write_shards(
     with bar:
         workers = getattr(executor, "workers", None) or 0
         # The pool converts each shard's samples and this process writes it (the same bytes)
-        # when there are fewer shards than workers, and when DST is a path the workers may
-        # not share (a Ray cluster's nodes writing into this machine's folder).
+        # when there are fewer shards than workers, when DST is a path the workers may not
+        # share (a Ray cluster's nodes writing into this machine's folder) or a store only this
+        # process sees (fsspec's memory://), and for an executor that runs no tasks.
         on_path = not location.is_url(url) and not getattr(executor, "local_machine", False)
-        if len(numbers) < workers or on_path:
+        here = url.startswith("memory://") or not hasattr(executor, "tasks")
+        if len(numbers) < workers or on_path or here:
             for task in tasks():
                 receipt = shard_from(task, executor.outcomes(task.job, task.samples))
                 _raise_failed(plan, receipt, kept)
@@ -765,21 +767,13 @@ def _whole(plan: Plan, receipts: Sequence[dict[str, Any]]) -> Manifest:
     return appended(plan.base, manifest, plan.append_key) if plan.base is not None else manifest
 
 
-def applies_locally(options: Any, source: Any, executor: Executor) -> bool:
-    """Whether a conversion to a local or shared path is written by shard tasks: a sharded
-    format, a source whose samples' sizes are known before they are read (as :func:`applies`),
-    an executor that runs tasks, and ``shard_tasks`` (the default; ``--one-writer`` turns it
-    off). One part is written in the output's temp folder (:func:`write_local`); with
-    ``num_parts``, every part writes into DST itself (:func:`convert_to_bucket`, the path taken
-    for a bucket prefix)."""
-    return (
-        options.shard_tasks
-        and options.spec.sharded
-        and source.plans_shards()
-        and hasattr(executor, "tasks")
-        and hasattr(executor, "alone")
-        and issubclass(options.spec.writer_class(), ShardedWriter)
-    )
+def applies_locally(options: Any) -> bool:
+    """Whether a conversion is written by shard tasks: every sharded format (its writer a
+    :class:`~imgpack.formats.writer_base.ShardedWriter`). One part to a path is written in the
+    output's temp folder (:func:`write_local`); with ``num_parts``, every part writes into DST
+    itself (:func:`convert_to_bucket`, the path taken for a bucket prefix). ``lmdb``, ``hdf5``
+    and a plugin's one-file format have one writer (:mod:`imgpack.pipeline`)."""
+    return bool(options.spec.sharded) and issubclass(options.spec.writer_class(), ShardedWriter)
 
 
 def write_local(plan: Plan, folder: Path, executor: Any) -> Manifest:

@@ -23,6 +23,7 @@ storage knows nothing of readers.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from imgpack.recipe import CenterCrop, Crop, RandomResizedCrop
 from imgpack.storage.cache import fetch_output
 from imgpack.storage.files import CachedFiles, LazyFiles, LocalFiles, OutputFiles
 from imgpack.storage.lazy import LIMIT_VARIABLE, LazyOutput, cache_limit
-from imgpack.storage.location import is_url, local_path, read_remote_manifest
+from imgpack.storage.location import filesystem, is_url, local_path, read_remote_manifest
 from imgpack.units import format_bytes, whole_number
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ def open_output(
     )
     if is_url(location):
         url = str(location).rstrip("/")
-        remote = read_remote_manifest(url, storage_options)  # the one GET of the manifest
+        remote = _remote_manifest(url, storage_options)  # the one GET of the manifest
         manifest = remote[0]
         if lazy(manifest) if callable(lazy) else lazy:
             output = LazyOutput(url, storage_options, cache_dir, limit, remote=remote)
@@ -228,6 +229,39 @@ def _local_manifest(root: Path) -> Manifest:
     one written by one writer is: read, checked and merged alike."""
     recover(root)
     return read_part_manifest(root) or read_manifest(root)
+
+
+def _remote_manifest(url: str, storage_options: dict[str, Any] | None) -> tuple[Manifest, bytes]:
+    """The manifest of the output at ``url`` and its bytes; as :func:`_local_manifest`, a
+    prefix where a part was written by shard tasks apart from the others holds no
+    ``imgpack.json`` but its part's manifest, and is that part."""
+    try:
+        return read_remote_manifest(url, storage_options)
+    except ManifestError as exc:
+        if not str(exc).startswith(f"{url}: not an imgpack output"):
+            raise
+        fs, root = filesystem(url, storage_options)
+        try:
+            found = sorted(fs.glob(f"{root}/{PART_MANIFEST_GLOB}"))
+        except OSError:
+            found = []
+        if not found:
+            raise
+        name = found[0].rsplit("/", 1)[-1]
+        if len(found) > 1:
+            raise OptionError(
+                f"{url}: holds the manifests of {len(found)} parts ({name}, ...) and no "
+                f"{MANIFEST_NAME}: a DST shared by parts that have not all finished; it becomes "
+                "one output by running its last part again (it is neither read nor merged before)"
+            ) from None
+        data = fs.cat_file(found[0])
+        try:
+            manifest = Manifest.from_json(json.loads(data.decode("utf-8")), where=f"{url}/{name}")
+        except (UnicodeDecodeError, json.JSONDecodeError) as bad:
+            raise ManifestError(f"{url}/{name}: unreadable manifest: {bad}") from None
+        if manifest.part is None:
+            raise ManifestError(f"{url}/{name}: not a part's manifest (no part record)") from None
+        return manifest, data
 
 
 def read_part_manifest(root: Path) -> Manifest | None:
@@ -261,7 +295,7 @@ def open_manifest(
     replacement of it was killed midway; a bucket's manifest is one GET."""
     if is_url(location):
         url = str(location).rstrip("/")
-        return url, read_remote_manifest(url, storage_options)[0]
+        return url, _remote_manifest(url, storage_options)[0]
     root = local_path(location)
     return root, _local_manifest(root)
 

@@ -74,12 +74,6 @@ class ConvertOptions:
     #: Types of source fields as ``NAME:TYPE`` (``--field caption:str``), taken instead of the
     #: ones the source would infer.
     field_types: tuple[str, ...] = ()
-    #: Write a sharded output of an image folder on a local or shared path by shard tasks
-    #: (:mod:`imgpack.direct`): each worker writes whole shards by the shard plan, as for a
-    #: bucket (the same bytes), and receipts are what resumes. A bucket DST is always written
-    #: so. ``False``: the one-writer engine (one process writes every shard, resumed by its
-    #: checkpoint), the way every other source kind and ``lmdb``/``hdf5`` are written.
-    shard_tasks: bool = True
 
     def __post_init__(self) -> None:
         spec = formats.get(self.format)
@@ -158,7 +152,6 @@ class ConvertOptions:
         clash = next(
             (name for name, given in (
                 ("--overwrite", self.overwrite),
-                ("--one-writer", not self.shard_tasks),
                 ("--classes", self.classes is not None),
                 ("--classes-from", self.classes_from is not None),
             ) if given),
@@ -167,7 +160,6 @@ class ConvertOptions:
         if clash is not None:
             why = {
                 "--overwrite": "it adds to DST, never replaces it",
-                "--one-writer": "the appended shards are written by shard tasks",
             }.get(clash, "the output's classes keep their labels, new ones come after")
             raise OptionError(f"--append does not go with {clash}: {why}")
 

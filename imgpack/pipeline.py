@@ -260,13 +260,18 @@ def write(
     # The statistics of every sample counted (for the manifest), and of the durable ones only
     # (for the checkpoint); the samples between them wait in ``marks``.
     tally, durable = _tallies(plan, state)
-    # Samples after the checkpoint that the writer's files hold already: passed over.
-    already = writer.resume(state.writer) if resume is not None else 0
-    if resume is not None and writer.durable - already != state.count:
-        raise damaged_checkpoint(
-            directory,
-            f"it counts {state.count} samples written, its files hold {writer.durable - already}",
-        )
+    # Samples after the checkpoint that the writer's files hold already: passed over. A
+    # checkpoint refused here leaves no file of the writer's open.
+    with ExitStack() as refused:
+        refused.callback(writer.__exit__, RuntimeError, None, None)
+        already = writer.resume(state.writer) if resume is not None else 0
+        if resume is not None and writer.durable - already != state.count:
+            raise damaged_checkpoint(
+                directory,
+                f"it counts {state.count} samples written, its files hold "
+                f"{writer.durable - already}",
+            )
+        refused.pop_all()
     # (count, position, skipped) after each sample, and the sample's figures for the statistics
     marks: deque[tuple[int, int, int, Figures]] = deque()
     checkpoints = _can_checkpoint(writer)
@@ -394,6 +399,9 @@ def _resumable(the_plan: Plan) -> tuple[Path | None, Checkpoint | None]:
         checkpoint = Checkpoint.load(candidate)
         if checkpoint is None:
             log.warning("%s: holds no usable checkpoint, nothing to resume; remove it", candidate)
+        elif not checkpoint.intact and checkpoint.fingerprint != fingerprint:
+            # Whose it is cannot be told: its own checksum says it was damaged or edited.
+            raise damaged_checkpoint(candidate, "it does not match its own checksum")
         elif checkpoint.fingerprint == fingerprint:
             if not checkpoint.writer:  # killed before its writer started: nothing kept
                 shutil.rmtree(candidate)
@@ -496,11 +504,9 @@ def convert(
             )
             source = sources.resolve(Path(local_src), options.source, options.source_options)
             in_place = (  # parts by shard tasks on a shared path: written there, as a bucket
-                not is_url(dst)
-                and options.num_parts > 1
-                and direct.applies_locally(options, source, runner)
+                not is_url(dst) and options.num_parts > 1 and direct.applies_locally(options)
             )
-            if direct.applies(options, dst, source, runner) or in_place:  # shard tasks write DST
+            if direct.applies(options, dst) or in_place:  # shard tasks write DST
                 source.check()
                 the_plan = replace(
                     _plan(local_src, dst, options, check_dst=False), layout=direct.LAYOUT
@@ -626,11 +632,8 @@ def dry_run(
             local = stack.enter_context(
                 source_location(src, storage_options, cache_dir, _in_place(options), saved)
             )
-            source = sources.resolve(Path(local), options.source, options.source_options)
             the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
-            exact = direct.applies(options, dst, source, runner) or (
-                not is_url(dst) and direct.applies_locally(options, source, runner)
-            )
+            exact = direct.applies_locally(options)
         sizes = list(direct.sample_sizes(the_plan, framed=False))
         framed = list(direct.sample_sizes(the_plan)) if options.spec.sharded else sizes
         shards: list[str] = []
@@ -716,14 +719,10 @@ def _append_plan(
             )
         )
         source = sources.resolve(Path(local_src), options.source, options.source_options)
-        if not (
-            direct.applies(options, dst, source, runner)
-            or direct.applies_locally(options, source, runner)
-        ):
+        if not direct.applies_locally(options):
             raise OptionError(
-                f"--append: {src} cannot be appended by shard tasks with this executor (its "
-                "images' sizes are not known before they are read, or the executor runs no "
-                "tasks): append with --executor local or ray"
+                f"--append: format {options.format!r} is not written in shards by tasks, so it "
+                "cannot be appended to"
             )
         source.check()
         first = _plan(local_src, dst, options, check_dst=False)
@@ -803,7 +802,7 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         the_plan = plan(src, dst, options)
         # Parts by shard tasks write into DST itself (convert); a part built here for a URL
         # DST that no task can write to (fsspec's per-process memory://) has one writer.
-        local = direct.applies_locally(options, the_plan.source, executor)
+        local = direct.applies_locally(options)
         if options.num_parts == 1 and local:
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
         try:

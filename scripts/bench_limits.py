@@ -83,20 +83,17 @@ def convert_once(
     fmt: str,
     cores: int,
     _seed: int,
-    one_writer: bool = False,
     shard_size: str | None = None,
 ) -> float:
     """Images/s of a validated conversion (encoding="original"; a sharded format by shard
-    tasks, the default, or by the one writer with ``one_writer``); its CPU time is kept in
-    :data:`CONVERT_CPU` under the format (and ``"one writer"``) (the pool's processes are
-    reaped when it ends, so they count)."""
+    tasks); its CPU time is kept in :data:`CONVERT_CPU` under the format (the pool's processes
+    are reaped when it ends, so they count)."""
     shutil.rmtree(out, ignore_errors=True)
     before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     sizes = {"shard_size": shard_size} if shard_size else {}
-    tasks = {"shard_tasks": False} if one_writer else {}
     manifest = convert(
-        src, out, format=fmt, encoding="original", workers=cores, progress=False, **sizes, **tasks
+        src, out, format=fmt, encoding="original", workers=cores, progress=False, **sizes
     )
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -104,8 +101,7 @@ def convert_once(
         a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime
         for a, b in zip(after, before, strict=True)
     )
-    key = f"{fmt}, one writer" if one_writer else fmt
-    CONVERT_CPU.setdefault(key, []).append((main, pool, seconds))
+    CONVERT_CPU.setdefault(fmt, []).append((main, pool, seconds))
     return manifest.num_samples / seconds
 
 
@@ -134,12 +130,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", default="0,1,2", help="DataLoader num_workers to read with")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--one-writer",
-        action="store_true",
-        help="also convert each sharded format by the one writer (convert(..., "
-        "shard_tasks=False)); the default engine is shard tasks",
-    )
     parser.add_argument("--shard-size", default=None, help="the conversions' shard size")
     parser.add_argument("--json", help="also save the figures here")
     args = parser.parse_args(argv)
@@ -201,12 +191,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             if fmt in ("pt", "tfrecord", "webdataset"):
                 shards = len(open_dataset(out).manifest.files)
                 rows.append((f"{fmt}: shard tasks wrote", f"{shards} shard(s)"))
-            if args.one_writer and fmt in ("pt", "tfrecord", "webdataset"):
-                alone = partial(
-                    convert_once, src, out, fmt, cores, one_writer=True, shard_size=size
-                )
-                paired("convert, one writer", "validate", alone, also=["validate+hash", "decode"])
-                converting(0)  # the default engine's output, which the reads below take
             # Where the CPU goes, against the decodes alone (cores x count / the limit's rate).
             main, pool, wall = np.median(np.array(CONVERT_CPU[fmt]), axis=0)
             alone = cores * len(payloads) / float(np.median(seen["validate"][-args.repeats :]))

@@ -268,12 +268,20 @@ def uniform_folder(tmp_path: Path) -> Path:
     return build_uniform_folder(tmp_path / "uniform")
 
 
-def slow_cli(seconds: float = 0.02, gate: Path | None = None) -> str:
+def slow_cli(seconds: float = 0.02, gate: Path | None = None, commit: int | None = None) -> str:
     """Python source of an `imgpack` CLI whose every image takes at least ``seconds`` to
     process (forked pool workers inherit the slowdown), so that a test can act on a running
     conversion: ``[sys.executable, "-c", slow_cli(), "convert", ...]``. With ``gate``, every
     image also waits while that file exists: the run cannot finish before the test removes it
-    (an event, not a race against the clock)."""
+    (an event, not a race against the clock). With ``commit``, the one writer of ``lmdb`` and
+    ``hdf5`` makes its records durable (and saves a checkpoint) every ``commit`` records instead
+    of every 1,000, so that a small source's run has checkpoints to resume from."""
+    commits = (
+        "import imgpack.formats.lmdb.writer as lmdb_writer, imgpack.formats.hdf5.writer as h5\n"
+        f"lmdb_writer.COMMIT_RECORDS = h5.BLOCK_RECORDS = {commit}\n"
+        if commit
+        else ""
+    )
     return f"""
 import os, sys, time
 import imgpack.sources.folder.source as folder_source
@@ -284,7 +292,7 @@ def slow(*args):
         time.sleep(0.01)
     return real(*args)
 folder_source.process_file = slow
-from imgpack.cli import main
+{commits}from imgpack.cli import main
 sys.argv[0] = "imgpack"
 main()
 """

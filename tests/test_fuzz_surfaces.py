@@ -113,67 +113,76 @@ def test_a_damaged_part_merges_right_or_not_at_all(
 
 
 # -- checkpoints and the files of a killed run -----------------------------------------------
-SLOW_CLI = slow_cli(0.02)
+SLOW_CLI = slow_cli(0.02, commit=4)
+
+
+#: Each format with how it resumes: pt, tfrecord and webdataset by their shard tasks'
+#: receipts, lmdb and hdf5 by their one writer's checkpoint.
+RESUMED = [("pt", "tasks"), ("tfrecord", "tasks"), ("webdataset", "tasks"), ("lmdb", "writer"),
+           ("hdf5", "writer")]  # fmt: skip
+
+
+def _sharding(fmt: str) -> list[str]:
+    return ["--shard-size", "1000"] if fmt in ("pt", "tfrecord", "webdataset") else []
 
 
 def _killed(base: Path, fmt: str, engine: str) -> tuple[Path, list[list[Any]]]:
-    """The temp dir of a conversion by ``engine`` (``--one-writer``: kept once its checkpoint
-    counts a sample; ``--shard-tasks``: once 2 shards have receipts) SIGKILLed midway, and the
-    pixels of an uninterrupted run."""
-    dst = base / f"killed-{fmt}{engine}"
+    """The temp dir of a conversion to ``fmt`` SIGKILLed midway (by shard tasks: once 2 shards
+    have receipts; by one writer: kept once its checkpoint counts a sample), and the pixels of
+    an uninterrupted run."""
+    dst = base / f"killed-{fmt}"
     command = [sys.executable, "-c", SLOW_CLI, "convert", str(base / "src"), str(dst)]
-    command += ["-q", "--format", fmt, "--workers", "1", "--shard-size", "1000", engine]
+    command += ["-q", "--format", fmt, "--workers", "1", *_sharding(fmt)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         found = leftovers(dst)
-        if engine == "--shard-tasks" and found and direct.receipts_in(found[0]) >= 2:
+        if engine == "tasks" and found and direct.receipts_in(found[0]) >= 2:
             break
         checkpoint = found[0] / CHECKPOINT if found else None
-        if checkpoint and checkpoint.exists() and json.loads(checkpoint.read_text())["count"]:
+        if (
+            engine == "writer"
+            and checkpoint
+            and checkpoint.exists()
+            and json.loads(checkpoint.read_text())["count"]
+        ):
             break
         assert process.poll() is None, process.communicate()
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.communicate(timeout=60)
     (tmp,) = leftovers(dst)
-    keep = base / f"keep-{fmt}{engine}"
+    keep = base / f"keep-{fmt}"
     shutil.move(tmp, keep)
-    whole = base / f"whole-{fmt}{engine}"
-    convert(base / "src", whole, format=fmt, progress=False, workers=1, shard_size=1000,
-            shard_tasks=engine == "--shard-tasks")  # fmt: skip
+    whole = base / f"whole-{fmt}"
+    shard = {"shard_size": 1000} if engine == "tasks" else {}
+    convert(base / "src", whole, format=fmt, progress=False, workers=1, **shard)
     return keep, _digests(whole)
 
 
 @pytest.fixture(scope="module")
-def killed(base: Path) -> dict[tuple[str, str], tuple[Path, list[list[Any]]]]:
-    """Per format and engine: the temp dir of a conversion SIGKILLed after a few shards, and
-    the pixels of an uninterrupted run."""
-    return {
-        (fmt, engine): _killed(base, fmt, engine)
-        for fmt in ("pt", "tfrecord", "webdataset")
-        for engine in ("--one-writer", "--shard-tasks")
-    }
+def killed(base: Path) -> dict[str, tuple[Path, list[list[Any]]]]:
+    """Per format: the temp dir of a conversion SIGKILLed midway, and the pixels of an
+    uninterrupted run."""
+    return {fmt: _killed(base, fmt, engine) for fmt, engine in RESUMED}
 
 
-@pytest.mark.parametrize("engine", ["--one-writer", "--shard-tasks"])
-@pytest.mark.parametrize("fmt", ["pt", "tfrecord", "webdataset"])
+@pytest.mark.parametrize("fmt", [fmt for fmt, _ in RESUMED])
 @FUZZ
 @given(damage=flips, in_checkpoint=st.booleans(), pick=st.floats(0, 1, exclude_max=True))
 def test_a_damaged_checkpoint_resumes_right_or_not_at_all(
     fmt: str,
-    engine: str,
     damage: list[tuple[float, int]],
     in_checkpoint: bool,
     pick: float,
-    killed: dict[tuple[str, str], tuple[Path, list[list[Any]]]],
+    killed: dict[str, tuple[Path, list[list[Any]]]],
     base: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """A killed run's temp folder with bytes flipped in its checkpoint or in one of its files
-    (shards; receipts too, by shard tasks): ``--resume`` gives the uninterrupted run's pixels,
-    or fails in one line and publishes nothing."""
-    keep, expected = killed[(fmt, engine)]
+    (shards and their receipts, by shard tasks; the one file, by one writer): ``--resume``
+    gives the uninterrupted run's pixels, or fails in one line and publishes nothing."""
+    keep, expected = killed[fmt]
     work = tmp_path_factory.mktemp("resume")
     dst = work / "out"
     tmp = work / f".out.fuzz{fmt}.imgpack-tmp"
@@ -182,7 +191,7 @@ def test_a_damaged_checkpoint_resumes_right_or_not_at_all(
     target = tmp / CHECKPOINT if in_checkpoint or not files else files[int(pick * len(files))]
     _flip(target, damage)
     args = ["convert", str(base / "src"), str(dst), "-q", "--format", fmt, "--resume"]
-    args += ["--workers", "1", "--shard-size", "1000", engine]
+    args += ["--workers", "1", *_sharding(fmt)]
     result = CliRunner().invoke(main, args)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output

@@ -62,7 +62,7 @@ def test_a_local_output_is_the_bucket_output_byte_for_byte(
     """The same images and options converted to a local path and to a bucket: the same shard
     files (and index files), the same manifest entries and output id; the temp folder and its
     receipts are gone, and the output reads and verifies."""
-    args = {"shard_size": "4KB", "workers": 2, "progress": False, "shard_tasks": True}
+    args = {"shard_size": "4KB", "workers": 2, "progress": False}
     local = convert(images, tmp_path / "out", fmt, **args)
     bucket = convert(images, f"{s3}/local-{fmt}-{tmp_path.name}", fmt, **args)
     assert len(local.files) > 4
@@ -83,8 +83,7 @@ def test_any_number_of_workers_writes_the_same_bytes(
     outputs = []
     for workers in (1, 2, 4):
         out = tmp_path / f"w{workers}"
-        convert(images, out, fmt, shard_size="3KB", workers=workers, progress=False,
-                shard_tasks=True)  # fmt: skip
+        convert(images, out, fmt, shard_size="3KB", workers=workers, progress=False,)  # fmt: skip
         outputs.append(_files(out))
     assert outputs[0] == outputs[1] == outputs[2]
 
@@ -120,7 +119,7 @@ def test_a_killed_conversion_resumes_to_the_same_bytes(
     """SIGKILLed once some shards have receipts: DST does not exist, the temp folder is kept,
     and --resume writes only the shards without a receipt, to the bytes of a run that was not
     interrupted; from an image folder, and from a label list of its files."""
-    args = ["--format", fmt, "--shard-tasks", "--shard-size", "2KB", "--workers", "2"]
+    args = ["--format", fmt, "--shard-size", "2KB", "--workers", "2"]
     if listed:
         args = ["--labels", str(_label_list(images, tmp_path / "list.csv")), *args]
     reference = tmp_path / "reference"
@@ -146,9 +145,7 @@ def test_an_interrupted_run_says_what_it_kept(images: Path, tmp_path: Path) -> N
     """SIGTERM once some shards are written: the temp folder is kept for --resume and the
     message says how many shards it holds."""
     dst = tmp_path / "out"
-    process = _slowed_convert(
-        images, dst, ["--format", "pt", "--shard-tasks", "--shard-size", "2KB"]
-    )
+    process = _slowed_convert(images, dst, ["--format", "pt", "--shard-size", "2KB"])
     _receipts_when(process, dst, 2)
     os.killpg(process.pid, signal.SIGTERM)
     _, err = process.communicate(timeout=120)
@@ -160,7 +157,7 @@ def test_an_interrupted_run_says_what_it_kept(images: Path, tmp_path: Path) -> N
 @pytest.mark.parametrize("name", ["o[1]", "o**x"])
 def test_a_destination_name_is_never_a_pattern(images: Path, tmp_path: Path, name: str) -> None:
     """The temp folder beside DST is named after it: a name with glob characters is a name."""
-    convert(images, tmp_path / name, "pt", shard_size="4KB", shard_tasks=True, progress=False)
+    convert(images, tmp_path / name, "pt", shard_size="4KB", progress=False)
     assert len(open_dataset(tmp_path / name)) == 40
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
@@ -168,10 +165,8 @@ def test_a_destination_name_is_never_a_pattern(images: Path, tmp_path: Path, nam
 def test_the_dry_run_names_the_shards_the_tasks_write(images: Path, tmp_path: Path) -> None:
     from imgpack.pipeline import dry_run
 
-    planned = dry_run(images, tmp_path / "out", "tfrecord", shard_size="4KB", shard_tasks=True)
-    manifest = convert(
-        images, tmp_path / "out", "tfrecord", shard_size="4KB", shard_tasks=True, progress=False
-    )
+    planned = dry_run(images, tmp_path / "out", "tfrecord", shard_size="4KB")
+    manifest = convert(images, tmp_path / "out", "tfrecord", shard_size="4KB", progress=False)
     assert planned.shards_exact
     assert planned.shards == [f.path for f in manifest.files]
 
@@ -181,7 +176,7 @@ def test_any_number_of_parts_write_one_local_output(images: Path, tmp_path: Path
     """K = 1, 2, 3 parts written into one DST on a shared path (the parts of a cluster job):
     the same files byte for byte; until the last part finishes DST holds no manifest, and the
     last one writes it."""
-    args = {"shard_size": "3KB", "workers": 2, "progress": False, "shard_tasks": True}
+    args = {"shard_size": "3KB", "workers": 2, "progress": False}
     convert(images, tmp_path / "whole", fmt, **args)
     reference = _files(tmp_path / "whole")
     for count in (2, 3):
@@ -203,7 +198,7 @@ def test_fewer_shards_than_workers_are_converted_by_every_worker(
 ) -> None:
     """An output of fewer shards than workers: the pool converts each shard's images and the
     driver writes the shard, so no worker waits; the bytes are those one task writes alone."""
-    args = {"progress": False, "shard_tasks": True}
+    args = {"progress": False}
     one = convert(images, tmp_path / "w1", fmt, workers=1, **args)
     many = convert(images, tmp_path / "w4", fmt, workers=4, **args)
     assert len(one.files) == 1 and one.files == many.files
@@ -220,7 +215,7 @@ def test_a_bad_image_in_a_shard_the_driver_writes_is_named_or_skipped(
     src = tmp_path / "src"
     shutil.copytree(images, src)
     (src / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
-    args = {"progress": False, "shard_tasks": True}
+    args = {"progress": False}
     with pytest.raises(ImageError, match=r"broken\.png: .*nothing was written"):
         convert(src, tmp_path / "failed", "webdataset", workers=4, **args)
     assert not (tmp_path / "failed").exists() and not leftovers(tmp_path / "failed")
@@ -238,7 +233,7 @@ def test_the_shard_plan_counts_the_bytes_written(images: Path, tmp_path: Path, f
     within the size (plus the tar's closing blocks) instead of holding 16x as many samples."""
     limit = 8_000
     manifest = convert(images, tmp_path / "out", fmt, encoding="raw", size=8, progress=False,
-                       shard_size=limit, shard_tasks=True)  # fmt: skip
+                       shard_size=limit)  # fmt: skip
     sizes = [f.bytes for f in manifest.files]
     assert len(sizes) > 1
     assert max(sizes) <= limit + 10_240, sizes  # a tar ends in whole 10,240-byte records
@@ -264,7 +259,7 @@ def test_parts_written_apart_merge_into_the_single_conversions_files(
 
     from imgpack.cli import main
 
-    args = {"shard_size": "3KB", "workers": 2, "progress": False, "shard_tasks": True}
+    args = {"shard_size": "3KB", "workers": 2, "progress": False}
     whole = convert(images, tmp_path / "whole", fmt, **args)
     reference = _files(tmp_path / "whole")
     for count in (2, 3):
@@ -299,7 +294,7 @@ def test_a_shared_destination_is_not_merged(images: Path, tmp_path: Path) -> Non
 
     from imgpack.cli import main
 
-    args = {"shard_size": "3KB", "workers": 1, "progress": False, "shard_tasks": True}
+    args = {"shard_size": "3KB", "workers": 1, "progress": False}
     dst = tmp_path / "shared"
     for part in (0, 1):
         convert(images, dst, "pt", num_parts=3, part=part, **args)
@@ -324,7 +319,7 @@ def test_merged_parts_list_what_the_scan_could_not_take_once(images: Path, tmp_p
     shutil.copytree(images, src)
     stray = next(p for p in sorted(src.rglob("*")) if p.is_file())
     shutil.copy(stray, src / f"stray{stray.suffix}")
-    args = {"shard_size": "3KB", "progress": False, "shard_tasks": True, "on_error": "skip"}
+    args = {"shard_size": "3KB", "progress": False, "on_error": "skip"}
     whole = convert(src, tmp_path / "whole", "pt", **args)
     assert [s["path"] for s in whole.skipped] == [f"stray{stray.suffix}"]
     parts = [tmp_path / f"p{part}" for part in range(2)]
@@ -344,7 +339,7 @@ def test_more_parts_than_shards(images: Path, tmp_path: Path, shared: bool) -> N
     apart, none of them commits an output (part 2 holds the whole output's shard, but merge joins
     the three: the single conversion's files); into one shared DST, the last part to run commits
     it, whichever holds the shard. Each part written apart is read as a part."""
-    args = {"progress": False, "shard_tasks": True}
+    args = {"progress": False}
     whole = convert(images, tmp_path / "whole", "pt", **args)
     assert len(whole.files) == 1
     if shared:

@@ -190,19 +190,19 @@ def test_resume_with_nothing_to_resume_converts(many: Path, tmp_path: Path) -> N
     assert manifest.num_samples == 3
 
 
-@pytest.mark.parametrize("shard_tasks", [True, False])
+@pytest.mark.parametrize("fmt", ["pt", "lmdb"])
 def test_resume_after_a_kill_before_the_writer_started(
-    many: Path, tmp_path: Path, shard_tasks: bool
+    many: Path, tmp_path: Path, fmt: str
 ) -> None:
     """Killed between creating its temp folder and starting its writer (importing torch, say):
     the leftover holds only the fingerprint, and --resume starts over in its place; by shard
-    tasks (the default for sharded formats) and by the one writer."""
+    tasks (``pt``) and by the one writer (``lmdb``)."""
     src = many.parent / "few2"
     for i in range(3):
         (src / "a").mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (4, 4), (i, 0, 0)).save(src / "a" / f"{i}.png")
     out = tmp_path / "out"
-    reference = convert(src, tmp_path / "ref", "pt", progress=False, shard_tasks=shard_tasks)
+    reference = convert(src, tmp_path / "ref", fmt, progress=False)
     from dataclasses import replace
 
     from imgpack import direct
@@ -211,15 +211,17 @@ def test_resume_after_a_kill_before_the_writer_started(
 
     early = tmp_path / ".out.abc.imgpack-tmp"
     early.mkdir()
-    the_plan = plan(src, out, ConvertOptions(format="pt", shard_tasks=shard_tasks))
-    if shard_tasks:  # the plan such a run follows
+    options = ConvertOptions(format=fmt)
+    the_plan = plan(src, out, options)
+    if direct.applies_locally(options):  # the plan such a run follows
         the_plan = replace(the_plan, layout=direct.LAYOUT)
     Checkpoint(the_plan.fingerprint).save(early)
     (tmp_path / ".out.nockpt.imgpack-tmp").mkdir()  # no checkpoint at all: named, not trusted
-    manifest = convert(src, out, "pt", resume=True, progress=False, shard_tasks=shard_tasks)
+    manifest = convert(src, out, fmt, resume=True, progress=False)
     assert manifest.num_samples == reference.num_samples
     assert not early.exists()
-    assert _files(out)["shard-00000.pt"] == _files(tmp_path / "ref")["shard-00000.pt"]
+    data = {name: body for name, body in _files(out).items() if name != "imgpack.json"}
+    assert data == {n: b for n, b in _files(tmp_path / "ref").items() if n != "imgpack.json"}
 
 
 def _bucket_files(url: str) -> dict[str, bytes]:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -264,17 +265,15 @@ def test_tfrecord_raw_crcs_are_checked_once_per_reader_by_default(
 
 
 # -- checkpoints -----------------------------------------------------------------------------
-SLOW_CLI = slow_cli(0.01)
+SLOW_CLI = slow_cli(0.01, commit=4)
 
 
-def _killed_run(
-    src: Path, dst: Path, fmt: str, sig: int = signal.SIGKILL, one_writer: bool = False
-) -> subprocess.Popen[str]:
+def _killed_run(src: Path, dst: Path, fmt: str, sig: int = signal.SIGKILL) -> subprocess.Popen[str]:
     """``imgpack convert`` of slowed images, sent ``sig`` once it has kept work to resume: a
-    checkpoint of 6 samples or more (the one-writer engine: ``lmdb``, ``hdf5``, or a sharded
-    format with ``one_writer``), or 2 shards' receipts (shard tasks, the sharded default)."""
+    checkpoint of 6 samples or more (the one writer of ``lmdb`` and ``hdf5``), or 2 shards'
+    receipts (the shard tasks of ``pt``, ``tfrecord`` and ``webdataset``)."""
     command = [sys.executable, "-c", SLOW_CLI, "convert", str(src), str(dst), "-q", "--format"]
-    command += [fmt, "--workers", "1", *(["--one-writer"] if one_writer else [])]
+    command += [fmt, "--workers", "1"]
     if fmt in ("pt", "webdataset", "tfrecord"):
         command += ["--shard-size", "3000"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -306,13 +305,27 @@ def _rechecked(case: dict[str, object]) -> dict[str, object]:
     return {**body, "check": content_digest(body)}
 
 
-@pytest.mark.parametrize("fmt", ["tfrecord", "pt"])
+def _writer_edits(fmt: str, writer: dict[str, Any]) -> list[dict[str, Any]]:
+    """Edits of the one writer's own part of a checkpoint: more records than its files hold,
+    a count of another type, offsets past the staged files' ends."""
+    if fmt == "lmdb":
+        return [{**writer, "records": writer["records"] + 1000}, {**writer, "records": "7"}]
+    return [
+        {**writer, "records": writer["records"] + 1000},
+        {**writer, "staging_bytes": writer["staging_bytes"] + 10**9},
+        {**writer, "journal_bytes": -1},
+        {**writer, "records": "7"},
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
 def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -> None:
     """Each edit of a killed run's checkpoint is refused in one line (or, unparseable, not
     resumed at all); no file outside the output is touched; the output is never short or
-    repeated."""
+    repeated. (Sharded formats resume by their shard tasks' receipts:
+    tests/test_local_shards.py.)"""
     dst = tmp_path / "out"
-    process = _killed_run(big, dst, fmt, one_writer=True)
+    process = _killed_run(big, dst, fmt)
     process.communicate(timeout=60)
     (tmp_dir,) = leftovers(dst)
     backup = tmp_path / "backup"
@@ -321,13 +334,10 @@ def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -
     victim.parent.mkdir()
     victim.write_text("keep me")
     state = json.loads((tmp_dir / CHECKPOINT).read_text())
-    first = state["writer"]["shards"][0]
     cases = [
-        {**state, "writer": {"shards": [["../victim/notes.txt", 1, 7, "", {}]]}},
+        *({**state, "writer": writer} for writer in _writer_edits(fmt, state["writer"])),
         {**state, "position": state["position"] - 1},
         {**state, "count": state["count"] - 1, "position": state["position"] - 1},
-        {**state, "writer": {"shards": [[first[0], first[1] - 1, *first[2:]]]}},
-        {**state, "writer": {"shards": [[first[0], first[1], first[2], "0" * 64, first[4]]]}},
         {**state, "position": "7"},
         {**state, "stats": {**state["stats"], "samples": state["count"] + 1}},  # not its count
         # statistics of another shape (an extra class, one channel on an RGB output), sums no
@@ -339,8 +349,7 @@ def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -
         # a consistent edit of the sums, the checksum not made again
         {**state, "stats": {**state["stats"], "sum": [v + 1 for v in state["stats"]["sum"]]}},
     ]  # fmt: skip
-    args = ["convert", str(big), str(dst), "-q", "--format", fmt, "--shard-size", "3000"]
-    args.append("--one-writer")
+    args = ["convert", str(big), str(dst), "-q", "--format", fmt]
     for case in cases:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         shutil.copytree(backup, tmp_dir)
@@ -352,7 +361,7 @@ def test_a_tampered_checkpoint_is_refused(big: Path, tmp_path: Path, fmt: str) -
             shutil.rmtree(dst)
         else:
             assert result.exit_code == 1, (case, result.output)
-            assert "checkpoint" in result.output and not dst.exists()
+            assert "checkpoint" in result.output and not dst.exists(), (case, result.output)
         assert victim.read_text() == "keep me"
 
 

@@ -162,8 +162,6 @@ class ShardedWriter(Writer):
     def __init__(self, directory: Path, config: WriterConfig) -> None:
         super().__init__(directory, config)
         self._shards: list[WrittenFile] = []
-        #: ``[bytes, sha256, {companion: sha256}]`` of each completed shard, for checkpoints.
-        self._sealed: dict[str, list[Any]] = {}
         self._shard_bytes = 0
         self._shard_count = 0
         self._open = False
@@ -219,90 +217,11 @@ class ShardedWriter(Writer):
         written = self._end_shard()
         name = self.shard_name(len(self._shards))
         path = self.directory / name
-        # Once: the checkpoint and the manifest both use it.
         digest = written if written is not None else sha256_file(path)
         companions = {c.name: sha256_file(c) for c in self.companions_of(path)}
         self._shards.append(WrittenFile(name, self._shard_count, digest, [*companions.items()]))
-        self._sealed[name] = [path.stat().st_size, digest, companions]
         self._open = False
         self.durable = sum(shard.num_samples for shard in self._shards)
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {
-            "shards": [
-                [shard.path, shard.num_samples, *self._sealed[shard.path]] for shard in self._shards
-            ]
-        }
-
-    def resume(self, state: dict[str, Any]) -> int:
-        """Keep the completed shards, each checked against the checkpoint (the writer's own
-        name in order, its sample count, size and sha256, its companions' sha256); remove
-        whatever else was being written. A checkpoint that does not describe the files is
-        refused (:class:`DataError`), never followed."""
-        shards = state.get("shards") if isinstance(state, dict) else None
-        if not isinstance(shards, list):
-            raise DataError(f"{self.directory}: the checkpoint lists no shards")
-        self._shards, self._sealed = [], {}
-        for number, row in enumerate(shards):
-            self._shards.append(self._checked_shard(number, row))
-        self.durable = sum(shard.num_samples for shard in self._shards)
-        keep = {shard.path for shard in self._shards} | self._companions()
-        for path in self.directory.iterdir():
-            if path.name not in keep and not path.name.startswith(KEEP_PREFIX):
-                path.unlink()
-        return 0
-
-    def _checked_shard(self, number: int, row: Any) -> WrittenFile:
-        """Completed shard ``number`` as the checkpoint row ``row`` describes it, checked."""
-        name = self.shard_name(number)
-        bad = f"{self.directory}: the checkpoint's shard {number}"
-        if not (isinstance(row, list) and len(row) == 5 and row[0] == name):
-            raise DataError(f"{bad} is not {name} as this writer names it (damaged checkpoint)")
-        _, count, size, digest, companions = row
-        path = self.directory / name
-        try:
-            st = path.lstat()
-        except OSError:
-            raise DataError(f"{bad}: {name} is missing") from None
-        if not (path.is_file() and not path.is_symlink()):
-            raise DataError(f"{bad}: {name} is not a regular file")
-        if not (isinstance(count, int) and count > 0 and st.st_size == size):
-            raise DataError(f"{bad}: {name} is not the size or count the checkpoint recorded")
-        if sha256_file(path) != digest:
-            raise DataError(f"{bad}: {name} changed since it was completed (sha256 differs)")
-        wanted = {c.name: c for c in self.companions_of(path)}
-        if not isinstance(companions, dict) or set(companions) != set(wanted):
-            raise DataError(f"{bad}: its index files are not the ones this writer writes")
-        for key, companion in wanted.items():
-            if companion.is_symlink() or not companion.is_file():
-                raise DataError(f"{bad}: {key} is missing or not a regular file")
-            if sha256_file(companion) != companions[key]:
-                raise DataError(f"{bad}: {key} changed since its shard was completed")
-        held = self.shard_samples(path)
-        if held is not None and held != count:
-            raise DataError(f"{bad}: {name} holds {held} samples, the checkpoint says {count}")
-        self._sealed[name] = [size, digest, dict(companions)]
-        return WrittenFile(
-            name, count, digest, [(c.name, companions[c.name]) for c in wanted.values()]
-        )
-
-    def shard_samples(self, path: Path) -> int | None:
-        """How many samples the completed shard at ``path`` holds, read from its files;
-        resuming checks it against the checkpoint. By default the lines of its index (the
-        first of :meth:`companions_of`, one line per sample); ``None`` without one; ``-1``
-        when it cannot be read."""
-        companions = self.companions_of(path)
-        if not companions:
-            return None
-        try:
-            lines = companions[0].read_bytes().splitlines()
-        except OSError:
-            return -1
-        return sum(1 for line in lines if line.strip())
-
-    def _companions(self) -> set[str]:
-        """Files beside the completed shards that belong to them (index files)."""
-        return {c.name for s in self._shards for c in self.companions_of(self.directory / s.path)}
 
     def _finish(self) -> list[WrittenFile]:
         if self._open:

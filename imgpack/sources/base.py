@@ -98,18 +98,14 @@ class Source(ABC):
         """The fetcher of one run (``run``: a token unique to the run, which keys the readers
         workers open, see :func:`opened`)."""
 
-    def plans_shards(self) -> bool:
-        """Whether every sample's size in SRC is known before any is read
-        (:meth:`stored_size`), so that a sharded output is planned shard by shard and written by
-        shard tasks (:mod:`imgpack.direct`), wherever DST is. Default: no, the one writer
-        writes it."""
-        return False
-
     def stored_size(self, sample: Sample) -> int:
-        """The bytes of ``sample``'s image as SRC holds it, for the shard plan (a kind that
-        :meth:`plans_shards`), ``-1`` when it cannot be found (its task names it). Default: the
-        file SRC/``sample.path``, as an image folder holds it (a scan that knows the sizes keeps
-        them in its :class:`~imgpack.scan.SampleTable`, and this is not asked)."""
+        """The bytes of ``sample``'s image as SRC holds it: a sharded output's shards are cut
+        by them before any image is read (:func:`imgpack.direct.sample_sizes`), so that every
+        shard is written by a task of its own. ``-1`` when it cannot be found (the image counts
+        as empty in the plan, and its task names it if it cannot be read). Default: the file
+        SRC/``sample.path``, as an image folder holds it (a scan that knows the sizes keeps them
+        in :attr:`Sample.size <imgpack.scan.Sample.size>`, and this is not asked). A kind whose
+        images are elsewhere says where, or its shards are cut as if its images were empty."""
         return file_size(self.src / sample.path)
 
     def identity(self, scan: Scan) -> str:

@@ -94,6 +94,11 @@ class LMDBWriter(Writer):
         """Continue after the last committed batch: LMDB's commits are atomic, so the
         environment holds exactly the batches committed before the interruption (one more than
         the checkpoint says when it came between a commit and its checkpoint)."""
+        if not all(type(state.get(k)) is int and state[k] >= 0 for k in ("records", "map_size")):
+            raise DataError(
+                f"{self.directory}: damaged checkpoint (its LMDB state is not two counts); "
+                "convert again without --resume"
+            )
         entries = int(self._env.stat()["entries"])
         if entries < int(state["records"]):
             raise DataError(

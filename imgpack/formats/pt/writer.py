@@ -33,7 +33,6 @@ import torch
 
 from imgpack.checksum import record_crc
 from imgpack.fields import Field, fields_crc
-from imgpack.formats.pt.loading import load_shard
 from imgpack.formats.writer_base import HashedFile, ShardedWriter
 from imgpack.images import Encoded
 
@@ -92,13 +91,6 @@ class PTWriter(ShardedWriter):
         del data, payload
         self._data = bytearray()
         return digest
-
-    def shard_samples(self, path: Path) -> int | None:
-        try:
-            shard = load_shard(path)
-            return len(shard["labels"])
-        except Exception:
-            return -1
 
 
 def field_tensors(found: Field, values: list[Any]) -> dict[str, torch.Tensor]:

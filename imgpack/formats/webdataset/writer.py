@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from json.encoder import encode_basestring_ascii as quote
 from pathlib import Path
-from typing import Any
 
 from imgpack.checksum import record_crc
 from imgpack.fields import extend_crc, member_bytes, stored_values
@@ -101,11 +100,6 @@ class WebDatasetWriter(ShardedWriter):
 
     def companions_of(self, shard: Path) -> list[Path]:
         return [layout.index_path(shard)]
-
-    def resume(self, state: dict[str, Any]) -> int:
-        already = super().resume(state)
-        self._key = self.config.first_index + self.durable
-        return already
 
     def _end_shard(self) -> str:
         assert self._fh is not None

@@ -115,9 +115,6 @@ class FolderSource(Source):
                 f"{self.src}: not a folder (SRC must be an image folder SRC/<class>/<image>)"
             )
 
-    def plans_shards(self) -> bool:
-        return True  # its listing (or the file system) gives every image's size
-
     def scan(self, request: ScanRequest) -> Scan:
         remote = self.remote
         if remote is not None:

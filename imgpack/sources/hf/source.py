@@ -93,9 +93,6 @@ class HFSource(Source):
             field_names=every,
         )
 
-    def plans_shards(self) -> bool:
-        return True  # each image's byte length is in the arrow column (the scan reads it)
-
     def stored_size(self, sample: Sample) -> int:
         return -1  # an image kept as a path only (no bytes in the column): planned as empty
 

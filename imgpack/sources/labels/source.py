@@ -300,12 +300,6 @@ class LabelListSource(Source):
             {"path": path or f"{self.list_file.name}:{line}", "reason": f"line {line}: {problem}"}
         )
 
-    def plans_shards(self) -> bool:
-        """Each row's image size is known before it is read (:attr:`Sample.size
-        <imgpack.scan.Sample.size>`): the scan stats every file and asks the stores for the
-        URLs' sizes in bulk (:func:`imgpack.storage.location.object_sizes`)."""
-        return True
-
     def stored_size(self, sample: Sample) -> int:
         return -1  # every size the scan could find is in Sample.size (a URL's store may lack one)
 

@@ -62,9 +62,6 @@ class OutputSource(Source):
         }
         return scan_reader(self.src, ds, request, origin)
 
-    def plans_shards(self) -> bool:
-        return True  # every record's size is known from the output before any is converted
-
     def identity(self, scan: Scan) -> str:
         origin = scan.origin or {}
         return digest({k: origin.get(k) for k in ("output_id", "sha256")})

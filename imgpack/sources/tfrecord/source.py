@@ -58,9 +58,6 @@ class TFRecordSource(Source):
         origin = {"format": "tfrecord", "foreign": True, "files": len(ds.manifest.files)}
         return scan_reader(self.src, ds, request, origin)
 
-    def plans_shards(self) -> bool:
-        return True  # every record's size is known from the files' framing (the scan reads it)
-
     def identity(self, scan: Scan) -> str:
         return stat_identity(self.src)
 

@@ -76,9 +76,6 @@ class UnlabelledSource(Source):
         refuse_unreadable(self.src, scan, request)
         return scan
 
-    def plans_shards(self) -> bool:
-        return True  # a folder's images (stat'ed) or tars' members (their headers)
-
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         if self._tars is not None:
             return self._tars.fetcher(scan, policy, encoding, run)

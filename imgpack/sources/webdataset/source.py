@@ -126,9 +126,6 @@ class WebDatasetSource(Source):
             field_names=names,
         )
 
-    def plans_shards(self) -> bool:
-        return True  # each image member's size is in its header (the scan keeps it)
-
     def identity(self, scan: Scan) -> str:
         return files_identity(self.files())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_file
 from imgpack.scan import Sample, Scan
 from imgpack.sources import SourceOption, SourceSpec
-from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
+from imgpack.sources.base import Fetcher, ScanRequest, Source, file_size, file_stamp
 
 SPEC = SourceSpec(
     name="toy",
@@ -47,3 +47,6 @@ class ToySource(Source):
 
     def stamp(self, sample: Sample) -> str:
         return file_stamp(self.src.parent / sample.path)
+
+    def stored_size(self, sample: Sample) -> int:
+        return file_size(self.src.parent / sample.path)  # what the shards are cut by
