@@ -3,4 +3,6 @@ a C compiler was, else absent)."""
 
 from typing_extensions import Buffer
 
-def sums(buffer: Buffer, depth: int, /) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
+def sums(
+    buffer: Buffer, depth: int, portable: bool = False, /
+) -> tuple[tuple[int, ...], tuple[int, ...]]: ...

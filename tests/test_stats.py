@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,23 +167,34 @@ def test_pixel_sums_and_the_combination_are_exact() -> None:
     assert again == tally
 
 
-@pytest.mark.parametrize("built", [True, False])
+@pytest.mark.parametrize("built", ["simd", "portable", "numpy"])
 @pytest.mark.parametrize(
     "shape",
     [(1, 1, 3), (1, 1), (9, 2, 3), (17, 513, 3), (300, 300), (441, 415, 3), (1000, 3001, 3),
-     (5, 7, 4), (0, 4, 3)],
+     (5, 7, 4), (0, 4, 3), (33, 97, 2), (2, 16, 3), (3, 32, 4)],
 )  # fmt: skip
 def test_pixel_sums_are_exact_for_any_shape(
-    shape: tuple[int, ...], built: bool, monkeypatch: pytest.MonkeyPatch
+    shape: tuple[int, ...], built: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Sums of values and of squares, per channel, as exact integers, by the C extension and
-    by numpy alone: images smaller than a block row or a run of lanes, with a tail, gray
-    (counted as 3 channels when read as RGB), RGBA, empty, larger than a block, a strided view,
-    and the largest values everywhere (no column or lane sum overflows)."""
+    """Sums of values and of squares, per channel, as exact integers, by the C extension (its
+    AVX2 path where the CPU has one, and its portable one) and by numpy alone: images smaller
+    than a block row or a run of lanes, exactly one AVX2 run, with a tail, gray (counted as 3
+    channels when read as RGB), gray with alpha, RGBA, empty, larger than a block, a strided
+    view, and the largest values everywhere (no column or lane sum overflows)."""
     from imgpack import images
 
-    if not built:
+    if built == "numpy":
         monkeypatch.setattr(images, "_pixelsums", None)
+    elif built == "portable":
+        assert images._pixelsums is not None
+        built_in = images._pixelsums
+
+        class Portable:
+            @staticmethod
+            def sums(buffer: Any, depth: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                return built_in.sums(buffer, depth, True)
+
+        monkeypatch.setattr(images, "_pixelsums", Portable)
     rng = np.random.default_rng(len(shape) * 1000 + shape[0])
     image = rng.integers(0, 256, size=shape, dtype=np.uint8)
     for pixels in (image, np.full_like(image, 255), image[::2, ::3]):
