@@ -398,21 +398,20 @@ def _write_shards(
         if largest > options.shard_size:
             log.warning("%s", shard_size_note(options.shard_size, largest))
 
-    def tasks() -> Iterator[ShardTask]:  # made as they are sent: one shard's samples at a time
-        for k in numbers:
-            yield ShardTask(
-                plan.job,
-                replace(config, first_index=plan.first_sample + bounds[k]),
-                k,
-                total,
-                bounds[k],
-                list(plan.scan.samples[bounds[k] : bounds[k + 1]]),
-                url,
-                json.dumps(storage_options or {}, sort_keys=True),
-                f"{work}/{receipt_name(k)}",
-                options.on_error,
-                first_shard=plan.first_shard,
-            )
+    def task(k: int) -> ShardTask:  # made as it is sent: one shard's samples at a time
+        return ShardTask(
+            plan.job,
+            replace(config, first_index=plan.first_sample + bounds[k]),
+            k,
+            total,
+            bounds[k],
+            list(plan.scan.samples[bounds[k] : bounds[k + 1]]),
+            url,
+            json.dumps(storage_options or {}, sort_keys=True),
+            f"{work}/{receipt_name(k)}",
+            options.on_error,
+            first_shard=plan.first_shard,
+        )
 
     count = sum(bounds[k + 1] - bounds[k] for k in mine)
     bar = tqdm(
@@ -426,24 +425,29 @@ def _write_shards(
     )
     with bar:
         workers = getattr(executor, "workers", None) or 0
-        # The pool converts each shard's samples and this process writes it (the same bytes)
-        # when there are fewer shards than workers, when DST is a path the workers may not
-        # share (a Ray cluster's nodes writing into this machine's folder) or a store only this
-        # process sees (fsspec's memory://), and for an executor that runs no tasks.
+        # Shard tasks, in rounds of one shard per worker. The shards of a last round short of
+        # the workers (every shard, with fewer shards than workers) are converted by the pool
+        # and written by this process, the same bytes, so that no worker idles while another
+        # writes the last shard alone; and so is every shard where no task can write DST: a
+        # path the workers may not share (a Ray cluster's nodes writing into this machine's
+        # folder), a store only this process sees (fsspec's memory://), an executor that runs
+        # no tasks.
         on_path = not location.is_url(url) and not getattr(executor, "local_machine", False)
-        here = url.startswith("memory://") or not hasattr(executor, "tasks")
-        if len(numbers) < workers or on_path or here:
-            for task in tasks():
-                receipt = shard_from(task, executor.outcomes(task.job, task.samples))
+        here = on_path or url.startswith("memory://") or not hasattr(executor, "tasks")
+        last = len(numbers) if here else len(numbers) % workers if workers else 0
+        by_tasks, by_this = numbers[: len(numbers) - last], numbers[len(numbers) - last :]
+        if by_tasks:
+            for sent, result in executor.tasks(write_shard, map(task, by_tasks)):
+                receipt = result
+                if isinstance(result, TaskDied):
+                    receipt = _without_killers(plan, executor, sent)
                 _raise_failed(plan, receipt, kept)
-                bar.update(len(task.samples))
-            return
-        for task, result in executor.tasks(write_shard, tasks()):
-            receipt = result
-            if isinstance(result, TaskDied):
-                receipt = _without_killers(plan, executor, task)
+                bar.update(len(sent.samples))
+        for k in by_this:
+            written = task(k)
+            receipt = shard_from(written, executor.outcomes(written.job, written.samples))
             _raise_failed(plan, receipt, kept)
-            bar.update(len(task.samples))
+            bar.update(len(written.samples))
 
 
 def _raise_failed(plan: Plan, receipt: dict[str, Any], kept: bool) -> None:

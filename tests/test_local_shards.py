@@ -607,3 +607,31 @@ def test_a_label_list_of_files_is_written_by_shard_tasks(
     assert [ds.classes[t] for t in ds.targets] == [p.parent.name for p in order]
     assert [float(ds[k][2]) for k in (0, 5)] == [0.0, 5 / 8]
     assert verify(tmp_path / "one").ok
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+def test_a_last_round_short_of_the_workers_is_written_by_this_process(
+    images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """Three shards on two workers: the first two by shard tasks in the workers, the third (a
+    round short of the workers) converted by both and written by this process, so that no
+    worker idles while another writes it alone; the bytes of a one-worker run."""
+    from imgpack.pipeline import dry_run
+
+    size = next(
+        s for s in range(1000, 100000, 100) if len(dry_run(images, tmp_path / "p", fmt,
+                                                          shard_size=s).shards) == 3
+    )  # fmt: skip
+    here: list[int] = []
+    real = direct.shard_from
+
+    def spying(task: direct.ShardTask, outcomes: Any) -> dict[str, Any]:
+        here.append(task.number)  # in the workers too, where this list is a copy
+        return real(task, outcomes)
+
+    monkeypatch.setattr(direct, "shard_from", spying)
+    convert(images, tmp_path / "two", fmt, shard_size=size, workers=2, progress=False)
+    assert here == [2]
+    monkeypatch.setattr(direct, "shard_from", real)
+    convert(images, tmp_path / "one", fmt, shard_size=size, workers=1, progress=False)
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")

@@ -19,8 +19,8 @@ float32 elements for ``int[]`` and ``float[]``) with ``offsets`` (int64 ``(n + 1
 ``i``'s are ``values[offsets[i]:offsets[i + 1]]``), and for an optional field ``present`` (bool
 ``(n,)``; an absent value is 0 or empty).
 
-A shard is assembled in memory and saved when it reaches ``--shard-size`` (default 1 GiB), so
-conversion memory is bounded by one shard.
+A shard is assembled in memory and saved when it reaches ``--shard-size`` (default 256 MiB), so
+a conversion's memory is bounded by one shard per worker (each writes its own shards).
 """
 
 from __future__ import annotations
