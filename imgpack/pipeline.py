@@ -499,7 +499,12 @@ def convert(
         else:
             local_src = stack.enter_context(
                 source_location(
-                    src, storage_options, cache_dir, _in_place(options), _saved(dst, options)
+                    src,
+                    storage_options,
+                    cache_dir,
+                    _in_place(options),
+                    _saved(dst, options),
+                    runner=runner,
                 )
             )
             source = sources.resolve(Path(local_src), options.source, options.source_options)
@@ -630,7 +635,9 @@ def dry_run(
         else:
             saved = _saved(dst, options)
             local = stack.enter_context(
-                source_location(src, storage_options, cache_dir, _in_place(options), saved)
+                source_location(
+                    src, storage_options, cache_dir, _in_place(options), saved, runner=runner
+                )
             )
             the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
             exact = direct.applies_locally(options)
@@ -715,7 +722,12 @@ def _append_plan(
         base = appending.base_output(target, storage_options)
         local_src = stack.enter_context(
             source_location(
-                src, storage_options, cache_dir, _in_place(options), _saved(dst, options)
+                src,
+                storage_options,
+                cache_dir,
+                _in_place(options),
+                _saved(dst, options),
+                runner=runner,
             )
         )
         source = sources.resolve(Path(local_src), options.source, options.source_options)

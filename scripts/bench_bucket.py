@@ -17,7 +17,13 @@ and inside it:
   - GET requests for SRC objects, counted in moto's request log: all of them, and those of
     part 0 of --num-parts 2 (its own objects only).
 
+With --listing FOLDERSxPER (e.g. 8x2000), only the listing of a bucket image folder of that
+many tiny objects, taken as a conversion takes it (imgpack.sources.listing.source_folder): by
+threads of the driver, as an executor that runs no tasks has it, and by tasks of a pool of 2
+workers, alternating over --rounds: the wall time, the driver's CPU and the workers' CPU.
+
     python scripts/bench_bucket.py [--counts 4000,16000,64000] [--executors local,ray]
+    python scripts/bench_bucket.py --listing 8x2000
 """
 
 from __future__ import annotations
@@ -192,6 +198,46 @@ def gets(log: Path, prefix: str, start: int) -> int:
     return len(re.findall(rf'"GET /bench/{re.escape(prefix)}/[^ ?]+ HTTP', text))
 
 
+def listing_cpu(folders: int, per: int, rounds: int) -> dict[str, list[dict[str, float]]]:
+    """The listing of ``folders`` x ``per`` objects in moto, by threads and by pool tasks."""
+    import resource
+
+    from imgpack.executors import LocalExecutor
+    from imgpack.sources.listing import source_folder
+
+    def cpu() -> tuple[float, float]:
+        own, kids = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+    found: dict[str, list[dict[str, float]]] = {"threads": [], "tasks": []}
+    with bucket():
+        fs = fsspec.filesystem("s3")
+        objects = {f"bench/listed/c{k}/img{i:06d}.jpg": b"x" for k in range(folders)
+                   for i in range(per)}  # fmt: skip
+        fs.pipe(objects)
+        for _ in range(rounds):
+            for name, runner in (("threads", None), ("tasks", LocalExecutor(2))):
+                fs.invalidate_cache()
+                (own, kids), start = cpu(), time.perf_counter()
+                with source_folder("s3://bench/listed", None, lambda _: True, runner) as folder:
+                    lines = (folder / ".imgpack-store.jsonl").read_bytes().count(b"\n")
+                (own2, kids2), wall = cpu(), time.perf_counter() - start
+                assert lines == folders * per, lines
+                found[name].append({"wall": wall, "driver": own2 - own, "workers": kids2 - kids})
+    for name, rows in found.items():
+
+        def span(key: str, rows: list[dict[str, float]] = rows) -> str:
+            values = sorted(row[key] for row in rows)
+            return f"{values[0]:.2f}-{values[-1]:.2f} s"
+
+        print(f"{name:8s} {folders * per} objects in {folders} folders: wall {span('wall')}, "
+              f"driver CPU {span('driver')}, workers CPU {span('workers')}")  # fmt: skip
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,8 +260,17 @@ def main() -> None:
         help="client CPU per listed object for the --planning projection (measured against "
         "moto on this machine: 95-125 us, almost all of it s3fs and botocore parsing the pages)",
     )
+    parser.add_argument("--listing", default=None, help="FOLDERSxPER: the listing alone")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --listing")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.listing:
+        folders, per = (int(v) for v in args.listing.split("x"))
+        print(f"machine: {machine()}")
+        save_json(
+            args.json, {"machine": machine(), "listing": listing_cpu(folders, per, args.rounds)}
+        )
+        return
     if args.planning:
         planned = [int(c) for c in args.planning.split(",")]
         rows = {count: planning_memory(count) for count in planned}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -532,3 +533,52 @@ def test_a_tampered_receipt_or_shard_is_refused_at_the_commit(
         assert CliRunner().invoke(main, [*again, "--part", "1"]).exit_code == 0
     assert verify(url).ok
     assert len(open_dataset(url, verify=True)) == 48
+
+
+class _Counting:
+    """The local pool, recording what its tasks were given (the listing's folders among
+    them); ``runs_tasks=False``: an executor that runs no tasks (converts samples only)."""
+
+    def __init__(self, runs_tasks: bool) -> None:
+        from imgpack.executors import LocalExecutor
+
+        self.inner, self.workers, self.given = LocalExecutor(2), 2, []
+        if runs_tasks:
+            self.tasks = self._tasks
+
+    def outcomes(self, job: Any, samples: Any) -> Any:
+        return self.inner.outcomes(job, samples)
+
+    def _tasks(self, function: Any, items: Any) -> Any:
+        for item, result in self.inner.tasks(function, items):
+            self.given.append(item)
+            yield item, result
+
+    def alone(self, job: Any, samples: Any) -> Any:
+        return self.inner.alone(job, samples)
+
+
+@pytest.mark.parametrize("runs_tasks", [True, False])
+def test_the_workers_list_the_sources_folders(
+    s3: str, src_url: str, monkeypatch: pytest.MonkeyPatch, runs_tasks: bool
+) -> None:
+    """A bucket image folder's class folders are listed by the conversion's workers, a task
+    each (the store's pages parsed on their CPUs, not the driver's): this process makes no LIST
+    of a class folder, only the one of SRC's top level. An executor that runs no tasks has
+    them listed here. Either way the same listing, so the same output, byte for byte."""
+    args = {"shard_size": "3KB", "progress": False}
+    reference = f"{s3}/listed-ref"
+    if "imgpack.json" not in _bucket(reference):
+        convert(src_url, reference, "webdataset", workers=1, **args)
+    lists = _source_lists(monkeypatch)
+    runner = _Counting(runs_tasks)
+    url = f"{s3}/listed-{runs_tasks}"
+    convert(src_url, url, "webdataset", executor=runner, **args)
+    folders = sorted({p for p in lists if p.startswith("shard-src/class")})
+    listed = [item[2] for item in runner.given if isinstance(item, tuple)]
+    if runs_tasks:
+        assert folders == [] and listed == [f"class{k}" for k in range(len(listed))]
+        assert len(listed) > 1
+    else:
+        assert len(folders) > 1 and listed == []
+    assert _bucket(url) == _bucket(reference)

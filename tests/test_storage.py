@@ -478,7 +478,8 @@ def test_only_s3fs_is_listed_through_its_private_pages(tmp_path: Path) -> None:
     fs.pipe_file(f"{root}/cat/b.png", b"y" * 7)
     part = tmp_path / "part.jsonl"
     try:
-        assert listing._list_folder(fs, root, "cat", part) == 2
+        with open(part, "wb") as out:
+            assert listing._list_folder(fs, root, "cat", out) == 2
     finally:
         fs.rm(root.rsplit("/", 1)[0], recursive=True)
     assert [line.split(",")[1].strip() for line in part.read_text().splitlines()] == ["5", "7"]

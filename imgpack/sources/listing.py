@@ -21,6 +21,7 @@ import collections
 import contextlib
 import gzip
 import hashlib
+import io
 import json
 import logging
 import shutil
@@ -58,6 +59,7 @@ def source_folder(
     location: Location,
     storage_options: dict[str, Any] | None = None,
     listing_only: Callable[[list[str]], bool] | None = None,
+    runner: Any = None,
 ) -> Iterator[Path]:
     """A local folder holding what ``location`` holds: itself when local; a scratch copy of a
     URL's files (removed afterwards) when not, with what the store says of each object (its
@@ -69,8 +71,11 @@ def source_folder(
     whether to download nothing: the scratch folder then holds the listing only
     (:data:`STORE_LISTING`, :data:`STORE_FOLDERS`, and the URL in :data:`STORE_REMOTE`), and the
     conversion's workers read each object from the bucket (:func:`remote_source`). The listing
-    is taken one top-level folder at a time (several at once) and written to disk as it comes:
-    the driver never holds the whole of it."""
+    is taken one top-level folder at a time and written to disk as it comes: the driver never
+    holds the whole of it. ``runner``: an executor that runs tasks (the conversion's pool, or
+    Ray), whose workers list the folders, one task each (:func:`folder_lines`), so that parsing
+    the store's pages is spread over their CPUs; else this process lists them, several at once
+    on threads."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -94,7 +99,8 @@ def source_folder(
                 raise ManifestError(f"{url}: nothing there")
             names = [f"{name}/" for name in folders] + [_relative(n, root) for n, _ in files]
             if listing_only is not None and listing_only(sorted(names)):
-                _write_listing(scratch, fs, root, files, folders)
+                lister = _task_lister(runner, url, storage_options, len(folders))
+                _write_listing(scratch, fs, root, files, folders, lister)
                 remote = {"url": url, "storage_options": storage_options or {}}
                 (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
             else:
@@ -125,23 +131,44 @@ def _relative(path: str, root: str) -> str:
     return path.rstrip("/")[len(root) :].lstrip("/")
 
 
+#: Lists SRC's top-level folders in order: ``(folder, its listing lines, visible objects)``.
+Lister = Callable[[list[str]], Iterator[tuple[str, bytes, int]]]
+
+
 def _write_listing(
     scratch: Path,
     fs: Any,
     root: str,
     top: list[tuple[str, dict[str, Any]]],
     folders: list[str],
+    lister: Lister | None = None,
 ) -> None:
     """:data:`STORE_LISTING` and :data:`STORE_FOLDERS`: the objects ``top`` (listed already),
-    then each of ``folders`` listed into a part file of its own, ``TRANSFERS`` folders at once,
-    the parts joined in order as they complete."""
+    then each of ``folders`` in order, listed by ``lister`` (tasks of the conversion's workers)
+    or else here, ``TRANSFERS`` folders at once on threads, each into a part file of its own
+    joined in order as it completes."""
     index: dict[str, list[int]] = {}
-    parts = scratch / ".imgpack-store-parts"
-    parts.mkdir()
-    with open(scratch / STORE_LISTING, "wb") as out, ThreadPoolExecutor(TRANSFERS) as pool:
+    with open(scratch / STORE_LISTING, "wb") as out:
         shown = _write_objects(out, root, top)
         if top:
             index[""] = [0, out.tell(), shown]
+        listed = lister(folders) if lister is not None else _threads(scratch, fs, root, folders)
+        for name, lines, shown in listed:
+            start = out.tell()
+            out.write(lines)
+            if out.tell() > start:
+                index[name] = [start, out.tell(), shown]
+    (scratch / STORE_FOLDERS).write_text(json.dumps(index, sort_keys=True))
+
+
+def _threads(
+    scratch: Path, fs: Any, root: str, folders: list[str]
+) -> Iterator[tuple[str, bytes, int]]:
+    """Each of ``folders`` listed here, ``TRANSFERS`` at once on threads, into part files (the
+    lines of a folder wait on disk, not in memory, for the folders before it), in order."""
+    parts = scratch / ".imgpack-store-parts"
+    parts.mkdir()
+    with ThreadPoolExecutor(TRANSFERS) as pool:
         window: collections.deque[tuple[str, Path, Any]] = collections.deque()
         pending = iter(enumerate(folders))
         while True:
@@ -150,43 +177,74 @@ def _write_listing(
                 if number < 0:
                     break
                 part = parts / f"{number}.jsonl"
-                window.append((name, part, pool.submit(_list_folder, fs, root, name, part)))
+                window.append((name, part, pool.submit(_list_folder_to, fs, root, name, part)))
             if not window:
                 break
             name, part, future = window.popleft()
-            shown, start = future.result(), out.tell()
-            with open(part, "rb") as listed:
-                shutil.copyfileobj(listed, out)
+            shown = future.result()
+            lines = part.read_bytes()
             part.unlink()
-            if out.tell() > start:
-                index[name] = [start, out.tell(), shown]
+            yield name, lines, shown
     parts.rmdir()
-    (scratch / STORE_FOLDERS).write_text(json.dumps(index, sort_keys=True))
 
 
-def _list_folder(fs: Any, root: str, name: str, part: Path) -> int:
-    """List the objects under ``root/name`` into the file ``part``; how many are visible. On
-    S3 page by page as the store returns them (1,000 keys a page: memory bounded by a page);
-    elsewhere with ``find`` (bounded by the folder)."""
+def _task_lister(
+    runner: Any, url: str, storage_options: dict[str, Any] | None, folders: int
+) -> Lister | None:
+    """The folders of SRC listed by ``runner``'s tasks, a folder each (two or more folders, an
+    executor that runs tasks), else ``None`` (listed here)."""
+    if folders < 2 or runner is None or not hasattr(runner, "tasks"):
+        return None
+    options = json.dumps(storage_options or {}, sort_keys=True)
+
+    def listed(names: list[str]) -> Iterator[tuple[str, bytes, int]]:
+        items = ((url, options, name) for name in names)
+        for (_, _, name), result in runner.tasks(folder_lines, items):
+            if not isinstance(result, tuple):  # its worker died on every try
+                raise ScanError(f"{url}/{name}/: the worker listing it died on every try")
+            yield name, result[0], result[1]
+
+    return listed
+
+
+def folder_lines(item: tuple[str, str, str]) -> tuple[bytes, int]:
+    """A task: the :data:`STORE_LISTING` lines of the objects under the top-level folder
+    ``name`` of ``url`` (``item``: the URL, its storage options as JSON, the folder's name), and
+    how many are visible; run in a worker, which asks the store itself."""
+    url, options, name = item
+    fs, root = filesystem(url, json.loads(options) or None)
+    out = io.BytesIO()
+    shown = _list_folder(fs, root, name, out)
+    return out.getvalue(), shown
+
+
+def _list_folder_to(fs: Any, root: str, name: str, part: Path) -> int:
     with open(part, "wb") as out:
-        # s3fs's own page iterator (a private method of s3fs, used for s3fs alone); every other
-        # filesystem lists with fsspec's public ``find``.
-        if is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
-            from fsspec.asyn import sync  # type: ignore[import-untyped]
+        return _list_folder(fs, root, name, out)
 
-            bucket, key, _ = fs.split_path(f"{root}/{name}/")
-            shown = [0]
 
-            async def pages() -> None:
-                async for info in fs._iterdir(bucket, delimiter="", prefix=key):
-                    if info.get("type", "file") != "directory" and not info["name"].endswith("/"):
-                        shown[0] += _write_objects(out, root, [(info["name"], info)])
+def _list_folder(fs: Any, root: str, name: str, out: Any) -> int:
+    """List the objects under ``root/name`` into the binary file ``out``; how many are visible.
+    On S3 page by page as the store returns them (1,000 keys a page: memory bounded by a page);
+    elsewhere with ``find`` (bounded by the folder)."""
+    # s3fs's own page iterator (a private method of s3fs, used for s3fs alone); every other
+    # filesystem lists with fsspec's public ``find``.
+    if is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
+        from fsspec.asyn import sync  # type: ignore[import-untyped]
 
-            sync(fs.loop, pages)
-            return shown[0]
-        found = fs.find(f"{root}/{name}", detail=True)
-        fs.invalidate_cache(f"{root}/{name}")
-        return _write_objects(out, root, listed_objects(found))
+        bucket, key, _ = fs.split_path(f"{root}/{name}/")
+        shown = [0]
+
+        async def pages() -> None:
+            async for info in fs._iterdir(bucket, delimiter="", prefix=key):
+                if info.get("type", "file") != "directory" and not info["name"].endswith("/"):
+                    shown[0] += _write_objects(out, root, [(info["name"], info)])
+
+        sync(fs.loop, pages)
+        return shown[0]
+    found = fs.find(f"{root}/{name}", detail=True)
+    fs.invalidate_cache(f"{root}/{name}")
+    return _write_objects(out, root, listed_objects(found))
 
 
 def _write_objects(out: Any, root: str, objects: Iterable[tuple[str, dict[str, Any]]]) -> int:
@@ -286,6 +344,7 @@ def source_location(
     cache_dir: Location | None = None,
     listing_only: Callable[[list[str]], bool] | None = None,
     saved: str | None = None,
+    runner: Any = None,
 ) -> Iterator[Path]:
     """A local path holding the conversion source ``location``: an output in a bucket opened by
     the route (:func:`imgpack.opening.open_output`: fetched whole into the cache, checked), any
@@ -294,7 +353,8 @@ def source_location(
 
     ``saved``: where a listing of this source may have been saved (DST's work folder, for a part
     or a resume of a conversion): when one of ``location`` is there, intact, it is taken instead
-    of listing (nothing of SRC is asked, not even whether it is an output)."""
+    of listing (nothing of SRC is asked, not even whether it is an output). ``runner``: the
+    conversion's executor, whose tasks list SRC's folders (:func:`source_folder`)."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -320,7 +380,7 @@ def source_location(
         finally:
             files.close()
         return
-    with source_folder(url, storage_options, listing_only) as folder:
+    with source_folder(url, storage_options, listing_only, runner) as folder:
         yield folder
 
 
