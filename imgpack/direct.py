@@ -445,7 +445,10 @@ def _write_shards(
                 bar.update(len(sent.samples))
         for k in by_this:
             written = task(k)
-            receipt = shard_from(written, executor.outcomes(written.job, written.samples))
+            # Closed as soon as the shard is written or the run stops (an error, SIGTERM): the
+            # pool is shut down then, not when the generator is collected at exit.
+            with contextlib.closing(executor.outcomes(written.job, written.samples)) as outcomes:
+                receipt = shard_from(written, outcomes)
             _raise_failed(plan, receipt, kept)
             bar.update(len(written.samples))
 

@@ -4,6 +4,7 @@ DST, and a replacement killed midway never leaves the user without an output."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -109,7 +110,14 @@ def test_sigterm_cleans_up_like_ctrl_c(src: Path, tmp_path: Path) -> None:
     process = _start(src, out, "--workers", "2")
     workers = _wait_for_workers(process, out)
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # never left running for the tests after this one
+        for pid in [process.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.communicate()
+        raise
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.strip().splitlines() == [
         "Error: stopped by SIGTERM; cleaned up, nothing half-written"

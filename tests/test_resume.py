@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import slow_cli
 from PIL import Image
 
 from imgpack import convert, direct, open_dataset, verify
@@ -130,7 +131,13 @@ def test_killed_conversion_resumes_to_the_same_bytes(fmt: str, many: Path, tmp_p
         assert 0 < reached < total
     else:  # the one writer: killed once its checkpoint passed a sample
         target = random.Random(fmt).randint(COUNT // 4, 3 * COUNT // 4)
-        reached = _kill_at(_convert(many, out, *_args(fmt)), out, target)
+        # Each image 3 ms slower: the last 1,000-sample checkpoint comes well before the end
+        # (a run of 0.4 s finished between two looks on a loaded machine).
+        command = [sys.executable, "-c", slow_cli(0.003), "convert", str(many), str(out), "-q"]
+        slowed = subprocess.Popen(
+            [*command, *_args(fmt)], start_new_session=True, stderr=subprocess.PIPE
+        )
+        reached = _kill_at(slowed, out, target)
         assert 0 < reached < COUNT
     assert not out.exists()  # nothing half-written looks like an output
     [left] = leftovers(out)
