@@ -7,7 +7,12 @@ scale), in turn, as `imgpack convert` subprocesses; also `--encoding raw --size 
 where the pixels are in hand anyway. Every figure is the best of --repeats rounds; the ratio is
 what to read (the machine's speed moves between runs).
 
+With --sums, only the per-channel sums of one 416x440 RGB image (the set's mean size) by each
+path of imgpack.images.pixel_sums: the C extension's AVX2 loop (where the CPU has AVX2), its
+portable loop, and numpy alone, in turn over --repeats rounds (best of each).
+
     python scripts/bench_stats.py [--count 2000] [--repeats 3] [--format webdataset]
+    python scripts/bench_stats.py --sums
 """
 
 from __future__ import annotations
@@ -35,14 +40,47 @@ def _convert(src: Path, dst: Path, fmt: str, *extra: str) -> float:
     return time.perf_counter() - start
 
 
+def sums_times(repeats: int, calls: int = 2000) -> dict[str, float]:
+    """Microseconds per image of each sums path, best of ``repeats`` rounds of ``calls``."""
+    import numpy as np
+
+    from imgpack import images
+
+    pixels = np.random.default_rng(0).integers(0, 256, (416, 440, 3), dtype=np.uint8)
+    built = images._pixelsums
+    paths = {"numpy": lambda: images.numpy_pixel_sums(pixels)}
+    if built is not None:
+        paths["C, portable"] = lambda: built.sums(pixels.data, 3, True)
+        paths["C (AVX2 where the CPU has it)"] = lambda: built.sums(pixels.data, 3)
+    best = {name: float("inf") for name in paths}
+    for _ in range(repeats):
+        for name, run in paths.items():
+            start = time.perf_counter()
+            for _ in range(calls if name != "numpy" else calls // 10):
+                run()
+            took = (time.perf_counter() - start) / (calls if name != "numpy" else calls // 10)
+            best[name] = min(best[name], took * 1e6)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default="/tmp/imgpack-bench-stats")
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--format", default="webdataset")
+    parser.add_argument("--sums", action="store_true", help="only the sums' paths, per image")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.sums:
+        found = sums_times(args.repeats)
+        print(machine())
+        print_table(
+            f"per-channel sums of a 416x440 RGB image, best of {args.repeats}",
+            [(name, f"{us:7.1f} us") for name, us in found.items()],
+        )
+        save_json(args.json, {"machine": machine(), "sums_us": found})
+        return
     data = Path(args.data)
     src = make_photo_folder(data / f"photos-{args.count}", args.count)
     cases = {
