@@ -28,7 +28,7 @@ import sys
 import tempfile
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import AbstractContextManager, ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -498,14 +498,7 @@ def convert(
             local_src = stack.enter_context(_saved_dataset(src, local_dst))
         else:
             local_src = stack.enter_context(
-                source_location(
-                    src,
-                    storage_options,
-                    cache_dir,
-                    _in_place(options),
-                    _saved(dst, options),
-                    runner=runner,
-                )
+                _source(src, dst, options, storage_options, cache_dir, runner)
             )
             source = sources.resolve(Path(local_src), options.source, options.source_options)
             in_place = (  # parts by shard tasks on a shared path: written there, as a bucket
@@ -633,11 +626,8 @@ def dry_run(
             )
             exact = True
         else:
-            saved = _saved(dst, options)
             local = stack.enter_context(
-                source_location(
-                    src, storage_options, cache_dir, _in_place(options), saved, runner=runner
-                )
+                _source(src, dst, options, storage_options, cache_dir, runner)
             )
             the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
             exact = direct.applies_locally(options)
@@ -675,6 +665,22 @@ def dry_run(
         appended_to=(the_plan.base.num_samples, len(the_plan.base.files))
         if the_plan.base is not None
         else None,
+    )
+
+
+def _source(
+    src: Any,
+    dst: str | os.PathLike[str],
+    options: ConvertOptions,
+    storage_options: dict[str, Any] | None,
+    cache_dir: str | os.PathLike[str] | None,
+    runner: Executor,
+) -> AbstractContextManager[Path]:
+    """SRC as a local path for the conversion to DST (:func:`source_location`): a bucket image
+    folder listed by ``runner``'s tasks, or read from the listing a part or a resume of this
+    conversion saved in DST."""
+    return source_location(
+        src, storage_options, cache_dir, _in_place(options), _saved(dst, options), runner=runner
     )
 
 
@@ -721,14 +727,7 @@ def _append_plan(
                 raise none
         base = appending.base_output(target, storage_options)
         local_src = stack.enter_context(
-            source_location(
-                src,
-                storage_options,
-                cache_dir,
-                _in_place(options),
-                _saved(dst, options),
-                runner=runner,
-            )
+            _source(src, dst, options, storage_options, cache_dir, runner)
         )
         source = sources.resolve(Path(local_src), options.source, options.source_options)
         if not direct.applies_locally(options):
