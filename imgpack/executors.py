@@ -396,6 +396,19 @@ class RayExecutor:
         self.address = address
         self.workers = workers
 
+    @property
+    def starts_ray(self) -> bool:
+        """Whether each call would start a local Ray of its own and stop it after (no cluster
+        address, none in ``RAY_ADDRESS``, Ray not initialised in this process): worth it for a
+        conversion's work, not for a few seconds of listing."""
+        if self.address or os.environ.get("RAY_ADDRESS"):
+            return False
+        try:
+            import ray
+        except ImportError:
+            return True
+        return not ray.is_initialized()
+
     def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
         with self._session() as (ray, started):
             window: deque[tuple[list[Sample], Any]] = deque()

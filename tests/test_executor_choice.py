@@ -3,6 +3,7 @@ install (the Ray runs themselves are in test_ray.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -82,3 +83,22 @@ def test_a_ray_client_address_without_the_client_says_what_to_install(
     assert result.exit_code == 2
     assert "needs Ray's client, which is not installed: pip install 'imgpack[ray]'" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_local_ray_is_not_started_for_the_listing_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket folder's listing goes to the executor's tasks, except where each call would
+    start a local Ray and stop it after (no address, none in RAY_ADDRESS, Ray not running in
+    this process): then it is listed here, and Ray starts once, for the conversion."""
+    from imgpack.executors import RayExecutor
+    from imgpack.sources.listing import _task_lister
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    url = "s3://bucket/src"
+    assert _task_lister(LocalExecutor(2), url, None, 8) is not None
+    assert _task_lister(LocalExecutor(2), url, None, 1) is None  # one folder: nothing to spread
+    if importlib.util.find_spec("ray") is not None:
+        assert RayExecutor().starts_ray and _task_lister(RayExecutor(), url, None, 8) is None
+    assert not RayExecutor("ray://head:10001").starts_ray
+    assert _task_lister(RayExecutor("ray://head:10001"), url, None, 8) is not None
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    assert not RayExecutor().starts_ray

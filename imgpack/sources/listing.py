@@ -192,8 +192,11 @@ def _task_lister(
     runner: Any, url: str, storage_options: dict[str, Any] | None, folders: int
 ) -> Lister | None:
     """The folders of SRC listed by ``runner``'s tasks, a folder each (two or more folders, an
-    executor that runs tasks), else ``None`` (listed here)."""
+    executor that runs tasks on workers that are there, or a cluster already running), else
+    ``None`` (listed here: not worth a local Ray started and stopped for the listing alone)."""
     if folders < 2 or runner is None or not hasattr(runner, "tasks"):
+        return None
+    if getattr(runner, "starts_ray", False):
         return None
     options = json.dumps(storage_options or {}, sort_keys=True)
 
