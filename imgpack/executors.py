@@ -401,13 +401,17 @@ class RayExecutor:
         """Whether each call would start a local Ray of its own and stop it after (no cluster
         address, none in ``RAY_ADDRESS``, Ray not initialised in this process): worth it for a
         conversion's work, not for a few seconds of listing."""
-        if self.address or os.environ.get("RAY_ADDRESS"):
+        if self._address() is not None:
             return False
         try:
             import ray
         except ImportError:
             return True
         return not ray.is_initialized()
+
+    def _address(self) -> str | None:
+        """The cluster to connect to: the one given, else ``RAY_ADDRESS``; ``None``: a local Ray."""
+        return self.address or os.environ.get("RAY_ADDRESS") or None
 
     def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
         with self._session() as (ray, started):
@@ -458,7 +462,7 @@ class RayExecutor:
         ray = import_ray()
         started = not ray.is_initialized()
         if started:
-            connect_ray(ray, self.address or os.environ.get("RAY_ADDRESS") or None, self.workers)
+            connect_ray(ray, self._address(), self.workers)
         try:
             yield ray, started
         except ray.exceptions.RayError as exc:

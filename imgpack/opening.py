@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from imgpack.errors import DataError, ManifestError, OptionError
+from imgpack.errors import DataError, ManifestError, NotAnOutput, OptionError
 from imgpack.manifest import (
     MANIFEST_NAME,
     PART_MANIFEST_GLOB,
@@ -237,31 +237,21 @@ def _remote_manifest(url: str, storage_options: dict[str, Any] | None) -> tuple[
     ``imgpack.json`` but its part's manifest, and is that part."""
     try:
         return read_remote_manifest(url, storage_options)
-    except ManifestError as exc:
-        if not str(exc).startswith(f"{url}: not an imgpack output"):
-            raise
+    except NotAnOutput:
         fs, root = filesystem(url, storage_options)
         try:
             found = sorted(fs.glob(f"{root}/{PART_MANIFEST_GLOB}"))
         except OSError:
             found = []
-        if not found:
+        name = _one_part(url, [path.rsplit("/", 1)[-1] for path in found])
+        if name is None:
             raise
-        name = found[0].rsplit("/", 1)[-1]
-        if len(found) > 1:
-            raise OptionError(
-                f"{url}: holds the manifests of {len(found)} parts ({name}, ...) and no "
-                f"{MANIFEST_NAME}: a DST shared by parts that have not all finished; it becomes "
-                "one output by running its last part again (it is neither read nor merged before)"
-            ) from None
-        data = fs.cat_file(found[0])
-        try:
-            manifest = Manifest.from_json(json.loads(data.decode("utf-8")), where=f"{url}/{name}")
-        except (UnicodeDecodeError, json.JSONDecodeError) as bad:
-            raise ManifestError(f"{url}/{name}: unreadable manifest: {bad}") from None
-        if manifest.part is None:
-            raise ManifestError(f"{url}/{name}: not a part's manifest (no part record)") from None
-        return manifest, data
+    data = fs.cat_file(f"{root}/{name}")
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as bad:
+        raise ManifestError(f"{url}/{name}: unreadable manifest: {bad}") from None
+    return _as_part(Manifest.from_json(parsed, where=f"{url}/{name}"), f"{url}/{name}"), data
 
 
 def read_part_manifest(root: Path) -> Manifest | None:
@@ -269,20 +259,30 @@ def read_part_manifest(root: Path) -> Manifest | None:
     other parts (``.imgpack-part-I-of-K.json``: only the last part to finish a DST the parts
     share writes ``imgpack.json``), or ``None`` where it holds an output's own manifest or no
     part's."""
-    if (root / MANIFEST_NAME).exists():
+    if (root / MANIFEST_NAME).exists() or not root.is_dir():
         return None
-    found = sorted(root.glob(PART_MANIFEST_GLOB)) if root.is_dir() else []
-    if not found:
+    name = _one_part(str(root), sorted(p.name for p in root.glob(PART_MANIFEST_GLOB)))
+    if name is None:
         return None
-    if len(found) > 1:
+    return _as_part(read_manifest_file(root / name), str(root / name))
+
+
+def _one_part(where: str, names: list[str]) -> str | None:
+    """The one part manifest among ``names`` (sorted) found at ``where`` beside no
+    ``imgpack.json``; ``None`` for none; refused for several (a DST the parts share, not all
+    of them finished)."""
+    if len(names) > 1:
         raise OptionError(
-            f"{root}: holds the manifests of {len(found)} parts ({found[0].name}, ...) and no "
+            f"{where}: holds the manifests of {len(names)} parts ({names[0]}, ...) and no "
             f"{MANIFEST_NAME}: a DST shared by parts that have not all finished; it becomes "
             "one output by running its last part again (it is neither read nor merged before)"
         )
-    manifest = read_manifest_file(found[0])
+    return names[0] if names else None
+
+
+def _as_part(manifest: Manifest, where: str) -> Manifest:
     if manifest.part is None:
-        raise ManifestError(f"{found[0]}: not a part's manifest (no part record)")
+        raise ManifestError(f"{where}: not a part's manifest (no part record)")
     return manifest
 
 

@@ -262,8 +262,7 @@ def write(
     tally, durable = _tallies(plan, state)
     # Samples after the checkpoint that the writer's files hold already: passed over. A
     # checkpoint refused here leaves no file of the writer's open.
-    with ExitStack() as refused:
-        refused.callback(writer.__exit__, RuntimeError, None, None)
+    try:
         already = writer.resume(state.writer) if resume is not None else 0
         if resume is not None and writer.durable - already != state.count:
             raise damaged_checkpoint(
@@ -271,7 +270,9 @@ def write(
                 f"it counts {state.count} samples written, its files hold "
                 f"{writer.durable - already}",
             )
-        refused.pop_all()
+    except BaseException:
+        writer.__exit__(*sys.exc_info())  # the writer aborted, as a failed write leaves it
+        raise
     # (count, position, skipped) after each sample, and the sample's figures for the statistics
     marks: deque[tuple[int, int, int, Figures]] = deque()
     checkpoints = _can_checkpoint(writer)
@@ -733,7 +734,7 @@ def _append_plan(
         if not direct.applies_locally(options):
             raise OptionError(
                 f"--append: format {options.format!r} is not written in shards by tasks, so it "
-                "cannot be appended to"
+                "cannot be appended to (pt, tfrecord and webdataset outputs take --append)"
             )
         source.check()
         first = _plan(local_src, dst, options, check_dst=False)
@@ -811,8 +812,8 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         recover(dst, holding_lock=True)
         clear_leftovers(dst)
         the_plan = plan(src, dst, options)
-        # Parts by shard tasks write into DST itself (convert); a part built here for a URL
-        # DST that no task can write to (fsspec's per-process memory://) has one writer.
+        # Parts of a sharded format write into DST itself (convert); a part of one split
+        # (convert_splits, which comes here directly) is still written by the one writer.
         local = direct.applies_locally(options)
         if options.num_parts == 1 and local:
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from imgpack.errors import (
     ManifestError,
@@ -74,8 +74,9 @@ def source_folder(
     is taken one top-level folder at a time and written to disk as it comes: the driver never
     holds the whole of it. ``runner``: an executor that runs tasks (the conversion's pool, or
     Ray), whose workers list the folders, one task each (:func:`folder_lines`), so that parsing
-    the store's pages is spread over their CPUs; else this process lists them, several at once
-    on threads."""
+    the store's pages is spread over their CPUs (the driver then holds the lines of the folders
+    in flight, two per worker at most); else this process lists them, several at once on
+    threads, each into a part file on disk."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -131,8 +132,9 @@ def _relative(path: str, root: str) -> str:
     return path.rstrip("/")[len(root) :].lstrip("/")
 
 
-#: Lists SRC's top-level folders in order: ``(folder, its listing lines, visible objects)``.
-Lister = Callable[[list[str]], Iterator[tuple[str, bytes, int]]]
+#: Lists SRC's top-level folders in order: ``(folder, its listing lines to read, visible
+#: objects)``; the lines are read before the next folder is asked for.
+Lister = Callable[[list[str]], Iterator[tuple[str, BinaryIO, int]]]
 
 
 def _write_listing(
@@ -155,7 +157,7 @@ def _write_listing(
         listed = lister(folders) if lister is not None else _threads(scratch, fs, root, folders)
         for name, lines, shown in listed:
             start = out.tell()
-            out.write(lines)
+            shutil.copyfileobj(lines, out)
             if out.tell() > start:
                 index[name] = [start, out.tell(), shown]
     (scratch / STORE_FOLDERS).write_text(json.dumps(index, sort_keys=True))
@@ -163,9 +165,10 @@ def _write_listing(
 
 def _threads(
     scratch: Path, fs: Any, root: str, folders: list[str]
-) -> Iterator[tuple[str, bytes, int]]:
+) -> Iterator[tuple[str, BinaryIO, int]]:
     """Each of ``folders`` listed here, ``TRANSFERS`` at once on threads, into part files (the
-    lines of a folder wait on disk, not in memory, for the folders before it), in order."""
+    lines of a folder wait on disk, not in memory, for the folders before it), in order; each
+    read from its part file, removed once read."""
     parts = scratch / ".imgpack-store-parts"
     parts.mkdir()
     with ThreadPoolExecutor(TRANSFERS) as pool:
@@ -182,9 +185,9 @@ def _threads(
                 break
             name, part, future = window.popleft()
             shown = future.result()
-            lines = part.read_bytes()
+            with open(part, "rb") as lines:
+                yield name, lines, shown
             part.unlink()
-            yield name, lines, shown
     parts.rmdir()
 
 
@@ -200,12 +203,15 @@ def _task_lister(
         return None
     options = json.dumps(storage_options or {}, sort_keys=True)
 
-    def listed(names: list[str]) -> Iterator[tuple[str, bytes, int]]:
+    def listed(names: list[str]) -> Iterator[tuple[str, BinaryIO, int]]:
         items = ((url, options, name) for name in names)
         for (_, _, name), result in runner.tasks(folder_lines, items):
             if not isinstance(result, tuple):  # its worker died on every try
-                raise ScanError(f"{url}/{name}/: the worker listing it died on every try")
-            yield name, result[0], result[1]
+                raise ScanError(
+                    f"{url}/{name}/: the worker listing it died on every try (out of memory? "
+                    "try fewer --workers)"
+                )
+            yield name, io.BytesIO(result[0]), result[1]
 
     return listed
 

@@ -22,6 +22,7 @@ from typing import Any
 from imgpack.errors import (
     ImgpackError,
     ManifestError,
+    NotAnOutput,
     OptionError,
     StorageError,
     first_line,
@@ -177,7 +178,7 @@ def read_remote_manifest(
         missing = no_bucket(url, exc)
         if missing is not None:
             raise missing from None
-        raise ManifestError(
+        raise NotAnOutput(
             f"{url}: not an imgpack output (no {MANIFEST_NAME}: nothing there, or a conversion "
             "still uploading or killed midway, which leaves none)"
         ) from None
