@@ -812,10 +812,7 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         recover(dst, holding_lock=True)
         clear_leftovers(dst)
         the_plan = plan(src, dst, options)
-        # Parts of a sharded format write into DST itself (convert); a part of one split
-        # (convert_splits, which comes here directly) is still written by the one writer.
-        local = direct.applies_locally(options)
-        if options.num_parts == 1 and local:
+        if direct.applies_locally(options):  # (its parts were written in place: convert)
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
         try:
             return _convert(the_plan, executor)
@@ -950,8 +947,10 @@ def convert_splits(
         options = replace(options, classes=tuple(union))
     dst_path.mkdir(parents=True, exist_ok=True)
     runner = executors.create(executor, options.workers)
+    # Each split as `convert` makes it: by shard tasks, its parts written into DST/<split>.
     return {
-        name: _convert_local(root_path / name, dst_path / name, options, runner) for name in names
+        name: convert(root_path / name, dst_path / name, options=options, executor=runner)
+        for name in names
     }
 
 

@@ -70,3 +70,26 @@ def test_the_cli_converts_splits_and_refuses_them_as_classes(root: Path, tmp_pat
 def test_a_missing_split_is_named(root: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="test: no such split folder"):
         convert_splits(root, tmp_path / "out", "pt", splits=["train", "test"], progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+def test_the_parts_of_splits_write_each_split_as_one_conversion_does(
+    root: Path, tmp_path: Path, fmt: str
+) -> None:
+    """`--splits --num-parts K --part I`: each split's part writes its shards into DST/<split>
+    (no merge), and the last part makes each split the single conversion's files, byte for
+    byte."""
+    whole = tmp_path / "whole"
+    convert_splits(root, whole, fmt, shard_size=300, workers=1, progress=False)
+    runner = CliRunner()
+    for part in (1, 0):
+        args = ["convert", str(root), str(tmp_path / "parts"), "--format", fmt, "--splits"]
+        args += ["--num-parts", "2", "--part", str(part), "--shard-size", "300", "-q"]
+        result = runner.invoke(main, [*args, "--workers", "2"])
+        assert result.exit_code == 0, result.output
+    for split in ("train", "val"):
+        ours, theirs = tmp_path / "parts" / split, whole / split
+        names = sorted(p.name for p in theirs.iterdir())
+        assert sorted(p.name for p in ours.iterdir()) == names and len(names) > 2
+        for name in names:
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), (split, name)
