@@ -13,7 +13,18 @@ The appended samples are planned and written as any conversion by shard tasks is
 The old files are never written. The manifest that lists old and new files replaces the old one
 last (a rename on a path, one PUT in a bucket): a reader that opened the output before reads
 the old version whole, and a run killed midway leaves the old output, which ``--append
---resume`` finishes from its receipts. The manifest records each append under
+--resume`` finishes from its receipts.
+
+A one-file output (``lmdb``, ``hdf5``; a local DST) cannot take new files beside its one: the
+new version is built in a temp folder beside DST, under DST's lock, from a copy of the output
+(:func:`seed`: its file hashed against its manifest first; LMDB's ``data.mdb`` copied as it is,
+HDF5's records staged again, each checked against its checksum), the new samples written after
+the old ones by the one writer with its checkpoints (``--append --resume`` goes on from them),
+and the folder swapped with DST in one rename (``renameat2``'s exchange where the filesystem
+has it) with the manifest inside. A reader that has the old file open keeps reading the old
+version (the file stays while it is open); one that opens the file after the swap, with the
+old manifest read, is told to open the output again. A run killed midway leaves the old output
+as it was, byte for byte. The manifest records each append under
 ``source["appended"]`` (SRC, counts, the ids before and after, and the append's key), so that
 a ``--resume`` of an append already committed returns the output as it is, and appending the
 same SRC again is refused.
@@ -21,13 +32,16 @@ same SRC again is refused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from imgpack.errors import ManifestError, OptionError
-from imgpack.manifest import Manifest
-from imgpack.opening import open_manifest
+from imgpack.formats.writer_base import Writer, WriterConfig
+from imgpack.images import Encoded
+from imgpack.manifest import Manifest, check_digests
+from imgpack.opening import open_manifest, open_output
 from imgpack.scan import UNLABELLED, Sample, SampleTable, Scan
 from imgpack.stats import DatasetStats
 
@@ -127,11 +141,15 @@ def last_key(base: Manifest) -> str | None:
     return None
 
 
-def appended(base: Manifest, new: Manifest, key: str) -> Manifest:
+def appended(base: Manifest, new: Manifest, key: str, one_file: bool = False) -> Manifest:
     """The manifest of ``base`` with the output ``new`` (the appended shards' own manifest:
     the combined classes, the new id) after it: every old file with the id it carries, the
-    counts, skipped files and statistics of both, and the append recorded in ``source``."""
+    counts, skipped files and statistics of both, and the append recorded in ``source``.
+    ``one_file``: ``new``'s files hold the old samples too (:func:`seed`), and replace
+    ``base``'s; its ``num_samples`` counts the new ones only."""
     files = [replace(f, output_id=base.file_output_id(k)) for k, f in enumerate(base.files)]
+    if one_file:
+        files = []
     grown = len(new.classes) - len(base.classes)
     stats = None
     if base.stats is not None and new.stats is not None:
@@ -167,6 +185,32 @@ def appended(base: Manifest, new: Manifest, key: str) -> Manifest:
     )
 
 
+def seed(
+    writer: type[Writer], directory: Path, config: WriterConfig, previous: Path
+) -> dict[str, Any]:
+    """Make the empty temp folder ``directory`` start as the one-file output at ``previous``
+    (:meth:`Writer.seed <imgpack.formats.writer_base.Writer.seed>`), whose files are hashed
+    against its manifest first: what is added to is what was converted. Returns the writer's
+    state to go on from."""
+    from imgpack.formats.streaming import stored_samples  # (the readers import torch)
+    from imgpack.readers import reader_class
+
+    manifest = open_manifest(str(previous))[1]
+    check_digests(
+        previous,
+        manifest,
+        "its manifest records (the output is damaged or was changed after its conversion); "
+        "nothing was appended: convert it again, or restore it from a copy",
+    )
+
+    def samples() -> Iterator[Encoded]:  # read only by a format that needs them (not LMDB)
+        opened = open_output(str(previous))
+        reader = reader_class(manifest.format)(opened, verify=True)
+        yield from stored_samples(reader, 0, len(reader))
+
+    return writer.seed(directory, config, previous, samples())
+
+
 __all__ = [
     "appended",
     "base_output",
@@ -174,4 +218,5 @@ __all__ = [
     "combined_classes",
     "last_key",
     "relabelled",
+    "seed",
 ]

@@ -24,7 +24,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import ManifestError, NotAnOutput
+from imgpack.errors import DataError, ManifestError, NotAnOutput
 from imgpack.fields import Field, fields_from_json, fields_to_json
 from imgpack.scan import IMAGE_EXTENSIONS
 from imgpack.stats import DatasetStats
@@ -383,6 +383,18 @@ def file_problem(root: Path, entry: FileEntry | Companion) -> str | None:
     if st.st_size != entry.bytes:
         return f"{st.st_size} bytes, the manifest says {entry.bytes}"
     return None
+
+
+def check_digests(root: Path, manifest: Manifest, why: str) -> None:
+    """Each file of ``manifest`` under ``root`` hashes to its recorded sha256, else
+    :class:`~imgpack.errors.DataError` naming it: "its sha256 is not the one ``why``". For a
+    one-file output (``lmdb``, ``hdf5``) read whole: its library follows the file's own
+    pointers (LMDB maps it), so a damaged one could crash the process (a read past the file's
+    end is a SIGBUS) before a record is checked."""
+    for entry in manifest.files:
+        path = root / entry.path
+        if entry.sha256 and sha256_file(path) != entry.sha256:
+            raise DataError(f"{path}: its sha256 is not the one {why}")
 
 
 def sha256_file(

@@ -39,7 +39,7 @@ from imgpack.errors import DataError, OptionError
 from imgpack.formats.dataset_base import ImageDataset, ReadOptions
 from imgpack.formats.writer_base import ShardedWriter, WriterConfig, WrittenFile, file_entries
 from imgpack.images import Encoding, ImagePolicy
-from imgpack.manifest import Manifest, sha256_file, write_manifest
+from imgpack.manifest import Manifest, check_digests, write_manifest
 from imgpack.opening import Opened, open_manifest, open_output
 from imgpack.publishing import (
     check_destination,
@@ -128,24 +128,16 @@ def _pinned_reader(opened: Opened) -> ImageDataset:
     if not isinstance(reader.manifest.part, dict):
         return reader  # check_parts refuses it
     if not issubclass(formats.get(reader.manifest.format).writer_class(), ShardedWriter):
-        _check_digests(opened)  # before its library maps it: damage is an error, not a SIGBUS
+        # Before its library maps it: damage is an error, not a SIGBUS.
+        check_digests(
+            Path(opened.root),
+            opened.manifest,
+            "its part's manifest records (the part is damaged or was changed after its "
+            "conversion); nothing was merged: convert that part again",
+        )
         reader.handles  # noqa: B018 - opens the files
         reader.stored_paths()
     return reader
-
-
-def _check_digests(opened: Opened) -> None:
-    """Each file of a one-file part (``lmdb``, ``hdf5``) hashes to its recorded sha256. Its
-    library reads the file's own pointers (LMDB maps it whole), so a damaged one could crash
-    the merge (a read past the file's end is a SIGBUS) before a record is checked."""
-    for entry in opened.manifest.files:
-        path = Path(opened.root) / entry.path
-        if entry.sha256 and sha256_file(path) != entry.sha256:
-            raise DataError(
-                f"{path}: its sha256 is not the one its part's manifest records (the part is "
-                "damaged or was changed after its conversion); nothing was merged: convert that "
-                "part again"
-            )
 
 
 def check_parts(roots: list[Path], manifests: list[Manifest]) -> list[tuple[Path, Manifest]]:

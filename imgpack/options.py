@@ -137,17 +137,22 @@ class ConvertOptions:
                 raise OptionError("classes must be a non-empty list of distinct names")
         set_(self, "format_options", spec.check_options(self.format_options))
         if self.append:
-            self._check_append(spec.sharded)
+            self._check_append(spec.appendable)
         if self.source is not None:
             sources.get(self.source)  # an unknown kind fails here; its options when SRC is known
         set_(self, "source_options", dict(self.source_options))
 
-    def _check_append(self, sharded: bool) -> None:
+    def _check_append(self, appendable: bool) -> None:
         """What ``--append`` cannot go with, refused in one line."""
-        if not sharded:
+        if not appendable:
             raise OptionError(
-                f"--append: format {self.format!r} is one file; appending to it is not "
-                "supported yet (pt, tfrecord and webdataset outputs take --append)"
+                f"--append: format {self.format!r} cannot be added to (its writer keeps no "
+                "state to go on from; imgpack's own formats take --append)"
+            )
+        if self.num_parts > 1 and not formats.get(self.format).sharded:
+            raise OptionError(
+                f"--append: a {self.format} output is one file, written by one process; append "
+                "without --num-parts"
             )
         clash = next(
             (name for name, given in (

@@ -480,6 +480,8 @@ def convert(
         with _append_plan(src, dst, options, runner, storage_options, cache_dir, True) as plan:
             if plan.base is None:  # committed already (--resume): the output as it is
                 return open_manifest(_target(dst), storage_options)[1]
+            if plan.layout != direct.LAYOUT:  # one file (lmdb, hdf5): a new version of it
+                return _append_to_file(plan, runner)
             return direct.convert_to_bucket(plan, _target(dst), storage_options, runner)
     # A bucket DST is built in a folder of the cache kept when the run stops: --resume goes on.
     build = build_folder(str(dst), cache_dir) if is_url(dst) else None
@@ -625,7 +627,7 @@ def dry_run(
             the_plan = stack.enter_context(
                 _append_plan(src, dst, options, runner, storage_options, cache_dir, lock=False)
             )
-            exact = True
+            exact = the_plan.layout == direct.LAYOUT  # lmdb, hdf5: a new version of the file
         else:
             local = stack.enter_context(
                 _source(src, dst, options, storage_options, cache_dir, runner)
@@ -731,16 +733,18 @@ def _append_plan(
             _source(src, dst, options, storage_options, cache_dir, runner)
         )
         source = sources.resolve(Path(local_src), options.source, options.source_options)
-        if not direct.applies_locally(options):
+        by_shards = direct.applies_locally(options)
+        if not by_shards and is_url(dst):
             raise OptionError(
-                f"--append: format {options.format!r} is not written in shards by tasks, so it "
-                "cannot be appended to (pt, tfrecord and webdataset outputs take --append)"
+                f"--append: a {options.format} output is one file, rebuilt on one disk to add "
+                "to it: copy it from the bucket, append to the copy, and upload that"
             )
         source.check()
         first = _plan(local_src, dst, options, check_dst=False)
         classes = appending.combined_classes(base, first.scan.classes, first.where)
         scan = appending.relabelled(first.scan, classes)
-        the_plan = replace(first, scan=scan, layout=direct.LAYOUT, base=base)
+        layout = direct.LAYOUT if by_shards else ""
+        the_plan = replace(first, scan=scan, layout=layout, base=base)
         appending.check_compatible(base, manifest_for(the_plan, [], 0, []), target)
         if appending.last_key(base) == the_plan.append_key:
             if not (options.resume or options.num_parts > 1):
@@ -750,6 +754,33 @@ def _append_plan(
                 )
             the_plan = replace(the_plan, base=None)
         yield the_plan
+
+
+def _append_to_file(the_plan: Plan, executor: Executor) -> Manifest:
+    """``--append`` to a one-file output at a local DST (its lock held): the new version built
+    in a temp folder beside it from a copy of it (:func:`imgpack.appending.seed`), the new
+    samples written after the old by the one writer with its checkpoints, the folder swapped
+    with DST, its manifest inside."""
+    base, options = the_plan.base, the_plan.options
+    assert base is not None
+    existing, checkpoint = _resumable(the_plan) if options.resume else (None, None)
+    with temp_output(the_plan.dst, existing, keep=_resume_note) as tmp:
+        if checkpoint is None:
+            # A run killed while the copy is made is recognised, and starts again.
+            Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable).save(tmp)
+            state = appending.seed(
+                options.spec.writer_class(), tmp, the_plan.writer_config(), the_plan.dst
+            )
+            checkpoint = Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable, writer=state)
+            checkpoint.save(tmp)
+        outcomes = process(the_plan, executor, checkpoint.position)
+        written = write(the_plan, tmp, outcomes, checkpoint)
+        new = build_manifest(the_plan, tmp, written)
+        manifest = appending.appended(base, new, the_plan.append_key, one_file=True)
+        write_manifest(tmp, manifest)
+        publish(tmp, the_plan.dst, replace=True)
+    (the_plan.dst / CHECKPOINT).unlink(missing_ok=True)
+    return manifest
 
 
 def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:

@@ -118,7 +118,7 @@ def test_an_append_adds_shards_after_the_old_ones_and_keeps_their_bytes(
         (["--format", "tfrecord"], "the output's format is 'pt'"),
         (["--encoding", "png"], "the output's encoding is 'original'"),
         (["--size", "8"], "the output's image"),
-        (["--format", "lmdb"], "is one file; appending to it is not supported yet"),
+        (["--format", "lmdb"], "the output's format is 'pt', this conversion's 'lmdb'"),
         (["--overwrite"], "--append does not go with --overwrite"),
     ],
 )

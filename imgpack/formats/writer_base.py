@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -108,6 +108,18 @@ class Writer(ABC):
         bytes past the checkpoint that are not complete are removed or truncated here.
         """
         raise NotImplementedError(f"format {self.config.format!r} cannot resume")
+
+    @classmethod
+    def seed(
+        cls, directory: Path, config: WriterConfig, previous: Path, samples: Iterable[Encoded]
+    ) -> dict[str, Any]:
+        """Make the empty ``directory`` hold the data of the finished output at ``previous``
+        (this format's, checked, never modified; ``samples``: its stored samples, in order,
+        read only when the format needs them) so that more samples are added after them
+        (``convert --append`` of a one-file format). Returns the :meth:`resume` state of a
+        writer over ``directory`` that has added none yet: :attr:`durable` and the
+        checkpoints count the samples added, the files hold the old ones too."""
+        raise NotImplementedError(f"format {config.format!r} cannot be appended to")
 
     @abstractmethod
     def add(self, sample: Encoded) -> None:

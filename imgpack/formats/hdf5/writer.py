@@ -22,6 +22,10 @@ block, at the end. Memory stays bounded; the image bytes are written twice. Ever
 :data:`BLOCK_RECORDS` samples (or :data:`BLOCK_BYTES`) the staging file and a journal of the
 samples' labels, sizes, checksums and paths are flushed: an interrupted conversion resumes from
 the last such block.
+
+An append (``convert --append``) stages the output's own records first (:meth:`HDF5Writer.seed`),
+checked against their checksums as they are read, then the new ones: ``data.h5`` is written whole
+again, its old records' bytes as they were.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import base64
 import binascii
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +76,25 @@ class HDF5Writer(Writer):
         self._fields: list[list[bytes | None]] = []
         self._offsets = [0]
         self._block_start = self._offsets[-1]
+        #: Samples journaled (the last block's end), and of them the output's own before an
+        #: append's (:meth:`seed`); :attr:`durable` counts the others.
+        self._journaled = 0
+        self._base = 0
+
+    @classmethod
+    def seed(
+        cls, directory: Path, config: WriterConfig, previous: Path, samples: Iterable[Encoded]
+    ) -> dict[str, Any]:
+        """The output's own samples staged and journaled, as the first block of this one."""
+        writer = cls(directory, config)
+        try:
+            for sample in samples:
+                writer.add(sample)
+            writer._end_block()
+            writer._base, writer.durable = writer._journaled, 0
+            return writer.checkpoint_state()
+        finally:
+            writer._abort()
 
     def add(self, sample: Encoded) -> None:
         self._staging.write(sample.payload)
@@ -83,7 +107,7 @@ class HDF5Writer(Writer):
             crc = extend_crc(crc, stored)
             self._fields.append(stored)
         self._crcs.append(crc)
-        pending = len(self._labels) - self.durable
+        pending = len(self._labels) - self._journaled
         if pending >= BLOCK_RECORDS or self._offsets[-1] - self._block_start >= BLOCK_BYTES:
             self._end_block()
 
@@ -100,20 +124,22 @@ class HDF5Writer(Writer):
                 ]
             )
             + "\n"
-            for i in range(self.durable, len(self._labels))
+            for i in range(self._journaled, len(self._labels))
         ]
         self._staging.flush()
         self._journal.write("".join(lines).encode("utf-8", "surrogateescape"))
         self._journal.flush()
-        self.durable = len(self._labels)
+        self._journaled = len(self._labels)
+        self.durable = self._journaled - self._base
         self._block_start = self._offsets[-1]
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "records": self.durable,
-            "staging_bytes": self._offsets[self.durable],
+            "staging_bytes": self._offsets[self._journaled],
             "journal_bytes": self._journal.tell(),
         }
+        return {**state, "base": self._base} if self._base else state
 
     def resume(self, state: dict[str, Any]) -> int:
         """Cut the staging file and the journal back to the checkpoint; reload the journal and
@@ -121,7 +147,8 @@ class HDF5Writer(Writer):
         a merge checks what it copies). A checkpoint or journal that does not describe the
         staged bytes is refused."""
         bad = f"{self.directory}: damaged checkpoint or journal; convert again without --resume"
-        keys = ("records", "staging_bytes", "journal_bytes")
+        state = {"base": 0, **state}
+        keys = ("records", "staging_bytes", "journal_bytes", "base")
         if not all(type(state.get(k)) is int and state[k] >= 0 for k in keys):
             raise DataError(bad)
         staging, journal = self._staging_path, self.directory / ".data.journal"
@@ -160,9 +187,11 @@ class HDF5Writer(Writer):
                 self._filenames.append(path)
                 if self.config.fields:
                     self._fields.append(stored)
-        if len(self._labels) != state["records"] or self._offsets[-1] != state["staging_bytes"]:
+        journaled = state["base"] + state["records"]
+        if len(self._labels) != journaled or self._offsets[-1] != state["staging_bytes"]:
             raise DataError(f"{self.directory}: the journal does not match its checkpoint")
-        self.durable = len(self._labels)
+        self._base, self._journaled = state["base"], journaled
+        self.durable = state["records"]
         self._block_start = self._offsets[-1]
         return 0
 

@@ -6,6 +6,9 @@ One record per sample, keyed by its zero-padded index (and, after them, the key 
 starts at ``map_size`` (64 MiB by default) and doubles whenever a batch does not fit (the batch
 is replayed), so no size has to be guessed. ``data.mdb`` grows with what is written (no map-sized
 tail); it is compacted at the end only if free pages make up more than 5% of it.
+
+An append (``convert --append``) starts from a copy of the output's ``data.mdb`` without its
+``__imgpack__`` key (:meth:`LMDBWriter.seed`) and puts the new records after the old ones.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from imgpack.fields import stored_values
 from imgpack.formats.lmdb import record
 from imgpack.formats.writer_base import Writer, WriterConfig, WrittenFile
 from imgpack.images import Encoded
+from imgpack.system import copy_file
 
 #: Records per write transaction, and bytes; a commit happens at whichever comes first.
 COMMIT_RECORDS = 1000
@@ -39,6 +44,25 @@ class LMDBWriter(Writer):
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         self._count = 0
+        #: The records of the output this one adds to (an append), before its own.
+        self._base = 0
+
+    @classmethod
+    def seed(
+        cls, directory: Path, config: WriterConfig, previous: Path, samples: Iterable[Encoded]
+    ) -> dict[str, Any]:
+        """A copy of ``previous``'s ``data.mdb`` without its ``__imgpack__`` key (the final
+        one is written at the end): its records are the first ones of this output."""
+        copy_file(previous / "data.mdb", directory / "data.mdb")
+        map_size = 2 * (directory / "data.mdb").stat().st_size + (64 << 20)  # room to add
+        env = lmdb.open(str(directory), map_size=map_size, subdir=True, sync=False, max_dbs=0)
+        try:
+            with env.begin(write=True) as txn:
+                txn.delete(record.META_KEY)
+            base = int(env.stat()["entries"])
+        finally:
+            env.close()
+        return {"records": 0, "map_size": map_size, "base": base}
 
     def _open_env(self) -> lmdb.Environment:
         return lmdb.open(
@@ -61,7 +85,7 @@ class LMDBWriter(Writer):
             sample.payload,
             stored_values(self.config.fields, sample.fields or {}) if self.config.fields else None,
         )
-        self._pending.append((record.key(self._count), value))
+        self._pending.append((record.key(self._base + self._count), value))
         self._pending_bytes += len(value)
         self._count += 1
         if len(self._pending) >= COMMIT_RECORDS or self._pending_bytes >= COMMIT_BYTES:
@@ -88,18 +112,23 @@ class LMDBWriter(Writer):
         self.durable = self._count
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"records": self.durable, "map_size": self.map_size}
+        state = {"records": self.durable, "map_size": self.map_size}
+        return {**state, "base": self._base} if self._base else state
 
     def resume(self, state: dict[str, Any]) -> int:
         """Continue after the last committed batch: LMDB's commits are atomic, so the
         environment holds exactly the batches committed before the interruption (one more than
         the checkpoint says when it came between a commit and its checkpoint)."""
-        if not all(type(state.get(k)) is int and state[k] >= 0 for k in ("records", "map_size")):
+        state = {"base": 0, **state}
+        if not all(
+            type(state.get(k)) is int and state[k] >= 0 for k in ("records", "map_size", "base")
+        ):
             raise DataError(
-                f"{self.directory}: damaged checkpoint (its LMDB state is not two counts); "
+                f"{self.directory}: damaged checkpoint (its LMDB state is not counts); "
                 "convert again without --resume"
             )
-        entries = int(self._env.stat()["entries"])
+        self._base = int(state["base"])
+        entries = int(self._env.stat()["entries"]) - self._base
         if entries < int(state["records"]):
             raise DataError(
                 f"{self.directory}: holds {entries} records, its checkpoint says "
@@ -112,7 +141,7 @@ class LMDBWriter(Writer):
 
     def _finish(self) -> list[WrittenFile]:
         if self.config.output_id:  # sorts after every sample key: appended with the last batch
-            meta = {"num_samples": self._count, "output_id": self.config.output_id}
+            meta = {"num_samples": self._base + self._count, "output_id": self.config.output_id}
             value = json.dumps(meta, sort_keys=True).encode("ascii")
             self._pending.append((record.META_KEY, value))
             self._pending_bytes += len(value)
@@ -124,7 +153,7 @@ class LMDBWriter(Writer):
             os.replace(compact / "data.mdb", self.directory / "data.mdb")
             shutil.rmtree(compact)
         self._env.close()
-        return [WrittenFile("data.mdb", self._count)]
+        return [WrittenFile("data.mdb", self._base + self._count)]
 
     def _wasted_pages(self) -> float:
         """Share of data.mdb's pages that hold no record (freed by copy-on-write commits).
