@@ -217,7 +217,10 @@ def _plan(
     dst: str | os.PathLike[str],
     options: ConvertOptions,
     check_dst: bool,
+    runner: Executor | None = None,
 ) -> Plan:
+    """:func:`plan`; ``runner``: the conversion's executor, whose workers may take the scan's
+    store requests (:attr:`ScanRequest.runner <imgpack.sources.base.ScanRequest.runner>`)."""
     src_path, dst_path = Path(src), Path(dst)
     source = sources.resolve(src_path, options.source, options.source_options)
     source.check()
@@ -227,7 +230,12 @@ def _plan(
     if options.classes is not None:
         classes = list(options.classes)
     request = ScanRequest(
-        classes, options.on_error, options.allow_split_names, options.typed_fields, options.fields
+        classes,
+        options.on_error,
+        options.allow_split_names,
+        options.typed_fields,
+        options.fields,
+        runner,
     )
     the_plan = Plan(src_path, dst_path, options, source.scan(request), source)
     the_plan.fields  # noqa: B018 - refuses an unknown --fields name, or fields a format cannot store
@@ -510,7 +518,8 @@ def convert(
             if direct.applies(options, dst) or in_place:  # shard tasks write DST
                 source.check()
                 the_plan = replace(
-                    _plan(local_src, dst, options, check_dst=False), layout=direct.LAYOUT
+                    _plan(local_src, dst, options, check_dst=False, runner=runner),
+                    layout=direct.LAYOUT,
                 )
                 return direct.convert_to_bucket(the_plan, _target(dst), storage_options, runner)
             local_dst = Path(stack.enter_context(destination))
@@ -632,7 +641,7 @@ def dry_run(
             local = stack.enter_context(
                 _source(src, dst, options, storage_options, cache_dir, runner)
             )
-            the_plan = _plan(local, dst, options, check_dst=not is_url(dst))
+            the_plan = _plan(local, dst, options, check_dst=not is_url(dst), runner=runner)
             exact = direct.applies_locally(options)
         sizes = list(direct.sample_sizes(the_plan, framed=False))
         framed = list(direct.sample_sizes(the_plan)) if options.spec.sharded else sizes
@@ -740,7 +749,7 @@ def _append_plan(
                 "to it: copy it from the bucket, append to the copy, and upload that"
             )
         source.check()
-        first = _plan(local_src, dst, options, check_dst=False)
+        first = _plan(local_src, dst, options, check_dst=False, runner=runner)
         classes = appending.combined_classes(base, first.scan.classes, first.where)
         scan = appending.relabelled(first.scan, classes)
         layout = direct.LAYOUT if by_shards else ""
@@ -842,7 +851,7 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
     with locked(dst):
         recover(dst, holding_lock=True)
         clear_leftovers(dst)
-        the_plan = plan(src, dst, options)
+        the_plan = _plan(src, dst, options, check_dst=True, runner=executor)
         if direct.applies_locally(options):  # (its parts were written in place: convert)
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
         try:

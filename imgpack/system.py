@@ -68,6 +68,14 @@ def read_regular_file(path: str | os.PathLike[str], follow_links: bool = False) 
         os.close(fd)
 
 
+def lends_tasks(executor: Any) -> bool:
+    """Whether a conversion's ``executor`` (:mod:`imgpack.executors`) can take a plan's store
+    requests (listing SRC, sizing a label list's objects) as tasks: it runs tasks
+    (``TaskExecutor``) on workers that are there, not a local Ray it would start and stop for
+    a few seconds of listing."""
+    return hasattr(executor, "tasks") and not getattr(executor, "starts_ray", False)
+
+
 def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     """Copy the regular file ``src`` to the new file ``dst`` inside the kernel
     (``copy_file_range``: a filesystem that shares extents, such as XFS or Btrfs, shares them

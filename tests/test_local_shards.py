@@ -481,6 +481,67 @@ def test_a_label_list_of_urls_is_written_by_shard_tasks(
     assert len(ds) == 40 and ds.stored_paths()[0] == rows[0].split(",")[0]
 
 
+class _Given:
+    """The local pool with 2 workers, recording what its tasks were given."""
+
+    def __init__(self) -> None:
+        from imgpack.executors import LocalExecutor
+
+        self.inner, self.workers, self.given = LocalExecutor(2), 2, []
+
+    def outcomes(self, job: Any, samples: Any) -> Any:
+        return self.inner.outcomes(job, samples)
+
+    def tasks(self, function: Any, items: Any) -> Any:
+        for item, result in self.inner.tasks(function, items):
+            self.given.append(item)
+            yield item, result
+
+    def alone(self, job: Any, samples: Any) -> Any:
+        return self.inner.alone(job, samples)
+
+
+def test_the_workers_ask_the_sizes_of_a_label_lists_objects(
+    s3: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A label list of bucket URLs in several folders: its objects' sizes are asked by the
+    conversion's workers, whole folders to a task (the store's pages parsed on their CPUs),
+    this process asking none; the same plan, so the same files, as when it asks them itself."""
+    import s3fs
+
+    from imgpack.storage import location
+
+    fs = fsspec.filesystem("s3")
+    base = f"{s3}/sized-{tmp_path.name}".removeprefix("s3://")
+    rows = []
+    for k, file in enumerate(sorted(images.rglob("*.png"))):
+        key = f"folder{k % 5}/{k:03d}.png"
+        fs.put(str(file), f"{base}/{key}")
+        rows.append(f"s3://{base}/{key},{file.parent.name}")
+    listed = tmp_path / "urls.csv"
+    listed.write_text("path,label\n" + "\n".join(rows) + "\n")
+    args: dict[str, Any] = {"labels": str(listed), "shard_size": "3KB", "progress": False}
+    reference = convert(images, tmp_path / "reference", "webdataset", workers=1, **args)
+    asked: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: object, method: str, *a: object, **k: object) -> object:
+        if method.startswith("list_objects") or method == "head_object":
+            asked.append(str(k.get("Key") or k.get("Prefix") or ""))
+        return await real(self, method, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    monkeypatch.setattr(location, "SIZES_PER_TASK", 16)  # 40 objects, 8 a folder: 3 tasks
+    runner = _Given()
+    done = convert(images, tmp_path / "out", "webdataset", executor=runner, **args)
+    groups = [item for item in runner.given if isinstance(item, list)]
+    assert asked == [] and [len(g) for g in groups] == [16, 16, 8]
+    folders = [{url.rsplit("/", 1)[0] for url in group} for group in groups]
+    assert sum(len(f) for f in folders) == 5  # no folder asked by two tasks
+    assert done.output_id == reference.output_id and done.files == reference.files
+    assert _files(tmp_path / "out") == _files(tmp_path / "reference")
+
+
 @pytest.mark.parametrize("kind", ["webdataset png", "pt raw", "tensorflow", "hugging face"])
 def test_outputs_and_tfrecords_are_written_by_shard_tasks(
     s3: str, images: Path, tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch

@@ -45,6 +45,9 @@ class ScanRequest:
     #: The fields to keep (``--fields``), by name; ``None``: every one the source has. A
     #: source need not offer the others (nor check their names or values).
     fields: tuple[str, ...] | None = None
+    #: The conversion's executor: a scan may hand its store requests to its workers as tasks
+    #: (:func:`~imgpack.system.lends_tasks`); ``None``: made here.
+    runner: Any = None
 
 
 class Fetcher(ABC):

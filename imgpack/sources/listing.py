@@ -50,6 +50,7 @@ from imgpack.storage.location import (
     no_bucket,
     remote_error,
 )
+from imgpack.system import lends_tasks
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +198,7 @@ def _task_lister(
     """The folders of SRC listed by ``runner``'s tasks, a folder each (two or more folders, an
     executor that runs tasks on workers that are there, or a cluster already running), else
     ``None`` (listed here: not worth a local Ray started and stopped for the listing alone)."""
-    if folders < 2 or runner is None or not hasattr(runner, "tasks"):
-        return None
-    if getattr(runner, "starts_ray", False):
+    if folders < 2 or not lends_tasks(runner):
         return None
     options = json.dumps(storage_options or {}, sort_keys=True)
 

@@ -28,6 +28,7 @@ from imgpack.errors import (
     first_line,
 )
 from imgpack.manifest import MANIFEST_NAME, Manifest
+from imgpack.system import lends_tasks
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,44 @@ def read_objects(fs: Any, paths: Sequence[str]) -> list[tuple[bytes, list[str]] 
 LIST_AT = 16
 #: ``info`` requests in flight at once, where the filesystem is asynchronous.
 INFOS_AT_ONCE = 256
+#: Objects a task of :func:`object_sizes_in_tasks` sizes at least (whole folders of them).
+SIZES_PER_TASK = 4096
+
+
+def object_sizes_in_tasks(urls: Sequence[str], runner: Any = None) -> list[int]:
+    """:func:`object_sizes`, asked by ``runner``'s tasks (a conversion's executor whose workers
+    take store requests: :func:`~imgpack.system.lends_tasks`), so that the store's pages
+    are parsed on their CPUs: the objects in groups of whole folders (a folder's listing is
+    asked once, by one task), :data:`SIZES_PER_TASK` or more objects a group, each group a
+    task; here when they make one group, or without such a runner. The same sizes either way."""
+    groups = _folder_groups(urls)
+    if len(groups) < 2 or not lends_tasks(runner):
+        return object_sizes(urls)
+    found = [-1] * len(urls)
+    items = ([urls[k] for k in group] for group in groups)
+    for group, (asked, sizes) in zip(groups, runner.tasks(object_sizes, items), strict=True):
+        if not isinstance(sizes, list):  # its worker died on every try
+            raise StorageError(
+                f"{asked[0]} and {len(asked) - 1} other object(s): the worker asking their sizes "
+                "died on every try (out of memory? try fewer --workers)"
+            )
+        for k, size in zip(group, sizes, strict=True):
+            found[k] = size
+    return found
+
+
+def _folder_groups(urls: Sequence[str]) -> list[list[int]]:
+    """The positions of ``urls`` by folder (folders in the order first named), gathered into
+    groups of :data:`SIZES_PER_TASK` or more, no folder split between two."""
+    folders: dict[str, list[int]] = {}
+    for k, url in enumerate(urls):
+        folders.setdefault(url.rpartition("/")[0], []).append(k)
+    groups: list[list[int]] = [[]]
+    for members in folders.values():
+        if len(groups[-1]) >= SIZES_PER_TASK:
+            groups.append([])
+        groups[-1].extend(members)
+    return [group for group in groups if group]
 
 
 def object_sizes(urls: Sequence[str]) -> list[int]:

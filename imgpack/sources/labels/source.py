@@ -87,7 +87,7 @@ class LabelListSource(Source):
 
     def scan(self, request: ScanRequest) -> Scan:
         rows, unreadable = self._rows(request)
-        rows = _with_url_sizes(rows)
+        rows = _with_url_sizes(rows, request.runner)
         classes, label_of = label_map([row[2] for row in rows], request.classes)
         fields, names = self._fields(rows, request)
         samples: list[Sample] = []
@@ -313,16 +313,18 @@ class LabelListSource(Source):
         return LabelListFetcher(str(self.root), self.list_file.name)
 
 
-def _with_url_sizes(rows: list[Row]) -> list[Row]:
+def _with_url_sizes(rows: list[Row], runner: Any = None) -> list[Row]:
     """``rows`` with each URL row's object size as its store lists it (``-1`` where it has
-    none: the task that reads it names it)."""
+    none: the task that reads it names it), asked by ``runner``'s workers where it lends them
+    (:func:`~imgpack.storage.location.object_sizes_in_tasks`)."""
     at = [k for k, row in enumerate(rows) if is_url(row[1])]
     if not at:
         return rows
-    from imgpack.storage.location import object_sizes
+    from imgpack.storage.location import object_sizes_in_tasks
 
     sized = list(rows)
-    for k, size in zip(at, object_sizes([rows[k][1] for k in at]), strict=True):
+    urls = [rows[k][1] for k in at]
+    for k, size in zip(at, object_sizes_in_tasks(urls, runner), strict=True):
         sized[k] = (*rows[k][:4], size)
     return sized
 
