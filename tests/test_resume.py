@@ -166,9 +166,13 @@ def test_killed_overwrite_keeps_the_old_output(many: Path, tmp_path: Path) -> No
     out = tmp_path / "out"
     convert(many, out, "lmdb", encoding="raw", size=8, progress=False)
     before = _files(out)
-    # Killed after the first LMDB commit (1,000): the second leaves 400 samples, which a loaded
-    # machine finished before the poll saw its checkpoint.
-    _kill_at(_convert(many, out, "--overwrite", *_args("lmdb")), out, COUNT // 3)
+    # Killed once a checkpoint has passed a third of the samples: each image takes 3 ms and
+    # LMDB commits every 100 records, so the run cannot finish before the poll sees one (at
+    # full speed it did, on a loaded machine).
+    command = [sys.executable, "-c", slow_cli(0.003, commit=100), "convert", str(many), str(out),
+               "-q", "--overwrite", *_args("lmdb")]  # fmt: skip
+    _kill_at(subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE), out,
+             COUNT // 3)  # fmt: skip
     assert _files(out) == before
     assert verify(out, deep=True).ok and len(open_dataset(out)) == COUNT
 
