@@ -773,7 +773,10 @@ def _append_to_file(the_plan: Plan, executor: Executor) -> Manifest:
     base, options = the_plan.base, the_plan.options
     assert base is not None
     existing, checkpoint = _resumable(the_plan) if options.resume else (None, None)
-    with temp_output(the_plan.dst, existing, keep=_resume_note) as tmp:
+    with (
+        _storage_errors(the_plan.dst),
+        temp_output(the_plan.dst, existing, keep=_resume_note) as tmp,
+    ):
         if checkpoint is None:
             # A run killed while the copy is made is recognised, and starts again.
             Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable).save(tmp)
@@ -787,9 +790,25 @@ def _append_to_file(the_plan: Plan, executor: Executor) -> Manifest:
         new = build_manifest(the_plan, tmp, written)
         manifest = appending.appended(base, new, the_plan.append_key, one_file=True)
         write_manifest(tmp, manifest)
+        _carry_over(the_plan.dst, tmp, base)
         publish(tmp, the_plan.dst, replace=True)
     (the_plan.dst / CHECKPOINT).unlink(missing_ok=True)
     return manifest
+
+
+def _carry_over(dst: Path, tmp: Path, base: Manifest) -> None:
+    """What else DST holds beside the output's files (a user's notes, a preview), linked into
+    the new version ``tmp`` before it replaces DST, so that an append loses none of it."""
+    own = {MANIFEST_NAME, CHECKPOINT, *formats.runtime_files(), *(f.path for f in base.files)}
+    for entry in sorted(os.listdir(dst)):
+        if entry in own or (tmp / entry).exists():
+            continue
+        if (dst / entry).is_dir() and not (dst / entry).is_symlink():
+            shutil.copytree(dst / entry, tmp / entry, symlinks=True, copy_function=os.link)
+        elif (dst / entry).is_symlink():
+            os.symlink(os.readlink(dst / entry), tmp / entry)
+        else:
+            os.link(dst / entry, tmp / entry)
 
 
 def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
@@ -854,18 +873,27 @@ def _convert_local(src: Path, dst: Path, options: ConvertOptions, executor: Exec
         the_plan = _plan(src, dst, options, check_dst=True, runner=executor)
         if direct.applies_locally(options):  # (its parts were written in place: convert)
             the_plan = replace(the_plan, layout=direct.LAYOUT)  # shard tasks write it
-        try:
+        with _storage_errors(the_plan.dst):
             return _convert(the_plan, executor)
-        except ImgpackError:
+
+
+@contextmanager
+def _storage_errors(dst: Path) -> Iterator[None]:
+    """An error writing the output beside ``dst`` that comes from the machine (a full disk, a
+    read-only filesystem: :func:`storage_problem`) raised as a :class:`StorageError` saying
+    that nothing was published."""
+    try:
+        yield
+    except ImgpackError:
+        raise
+    except Exception as exc:
+        reason = storage_problem(exc, dst.parent)
+        if reason is None:
             raise
-        except Exception as exc:
-            reason = storage_problem(exc, the_plan.dst.parent)
-            if reason is None:
-                raise
-            raise StorageError(
-                f"{the_plan.dst}: cannot write the output: {reason}; nothing was published and "
-                f"{the_plan.dst} is as it was"
-            ) from None
+        raise StorageError(
+            f"{dst}: cannot write the output: {reason}; nothing was published and {dst} is as "
+            "it was"
+        ) from None
 
 
 #: errno values that mean the machine cannot store the output, whatever the input.

@@ -79,6 +79,9 @@ def test_an_append_to_one_file_adds_the_new_samples_after_the_old(
     old_manifest = open_dataset(out).manifest
     before = open_dataset(out)
     old_pixels, old_labels = _read(before)  # its file is open from here on
+    (out / "notes.txt").write_text("the user's own\n")  # kept: an append loses nothing
+    (out / "previews").mkdir()
+    (out / "previews" / "a.png").write_bytes(b"png")
     kept = _hashes(out)
     planned = CliRunner().invoke(main, ["convert", str(second), str(out), "--append", "--dry-run",
                                         *args])  # fmt: skip
@@ -117,7 +120,10 @@ def test_an_append_to_one_file_adds_the_new_samples_after_the_old(
     twice = tmp_path / "twice"
     _convert([str(first), str(twice), *args])
     _convert([str(second), str(twice), "--append", "--workers", "1", *CASES[fmt]])
-    assert _hashes(twice) == _hashes(out)
+    theirs = {k: v for k, v in _hashes(out).items() if k in _hashes(twice)}
+    assert theirs == _hashes(twice) and len(theirs) == 2  # the data file and the manifest
+    assert (out / "notes.txt").read_text() == "the user's own\n"
+    assert (out / "previews" / "a.png").read_bytes() == b"png"
     assert not list(tmp_path.glob(".*"))  # no temp folder or parked output left beside them
 
 
