@@ -125,19 +125,20 @@ class RandomResizedCrop:
         width = np.asarray(widths, np.int64)
         area = (height * width).astype(np.float64)
         log_low, log_high = math.log(self.ratio[0]), math.log(self.ratio[1])
-        found = np.zeros(len(indices), bool)
-        box_h = np.zeros(len(indices), np.int64)
-        box_w = np.zeros(len(indices), np.int64)
         drawn = _draws(seed, epoch, indices, np.arange(_FLIP + 1, dtype=np.uint64))
-        for attempt in range(TRIES):
-            share = drawn[:, 2 * attempt]
-            target = area * (self.scale[0] + share * (self.scale[1] - self.scale[0]))
-            aspect = np.exp(log_low + drawn[:, 2 * attempt + 1] * (log_high - log_low))
-            w = np.rint(np.sqrt(target * aspect)).astype(np.int64)
-            h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
-            fits = ~found & (w > 0) & (w <= width) & (h > 0) & (h <= height)
-            box_h[fits], box_w[fits] = h[fits], w[fits]
-            found |= fits
+        # Every try of every sample at once ((samples, TRIES) arrays): each sample's box is its
+        # first try that fits, as torchvision's loop takes it.
+        share, stretch = drawn[:, 0 : 2 * TRIES : 2], drawn[:, 1 : 2 * TRIES : 2]
+        target = area[:, None] * (self.scale[0] + share * (self.scale[1] - self.scale[0]))
+        aspect = np.exp(log_low + stretch * (log_high - log_low))
+        w = np.rint(np.sqrt(target * aspect)).astype(np.int64)
+        h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
+        fits = (w > 0) & (w <= width[:, None]) & (h > 0) & (h <= height[:, None])
+        found = fits.any(axis=1)
+        first = fits.argmax(axis=1)  # the first try that fits (0 where none does)
+        rows = np.arange(len(indices))
+        box_h = np.where(found, h[rows, first], 0)
+        box_w = np.where(found, w[rows, first], 0)
         top = np.floor(drawn[:, _TOP] * (height - box_h + 1)).astype(np.int64)
         left = np.floor(drawn[:, _LEFT] * (width - box_w + 1)).astype(np.int64)
         # The fallback: the whole image, or its centre cut to the nearer end of ``ratio``.
