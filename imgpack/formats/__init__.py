@@ -97,11 +97,12 @@ class FormatSpec:
         """Whether ``convert --append`` adds to an output of this format: a sharded one takes
         new shards; a one-file format, when its writer starts from a copy of the output
         (:meth:`~imgpack.formats.writer_base.Writer.seed`)."""
-        if self.sharded:
-            return True
-        from imgpack.formats.writer_base import Writer
+        from imgpack.formats.writer_base import ShardedWriter, Writer
 
-        return any("seed" in vars(k) for k in self.writer_class().__mro__ if k is not Writer)
+        writer = self.writer_class()
+        if self.sharded and issubclass(writer, ShardedWriter):
+            return True
+        return any("seed" in vars(k) for k in writer.__mro__ if k is not Writer)
 
     def reader_class(self) -> type[ImageDataset]:
         cls: type[ImageDataset] = load_target(
