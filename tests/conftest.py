@@ -6,12 +6,13 @@ import atexit
 import io
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,134 @@ folder_source.process_file = slow
 sys.argv[0] = "imgpack"
 main()
 """
+
+
+def append_sources(base: Path, count: int) -> tuple[Path, Path]:
+    """Two folders for appending one to an output of the other: ``a`` (classes class0 and
+    class1) and ``b`` (class1, as in ``a``, then class2 and class3, new), ``count`` PNGs each."""
+    first = build_uniform_folder(base / "a", count=count, classes=2)
+    second = build_uniform_folder(base / "b", count=count, classes=3, seed=7)
+    (second / "class0").rename(second / "class3")
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def append_src(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """:func:`append_sources` of the module's ``APPEND_COUNT`` images each (default 12)."""
+    count = getattr(request.module, "APPEND_COUNT", 12)
+    return append_sources(tmp_path_factory.mktemp("src"), count)
+
+
+@pytest.fixture(scope="module")
+def first(append_src: tuple[Path, Path]) -> Path:
+    """The folder appended to (an output of it): classes class0 and class1."""
+    return append_src[0]
+
+
+@pytest.fixture(scope="module")
+def second(append_src: tuple[Path, Path]) -> Path:
+    """The folder appended: classes class1 (also in ``first``), then class2 and class3 (new)."""
+    return append_src[1]
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """The sha256 of every file under ``root`` by relative path (LMDB's ``lock.mdb`` aside:
+    a reader's, not the output's)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "lock.mdb"
+    }
+
+
+def read_all(ds: Any) -> Any:
+    """Every sample of the reader ``ds``, in order, as one ``(images, labels)`` batch."""
+    from imgpack.readers import collate
+
+    return collate(ds.__getitems__(list(range(len(ds)))))
+
+
+def check_appended(ds: Any, old: Any, alone: Any, old_id: str) -> Any:
+    """The output ``ds`` after appending :func:`append_sources`' ``b`` to ``a``'s output:
+    ``old`` (its pixels and labels before) first, then the samples of ``alone`` (``b``
+    converted by itself) with their class names; the classes of both in order, statistics of
+    every sample, the append recorded with the id before it. Returns its pixels and labels."""
+    import torch
+
+    manifest, count = ds.manifest, len(old[0])
+    assert manifest.classes == ["class0", "class1", "class2", "class3"]
+    pixels, labels = read_all(ds)
+    assert torch.equal(pixels[:count], old[0]) and torch.equal(labels[:count], old[1])
+    alone_pixels, alone_labels = read_all(alone)
+    assert torch.equal(pixels[count:], alone_pixels)
+    assert [manifest.classes[i] for i in labels[count:]] == [alone.classes[i] for i in alone_labels]
+    assert manifest.stats is not None and manifest.stats["per_class"] == [
+        int((labels == k).sum()) for k in range(4)
+    ]
+    record = manifest.source["appended"][0]
+    assert record["samples"] == len(alone) and record["new_classes"] == ["class2", "class3"]
+    assert record["output_id_before"] == old_id and manifest.output_id != old_id
+    return pixels, labels
+
+
+def append_reference(first: Path, second: Path, tmp_path: Path, args: list[str]) -> Path:
+    """``tmp_path/reference``: ``second`` appended to ``first``'s output, uninterrupted; and
+    ``tmp_path/out``, ``first``'s output to append to (returned), both with ``args``."""
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    cli_convert([str(first), str(reference), *args])
+    cli_convert([str(second), str(reference), "--append", *args])
+    cli_convert([str(first), str(out), *args])
+    return out
+
+
+def cli_convert(args: list[str]) -> None:
+    """``imgpack convert ARGS -q`` through click's runner; it must succeed."""
+    from click.testing import CliRunner
+
+    from imgpack.cli import main
+
+    done = CliRunner().invoke(main, ["convert", *args, "-q"])
+    assert done.exit_code == 0, done.output
+
+
+class CountingExecutor:
+    """The local pool with 2 workers, recording what its tasks were given (a listing's folders,
+    a label list's objects); ``runs_tasks=False``: an executor that runs no tasks (converts
+    samples only)."""
+
+    def __init__(self, runs_tasks: bool = True) -> None:
+        from imgpack.executors import LocalExecutor
+
+        self.inner, self.workers, self.given = LocalExecutor(2), 2, []
+        if runs_tasks:
+            self.tasks = self._tasks
+
+    def outcomes(self, job: Any, samples: Any) -> Any:
+        return self.inner.outcomes(job, samples)
+
+    def _tasks(self, function: Any, items: Any) -> Any:
+        for item, result in self.inner.tasks(function, items):
+            self.given.append(item)
+            yield item, result
+
+    def alone(self, job: Any, samples: Any) -> Any:
+        return self.inner.alone(job, samples)
+
+
+def kill_when(command: list[str], reached: Callable[[], bool], seconds: float = 120) -> None:
+    """Run ``command`` in a session of its own and SIGKILL it, with its pool workers, once
+    ``reached()`` (polled); it must not finish before."""
+    process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not reached():
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
 
 
 def count_shard_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:

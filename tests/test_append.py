@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder
+from conftest import (
+    append_reference,
+    build_uniform_folder,
+    check_appended,
+    cli_convert,
+    kill_when,
+    read_all,
+    tree_hashes,
+)
 from torch.utils.data import DataLoader
 
 import imgpack.direct as direct
@@ -27,37 +31,6 @@ from imgpack.cli import main
 from imgpack.readers import collate
 
 SHARDED = ("pt", "tfrecord", "webdataset")
-
-
-@pytest.fixture(scope="module")
-def first(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_uniform_folder(tmp_path_factory.mktemp("a") / "a", count=12, classes=2)
-
-
-@pytest.fixture(scope="module")
-def second(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Classes class1 (also in ``first``), then class2 and class3 (new)."""
-    root = tmp_path_factory.mktemp("b") / "b"
-    build_uniform_folder(root, count=12, classes=3, seed=7)
-    (root / "class0").rename(root / "class3")
-    return root
-
-
-def _hashes(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
-def _read(ds: object) -> tuple[torch.Tensor, torch.Tensor]:
-    return collate(ds.__getitems__(list(range(len(ds)))))  # type: ignore[attr-defined]
-
-
-def _convert(args: list[str]) -> None:
-    done = CliRunner().invoke(main, ["convert", *args, "-q"])
-    assert done.exit_code == 0, done.output
 
 
 @pytest.mark.parametrize("fmt", SHARDED)
@@ -69,13 +42,13 @@ def test_an_append_adds_shards_after_the_old_ones_and_keeps_their_bytes(
     the whole output verifies and reads through a DataLoader with 2 workers."""
     args = ["--format", fmt, "--shard-size", "2KB", "--workers", "2"]
     out = tmp_path / "out"
-    _convert([str(first), str(out), *args])
-    old_files = _hashes(out)
+    cli_convert([str(first), str(out), *args])
+    old_files = tree_hashes(out)
     old_manifest = json.loads((out / "imgpack.json").read_text())
     before = open_dataset(out)
-    old_pixels, old_labels = _read(before)
-    _convert([str(second), str(out), "--append", *args])
-    after = _hashes(out)
+    old_pixels, old_labels = read_all(before)
+    cli_convert([str(second), str(out), "--append", *args])
+    after = tree_hashes(out)
     assert {k: after[k] for k in old_files if k != "imgpack.json"} == {
         k: v for k, v in old_files.items() if k != "imgpack.json"
     }
@@ -87,22 +60,13 @@ def test_an_append_adds_shards_after_the_old_ones_and_keeps_their_bytes(
         old_manifest["output_id"]
     ] * len(old_manifest["files"])
     assert all(not f.output_id for f in manifest.files[len(old_manifest["files"]) :])
-    pixels, labels = _read(ds)
-    assert torch.equal(pixels[:12], old_pixels) and torch.equal(labels[:12], old_labels)
     convert(second, tmp_path / "alone", fmt, progress=False)
     alone = open_dataset(tmp_path / "alone")
-    alone_pixels, alone_labels = _read(alone)
-    assert torch.equal(pixels[12:], alone_pixels)
-    assert [manifest.classes[i] for i in labels[12:]] == [alone.classes[i] for i in alone_labels]
-    assert manifest.stats is not None and manifest.stats["per_class"] == [
-        int((labels == k).sum()) for k in range(4)
-    ]
-    record = manifest.source["appended"][0]
-    assert record["samples"] == 12 and record["new_classes"] == ["class2", "class3"]
+    old = (old_pixels, old_labels)
+    pixels, labels = check_appended(ds, old, alone, old_manifest["output_id"])
     shown = CliRunner().invoke(main, ["info", str(out)])
     assert f"appended:  1 time(s); last 12 samples from {second.resolve()}" in shown.output
-    assert record["output_id_before"] == old_manifest["output_id"]
-    again_pixels, again_labels = _read(before)  # opened before the append: the old version
+    again_pixels, again_labels = read_all(before)  # opened before the append: the old version
     assert len(before) == 12 and torch.equal(again_pixels, old_pixels)
     assert torch.equal(again_labels, old_labels)
     assert verify(out).ok
@@ -126,14 +90,14 @@ def test_an_append_that_would_change_the_output_is_refused_in_one_line(
     first: Path, second: Path, tmp_path: Path, extra: list[str], said: str
 ) -> None:
     out = tmp_path / "out"
-    _convert([str(first), str(out), "--format", "pt"])
-    kept = _hashes(out)
+    cli_convert([str(first), str(out), "--format", "pt"])
+    kept = tree_hashes(out)
     args = ["convert", str(second), str(out), "--append", "-q", "--format", "pt", *extra]
     done = CliRunner().invoke(main, args)
     assert done.exit_code != 0 and said in done.output, done.output
     said_lines = [line for line in done.output.splitlines() if line.startswith("Error")]
     assert "Traceback" not in done.output and len(said_lines) == 1, done.output
-    assert _hashes(out) == kept
+    assert tree_hashes(out) == kept
 
 
 def test_the_dry_run_of_an_append_names_its_shards(
@@ -142,16 +106,16 @@ def test_the_dry_run_of_an_append_names_its_shards(
     """--dry-run plans an append as the append does (the new shards' names, after the old
     ones'; the classes after the append) and writes nothing."""
     out = tmp_path / "out"
-    _convert([str(first), str(out), "--format", "tfrecord", "--shard-size", "2KB"])
-    kept = _hashes(out)
+    cli_convert([str(first), str(out), "--format", "tfrecord", "--shard-size", "2KB"])
+    kept = tree_hashes(out)
     args = [str(second), str(out), "--format", "tfrecord", "--shard-size", "2KB", "--append"]
     planned = CliRunner().invoke(main, ["convert", *args, "--dry-run"])
     assert planned.exit_code == 0, planned.output
-    assert _hashes(out) == kept
+    assert tree_hashes(out) == kept
     old = len(json.loads((out / "imgpack.json").read_text())["files"])
     assert f"append:    after the 12 samples in {old} file(s)" in planned.output
     assert "classes:   4 (class0, class1, class2, class3)" in planned.output
-    _convert(args)
+    cli_convert(args)
     new = [f["path"] for f in json.loads((out / "imgpack.json").read_text())["files"]][old:]
     assert f"files:     {len(new)} (as planned: {new[0]}, {new[1]}" in planned.output
 
@@ -164,9 +128,9 @@ def test_an_append_to_nothing_or_of_the_same_images_again_is_refused(
     )
     assert missing.exit_code != 0 and "there is none" in missing.output, missing.output
     out = tmp_path / "out"
-    _convert([str(first), str(out), "--format", "webdataset"])
-    _convert([str(second), str(out), "--format", "webdataset", "--append"])
-    kept = _hashes(out)
+    cli_convert([str(first), str(out), "--format", "webdataset"])
+    cli_convert([str(second), str(out), "--format", "webdataset", "--append"])
+    kept = tree_hashes(out)
     again = CliRunner().invoke(
         main, ["convert", str(second), str(out), "--format", "webdataset", "--append"]
     )
@@ -176,7 +140,7 @@ def test_an_append_to_nothing_or_of_the_same_images_again_is_refused(
                "--resume"],
     )  # fmt: skip
     assert resumed.exit_code == 0, resumed.output  # committed already: the output as it is
-    assert _hashes(out) == kept
+    assert tree_hashes(out) == kept
     unlabelled = CliRunner().invoke(
         main, ["convert", str(second), str(out), "--format", "webdataset", "--append",
                "--no-labels"],
@@ -189,12 +153,12 @@ def test_an_append_to_one_part_of_a_partitioned_conversion_is_refused(
 ) -> None:
     part = tmp_path / "part0"
     convert(first, part, "pt", num_parts=2, part=0, progress=False)
-    kept = _hashes(part)
+    kept = tree_hashes(part)
     done = CliRunner().invoke(
         main, ["convert", str(second), str(part), "--format", "pt", "--append"]
     )
     assert done.exit_code != 0 and "merge the parts first" in done.output, done.output
-    assert _hashes(part) == kept
+    assert tree_hashes(part) == kept
 
 
 def test_an_append_to_an_output_without_an_id_is_refused(
@@ -207,12 +171,12 @@ def test_an_append_to_an_output_without_an_id_is_refused(
     manifest = json.loads((out / "imgpack.json").read_text())
     manifest["output_id"] = ""
     (out / "imgpack.json").write_text(json.dumps(manifest))
-    kept = _hashes(out)
+    kept = tree_hashes(out)
     done = CliRunner().invoke(
         main, ["convert", str(second), str(out), "--format", "webdataset", "--append"]
     )
     assert done.exit_code != 0 and "convert it again with this imgpack" in done.output
-    assert _hashes(out) == kept
+    assert tree_hashes(out) == kept
 
 
 def test_an_append_of_split_folders_is_refused_by_name(tmp_path: Path) -> None:
@@ -238,13 +202,10 @@ def test_a_killed_append_leaves_the_old_output_and_resumes_to_the_same_bytes(
     manifest, every sample read as before); --append --resume writes the rest, to the bytes of
     an append that was not interrupted."""
     args = ["--format", "tfrecord", "--shard-size", "1KB", "--workers", "2"]
+    out = append_reference(first, second, tmp_path, args)
     reference = tmp_path / "reference"
-    _convert([str(first), str(reference), *args])
-    _convert([str(second), str(reference), "--append", *args])
-    out = tmp_path / "out"
-    _convert([str(first), str(out), *args])
-    old = _hashes(out)
-    old_pixels, _ = _read(open_dataset(out))
+    old = tree_hashes(out)
+    old_pixels, _ = read_all(open_dataset(out))
     slow = (
         "import time, imgpack.direct as d; w = d.write_shard\n"
         "def slow(t):\n    time.sleep(0.3); return w(t)\n"
@@ -253,18 +214,12 @@ def test_a_killed_append_leaves_the_old_output_and_resumes_to_the_same_bytes(
     script = f"{slow}from imgpack.cli import main\nmain()"
     command = [sys.executable, "-c", script, "convert", str(second), str(out), "-q", "--append",
                *args]  # fmt: skip
-    process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and _receipts(out) < 2:
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate()
-    assert _hashes(out)["imgpack.json"] == old["imgpack.json"]
+    kill_when(command, lambda: _receipts(out) >= 2)
+    assert tree_hashes(out)["imgpack.json"] == old["imgpack.json"]
     ds = open_dataset(out)
-    assert len(ds) == 12 and torch.equal(_read(ds)[0], old_pixels)
-    _convert([str(second), str(out), "--append", "--resume", *args])
-    assert _hashes(out) == _hashes(reference)
+    assert len(ds) == 12 and torch.equal(read_all(ds)[0], old_pixels)
+    cli_convert([str(second), str(out), "--append", "--resume", *args])
+    assert tree_hashes(out) == tree_hashes(reference)
 
 
 def test_an_append_in_a_bucket_is_the_local_appends_bytes(
@@ -281,14 +236,14 @@ def test_an_append_in_a_bucket_is_the_local_appends_bytes(
     fs.invalidate_cache()
     root = url.removeprefix("s3://")
     remote = {p[len(root) + 1 :]: hashlib.sha256(fs.cat_file(p)).hexdigest() for p in fs.find(root)}
-    here = _hashes(local)
+    here = tree_hashes(local)
     manifest_path = "imgpack.json"
     assert {k: v for k, v in remote.items() if k != manifest_path} == {
         k: v for k, v in here.items() if k != manifest_path
     }
     assert manifest.output_id == json.loads((local / manifest_path).read_text())["output_id"]
-    a, la = _read(open_dataset(url, cache_dir=tmp_path / "cache"))
-    b, lb = _read(open_dataset(local))
+    a, la = read_all(open_dataset(url, cache_dir=tmp_path / "cache"))
+    b, lb = read_all(open_dataset(local))
     assert torch.equal(a, b) and torch.equal(la, lb)
 
 
@@ -304,8 +259,8 @@ def test_an_append_from_a_bucket_source_reads_its_objects_in_place(
     for out, src in ((local, str(second)), (remote, f"{s3}/append-src")):
         convert(first, out, "tfrecord", **args)
         convert(src, out, "tfrecord", append=True, **args)
-    a, la = _read(open_dataset(remote))
-    b, lb = _read(open_dataset(local))
+    a, la = read_all(open_dataset(remote))
+    b, lb = read_all(open_dataset(local))
     assert torch.equal(a, b) and torch.equal(la, lb)
     assert open_dataset(remote).manifest.source["appended"][0]["path"] == f"{s3}/append-src"
     assert not (remote / direct.WORK).exists()
@@ -322,17 +277,17 @@ def test_an_appended_bucket_output_reuses_the_old_files_in_the_cache(
     args = {"shard_size": "2KB", "workers": 2, "progress": False}
     url, cache = f"{s3}/appended-cache", tmp_path / "cache"
     convert(first, url, "pt", **args)
-    old_pixels, _ = _read(open_dataset(url, cache_dir=cache))
+    old_pixels, _ = read_all(open_dataset(url, cache_dir=cache))
     manifest = convert(second, url, "pt", append=True, **args)
     old = [f for f in manifest.files if f.output_id]
     downloads, reused = cache_stats.downloads, cache_stats.reused
-    pixels, labels = _read(open_dataset(url, cache_dir=cache))
+    pixels, labels = read_all(open_dataset(url, cache_dir=cache))
     assert cache_stats.reused - reused == len(old)
     assert cache_stats.downloads - downloads == len(manifest.files) - len(old)
     local = tmp_path / "local"
     convert(first, local, "pt", **args)
     convert(second, local, "pt", append=True, **args)
-    here, here_labels = _read(open_dataset(local))
+    here, here_labels = read_all(open_dataset(local))
     assert torch.equal(pixels, here) and torch.equal(labels, here_labels)
     assert torch.equal(pixels[: len(old_pixels)], old_pixels)
 
@@ -363,7 +318,7 @@ def test_the_parts_of_an_append_write_the_single_appends_bytes(
                 )) == 12  # fmt: skip
         assert done.part is None and done.num_samples == 24
         if where == "path":
-            assert _hashes(Path(dst)) == _hashes(reference)
+            assert tree_hashes(Path(dst)) == tree_hashes(reference)
         else:
             fs = fsspec.filesystem("s3")
             fs.invalidate_cache()
@@ -372,6 +327,6 @@ def test_the_parts_of_an_append_write_the_single_appends_bytes(
                 p[len(root) + 1 :]: hashlib.sha256(fs.cat_file(p)).hexdigest()
                 for p in fs.find(root)
             }
-            assert remote == _hashes(reference)
+            assert remote == tree_hashes(reference)
         again = convert(second, dst, "tfrecord", append=True, num_parts=count, part=0, **args)
         assert again.output_id == done.output_id and again.num_samples == 24

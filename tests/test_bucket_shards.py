@@ -11,13 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder, count_shard_writes
+from conftest import CountingExecutor, build_uniform_folder, count_shard_writes
 
 import imgpack.direct as direct
 from imgpack import convert, open_dataset, verify
@@ -535,29 +534,6 @@ def test_a_tampered_receipt_or_shard_is_refused_at_the_commit(
     assert len(open_dataset(url, verify=True)) == 48
 
 
-class _Counting:
-    """The local pool, recording what its tasks were given (the listing's folders among
-    them); ``runs_tasks=False``: an executor that runs no tasks (converts samples only)."""
-
-    def __init__(self, runs_tasks: bool) -> None:
-        from imgpack.executors import LocalExecutor
-
-        self.inner, self.workers, self.given = LocalExecutor(2), 2, []
-        if runs_tasks:
-            self.tasks = self._tasks
-
-    def outcomes(self, job: Any, samples: Any) -> Any:
-        return self.inner.outcomes(job, samples)
-
-    def _tasks(self, function: Any, items: Any) -> Any:
-        for item, result in self.inner.tasks(function, items):
-            self.given.append(item)
-            yield item, result
-
-    def alone(self, job: Any, samples: Any) -> Any:
-        return self.inner.alone(job, samples)
-
-
 @pytest.mark.parametrize("runs_tasks", [True, False])
 def test_the_workers_list_the_sources_folders(
     s3: str, src_url: str, monkeypatch: pytest.MonkeyPatch, runs_tasks: bool
@@ -571,7 +547,7 @@ def test_the_workers_list_the_sources_folders(
     if "imgpack.json" not in _bucket(reference):
         convert(src_url, reference, "webdataset", workers=1, **args)
     lists = _source_lists(monkeypatch)
-    runner = _Counting(runs_tasks)
+    runner = CountingExecutor(runs_tasks)
     url = f"{s3}/listed-{runs_tasks}"
     convert(src_url, url, "webdataset", executor=runner, **args)
     folders = sorted({p for p in lists if p.startswith("shard-src/class")})

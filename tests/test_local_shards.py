@@ -19,7 +19,7 @@ import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import build_uniform_folder, count_shard_writes
+from conftest import CountingExecutor, build_uniform_folder, count_shard_writes
 
 import imgpack.direct as direct
 from imgpack import convert, open_dataset, verify
@@ -481,26 +481,6 @@ def test_a_label_list_of_urls_is_written_by_shard_tasks(
     assert len(ds) == 40 and ds.stored_paths()[0] == rows[0].split(",")[0]
 
 
-class _Given:
-    """The local pool with 2 workers, recording what its tasks were given."""
-
-    def __init__(self) -> None:
-        from imgpack.executors import LocalExecutor
-
-        self.inner, self.workers, self.given = LocalExecutor(2), 2, []
-
-    def outcomes(self, job: Any, samples: Any) -> Any:
-        return self.inner.outcomes(job, samples)
-
-    def tasks(self, function: Any, items: Any) -> Any:
-        for item, result in self.inner.tasks(function, items):
-            self.given.append(item)
-            yield item, result
-
-    def alone(self, job: Any, samples: Any) -> Any:
-        return self.inner.alone(job, samples)
-
-
 def test_the_workers_ask_the_sizes_of_a_label_lists_objects(
     s3: str, images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -532,7 +512,7 @@ def test_the_workers_ask_the_sizes_of_a_label_lists_objects(
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
     monkeypatch.setattr(location, "SIZES_PER_TASK", 16)  # 40 objects, 8 a folder: 3 tasks
-    runner = _Given()
+    runner = CountingExecutor()
     done = convert(images, tmp_path / "out", "webdataset", executor=runner, **args)
     groups = [item for item in runner.given if isinstance(item, list)]
     assert asked == [] and [len(g) for g in groups] == [16, 16, 8]
