@@ -297,9 +297,10 @@ OUTPUT_OPTIONS = (
     click.option(
         "--append",
         is_flag=True,
-        help="Add SRC's images to the existing output at DST (pt, tfrecord, webdataset) as new "
-        "shards after its last one: the same format and options, its files untouched, new "
-        "classes after its own; the manifest is replaced last.",
+        help="Add SRC's images to the existing output at DST: as new shards after its last one "
+        "(pt, tfrecord, webdataset; its files untouched), or as a new version of its one file "
+        "built from a copy and swapped in (lmdb, hdf5, on a path). The same format and "
+        "options, new classes after its own; the manifest is replaced last.",
     ),
     click.option(
         "--on-error",
