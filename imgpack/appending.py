@@ -186,16 +186,19 @@ def appended(base: Manifest, new: Manifest, key: str, one_file: bool = False) ->
 
 
 def seed(
-    writer: type[Writer], directory: Path, config: WriterConfig, previous: Path
+    writer: type[Writer],
+    directory: Path,
+    config: WriterConfig,
+    previous: Path,
+    manifest: Manifest,
 ) -> dict[str, Any]:
     """Make the empty temp folder ``directory`` start as the one-file output at ``previous``
     (:meth:`Writer.seed <imgpack.formats.writer_base.Writer.seed>`), whose files are hashed
-    against its manifest first: what is added to is what was converted. Returns the writer's
-    state to go on from."""
+    against ``manifest`` (its own, as the append read it: :func:`base_output`) first: what is
+    added to is what was converted. Returns the writer's state to go on from."""
     from imgpack.formats.streaming import stored_samples  # (the readers import torch)
     from imgpack.readers import reader_class
 
-    manifest = open_manifest(str(previous))[1]
     check_digests(
         previous,
         manifest,

@@ -146,8 +146,9 @@ class ConvertOptions:
         """What ``--append`` cannot go with, refused in one line."""
         if not appendable:
             raise OptionError(
-                f"--append: format {self.format!r} cannot be added to (its writer keeps no "
-                "state to go on from; imgpack's own formats take --append)"
+                f"--append: format {self.format!r} cannot be added to (its writer cannot start "
+                "from an output of its own): convert the output's source and SRC together into "
+                "a new output, or use one of imgpack's own formats, which take --append"
             )
         if self.num_parts > 1 and not formats.get(self.format).sharded:
             raise OptionError(

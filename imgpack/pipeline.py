@@ -780,9 +780,8 @@ def _append_to_file(the_plan: Plan, executor: Executor) -> Manifest:
         if checkpoint is None:
             # A run killed while the copy is made is recognised, and starts again.
             Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable).save(tmp)
-            state = appending.seed(
-                options.spec.writer_class(), tmp, the_plan.writer_config(), the_plan.dst
-            )
+            writer = options.spec.writer_class()
+            state = appending.seed(writer, tmp, the_plan.writer_config(), the_plan.dst, base)
             checkpoint = Checkpoint(the_plan.fingerprint, skipped=the_plan.unreadable, writer=state)
             checkpoint.save(tmp)
         outcomes = process(the_plan, executor, checkpoint.position)

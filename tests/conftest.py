@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import hashlib
 import io
 import os
 import shutil
@@ -332,8 +333,6 @@ def second(append_src: tuple[Path, Path]) -> Path:
 def tree_hashes(root: Path) -> dict[str, str]:
     """The sha256 of every file under ``root`` by relative path (LMDB's ``lock.mdb`` aside:
     a reader's, not the output's)."""
-    import hashlib
-
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
