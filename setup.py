@@ -10,6 +10,10 @@ where they are missing the build goes on without it, and the crops decode throug
 ``imgpack._pixelsums`` sums an image's values and their squares per channel in one pass, for
 the statistics a conversion keeps (:func:`imgpack.images.pixel_sums`). It needs a C compiler
 only; without it the same exact sums are made with numpy, about four times slower.
+
+``imgpack._batchcopy`` copies a random crop into its slot of a batch, flipped on the way, with
+streaming stores (:func:`imgpack.recipe.place`). It needs a C compiler only; without it torch
+copies (and flips) each crop.
 """
 
 from setuptools import Extension, setup
@@ -23,5 +27,6 @@ setup(
             optional=True,
         ),
         Extension("imgpack._pixelsums", sources=["imgpack/_pixelsums.c"], optional=True),
+        Extension("imgpack._batchcopy", sources=["imgpack/_batchcopy.c"], optional=True),
     ]
 )

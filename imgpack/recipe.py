@@ -37,6 +37,15 @@ try:  # built where a C compiler and libjpeg-turbo's headers were (setup.py)
 except ImportError:  # the whole image at a DCT scale (simplejpeg), then the crop
     _jpegregion = None  # type: ignore[assignment]
 
+try:  # built where a C compiler was (setup.py)
+    import imgpack._batchcopy as _batchcopy
+except ImportError:  # torch copies (and flips) each crop into its slot
+    _batchcopy = None  # type: ignore[assignment]
+
+#: A stored JPEG's ``(height, width, colorspace)`` as :func:`imgpack.stored.jpeg_mode` reads
+#: it from the header: a caller that has read it passes it on, so the header is read once.
+Header = tuple[int, int, str]
+
 #: The tries torchvision makes before it falls back to the centre crop.
 TRIES = 10
 #: Draw numbers within a sample's stream: two per try, then the box's place, then the flip.
@@ -290,14 +299,22 @@ def _flipped(pixels: np.ndarray) -> np.ndarray:
     return readonly_tensor(pixels).flip(1).numpy()
 
 
-def place(pixels: np.ndarray, out: torch.Tensor) -> None:
+def place(pixels: np.ndarray, out: torch.Tensor, flip: bool = False) -> None:
     """Copy HxWxC uint8 ``pixels`` (a crop) into ``out``, a CxHxW uint8 tensor (a batch's
-    sample): a plain copy for the crops torch resized (their HWC array is a view of CHW memory),
-    a transposing one for the others; through torch where its threads may run, else numpy."""
-    if not torch_may_run():
-        out.numpy()[:] = pixels.transpose(2, 0, 1)
+    sample), flipped left to right when ``flip``. The crops torch resized are an HWC view of
+    CxHxW memory: their planes are copied as they lie, each row reversed for a flip, with
+    streaming stores (``imgpack._batchcopy``: the batch is written once and read by another
+    process). The others are transposed on the way, through torch where its threads may run,
+    else through numpy."""
+    planes = pixels.transpose(2, 0, 1)
+    if _batchcopy is not None and planes.flags.c_contiguous and out.is_contiguous():
+        _batchcopy.place(planes.data, out.numpy().data, pixels.shape[1], flip)
         return
-    out.copy_(readonly_tensor(pixels).permute(2, 0, 1))
+    if not torch_may_run():
+        out.numpy()[:] = (pixels[:, ::-1] if flip else pixels).transpose(2, 0, 1)
+        return
+    chw = readonly_tensor(pixels).permute(2, 0, 1)
+    out.copy_(chw.flip(-1) if flip else chw)
 
 
 def decode_box(
@@ -306,30 +323,57 @@ def decode_box(
     box: tuple[float, float, float, float],
     size: tuple[int, int],
     flip: bool,
+    header: Header | None = None,
 ) -> np.ndarray:
     """A stored record's ``box`` (top, left, height, width in the stored image), resized to
     ``size`` and flipped when ``flip``: HxWxC uint8 (C = ``channels``). A JPEG is decoded at the
     smallest DCT scale whose scaled box still covers ``size``, only around the box where the
     region decoder was built (:func:`_region_jpeg`), else whole (simplejpeg), and resized
     within a tolerance (``crop_resize(exact=False)``); a PNG, or raw pixels (an array), in
-    full, then cropped and resized as torchvision does to a PIL image."""
+    full, then cropped and resized as torchvision does to a PIL image. ``header``: the JPEG's
+    :func:`jpeg_header`, where the caller read it already."""
+    pixels = unflipped_box(payload, channels, box, size, header)
+    return _flipped(pixels) if flip else pixels
+
+
+def unflipped_box(
+    payload: Payload | np.ndarray,
+    channels: int,
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    header: Header | None = None,
+) -> np.ndarray:
+    """:func:`decode_box` before the flip: what a reader places into its batch, flipping it on
+    the way (:func:`place`)."""
     top, left, height, width = box
     if isinstance(payload, np.ndarray):
-        return widen(crop_resize(payload, (top, left, height, width), size, flip), channels)
+        return widen(crop_resize(payload, (top, left, height, width), size, False), channels)
     pixels = None
     if _simplejpeg is not None and bytes(payload[:3]) == b"\xff\xd8\xff":
         if _jpegregion is not None:
-            cropped = _region_jpeg(payload, channels, box, size, flip)
+            cropped = _region_jpeg(payload, channels, box, size, header)
             if cropped is not None:
                 return cropped
-        pixels = _scaled_jpeg(payload, channels, box, size)
+        pixels = _scaled_jpeg(payload, channels, box, size, header)
     if pixels is not None:
         scaled, full = pixels
         sy, sx = scaled.shape[0] / full[0], scaled.shape[1] / full[1]
         region = (top * sy, left * sx, height * sy, width * sx)
-        return widen(crop_resize(scaled, region, size, flip, exact=False), channels)
+        return widen(crop_resize(scaled, region, size, False, exact=False), channels)
     whole = decode_stored(payload, channels)
-    return widen(crop_resize(whole, (top, left, height, width), size, flip), channels)
+    return widen(crop_resize(whole, (top, left, height, width), size, False), channels)
+
+
+def jpeg_header(payload: Payload, channels: int) -> Header | None:
+    """A stored JPEG's ``(height, width, colorspace)`` from its header, as the crops decode it
+    (:func:`imgpack.stored.jpeg_mode`); ``None`` for anything else (a PNG, a colour space or a
+    header only Pillow takes, no simplejpeg): the decode and its size are then Pillow's."""
+    if _simplejpeg is None or bytes(payload[:3]) != b"\xff\xd8\xff":
+        return None
+    try:
+        return jpeg_mode(payload, channels)
+    except (ValueError, TypeError):
+        return None
 
 
 #: The DCT scales a crop's JPEG is decoded at (1/8, 1/4, 1/2): libjpeg-turbo's scaled inverse
@@ -346,12 +390,17 @@ def _scale_factor(box: tuple[float, float, float, float], size: tuple[int, int])
 
 
 def _jpeg_plan(
-    payload: Payload, channels: int, box: tuple[float, float, float, float], size: tuple[int, int]
+    payload: Payload,
+    channels: int,
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    header: Header | None = None,
 ) -> tuple[int, int, str, int] | None:
     """A stored JPEG's full height and width, the colour space it decodes to (``gray`` or
-    ``rgb``) and the DCT scale the box allows (:func:`_scale_factor`), from its header; ``None``
-    for Pillow's path. Raises what the header read raises (``ValueError``)."""
-    found = jpeg_mode(payload, channels)
+    ``rgb``) and the DCT scale the box allows (:func:`_scale_factor`), from its header (read
+    here unless ``header`` is given); ``None`` for Pillow's path. Raises what the header read
+    raises (``ValueError``)."""
+    found = header if header is not None else jpeg_mode(payload, channels)
     if found is None:
         return None
     height, width, mode = found
@@ -363,9 +412,9 @@ def _region_jpeg(
     channels: int,
     box: tuple[float, float, float, float],
     size: tuple[int, int],
-    flip: bool,
+    header: Header | None = None,
 ) -> np.ndarray | None:
-    """:func:`decode_box` of a JPEG through libjpeg-turbo's partial decompression
+    """:func:`unflipped_box` of a JPEG through libjpeg-turbo's partial decompression
     (``imgpack._jpegregion``): at the DCT scale :func:`_scaled_jpeg` takes, only the rows and
     the iMCU columns around the box are decoded, with a margin that holds every pixel the
     bilinear resize reads and the chroma upsampling's edge: the result is the scaled path's.
@@ -373,7 +422,7 @@ def _region_jpeg(
     assert _jpegregion is not None
     top, left, height, width = box
     try:
-        planned = _jpeg_plan(payload, channels, box, size)
+        planned = _jpeg_plan(payload, channels, box, size, header)
         if planned is None:
             return None
         full_h, full_w, mode, factor = planned
@@ -397,7 +446,7 @@ def _region_jpeg(
         return None
     pixels = np.frombuffer(data, np.uint8).reshape(rows, cols, depth)
     shifted = (top - y0, left - xoffset, height, width)
-    return widen(crop_resize(pixels, shifted, size, flip, exact=False), channels)
+    return widen(crop_resize(pixels, shifted, size, False, exact=False), channels)
 
 
 def _scaled_jpeg(
@@ -405,13 +454,14 @@ def _scaled_jpeg(
     channels: int,
     box: tuple[float, float, float, float],
     size: tuple[int, int],
+    header: Header | None = None,
 ) -> tuple[np.ndarray, tuple[int, int]] | None:
     """A JPEG decoded at the smallest DCT scale of :data:`SCALES` (else in full) that keeps the
     box at least ``size``, and the image's full (H, W); ``None`` for Pillow's path (a colour
     space or damage simplejpeg declines)."""
     assert _simplejpeg is not None
     try:
-        planned = _jpeg_plan(payload, channels, box, size)
+        planned = _jpeg_plan(payload, channels, box, size, header)
         if planned is None:
             return None
         height, width, mode, factor = planned

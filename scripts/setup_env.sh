@@ -18,7 +18,7 @@ spec="."
 [ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
 stamp="$VENV/.imgpack-installed"
 want="$(cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/imgpack/_jpegregion.c" \
-    "$ROOT/imgpack/_pixelsums.c" "$ROOT/constraints.txt" "$ROOT/pyproject.toml" |
+    "$ROOT/imgpack/_pixelsums.c" "$ROOT/imgpack/_batchcopy.c" "$ROOT/constraints.txt" "$ROOT/pyproject.toml" |
     sha256sum | cut -c1-16) $spec"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing imgpack$([ -n "$EXTRAS" ] && echo "[$EXTRAS]") (torch pinned by constraints.txt)" >&2

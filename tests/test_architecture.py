@@ -53,6 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "imgpack.recipe",
             "imgpack._jpegregion",
             "imgpack._pixelsums",
+            "imgpack._batchcopy",
             "imgpack.sources.folder.scan",
         ),
     ),

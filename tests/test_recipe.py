@@ -600,8 +600,9 @@ def test_a_region_decode_gives_the_scaled_decodes_pixels(
     for k in range(count):
         box = (int(boxes.top[k]), int(boxes.left[k]), int(boxes.height[k]), int(boxes.width[k]))
         flip = bool(boxes.flip[k])
-        found = recipe._region_jpeg(data, 3, box, (64, 64), flip)
+        found = recipe._region_jpeg(data, 3, box, (64, 64), None)
         assert found is not None and found.shape == (64, 64, 3), box
+        found = found[:, ::-1] if flip else found
         scaled = _scaled_path(data, box, 64, flip)
         assert np.abs(found.astype(np.int64) - scaled).max() <= 2, box
         expected = _expected(full, box, 64, flip).astype(np.int64)
@@ -635,13 +636,72 @@ def test_the_region_decoder_refuses_what_it_cannot_do() -> None:
     cut = data[: len(data) // 2]
     with pytest.raises(ValueError, match="cannot decode the JPEG"):
         decode(cut, "rgb", 1, 0, 120, 0, 160)
-    assert recipe._region_jpeg(cut, 3, (0, 0, 120, 160), (32, 32), False) is None
+    assert recipe._region_jpeg(cut, 3, (0, 0, 120, 160), (32, 32), None) is None
     with pytest.raises(DataError):
         recipe.decode_box(b"\xff\xd8\xff" + bytes(100), 3, (0, 0, 10, 10), (8, 8), False)
     cmyk = jpeg_bytes(Image.fromarray(smooth_rgb(rng, 40, 40)).convert("CMYK"))
-    assert recipe._region_jpeg(cmyk, 3, (0, 0, 40, 40), (8, 8), False) is None
+    assert recipe._region_jpeg(cmyk, 3, (0, 0, 40, 40), (8, 8), None) is None
+    assert recipe.jpeg_header(cmyk, 3) is None and recipe.jpeg_header(cut, 3) == (120, 160, "rgb")
     with pytest.raises(DataError, match="CMYK"):  # never a stored record: conversion makes RGB
         recipe.decode_box(cmyk, 3, (0, 0, 40, 40), (8, 8), False)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_crop_is_placed_into_its_slot_row_by_row_and_flipped(portable: bool) -> None:
+    """``imgpack._batchcopy`` copies a planar crop into its batch slot (streaming stores where
+    the CPU has AVX2, the plain loop with ``portable``), each row reversed for a flip: numpy's
+    copy, for rows shorter and longer than a 32-byte store, of no multiple of it, and slots at
+    every alignment; a crop and a slot of other sizes are refused."""
+    from imgpack import recipe
+
+    if recipe._batchcopy is None:
+        pytest.skip("built without the batch copy")
+    place = recipe._batchcopy.place
+    rng = np.random.default_rng(11)
+    for width in (1, 7, 31, 32, 33, 64, 100, 224, 225):
+        for rows, shift in ((1, 0), (3, 1), (9, 13), (672, 31)):
+            src = rng.integers(0, 256, (rows, width), dtype=np.uint8)
+            for flip in (False, True):
+                room = np.zeros(rows * width + 64, np.uint8)
+                slot = room[shift : shift + rows * width]
+                place(src.data, slot.data, width, flip, portable)
+                expected = src[:, ::-1] if flip else src
+                assert np.array_equal(slot.reshape(rows, width), expected), (width, rows, flip)
+                assert not room[:shift].any() and not room[shift + rows * width :].any()
+    with pytest.raises(ValueError, match="bytes"):
+        place(bytes(12), bytearray(13), 4)
+    with pytest.raises(ValueError, match="rows of 5"):
+        place(bytes(12), bytearray(12), 5)
+    with pytest.raises(TypeError):
+        place(bytes(12), bytes(12), 4)  # a slot that cannot be written
+
+
+def test_the_batch_copy_and_torch_place_the_same_crops(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of random crops (flipped and not, JPEG and PNG records) is the same whether the
+    crops are placed by ``imgpack._batchcopy`` or by torch, and each crop is ``decode_box``'s."""
+    from imgpack import recipe
+
+    out = tmp_path / "out"
+    convert(photos, out, "pt", encoding="original", progress=False)
+    crop = RandomResizedCrop(24, scale=(0.3, 1.0))
+    ds = open_dataset(out, recipe=crop, seed=3)
+    indices = list(range(len(ds)))
+    built = collate(ds.__getitems__(indices))
+    monkeypatch.setattr(recipe, "_batchcopy", None)
+    plain = collate(open_dataset(out, recipe=crop, seed=3).__getitems__(indices))
+    assert torch.equal(built[0], plain[0]) and built[1].tolist() == plain[1].tolist()
+    payloads = [bytes(e.payload) for e in ds.encoded(0, len(ds))]
+    sizes = [Image.open(io.BytesIO(p)).size for p in payloads]  # (W, H)
+    heights = np.array([h for _, h in sizes])
+    widths = np.array([w for w, _ in sizes])
+    boxes = crop.boxes(3, 0, np.array(indices), heights, widths)
+    assert boxes.flip.any() and not boxes.flip.all()
+    for k, payload in enumerate(payloads):
+        box = (boxes.top[k], boxes.left[k], boxes.height[k], boxes.width[k])
+        expected = recipe.decode_box(payload, 3, box, (24, 24), bool(boxes.flip[k]))
+        assert np.array_equal(built[0][k].permute(1, 2, 0).numpy(), expected), k
 
 
 def test_region_decodes_run_side_by_side_in_threads() -> None:

@@ -56,7 +56,7 @@ from imgpack.opening import Opened, open_output
 from imgpack.opening import ReadKeywords as ReadKeywords  # re-exported for the readers
 from imgpack.opening import ReadOptions as ReadOptions  # re-exported
 from imgpack.opening import check_files as check_files  # re-exported for the readers
-from imgpack.recipe import Crop, decode_box, place
+from imgpack.recipe import Crop, jpeg_header, place, unflipped_box
 from imgpack.scan import UNLABELLED
 from imgpack.stats import DatasetStats, against_labels
 from imgpack.storage.files import PINNED_FILES as PINNED_FILES  # re-exported
@@ -682,6 +682,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         recipe = self.options.recipe
         assert recipe is not None
         items: list[Any]
+        headers: list[Any]
         here = self._here()
         here.batch_depth += 1
         try:
@@ -692,10 +693,16 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
                 items = [record.payload for record in records]
                 labels = torch.tensor([record.label for record in records], dtype=torch.int64)
                 names = [f"{record.where}: sample {record.index}" for record in records]
-                sizes = [self._stored_size(i, n) for i, n in zip(items, names, strict=True)]
+                # A JPEG's header is read once: for its size (the box) and for its decode.
+                headers = [jpeg_header(item, self.channels) for item in items]
+                sizes = [
+                    (h[0], h[1]) if h is not None else self._stored_size(i, n)
+                    for h, i, n in zip(headers, items, names, strict=True)
+                ]
             else:
                 images, labels = self._gather(indices)
                 items = [image.permute(1, 2, 0).numpy() for image in images]
+                headers = [None] * len(items)
                 names = [f"{self.root}: sample {index}" for index in indices.tolist()]
                 sizes = [item.shape[:2] for item in items]
         finally:
@@ -712,7 +719,8 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         def crop(k: int) -> None:
             box = (boxes.top[k], boxes.left[k], boxes.height[k], boxes.width[k])
             try:
-                place(decode_box(items[k], self.channels, box, recipe.size, boxes.flip[k]), out[k])
+                pixels = unflipped_box(items[k], self.channels, box, recipe.size, headers[k])
+                place(pixels, out[k], bool(boxes.flip[k]))
             except DataError as exc:
                 raise DataError(f"{names[k]}: {exc}") from None
 
