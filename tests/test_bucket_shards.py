@@ -13,10 +13,19 @@ import time
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import CountingExecutor, build_uniform_folder, count_shard_writes
+from conftest import (
+    CountingExecutor,
+    build_uniform_folder,
+    count_shard_writes,
+    jpeg_bytes,
+    png_bytes,
+    smooth_rgb,
+)
+from PIL import Image
 
 import imgpack.direct as direct
 from imgpack import convert, open_dataset, verify
@@ -396,6 +405,94 @@ def test_the_shard_plan_keeps_every_sample() -> None:
     assert direct.cut(iter([3, 3, 3, 30, 1]), 10) == [0, 3, 4, 5]
 
 
+def _unlabelled_tree(root: Path) -> Path:
+    """Images at the top, in folders and subfolders (``a-b`` sorts between ``a``'s own files
+    and ``a/c``'s), beside hidden names and a text file: what ``--no-labels`` takes."""
+    rng = np.random.default_rng(8)
+    names = ["top1.png", "top0.jpg", "a/x.png", "a/c/y.png", "a-b/z.png", "a-b/d/w.jpg",
+             "b/v.PNG", ".hidden.png", ".cache/u.png", "a/notes.txt"]  # fmt: skip
+    for k, name in enumerate(names):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(smooth_rgb(rng, 20 + k, 24 + 2 * k))
+        data = jpeg_bytes(img) if name.endswith(".jpg") else png_bytes(img)
+        path.write_bytes(b"a note" if name.endswith(".txt") else data)
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["pt", "webdataset"])
+def test_an_unlabelled_bucket_tree_is_read_in_place(
+    s3: str, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--no-labels`` of a bucket tree is listed, not downloaded: the driver GETs no object
+    and the workers GET each image once (none of the other objects); the samples, their order
+    (folders by path: ``a-b`` between ``a``'s files and ``a/c``), pixels and paths are a local
+    conversion's of the same tree, to a bucket DST and to a local one. Tars in a bucket are
+    still WebDataset samples (downloaded, then converted)."""
+    import s3fs
+
+    tree = _unlabelled_tree(tmp_path / "tree")
+    name = f"unlabelled-{fmt}"
+    fs = fsspec.filesystem("s3")
+    fs.put(str(tree), f"{BUCKET}/{name}", recursive=True)
+    gets: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: object, method: str, *a: object, **k: object) -> object:
+        if method == "get_object" and str(k.get("Key", "")).startswith(f"{name}/"):
+            gets.append(str(k["Key"]).split("/", 1)[1])
+        return await real(self, method, *a, **k)  # type: ignore[arg-type]
+
+    def no_download(*args: object) -> None:
+        raise AssertionError("the driver downloaded a source object")
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    monkeypatch.setattr(listing, "_download", no_download)
+    here = tmp_path / "here"
+    result = CliRunner().invoke(main, ["convert", f"{s3}/{name}", str(here), "-q", "--format",
+                                       fmt, "--no-labels", "--workers", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    images = ["a-b/d/w.jpg", "a-b/z.png", "a/c/y.png", "a/x.png", "b/v.PNG", "top0.jpg",
+              "top1.png"]  # fmt: skip
+    assert sorted(gets) == images  # each image once, by the task run here; nothing else
+    local = convert(tree, tmp_path / "local", fmt, no_labels=True, progress=False)
+    url = f"{s3}/{name}-out"
+    bucket = convert(f"{s3}/{name}", url, fmt, no_labels=True, workers=2, progress=False)
+    assert bucket.num_samples == local.num_samples == 7
+    expected = ["top0.jpg", "top1.png", "a/x.png", "a-b/z.png", "a-b/d/w.jpg", "a/c/y.png",
+                "b/v.PNG"]  # fmt: skip
+    assert open_dataset(tmp_path / "local").stored_paths() == sorted(expected, key=_walk_key)
+    for out in (here, url):
+        ds = open_dataset(out, cache_dir=tmp_path / "cache")
+        assert ds.stored_paths() == open_dataset(tmp_path / "local").stored_paths()
+        (a, la), (b, lb) = _read(ds), _read(open_dataset(tmp_path / "local"))
+        assert _same_images(a, b) and la.tolist() == lb.tolist() == [-1] * 7
+    # A bucket of tars with --no-labels: WebDataset samples, as a local folder of them gives.
+    tars = tmp_path / "tars"
+    convert(tree, tmp_path / "as-tars", "webdataset", no_labels=True, progress=False)
+    tars.mkdir()
+    for tar in (tmp_path / "as-tars").glob("*.tar"):
+        (tars / tar.name).write_bytes(tar.read_bytes())
+    monkeypatch.undo()
+    fs.put(str(tars), f"{BUCKET}/{name}-tars", recursive=True)
+    from_bucket = convert(f"{s3}/{name}-tars", tmp_path / "t1", "pt", no_labels=True, fields=(),
+                          progress=False)  # fmt: skip
+    from_here = convert(tars, tmp_path / "t2", "pt", no_labels=True, fields=(), progress=False)
+    assert from_bucket.num_samples == from_here.num_samples == 7
+    assert _same_images(
+        _read(open_dataset(tmp_path / "t1"))[0], _read(open_dataset(tmp_path / "t2"))[0]
+    )
+
+
+def _same_images(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _walk_key(path: str) -> tuple[str, str]:
+    folder, _, file = path.rpartition("/")
+    return folder, file
+
+
 @pytest.mark.parametrize("key", ["cat//b.png", "dots/../../escape.png", "cat/./c.png"])
 @pytest.mark.parametrize("how", ["shard tasks", "downloaded"])
 def test_a_key_that_is_no_plain_path_is_refused_by_name(
@@ -412,8 +509,8 @@ def test_a_key_that_is_no_plain_path_is_refused_by_name(
     work.mkdir(parents=True)
     if how == "shard tasks":
         dst, extra = f"{s3}/{name}-out", ["--format", "pt"]
-    else:  # --no-labels downloads SRC into a scratch folder first
-        dst, extra = str(work / "out"), ["--format", "pt", "--no-labels"]
+    else:  # a WebDataset source is downloaded into a scratch folder first
+        dst, extra = str(work / "out"), ["--format", "pt", "--source", "webdataset"]
     result = CliRunner().invoke(main, ["convert", f"{s3}/{name}", dst, "-q", *extra])
     assert result.exit_code == 1, result.output
     assert key in result.output and "path segment" in result.output

@@ -350,6 +350,38 @@ def scan_listing(
     return _scan(where, sorted(folders), classes, walk, unreadable, ignored)
 
 
+def scan_unlabelled_listing(
+    where: str, objects: Iterable[tuple[str, int, str]]
+) -> tuple[list[str], list[int], list[int], list[dict[str, str]]]:
+    """Every image of a tree known by its listing (a bucket's objects, ``(relative path, size,
+    etag)`` in any order), as :func:`walk_images` walks the same tree from its top: the image
+    paths in its order (folders by path, files by name, the top's own files first), their
+    listed sizes and ETags (:func:`imgpack.scan.listed_id`), and the objects passed over, with
+    why (a hidden name at any depth, not an image). The images are held and sorted at once:
+    the order interleaves top-level folders (``a-b/...`` sorts between ``a/x.jpg`` and
+    ``a/c/...``), about 150 bytes an image while the scan runs. ``where`` names SRC."""
+    found: list[tuple[str, str, int, int]] = []
+    passed: list[dict[str, str]] = []
+    for path, size, etag in objects:
+        parts = path.split("/")
+        if not all(part and not _hidden(part) for part in parts):
+            passed.append({"path": path, "reason": IGNORED_HIDDEN})
+            continue
+        folder, _, file = path.rpartition("/")
+        if file.lower().endswith(IMAGE_EXTENSIONS):
+            found.append((folder, file, size, listed_id(etag)))
+        else:
+            passed.append({"path": path, "reason": IGNORED_NOT_IMAGE})
+    if not found:
+        raise ScanError(
+            f"{where}: found no image files. Images are recognised by the extensions "
+            f"{', '.join(IMAGE_EXTENSIONS)} (any case)"
+        )
+    found.sort()
+    paths = [_join(d, n) for d, n, _, _ in found]
+    return paths, [f[2] for f in found], [f[3] for f in found], passed
+
+
 Walk = Callable[[str], tuple[list[str], list[dict[str, str]], list[int] | None, list[int] | None]]
 
 

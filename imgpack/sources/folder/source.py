@@ -125,13 +125,7 @@ class FolderSource(Source):
             objects = partial(listing.store_objects, self.src)
             top = listing.store_objects(self.src, "") if "" in index else ()
             scan = scan_listing(remote[0], folders, objects, request.classes, top)
-            if sidecar_fields(scan, request).fields:  # never dropped without a word
-                names = ", ".join(f.name for f in scan.fields)
-                raise OptionError(
-                    f"{remote[0]}: holds sidecar files of its images ({names}), which a folder "
-                    "in a bucket does not read as fields yet: copy it to a local folder, or give "
-                    "--fields '' to convert without them"
-                )
+            refuse_bucket_sidecars(remote[0], scan, request)
             refuse_unreadable(remote[0], scan, request)
             return scan
         if not request.allow_split_names:
@@ -148,6 +142,19 @@ class FolderSource(Source):
 
     def stamp(self, sample: Sample) -> str:
         return file_stamp(f"{self.src}/{sample.path}")
+
+
+def refuse_bucket_sidecars(url: str, scan: Scan, request: ScanRequest) -> None:
+    """A bucket tree's images with sidecar files: refused (never dropped without a word), as
+    fields are read from local sidecars only."""
+    kept = sidecar_fields(scan, request).fields
+    if kept:
+        names = ", ".join(f.name for f in kept)
+        raise OptionError(
+            f"{url}: holds sidecar files of its images ({names}), which a folder in a bucket "
+            "does not read as fields yet: copy it to a local folder, or give --fields '' to "
+            "convert without them"
+        )
 
 
 def refuse_unreadable(src: str | Path, scan: Scan, request: ScanRequest) -> None:

@@ -7,20 +7,34 @@ order: folders sorted by path, the files of each sorted by name) becomes a sampl
 :data:`~imgpack.scan.UNLABELLED` (-1); the output's label map is empty. Only when asked for
 (``--no-labels``, ``no_labels=True``): a folder without class folders is refused otherwise, as a
 mistake is likelier than an unlabelled dataset.
+
+A bucket SRC is listed, not downloaded, unless it holds WebDataset tars
+(:func:`imgpack.sources.listing.source_folder`): its images are taken from the listing in the
+same order, and each conversion worker reads its own samples' objects from the bucket
+(:class:`~imgpack.sources.folder.source.ObjectFetcher`), as for a bucket image folder.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 from pathlib import Path
+from typing import Any
 
 from imgpack.errors import OptionError, ScanError
 from imgpack.images import Encoding, ImagePolicy
 from imgpack.scan import UNLABELLED, Sample, SampleTable, Scan
+from imgpack.sources import listing
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
-from imgpack.sources.folder.scan import IMAGE_EXTENSIONS, walk_images
+from imgpack.sources.folder.scan import IMAGE_EXTENSIONS, scan_unlabelled_listing, walk_images
 from imgpack.sources.folder.sidecars import sidecar_fields
-from imgpack.sources.folder.source import FileFetcher, refuse_unreadable
+from imgpack.sources.folder.source import (
+    FileFetcher,
+    ObjectFetcher,
+    refuse_bucket_sidecars,
+    refuse_unreadable,
+)
 from imgpack.sources.webdataset.source import WebDatasetSource
 
 
@@ -30,8 +44,13 @@ class UnlabelledSource(Source):
     which needs no ``.cls``)."""
 
     @functools.cached_property
+    def remote(self) -> tuple[str, dict[str, Any]] | None:
+        """A bucket tree whose listing only SRC holds: its URL and storage options."""
+        return listing.remote_source(self.src) if self.src.is_dir() else None
+
+    @functools.cached_property
     def _tars(self) -> WebDatasetSource | None:
-        if not WebDatasetSource.detect(self.src):
+        if self.remote is not None or not WebDatasetSource.detect(self.src):
             return None
         return WebDatasetSource(self.src, {**self.settings, "labels": False})
 
@@ -54,6 +73,8 @@ class UnlabelledSource(Source):
             raise OptionError(
                 "an unlabelled source has no classes: --classes-from does not apply to --no-labels"
             )
+        if self.remote is not None:
+            return self._scan_listing(self.remote[0], request)
         unreadable: list[dict[str, str]] = []
         ignored: list[dict[str, str]] = []
         sizes: list[int] = []
@@ -76,9 +97,25 @@ class UnlabelledSource(Source):
         refuse_unreadable(self.src, scan, request)
         return scan
 
+    def _scan_listing(self, url: str, request: ScanRequest) -> Scan:
+        """The scan of a bucket tree from its listing: every top-level folder's objects and the
+        top's own, in :func:`walk_images`'s order."""
+        index = listing.store_folders(self.src) or {}
+        objects = itertools.chain.from_iterable(
+            listing.store_objects(self.src, name) for name in sorted(index)
+        )
+        paths, sizes, listed, ignored = scan_unlabelled_listing(url, objects)
+        samples = SampleTable()
+        samples.extend(paths, UNLABELLED, sizes, listed)
+        scan = Scan(classes=[], samples=samples, ignored_files=len(ignored), ignored=ignored)
+        refuse_bucket_sidecars(url, scan, request)
+        return scan
+
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         if self._tars is not None:
             return self._tars.fetcher(scan, policy, encoding, run)
+        if self.remote is not None:
+            return ObjectFetcher(self.remote[0], json.dumps(self.remote[1], sort_keys=True))
         return FileFetcher(str(self.src), tuple(scan.fields))
 
     def identity(self, scan: Scan) -> str:
