@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from imgpack.appending import appended
@@ -82,9 +83,55 @@ def applies(options: Any, dst: Any) -> bool:
     return applies_locally(options) and location.is_url(dst)
 
 
-def cut(sizes: Iterator[int], limit: int) -> list[int]:
-    """Shard boundaries for samples of ``sizes`` bytes: a shard takes samples while it stays
-    within ``limit`` bytes, and at least one (as the writers roll over). ``[0, b1, ..., n]``."""
+def cut(sizes: Iterable[int], limit: int) -> list[int]:
+    """The shard plan's boundaries for samples of ``sizes`` bytes, ``[0, b1, ..., n]``: as many
+    shards as filling them in order gives (:func:`rollover`: each within ``limit``, or one
+    sample), cut to near-equal bytes: each shard ends at the sample boundary nearest an equal
+    share of what is left (the rest over the shards still to cut), or before it where that
+    would pass ``limit``; where samples too coarse for that would need another shard, the
+    shards filled in order. Equal shards keep every worker busy to the end of a conversion of
+    a few shards, where a short last shard left workers idle (two shards on two workers, the
+    second 0.56 of the first: busy 0.78 of the time). The sizes are held as one int64 each
+    while the plan is cut."""
+    held = np.fromiter(sizes, np.int64)
+    filled = rollover(iter(held.tolist()), limit)
+    shards = len(filled) - 1
+    if shards <= 1:
+        return filled
+    ends = np.cumsum(held)  # where each sample ends
+    return _equal_cut(ends, limit, shards) or filled
+
+
+def _equal_cut(ends: np.ndarray, limit: int, shards: int) -> list[int] | None:
+    """:func:`cut`'s near-equal boundaries in ``shards`` shards, for samples ending at
+    ``ends`` (their running total); ``None`` where the samples are too coarse for that many."""
+    count, total = len(ends), int(ends[-1])
+    out = [0]
+    for left in range(shards, 0, -1):  # the shards still to cut, this one included
+        start = out[-1]
+        first = int(ends[start - 1]) if start else 0
+        if left == 1:
+            if total - first > limit and count - start > 1:
+                return None
+            out.append(count)
+            break
+        target = first + (total - first) / left
+        fits = int(np.searchsorted(ends, first + limit, side="right"))  # [start, fits) fit
+        reach = int(np.searchsorted(ends, target, side="left"))  # the first reaching target
+        if reach >= count:
+            stop = count
+        else:
+            before = int(ends[reach - 1]) if reach else 0
+            stop = reach + 1 if int(ends[reach]) - target < target - before else reach
+        out.append(max(start + 1, min(stop, fits)))
+        if out[-1] >= count:
+            break
+    return out
+
+
+def rollover(sizes: Iterator[int], limit: int) -> list[int]:
+    """Boundaries of shards filled in order, as a writer rolls over: a shard takes samples while
+    it stays within ``limit`` bytes, and at least one. ``[0, b1, ..., n]``."""
     bounds, total, count = [0], 0, 0
     for count, size in enumerate(sizes, 1):
         if count - 1 > bounds[-1] and total + size > limit:

@@ -654,7 +654,7 @@ def dry_run(
         else:  # one writer: this part's samples, where it would roll over by their sizes
             start, stop = the_plan.bounds
             if options.spec.sharded:
-                cuts = direct.cut(iter(framed[start:stop]), options.shard_size or sys.maxsize)
+                cuts = direct.rollover(iter(framed[start:stop]), options.shard_size or sys.maxsize)
                 shards = direct.shard_names(the_plan, len(cuts) - 1)
         where = the_plan.where
     return DryRun(

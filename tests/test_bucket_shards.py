@@ -4,6 +4,7 @@ A real S3 API: moto's server on 127.0.0.1 (the ``s3`` fixture)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -403,6 +404,29 @@ def test_the_shard_plan_keeps_every_sample() -> None:
     assert direct.cut(iter([0]), 10) == [0, 1]
     assert direct.cut(iter([6, 6, 6]), 10) == [0, 1, 2, 3]
     assert direct.cut(iter([3, 3, 3, 30, 1]), 10) == [0, 3, 4, 5]
+
+
+def test_the_shard_plan_cuts_shards_of_near_equal_bytes() -> None:
+    """As few shards as the limit allows, of near-equal bytes, none past the limit unless it
+    holds one sample: where filling shards in order left a short last one (a worker idle at
+    the end of a conversion of a few shards). Whatever the sizes, every sample once, in
+    order."""
+    assert direct.rollover(iter([10] * 10), 60) == [0, 6, 10]
+    assert direct.cut(iter([10] * 10), 60) == [0, 5, 10]
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        count = int(rng.integers(1, 400))
+        sizes = rng.integers(0, int(rng.choice([50, 5000])), count).tolist()
+        limit = int(rng.integers(1, 40_000))
+        bounds = direct.cut(iter(sizes), limit)
+        assert bounds[0] == 0 and bounds[-1] == count
+        pairs = list(itertools.pairwise(bounds))
+        assert all(a < b for a, b in pairs)
+        shards = [sum(sizes[a:b]) for a, b in pairs]
+        assert all(t <= limit or b - a == 1 for t, (a, b) in zip(shards, pairs, strict=True))
+        assert len(shards) <= len(direct.rollover(iter(sizes), limit)) - 1
+        if max(sizes) <= limit // 50:  # fine-grained samples: the shards are near-equal
+            assert max(shards) - min(shards) <= 2 * max(sizes), (shards, limit)
 
 
 def _unlabelled_tree(root: Path) -> Path:
