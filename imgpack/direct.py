@@ -525,10 +525,17 @@ def _raise_failed(plan: Plan, receipt: dict[str, Any], kept: bool) -> None:
 
 
 def shard_plan(plan: Plan) -> tuple[list[int], int, int]:
-    """The shard plan of the whole conversion (the bounds :func:`cut` gives, ``[0, ..., n]``)
-    and the shards ``first`` to ``last - 1`` that this part writes."""
+    """The shard plan of the whole conversion (``[0, ..., n]``) and the shards ``first`` to
+    ``last - 1`` that this part writes: near-equal shards (:func:`cut`), except for a raw
+    output, whose shards are filled in order (:func:`rollover`): a raw reader gathers a batch
+    from the shard holding most of its rows and copies the others' over (``formats.gather``),
+    so one large first shard beside a short last one reads faster than two halves (webdataset,
+    50,000 32x32 images in two shards: 0.35 of the in-RAM limit as halves, 0.40-0.42 filled
+    in order), and a raw output is read many times for each time it is converted."""
     options = plan.options
-    bounds = cut(sample_sizes(plan), options.shard_size or sys.maxsize)
+    limit = options.shard_size or sys.maxsize
+    raw = options.encoding_spec.name == "raw"
+    bounds = (rollover if raw else cut)(sample_sizes(plan), limit)
     total = len(bounds) - 1
     part, parts = options.part, options.num_parts
     return bounds, total * part // parts, total * (part + 1) // parts
