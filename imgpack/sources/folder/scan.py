@@ -333,21 +333,32 @@ def scan_listing(
             ignored.append({"path": path, "reason": IGNORED_OUTSIDE})
 
     def walk(name: str) -> tuple[list[str], list[dict[str, str]], list[int], list[int]]:
-        found, passed = [], []
-        for path, size, etag in objects(name):
-            if not visible(path):
-                passed.append({"path": path, "reason": IGNORED_HIDDEN})
-                continue
-            folder, _, file = path.rpartition("/")
-            if file.lower().endswith(IMAGE_EXTENSIONS):
-                found.append((folder, file, size, listed_id(etag)))
-            else:
-                passed.append({"path": path, "reason": IGNORED_NOT_IMAGE})
-        found.sort()  # walk_images's order: folders by path, files by name
-        paths = [_join(d, n) for d, n, _, _ in found]
-        return paths, passed, [f[2] for f in found], [f[3] for f in found]
+        return _listed_images(objects(name), visible)
 
     return _scan(where, sorted(folders), classes, walk, unreadable, ignored)
+
+
+def _listed_images(
+    objects: Iterable[tuple[str, int, str]], shown: Callable[[str], bool]
+) -> tuple[list[str], list[dict[str, str]], list[int], list[int]]:
+    """The images among listed objects ``(relative path, size, etag)`` in :func:`walk_images`'s
+    order (folders by path, files by name), with their sizes and ETags
+    (:func:`imgpack.scan.listed_id`), and the objects passed over, with why: those not
+    ``shown`` (hidden), and those that are no image."""
+    found: list[tuple[str, str, int, int]] = []
+    passed: list[dict[str, str]] = []
+    for path, size, etag in objects:
+        if not shown(path):
+            passed.append({"path": path, "reason": IGNORED_HIDDEN})
+            continue
+        folder, _, file = path.rpartition("/")
+        if file.lower().endswith(IMAGE_EXTENSIONS):
+            found.append((folder, file, size, listed_id(etag)))
+        else:
+            passed.append({"path": path, "reason": IGNORED_NOT_IMAGE})
+    found.sort()
+    paths = [_join(d, n) for d, n, _, _ in found]
+    return paths, passed, [f[2] for f in found], [f[3] for f in found]
 
 
 def scan_unlabelled_listing(
@@ -360,26 +371,18 @@ def scan_unlabelled_listing(
     why (a hidden name at any depth, not an image). The images are held and sorted at once:
     the order interleaves top-level folders (``a-b/...`` sorts between ``a/x.jpg`` and
     ``a/c/...``), about 150 bytes an image while the scan runs. ``where`` names SRC."""
-    found: list[tuple[str, str, int, int]] = []
-    passed: list[dict[str, str]] = []
-    for path, size, etag in objects:
-        parts = path.split("/")
-        if not all(part and not _hidden(part) for part in parts):
-            passed.append({"path": path, "reason": IGNORED_HIDDEN})
-            continue
-        folder, _, file = path.rpartition("/")
-        if file.lower().endswith(IMAGE_EXTENSIONS):
-            found.append((folder, file, size, listed_id(etag)))
-        else:
-            passed.append({"path": path, "reason": IGNORED_NOT_IMAGE})
-    if not found:
+    paths, passed, sizes, listed = _listed_images(objects, _shown_anywhere)
+    if not paths:
         raise ScanError(
             f"{where}: found no image files. Images are recognised by the extensions "
             f"{', '.join(IMAGE_EXTENSIONS)} (any case)"
         )
-    found.sort()
-    paths = [_join(d, n) for d, n, _, _ in found]
-    return paths, [f[2] for f in found], [f[3] for f in found], passed
+    return paths, sizes, listed, passed
+
+
+def _shown_anywhere(path: str) -> bool:
+    """Whether a listed object is no hidden name at any depth (images at the top count)."""
+    return all(part and not _hidden(part) for part in path.split("/"))
 
 
 Walk = Callable[[str], tuple[list[str], list[dict[str, str]], list[int] | None, list[int] | None]]
