@@ -25,6 +25,7 @@ from conftest import (
     jpeg_bytes,
     png_bytes,
     smooth_rgb,
+    tree_hashes,
 )
 from PIL import Image
 
@@ -491,6 +492,17 @@ def test_an_unlabelled_bucket_tree_is_read_in_place(
         assert ds.stored_paths() == open_dataset(tmp_path / "local").stored_paths()
         (a, la), (b, lb) = _read(ds), _read(open_dataset(tmp_path / "local"))
         assert _same_images(a, b) and la.tolist() == lb.tolist() == [-1] * 7
+    # Two parts into one DST plan from the listing the first saved: the one-run bytes.
+    parts = tmp_path / "parts"
+    for part in ("0", "1"):
+        args = ["--format", fmt, "--no-labels", "--shard-size", "2KB", "--num-parts", "2"]
+        done = CliRunner().invoke(main, ["convert", f"{s3}/{name}", str(parts), "-q", *args,
+                                         "--part", part])  # fmt: skip
+        assert done.exit_code == 0, done.output
+    whole = tmp_path / "whole"
+    convert(f"{s3}/{name}", whole, fmt, no_labels=True, shard_size="2KB", progress=False)
+    assert len(open_dataset(whole).manifest.files) > 2
+    assert tree_hashes(parts) == tree_hashes(whole)
     # A bucket of tars with --no-labels: WebDataset samples, as a local folder of them gives.
     tars = tmp_path / "tars"
     convert(tree, tmp_path / "as-tars", "webdataset", no_labels=True, progress=False)
