@@ -814,11 +814,14 @@ def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
     """For a bucket SRC, given its objects' paths: whether the workers read them where they are
     (nothing downloaded first). So for an image folder: the kind asked for, or the one detection
     picks when no object sits at SRC's top level (every other built-in kind needs a file there)
-    and no plugin adds a kind that could claim it; and for ``--no-labels``, a tree of images."""
+    and no plugin adds a kind that could claim it; for ``--no-labels``, a tree of images; and
+    for ``--labels FILE``, the folder its rows' paths are relative to."""
     if options.source == sources.FALLBACK:
         return lambda paths: True
     if options.source == "unlabelled":  # any tree of images, unless it is WebDataset tars
         return _not_tars
+    if options.source == "labels" and options.source_options.get("file") is not None:
+        return lambda paths: "" not in paths  # --labels FILE: its rows' objects under SRC
     if options.source is not None or set(sources.names()) - set(sources.BUILTIN):
         return None
     return lambda paths: all("/" in path or path.startswith(".") for path in paths)

@@ -454,25 +454,11 @@ def test_an_unlabelled_bucket_tree_is_read_in_place(
     (folders by path: ``a-b`` between ``a``'s files and ``a/c``), pixels and paths are a local
     conversion's of the same tree, to a bucket DST and to a local one. Tars in a bucket are
     still WebDataset samples (downloaded, then converted)."""
-    import s3fs
-
     tree = _unlabelled_tree(tmp_path / "tree")
     name = f"unlabelled-{fmt}"
     fs = fsspec.filesystem("s3")
     fs.put(str(tree), f"{BUCKET}/{name}", recursive=True)
-    gets: list[str] = []
-    real = s3fs.S3FileSystem._call_s3
-
-    async def counted(self: object, method: str, *a: object, **k: object) -> object:
-        if method == "get_object" and str(k.get("Key", "")).startswith(f"{name}/"):
-            gets.append(str(k["Key"]).split("/", 1)[1])
-        return await real(self, method, *a, **k)  # type: ignore[arg-type]
-
-    def no_download(*args: object) -> None:
-        raise AssertionError("the driver downloaded a source object")
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
-    monkeypatch.setattr(listing, "_download", no_download)
+    gets = _source_gets(monkeypatch, name)
     here = tmp_path / "here"
     result = CliRunner().invoke(main, ["convert", f"{s3}/{name}", str(here), "-q", "--format",
                                        fmt, "--no-labels", "--workers", "1"])  # fmt: skip
@@ -518,6 +504,75 @@ def test_an_unlabelled_bucket_tree_is_read_in_place(
     assert _same_images(
         _read(open_dataset(tmp_path / "t1"))[0], _read(open_dataset(tmp_path / "t2"))[0]
     )
+
+
+@pytest.mark.parametrize("fmt", ["pt", "tfrecord"])
+def test_a_label_list_over_a_bucket_folder_is_read_in_place(
+    s3: str, images: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--labels FILE`` with SRC a bucket folder: SRC is listed, not downloaded; each row's
+    object (``./`` and ``a/../`` resolved) is sized by the listing and GET once by the task
+    that converts it; the samples, order, labels, paths as written and pixels are those of
+    the same list over a local copy, in every part. A row whose object the bucket lacks, or
+    that climbs above SRC, is named by its line."""
+    name = f"listed-src-{fmt}"
+    fs = fsspec.filesystem("s3")
+    fs.put(str(images), f"{BUCKET}/{name}", recursive=True)
+    files = sorted(p.relative_to(images).as_posix() for p in images.rglob("*.png"))
+    rows = [f"./{files[0]},a", f"{files[1].split('/')[0]}/../{files[1]},b"]
+    rows += [f"{path},{'a' if k % 2 else 'b'}" for k, path in enumerate(files[2:30])]
+    listed = tmp_path / "list.csv"
+    listed.write_text("path,label\n" + "\n".join(rows) + "\n")
+    gets = _source_gets(monkeypatch, name)
+    here = tmp_path / "here"
+    args = ["--format", fmt, "--labels", str(listed), "--shard-size", "3KB"]
+    result = CliRunner().invoke(main, ["convert", f"{s3}/{name}", str(here), "-q", *args,
+                                       "--workers", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert sorted(gets) == sorted(files[:30])  # each listed object once, nothing else
+    local = convert(images, tmp_path / "local", fmt, labels=str(listed), shard_size="3KB",
+                    progress=False)  # fmt: skip
+    ours, theirs = open_dataset(here), open_dataset(tmp_path / "local")
+    assert ours.stored_paths() == theirs.stored_paths() == [r.split(",")[0] for r in rows]
+    assert ours.classes == theirs.classes and ours.targets == theirs.targets
+    assert torch.equal(_read(ours)[0], _read(theirs)[0])
+    assert open_dataset(here).manifest.num_samples == local.num_samples == 30
+    parts = tmp_path / "parts"
+    for part in ("0", "1"):
+        done = CliRunner().invoke(main, ["convert", f"{s3}/{name}", str(parts), "-q", *args,
+                                         "--num-parts", "2", "--part", part])  # fmt: skip
+        assert done.exit_code == 0, done.output
+    assert tree_hashes(parts) == tree_hashes(here)
+    for bad, says in (
+        (f"{files[0]}x,a", "no such object"),
+        ("../elsewhere.png,a", "not under SRC"),
+    ):
+        listed.write_text("path,label\n" + "\n".join([*rows[:3], bad]) + "\n")
+        failed = CliRunner().invoke(main, ["convert", f"{s3}/{name}", str(tmp_path / "bad"),
+                                           "-q", *args])  # fmt: skip
+        assert failed.exit_code != 0 and "line 5" in failed.output and says in failed.output
+        assert "Traceback" not in failed.output and not (tmp_path / "bad").exists()
+
+
+def _source_gets(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """The keys under ``BUCKET/name`` this process GETs from now on (a task run here counts),
+    in order; the driver downloading a source object into its scratch folder fails the test."""
+    import s3fs
+
+    gets: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: object, method: str, *a: object, **k: object) -> object:
+        if method == "get_object" and str(k.get("Key", "")).startswith(f"{name}/"):
+            gets.append(str(k["Key"]).split("/", 1)[1])
+        return await real(self, method, *a, **k)  # type: ignore[arg-type]
+
+    def no_download(*args: object) -> None:
+        raise AssertionError("the driver downloaded a source object")
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    monkeypatch.setattr(listing, "_download", no_download)
+    return gets
 
 
 def _same_images(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

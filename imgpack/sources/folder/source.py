@@ -57,32 +57,41 @@ class ObjectFetcher(Fetcher):
     def prefetch(self, samples: Sequence[Sample]) -> None:
         """GET the objects of a chunk of samples at once (one GET after the other would wait
         a round trip per image): each ``__call__`` then takes its bytes from memory."""
-        if len(samples) < 2:
+        self.prefetch_keys([sample.path for sample in samples])
+
+    def prefetch_keys(self, keys: Sequence[str]) -> None:
+        """:meth:`prefetch` of the objects at ``keys`` under the URL."""
+        if len(keys) < 2:
             return
         fs, root = _filesystem(self.url, self.storage_options)
-        paths = [f"{root}/{sample.path}" for sample in samples]
+        paths = [f"{root}/{key}" for key in keys]
         _FETCHED.clear()
         _FETCHED.update(zip(paths, location.read_objects(fs, paths), strict=True))
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
+        data = self.data(sample.path, sample.path, sample.listed)
+        return process_bytes(data, sample.path, sample.label, policy, encoding)
+
+    def data(self, key: str, name: str, listed: int) -> bytes:
+        """The bytes of the object at ``key`` under the URL (prefetched, else one GET), with
+        the content the listing named (``listed``, 0: any); ``name`` is the sample's path in
+        errors."""
         fs, root = _filesystem(self.url, self.storage_options)
-        path = f"{root}/{sample.path}"
+        path = f"{root}/{key}"
         found = _FETCHED.pop(path, None)
         if found is None:
             (found,) = location.read_objects(fs, [path])
         if isinstance(found, BaseException):
-            raise ImageError(
-                sample.path, f"cannot read {self.url}/{sample.path}: {found}"
-            ) from None
+            raise ImageError(name, f"cannot read {self.url}/{key}: {found}") from None
         data, said = found
-        if sample.listed and said and sample.listed not in {listed_id(s) for s in said}:
+        if listed and said and listed not in {listed_id(s) for s in said}:
             raise DataError(
-                f"{self.url}/{sample.path}: the object was replaced after this conversion "
+                f"{self.url}/{key}: the object was replaced after this conversion "
                 "listed it (its ETag or version is not the listed one); nothing of it is "
                 "committed: run the conversion again without --resume to list the bucket anew "
                 "(parts read the listing saved in DST/.imgpack-work/listing: remove it first)"
             )
-        return process_bytes(data, sample.path, sample.label, policy, encoding)
+        return bytes(data)
 
 
 #: Objects of the chunk being converted in this process (:meth:`ObjectFetcher.prefetch`): their

@@ -7,7 +7,10 @@ to SRC (``--labels FILE``: SRC is the folder the paths are relative to) or to th
 (the list as SRC), absolute, or a URL (``s3://...``, read in the workers through fsspec). Samples
 keep the list's order and its paths as written. Each image's size is known before any is read
 (a file's stat; the URLs' sizes asked of their stores in bulk), so the output is planned shard
-by shard and written by shard tasks, as an image folder's is.
+by shard and written by shard tasks, as an image folder's is. With ``--labels FILE`` and SRC a
+bucket folder, SRC is listed, not downloaded: each relative path names the object at that path
+under SRC (``./`` and ``..`` resolved, never above SRC), sized and known by the listing, and
+each worker GETs its own rows' objects.
 
 Labels are class names or integers. When every label is an integer ``>= 0`` they are the labels
 and the classes are ``"0"`` to the largest; otherwise the classes are the sorted names. With
@@ -25,10 +28,12 @@ type) stops the run naming its line, or with ``--on-error skip`` is recorded as 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
+import posixpath
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +42,8 @@ from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_
 from imgpack.fields import Field, from_text, infer_field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
 from imgpack.manifest import sha256_file
-from imgpack.scan import Sample, Scan
+from imgpack.scan import Sample, Scan, listed_id
+from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
     ScanRequest,
@@ -48,6 +54,7 @@ from imgpack.sources.base import (
     kept_fields,
     label_map,
 )
+from imgpack.sources.folder.source import ObjectFetcher
 
 #: One good row of a list: its line, path, label value, all its columns, and its file's size
 #: (``-1``: a URL's, asked of its store once every row is read).
@@ -76,6 +83,14 @@ class LabelListSource(Source):
         """The folder relative paths start from."""
         return self.src if self.settings.get("file") is not None else self.list_file.parent
 
+    @functools.cached_property
+    def remote(self) -> tuple[str, dict[str, Any]] | None:
+        """With ``--labels FILE``, SRC a bucket folder whose listing only SRC holds
+        (:func:`imgpack.sources.listing.source_folder`): its URL and storage options."""
+        if self.settings.get("file") is None or not self.src.is_dir():
+            return None
+        return listing.remote_source(self.src)
+
     def check(self) -> None:
         if not self.list_file.is_file():
             raise FileNotFoundError(f"{self.list_file}: no such label list")
@@ -87,6 +102,9 @@ class LabelListSource(Source):
 
     def scan(self, request: ScanRequest) -> Scan:
         rows, unreadable = self._rows(request)
+        listed: dict[int, int] = {}
+        if self.remote is not None:
+            rows = self._with_listed_sizes(rows, listed, request, unreadable)
         rows = _with_url_sizes(rows, request.runner)
         classes, label_of = label_map([row[2] for row in rows], request.classes)
         fields, names = self._fields(rows, request)
@@ -97,7 +115,9 @@ class LabelListSource(Source):
             if isinstance(label, str) or problem is not None:
                 self._bad(request, unreadable, line, path, problem or str(label))
             else:
-                samples.append(Sample(path, label, line, fields=values, size=size))
+                samples.append(
+                    Sample(path, label, line, listed.get(line, 0), fields=values, size=size)
+                )
         if not samples and not unreadable:
             raise ScanError(f"{self.list_file}: lists no image")
         origin = {
@@ -114,6 +134,34 @@ class LabelListSource(Source):
             fields=fields,
             field_names=names,
         )
+
+    def _with_listed_sizes(
+        self,
+        rows: list[Row],
+        listed: dict[int, int],
+        request: ScanRequest,
+        unreadable: list[dict[str, str]],
+    ) -> list[Row]:
+        """The rows naming objects under SRC, a bucket folder, with each object's size from
+        SRC's listing (read once, one line at a time) and its ETag put in ``listed`` by line;
+        a row whose object the listing lacks is bad ("no such object")."""
+        wanted = {bucket_key(row[1]): k for k, row in enumerate(rows) if _under_src(row[1])}
+        sizes: dict[int, int] = {}
+        for name in sorted(listing.store_folders(self.src) or {}):
+            for path, size, etag in listing.store_objects(self.src, name):
+                k = wanted.get(path)
+                if k is not None:
+                    sizes[k] = size
+                    listed[rows[k][0]] = listed_id(etag)
+        kept: list[Row] = []
+        for k, row in enumerate(rows):
+            if not _under_src(row[1]):
+                kept.append(row)
+            elif k in sizes:
+                kept.append((*row[:4], sizes[k]))
+            else:
+                self._bad(request, unreadable, row[0], row[1], f"{row[1]}: no such object")
+        return kept
 
     def _fields(self, rows: list[Row], request: ScanRequest) -> tuple[list[Field], list[str]]:
         """The list's other columns as fields, in the list's order (those ``--fields`` names,
@@ -205,7 +253,12 @@ class LabelListSource(Source):
             return f"label {value} is negative", None, -1
         identity: Any = path
         size = -1
-        if not is_url(path):
+        if self.remote is not None and _under_src(path):
+            key = bucket_key(path)
+            if key == ".." or key.startswith("../"):
+                return f"{path}: not under SRC", None, -1
+            identity = ("object", key)  # sized from SRC's listing once every row is read
+        elif not is_url(path):
             try:
                 st = os.stat(self._full(path))
             except (OSError, ValueError):
@@ -307,10 +360,28 @@ class LabelListSource(Source):
         return digest((scan.origin or {}).get("sha256"))
 
     def stamp(self, sample: Sample) -> str:
-        return "-" if is_url(sample.path) else file_stamp(self._full(sample.path))
+        # A bucket SRC's objects are known by its listing (in the output id), URLs by nothing.
+        if is_url(sample.path) or (self.remote is not None and _under_src(sample.path)):
+            return "-"
+        return file_stamp(self._full(sample.path))
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
+        if self.remote is not None:
+            url, options = self.remote
+            objects = ObjectFetcher(url, json.dumps(options, sort_keys=True))
+            return LabelListFetcher(str(self.root), self.list_file.name, objects)
         return LabelListFetcher(str(self.root), self.list_file.name)
+
+
+def _under_src(path: str) -> bool:
+    """Whether a row's path is relative to SRC (not a URL, not absolute)."""
+    return not is_url(path) and not os.path.isabs(path)
+
+
+def bucket_key(path: str) -> str:
+    """A relative row path as the key under a bucket SRC that a copy of it on disk would
+    resolve it to: ``./`` and ``a/../`` resolved, doubled slashes collapsed."""
+    return posixpath.normpath(path)
 
 
 def _with_url_sizes(rows: list[Row], runner: Any = None) -> list[Row]:
@@ -341,15 +412,25 @@ def _json_row(text: str) -> tuple[dict[str, Any] | None, str | None]:
 
 @dataclass(frozen=True)
 class LabelListFetcher(Fetcher):
-    """Reads a listed image: a file (relative to ``root``, or absolute) or a URL."""
+    """Reads a listed image: a file (relative to ``root``, or absolute) or a URL; with
+    ``objects``, a relative path is the object at its :func:`bucket_key` under SRC, a bucket
+    folder (the listed content, GET in chunks)."""
 
     root: str
     list_file: str
+    objects: ObjectFetcher | None = None
+
+    def prefetch(self, samples: Sequence[Sample]) -> None:
+        if self.objects is not None:
+            keys = [bucket_key(s.path) for s in samples if _under_src(s.path)]
+            self.objects.prefetch_keys(keys)
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         path = sample.path
         try:
-            if is_url(path):
+            if self.objects is not None and _under_src(path):
+                data = self.objects.data(bucket_key(path), path, sample.listed)
+            elif is_url(path):
                 data = _read_url(path)
             else:
                 full = path if os.path.isabs(path) else f"{self.root}/{path}"
