@@ -676,6 +676,30 @@ def test_a_crop_is_placed_into_its_slot_row_by_row_and_flipped(portable: bool) -
         place(bytes(12), bytes(12), 4)  # a slot that cannot be written
 
 
+@pytest.mark.parametrize("way", ["batchcopy", "torch", "numpy"])
+def test_every_way_of_placing_a_crop_gives_the_same_slot(
+    way: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``place`` copies a crop into its CxHxW slot, flipped or not, by the C copy, by torch
+    (no extension) or by numpy (where torch's threads may not run): the same bytes, for a
+    planar crop (torch's resize output) and an interleaved one (Pillow's)."""
+    from imgpack import recipe
+
+    if way == "batchcopy" and recipe._batchcopy is None:
+        pytest.skip("built without the batch copy")
+    if way != "batchcopy":
+        monkeypatch.setattr(recipe, "_batchcopy", None)
+    if way == "numpy":
+        monkeypatch.setattr(recipe, "torch_may_run", lambda: False)
+    chw = np.random.default_rng(0).integers(0, 256, (3, 40, 37), dtype=np.uint8)
+    for pixels in (chw.transpose(1, 2, 0), np.ascontiguousarray(chw.transpose(1, 2, 0))):
+        for flip in (False, True):
+            out = torch.zeros((3, 40, 37), dtype=torch.uint8)
+            recipe.place(pixels, out, flip)
+            expected = np.ascontiguousarray(chw[:, :, ::-1] if flip else chw)
+            assert np.array_equal(out.numpy(), expected), (flip, pixels.flags.c_contiguous)
+
+
 def test_the_batch_copy_and_torch_place_the_same_crops(
     photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
