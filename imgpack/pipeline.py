@@ -654,7 +654,7 @@ def dry_run(
         else:  # one writer: this part's samples, where it would roll over by their sizes
             start, stop = the_plan.bounds
             if options.spec.sharded:
-                cuts = direct.rollover(iter(framed[start:stop]), options.shard_size or sys.maxsize)
+                cuts = direct.rollover(framed[start:stop], options.shard_size or sys.maxsize)
                 shards = direct.shard_names(the_plan, len(cuts) - 1)
         where = the_plan.where
     return DryRun(
@@ -800,14 +800,15 @@ def _carry_over(dst: Path, tmp: Path, base: Manifest) -> None:
     the new version ``tmp`` before it replaces DST, so that an append loses none of it."""
     own = {MANIFEST_NAME, CHECKPOINT, *formats.runtime_files(), *(f.path for f in base.files)}
     for entry in sorted(os.listdir(dst)):
-        if entry in own or (tmp / entry).exists():
+        there, here = dst / entry, tmp / entry
+        if entry in own or here.exists():
             continue
-        if (dst / entry).is_dir() and not (dst / entry).is_symlink():
-            shutil.copytree(dst / entry, tmp / entry, symlinks=True, copy_function=os.link)
-        elif (dst / entry).is_symlink():
-            os.symlink(os.readlink(dst / entry), tmp / entry)
+        if there.is_symlink():
+            os.symlink(os.readlink(there), here)
+        elif there.is_dir():
+            shutil.copytree(there, here, symlinks=True, copy_function=os.link)
         else:
-            os.link(dst / entry, tmp / entry)
+            os.link(there, here)
 
 
 def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:

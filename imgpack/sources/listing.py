@@ -327,6 +327,13 @@ def store_objects(folder: Path, top: str) -> Iterator[tuple[str, int, str]]:
             yield path, size, etag
 
 
+def store_every_object(folder: Path) -> Iterator[tuple[str, int, str]]:
+    """:func:`store_objects` of every top-level folder of a bucket source's listing (the top's
+    own objects first), one line at a time."""
+    for top in sorted(store_folders(folder) or {}):
+        yield from store_objects(folder, top)
+
+
 def listing_digest(folder: Path) -> str | None:
     """The sha256 of a bucket source's listing (what the store says of every object), else
     ``None``."""

@@ -54,6 +54,13 @@ class ObjectFetcher(Fetcher):
     #: The fsspec storage options, as JSON (the fetcher stays small and hashable).
     storage_options: str
 
+    @classmethod
+    def of(cls, remote: tuple[str, dict[str, Any]]) -> ObjectFetcher:
+        """The fetcher of a bucket source read in place: ``(url, storage options)`` as
+        :func:`imgpack.sources.listing.remote_source` gives them."""
+        url, options = remote
+        return cls(url, json.dumps(options, sort_keys=True))
+
     def prefetch(self, samples: Sequence[Sample]) -> None:
         """GET the objects of a chunk of samples at once (one GET after the other would wait
         a round trip per image): each ``__call__`` then takes its bytes from memory."""
@@ -91,7 +98,7 @@ class ObjectFetcher(Fetcher):
                 "committed: run the conversion again without --resume to list the bucket anew "
                 "(parts read the listing saved in DST/.imgpack-work/listing: remove it first)"
             )
-        return bytes(data)
+        return data
 
 
 #: Objects of the chunk being converted in this process (:meth:`ObjectFetcher.prefetch`): their
@@ -146,7 +153,7 @@ class FolderSource(Source):
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         remote = self.remote
         if remote is not None:
-            return ObjectFetcher(remote[0], json.dumps(remote[1], sort_keys=True))
+            return ObjectFetcher.of(remote)
         return FileFetcher(str(self.src), tuple(scan.fields))
 
     def stamp(self, sample: Sample) -> str:

@@ -104,7 +104,7 @@ class LabelListSource(Source):
         rows, unreadable = self._rows(request)
         listed: dict[int, int] = {}
         if self.remote is not None:
-            rows = self._with_listed_sizes(rows, listed, request, unreadable)
+            rows, listed = self._with_listed_sizes(rows, request, unreadable)
         rows = _with_url_sizes(rows, request.runner)
         classes, label_of = label_map([row[2] for row in rows], request.classes)
         fields, names = self._fields(rows, request)
@@ -136,32 +136,34 @@ class LabelListSource(Source):
         )
 
     def _with_listed_sizes(
-        self,
-        rows: list[Row],
-        listed: dict[int, int],
-        request: ScanRequest,
-        unreadable: list[dict[str, str]],
-    ) -> list[Row]:
-        """The rows naming objects under SRC, a bucket folder, with each object's size from
-        SRC's listing (read once, one line at a time) and its ETag put in ``listed`` by line;
-        a row whose object the listing lacks is bad ("no such object")."""
+        self, rows: list[Row], request: ScanRequest, unreadable: list[dict[str, str]]
+    ) -> tuple[list[Row], dict[int, int]]:
+        """The rows, those naming objects under SRC (a bucket folder) with each object's size
+        from SRC's listing (read once, one line at a time), and each such row's listed ETag
+        (:func:`~imgpack.scan.listed_id`) by line; a row whose object the listing lacks is
+        bad."""
+        assert self.remote is not None
         wanted = {bucket_key(row[1]): k for k, row in enumerate(rows) if _under_src(row[1])}
-        sizes: dict[int, int] = {}
-        for name in sorted(listing.store_folders(self.src) or {}):
-            for path, size, etag in listing.store_objects(self.src, name):
-                k = wanted.get(path)
-                if k is not None:
-                    sizes[k] = size
-                    listed[rows[k][0]] = listed_id(etag)
+        found: dict[int, tuple[int, str]] = {}
+        for path, size, etag in listing.store_every_object(self.src):
+            k = wanted.get(path)
+            if k is not None:
+                found[k] = (size, etag)
         kept: list[Row] = []
+        listed: dict[int, int] = {}
         for k, row in enumerate(rows):
             if not _under_src(row[1]):
                 kept.append(row)
-            elif k in sizes:
-                kept.append((*row[:4], sizes[k]))
+            elif k in found:
+                size, etag = found[k]
+                kept.append((*row[:4], size))
+                listed[row[0]] = listed_id(etag)
             else:
-                self._bad(request, unreadable, row[0], row[1], f"{row[1]}: no such object")
-        return kept
+                where = f"{self.remote[0]}/{bucket_key(row[1])}"
+                self._bad(
+                    request, unreadable, row[0], row[1], f"{row[1]}: no such object ({where})"
+                )
+        return kept, listed
 
     def _fields(self, rows: list[Row], request: ScanRequest) -> tuple[list[Field], list[str]]:
         """The list's other columns as fields, in the list's order (those ``--fields`` names,
@@ -256,7 +258,12 @@ class LabelListSource(Source):
         if self.remote is not None and _under_src(path):
             key = bucket_key(path)
             if key == ".." or key.startswith("../"):
-                return f"{path}: not under SRC", None, -1
+                return (
+                    f"{path}: not under SRC (with --labels FILE, a relative path names an "
+                    "object under SRC and may not climb above it)",
+                    None,
+                    -1,
+                )
             identity = ("object", key)  # sized from SRC's listing once every row is read
         elif not is_url(path):
             try:
@@ -367,9 +374,9 @@ class LabelListSource(Source):
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         if self.remote is not None:
-            url, options = self.remote
-            objects = ObjectFetcher(url, json.dumps(options, sort_keys=True))
-            return LabelListFetcher(str(self.root), self.list_file.name, objects)
+            return LabelListFetcher(
+                str(self.root), self.list_file.name, ObjectFetcher.of(self.remote)
+            )
         return LabelListFetcher(str(self.root), self.list_file.name)
 
 

@@ -17,8 +17,6 @@ same order, and each conversion worker reads its own samples' objects from the b
 from __future__ import annotations
 
 import functools
-import itertools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +98,7 @@ class UnlabelledSource(Source):
     def _scan_listing(self, url: str, request: ScanRequest) -> Scan:
         """The scan of a bucket tree from its listing: every top-level folder's objects and the
         top's own, in :func:`walk_images`'s order."""
-        index = listing.store_folders(self.src) or {}
-        objects = itertools.chain.from_iterable(
-            listing.store_objects(self.src, name) for name in sorted(index)
-        )
+        objects = listing.store_every_object(self.src)
         paths, sizes, listed, ignored = scan_unlabelled_listing(url, objects)
         samples = SampleTable()
         samples.extend(paths, UNLABELLED, sizes, listed)
@@ -115,7 +110,7 @@ class UnlabelledSource(Source):
         if self._tars is not None:
             return self._tars.fetcher(scan, policy, encoding, run)
         if self.remote is not None:
-            return ObjectFetcher(self.remote[0], json.dumps(self.remote[1], sort_keys=True))
+            return ObjectFetcher.of(self.remote)
         return FileFetcher(str(self.src), tuple(scan.fields))
 
     def identity(self, scan: Scan) -> str:
