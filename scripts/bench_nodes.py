@@ -19,6 +19,13 @@ raised to the sampler's `working_set()` where that is more):
     fetched with one GET after the other, in the same node process, before the epochs).
 
     python scripts/bench_nodes.py [--data bench-data] [--raw-count 20000] [--jpeg-count 2000]
+                                  [--store-link 400mbit]
+
+By default the store (moto, a Python server) runs on the same 2 CPUs as the nodes, so a first
+epoch is bounded by CPU: each fetched MB costs the node's client and moto CPU time the reads
+need too. ``--store-link RATE`` (root) runs it all in a network namespace whose loopback passes
+RATE bits per second, shared by the two nodes as a store's link would be: the first epoch is
+then bounded by the store, as on a cluster whose nodes have CPU to spare beside their fetches.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from bench_storage import arguments, bucket, fresh_output, output_sets
+from bench_storage import arguments, behind_a_link, bucket, fresh_output, output_sets
 from benchlib import machine, print_table, save_json
 
 from imgpack import open_dataset
@@ -52,11 +59,20 @@ def _data_bytes(cache: Path) -> int:
 
 
 def node(
-    url: str, node_number: int, limit: int, cache: Path, queue: Any, reading: tuple[int, int]
+    url: str,
+    node_number: int,
+    limit: int,
+    cache: Path,
+    queue: Any,
+    reading: tuple[int, int],
+    together: Any,
 ) -> None:
-    """One node: its ranks read two epochs in lockstep; what it measured goes to ``queue``."""
+    """One node: its ranks read two epochs in lockstep; what it measured goes to ``queue``.
+    ``together``: a barrier of the nodes, so that they measure the store, then each epoch, at
+    the same time (a node's epoch never overlaps another's download of the whole output)."""
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     names = [f.path for f in open_dataset(url, cache_dir=cache / "probe").manifest.files]
+    together.wait()
     start = time.perf_counter()
     fetched = sum(len(fs.cat_file(f"{url.removeprefix('s3://')}/{n}")) for n in names)
     store = fetched / (time.perf_counter() - start)
@@ -82,6 +98,7 @@ def node(
     for _epoch in range(2):
         before, fetches = cache_stats.downloaded_bytes, cache_stats.downloads
         watcher = threading.Thread(target=watch)
+        together.wait()
         watcher.start()
         start, count = time.perf_counter(), 0
         for batches in zip(*loaders, strict=True):
@@ -98,8 +115,10 @@ def node(
 
 
 def main() -> None:
-    args = arguments(__doc__ or "", repeats=1)
+    args = arguments(__doc__ or "", repeats=1, link=True)
+    behind_a_link(args.store_link)
     print(machine())
+    print(f"store link: {args.store_link or 'none (the store shares the CPUs)'}")
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as scratch, bucket():
         for name, (src, fmt, options) in output_sets(args, "webdataset").items():
@@ -122,7 +141,7 @@ def main() -> None:
                     need = max(need, probe.working_set(lag=BATCH) or 0)
                 limit = max(total // share, need)
                 context = multiprocessing.get_context("spawn")
-                queue = context.Queue()
+                queue, together = context.Queue(), context.Barrier(NODES)
                 nodes = [
                     context.Process(
                         target=node,
@@ -133,6 +152,7 @@ def main() -> None:
                             Path(scratch) / f"{fmt}-{share}-{window}-node{n}",
                             queue,
                             (window, prefetch),
+                            together,
                         ),
                     )
                     for n in range(NODES)
@@ -157,7 +177,7 @@ def main() -> None:
                         f"(limit {limit / total:.3f} of the output, {len(files)} shards)"
                     )))  # fmt: skip
     print_table("two nodes x two ranks, a cache each", rows)
-    save_json(args.json, results)
+    save_json(args.json, {"store_link": args.store_link, **results})
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -87,9 +88,13 @@ def fresh_output(src: Path, local: Path, fmt: str, **options: Any) -> Path:
     return local
 
 
-def arguments(doc: str, repeats: int, shards: bool = False) -> argparse.Namespace:
-    """The options of the object-storage benchmarks (this one and bench_lazy.py; ``shards``:
-    the outputs are written in ``--shards`` shards)."""
+def arguments(
+    doc: str, repeats: int, shards: bool = False, link: bool = False
+) -> argparse.Namespace:
+    """The options of the object-storage benchmarks (this one, bench_lazy.py and
+    bench_nodes.py; ``shards``: the outputs are written in ``--shards`` shards; ``link``: the
+    store can be reached through a link of ``--store-link`` bits per second, see
+    :func:`behind_a_link`)."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -98,9 +103,40 @@ def arguments(doc: str, repeats: int, shards: bool = False) -> argparse.Namespac
     parser.add_argument("--jpeg-count", type=int, default=4_000)
     if shards:
         parser.add_argument("--shards", type=int, default=32)
+    if link:
+        parser.add_argument(
+            "--store-link",
+            default=None,
+            metavar="RATE",
+            help="reach the store through a link of RATE (tc's units: 400mbit, 1gbit)",
+        )
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--json", default=None)
     return parser.parse_args()
+
+
+#: Set in the process :func:`behind_a_link` starts, inside its network namespace.
+LINKED = "IMGPACK_BENCH_LINK"
+
+
+def behind_a_link(rate: str | None) -> None:
+    """Run this script again in a network namespace of its own whose loopback (where moto's
+    server and the readers talk) passes ``rate`` bits per second (``tc``'s token bucket), and
+    exit with its status: a store whose link, not the CPUs it shares with the readers, bounds
+    a download. Needs root (``unshare -n``). Nothing when ``rate`` is ``None`` or when this is
+    already that process."""
+    if rate is None or os.environ.get(LINKED):
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("--store-link needs root: it runs the benchmark in a namespace of its own")
+    # The bucket must pass a 64 KiB loopback packet whole: burst 512 KiB.
+    shaped = (
+        "ip link set lo up && "
+        f"tc qdisc add dev lo root tbf rate {shlex.quote(rate)} burst 512kb latency 50ms && "
+        f"exec {shlex.join([sys.executable, *sys.argv])}"
+    )
+    env = {**os.environ, LINKED: rate}
+    raise SystemExit(subprocess.run(["unshare", "-n", "sh", "-c", shaped], env=env).returncode)
 
 
 def output_sets(

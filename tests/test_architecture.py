@@ -321,6 +321,8 @@ STATE_ALLOWED = {
     "kept: collecting one would unregister the parent's sockets from their shared epoll",
     "imgpack.storage.location._forks": "forks this process made: a filesystem opened before "
     "one is not used after it",
+    "imgpack.storage.lazy._filesystems": "the lazy readers' one client per store and options in "
+    "this process (a new one after each fork)",
     "imgpack.storage.lazy._prefetchers": "this process's prefetchers (weak): paused while a "
     "DataLoader forks its workers",
     "imgpack.storage.cache._held": "the cache locks this process holds: a forked child closes "

@@ -6,6 +6,9 @@ first use while one damaged in the cache is fetched again."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -17,6 +20,7 @@ from conftest import build_uniform_folder
 from torch.utils.data import DataLoader
 
 import imgpack.storage.files as storage_files
+import imgpack.storage.lazy as lazy_module
 from imgpack import convert, open_dataset
 from imgpack.cli import main
 from imgpack.errors import StorageError
@@ -52,6 +56,62 @@ def _rows(batches: object) -> Counter[tuple[int, str]]:
 
 def _data_bytes(cache: Path) -> int:
     return sum(size for _, _, size in cached_files(cache))
+
+
+def test_the_readers_of_a_process_fetch_through_one_client(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every lazy reader of a process fetches through one filesystem, one client (making one
+    loads the store's service model and TLS context again: about 0.15 s of CPU, as much as
+    fetching 20 MB); a forked child makes its own, and so does the parent after the fork."""
+    url, local = _output(s3, tmp_path, "pt")
+    made: list[object] = []
+    real = lazy_module.filesystem
+
+    def counting(*args: object, **kwargs: object) -> tuple[object, str]:
+        found = real(*args, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("fresh"):
+            made.append(found[0])
+        return found
+
+    monkeypatch.setattr(lazy_module, "filesystem", counting)
+    expected = open_dataset(local)
+    readers = [open_dataset(url, cache_dir=tmp_path / f"cache{i}") for i in range(3)]
+    for i, ds in enumerate(readers):  # each reader fetches a shard into its own cache
+        assert ds[i * 10][1] == expected[i * 10][1]
+        assert ds[i * 10][0].equal(expected[i * 10][0])
+    assert len(made) == 1
+    reading, said = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's exit status says it
+        try:
+            same = readers[0][50][0].equal(expected[50][0])
+            os.write(said, f"{int(same)} {len(made)}".encode())
+        finally:
+            os._exit(0)
+    os.close(said)
+    assert os.waitpid(child, 0)[1] == 0
+    assert os.read(reading, 64).decode() == "1 2"  # read right, through a client of its own
+    assert readers[1][60][0].equal(expected[60][0])
+    assert len(made) == 2 and made[1] is not made[0]  # the parent's own, after the fork
+    for ds in readers:
+        ds.release_files()
+
+
+def test_a_reader_alive_at_exit_lets_its_pins_go_quietly(s3: str, tmp_path: Path) -> None:
+    """A script that ends (here with a user's error) while a reader still pins cache files
+    says only its error: the pins are let go as the interpreter clears its modules, without an
+    "Exception ignored" traceback."""
+    url, _ = _output(s3, tmp_path, "pt")
+    script = (
+        "from imgpack import open_dataset\n"
+        f"ds = open_dataset({url!r}, cache_dir={str(tmp_path / 'cache')!r})\n"
+        "ds[0]\n"
+        "raise SystemExit('the script stops here')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "the script stops here"
 
 
 @pytest.mark.parametrize(

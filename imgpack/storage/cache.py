@@ -261,13 +261,21 @@ def hold_fd(fd: int) -> int:
     return fd
 
 
-def release_fd(fd: int, _close: Callable[[int], None] = os.close) -> None:
+def release_fd(
+    fd: int,
+    _close: Callable[[int], None] = os.close,
+    _getpid: Callable[[], int] = os.getpid,
+    _fds: dict[int, int] = _held,
+) -> None:
     """Close ``fd`` from :func:`hold_fd`, if this process opened it (a copy from the parent
-    was closed at the fork)."""
-    if _held.get(fd) == os.getpid():
-        del _held[fd]
-        with contextlib.suppress(OSError):
+    was closed at the fork). What it uses is bound at definition: readers collected at
+    interpreter exit call it after modules are cleared."""
+    if _fds.get(fd) == _getpid():
+        del _fds[fd]
+        try:  # noqa: SIM105 - contextlib may be cleared by then
             _close(fd)
+        except OSError:
+            pass
 
 
 def _close_inherited() -> None:
@@ -307,10 +315,14 @@ class EntryPin:
         fcntl.flock(self.fd, fcntl.LOCK_SH)
 
     def close(self, _close: Callable[[int], None] = os.close) -> None:
+        """Let the entry go. ``os.close`` is bound at definition, and nothing else from a
+        module is used: a pin collected at interpreter exit runs after modules are cleared."""
         fd, self.fd = self.fd, None
         if fd is not None:
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 - contextlib may be cleared by then
                 _close(fd)
+            except OSError:
+                pass
 
     def __del__(self) -> None:
         self.close()

@@ -90,8 +90,6 @@ class LazyOutput:
         cache = OutputCache(cache_dir)
         self.cache_dir = cache.directory
         self.limit = cache_limit(limit)
-        self._fs: Any = None
-        self._fs_pid: tuple[int, int] | None = None  # (process, forks) it was made in
         #: The data files this process fetched (each checked whole as it arrived), and its pid.
         self._fetched: tuple[int, set[str]] = (os.getpid(), set())
         # The manifest and its bytes: read here, or given by the opener that read them.
@@ -124,7 +122,6 @@ class LazyOutput:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_fs"], state["_fs_pid"] = None, None  # each process opens its own filesystem
         state["_fetched"] = (0, set())  # what the process it goes to fetches itself
         return state
 
@@ -254,16 +251,9 @@ class LazyOutput:
         ]
 
     def _filesystem(self) -> Any:
-        """This process's filesystem: fsspec's instance for the URL, which every reader of
-        the process shares (one client and its connections; fsspec makes a new one in a
-        forked process, whose inherited instance is not usable)."""
-        now = (os.getpid(), forks())
-        if self._fs is None or self._fs_pid != now:
-            if self._fs is not None:
-                keep_inherited(self._fs)  # a child may hold its sockets: kept, never closed
-            self._fs = filesystem(self.url, self.storage_options, fresh=True)[0]
-            self._fs_pid = now
-        return self._fs
+        """This process's filesystem for the URL's store and options (:func:`fetching_filesystem`),
+        which every lazy reader of the process shares."""
+        return fetching_filesystem(self.url, self.storage_options)
 
     def _fetch(self, remote: Remote) -> None:
         name, size, mtime = fetch_file(
@@ -275,6 +265,30 @@ class LazyOutput:
 
 
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+#: The lazy readers' filesystems in this process: ``{(scheme, options): ((pid, forks), fs)}``.
+_filesystems: dict[tuple[str, str], tuple[tuple[int, int], Any]] = {}
+
+
+def fetching_filesystem(url: str, storage_options: dict[str, Any] | None) -> Any:
+    """The filesystem this process fetches ``url``'s files with, one per store and storage
+    options for every reader of the process: one client and its connections (a client costs
+    about 0.15 s of CPU to make, its service model and TLS context loaded again). A new one after
+    each fork of this process: a forked child may hold the old one's sockets (see
+    :data:`~imgpack.storage.location._inherited`), so the old one is kept, never closed."""
+    options = json.dumps(storage_options or {}, sort_keys=True, default=repr)
+    key, now = (url.partition("://")[0], options), (os.getpid(), forks())
+    found = _filesystems.get(key)
+    if found is not None and found[0] == now:
+        return found[1]
+    if found is not None:
+        keep_inherited(found[1])
+    fs = filesystem(url, storage_options, fresh=True)[0]
+    # Two threads making one at once: the first to land is kept by both.
+    kept = _filesystems.setdefault(key, (now, fs))
+    if kept[0] != now:
+        _filesystems[key] = kept = (now, fs)
+    return kept[1]
 
 
 def _same(path: Path, data: bytes) -> bool:
