@@ -815,27 +815,28 @@ def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
     """For a bucket SRC, given its objects' paths: whether the workers read them where they are
     (nothing downloaded first). So for an image folder: the kind asked for, or the one detection
     picks when no object sits at SRC's top level (every other built-in kind needs a file there)
-    and no plugin adds a kind that could claim it; for ``--no-labels``, a tree of images; and
-    for ``--labels FILE``, the folder its rows' paths are relative to."""
+    and no plugin adds a kind that could claim it; for WebDataset tars: a folder of ``.tar``
+    objects and nothing else (read by ranged GETs); for ``--no-labels``, a tree of images or
+    such tars; and for ``--labels FILE``, the folder its rows' paths are relative to."""
     if options.source == sources.FALLBACK:
         return lambda paths: True
-    if options.source == "unlabelled":  # any tree of images, unless it is WebDataset tars
-        return _not_tars
+    if options.source == "unlabelled":  # any tree of images, or tars only
+        return lambda paths: "" not in paths
+    if options.source == "webdataset":
+        return _only_tars
     if options.source == "labels" and options.source_options.get("file") is not None:
         return lambda paths: "" not in paths  # --labels FILE: its rows' objects under SRC
     if options.source is not None or set(sources.names()) - set(sources.BUILTIN):
         return None
-    return lambda paths: all("/" in path or path.startswith(".") for path in paths)
+    return lambda paths: _only_tars(paths) or all("/" in p or p.startswith(".") for p in paths)
 
 
-def _not_tars(paths: list[str]) -> bool:
-    """Given a bucket SRC's top-level entries (folders as ``name/``): whether ``--no-labels``
-    reads them as a tree of images (in place), not as WebDataset tars (``.tar`` objects at the
-    top and no folder beside them, which are downloaded) nor as one object."""
-    if "" in paths:  # SRC is an object itself
-        return False
-    folders = any(p.endswith("/") and not p.startswith(".") for p in paths)
-    return folders or not any(p.endswith(".tar") for p in paths)
+def _only_tars(paths: list[str]) -> bool:
+    """Given a bucket SRC's top-level entries (folders as ``name/``): whether they are
+    WebDataset tars read in place: ``.tar`` objects and nothing else visible (SRC a folder, not
+    an object itself)."""
+    visible = [p for p in paths if p and not p.startswith(".")]
+    return "" not in paths and bool(visible) and all(p.endswith(".tar") for p in visible)
 
 
 def _saved(dst: str | os.PathLike[str], options: ConvertOptions) -> str | None:

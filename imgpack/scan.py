@@ -41,7 +41,8 @@ class Sample:
     path: str
     label: int
     #: Where the source finds the sample again when it is not a file under the root: an index
-    #: into an imgpack output or TFRecord files, a row of a dataset, a line of a label list.
+    #: into an imgpack output or TFRecord files, a row of a dataset, a line of a label list,
+    #: the offset of its first member in a tar in a bucket.
     index: int = -1
     #: A bucket object's content as the listing named it (:func:`listed_id` of its ETag or
     #: version; 0: not known): the worker that GETs it refuses another content.
@@ -53,6 +54,10 @@ class Sample:
     #: stat'ed file, a tar member's header); ``-1``: not known (the shard plan asks the source,
     #: :meth:`~imgpack.sources.base.Source.stored_size`).
     size: int = field(default=-1, compare=False)
+    #: Bytes the source reads the sample from, starting at :attr:`index`, where the sample is
+    #: a stretch of a larger object (a tar in a bucket: its members, headers included); ``0``:
+    #: not such a sample.
+    span: int = field(default=0, compare=False)
 
 
 def listed_id(etag: str) -> int:

@@ -453,7 +453,7 @@ def test_an_unlabelled_bucket_tree_is_read_in_place(
     and the workers GET each image once (none of the other objects); the samples, their order
     (folders by path: ``a-b`` between ``a``'s files and ``a/c``), pixels and paths are a local
     conversion's of the same tree, to a bucket DST and to a local one. Tars in a bucket are
-    still WebDataset samples (downloaded, then converted)."""
+    still WebDataset samples (read in place as tars)."""
     tree = _unlabelled_tree(tmp_path / "tree")
     name = f"unlabelled-{fmt}"
     fs = fsspec.filesystem("s3")
@@ -746,3 +746,113 @@ def test_the_workers_list_the_sources_folders(
     else:
         assert len(folders) > 1 and listed == []
     assert _bucket(url) == _bucket(reference)
+
+
+def _foreign_tars(root: Path) -> Path:
+    """Three WebDataset tars another tool wrote: ``key.png``, ``key.cls`` and a ``key.txt``
+    caption per sample (members in varied order), one key long enough to need a pax header."""
+    import io
+    import tarfile
+
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(11)
+    for shard in range(3):
+        with tarfile.open(root / f"part-{shard}.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+            for k in range(7):
+                key = f"{shard}{k:03d}" + ("-" + "long" * 30 if (shard, k) == (1, 3) else "")
+                pixels = rng.integers(0, 256, size=(10 + k, 12, 3), dtype=np.uint8)
+                image = png_bytes(Image.fromarray(pixels))
+                members = [(f"{key}.png", image), (f"{key}.cls", str(k % 3).encode()),
+                           (f"{key}.txt", f"caption {key}".encode())]  # fmt: skip
+                for name, data in members[k % 3 :] + members[: k % 3]:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return root
+
+
+def test_webdataset_tars_in_a_bucket_are_read_in_place(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket folder of WebDataset tars is listed, not downloaded: each tar is read through
+    once by the scan and its samples' members by ranged GETs of the tasks converting them.
+    The output is the one the download route writes, byte for byte (one plan, one output),
+    its samples, labels, captions and pixels those of the same tars converted here; two parts
+    write the one-run bytes."""
+    import imgpack.pipeline as pipeline
+
+    tars = _foreign_tars(tmp_path / "tars")
+    fs = fsspec.filesystem("s3")
+    fs.put(str(tars), f"{BUCKET}/wds-src", recursive=True)
+    url = f"{s3}/wds-src"
+    args = ["--format", "pt", "--shard-size", "2KB", "--workers", "1", "-q"]
+    gets = _source_gets(monkeypatch, "wds-src")
+    result = CliRunner().invoke(main, ["convert", url, str(tmp_path / "here"), *args])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in tars.glob("*.tar"))
+    assert sorted(set(gets)) == names  # the tars only, nothing downloaded by the driver
+    shards = len(open_dataset(tmp_path / "here").manifest.files)
+    assert shards > 3 and len(gets) <= len(names) + 2 * shards  # a scan each, a GET a stretch
+    monkeypatch.undo()
+    local = tmp_path / "local"
+    convert(tars, local, "pt", shard_size="2KB", progress=False)
+    ours, theirs = open_dataset(tmp_path / "here"), open_dataset(local)
+    assert ours.stored_paths() == theirs.stored_paths() and len(ours) == 21
+    assert ours.classes == theirs.classes and ours.targets == theirs.targets
+    assert ours.field("txt") == theirs.field("txt")
+    assert _same_images(*(_read(ds)[0] for ds in (ours, theirs)))
+    # The download route (what converted bucket tars before) writes the very same files.
+    monkeypatch.setattr(pipeline, "_in_place", lambda options: None)
+    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "downloaded"), *args])
+    assert done.exit_code == 0, done.output
+    monkeypatch.undo()
+    assert tree_hashes(tmp_path / "downloaded") == tree_hashes(tmp_path / "here")
+    parts = tmp_path / "parts"
+    for part in ("0", "1"):
+        done = CliRunner().invoke(main, ["convert", url, str(parts), *args, "--num-parts", "2",
+                                         "--part", part])  # fmt: skip
+        assert done.exit_code == 0, done.output
+    assert tree_hashes(parts) == tree_hashes(tmp_path / "here")
+    # --no-labels over the same bucket: in place too, the captions kept, label -1.
+    unlabelled = convert(url, tmp_path / "unlabelled", "pt", no_labels=True, fields=("txt",),
+                         progress=False)  # fmt: skip
+    assert unlabelled.num_samples == 21
+    assert open_dataset(tmp_path / "unlabelled").field("txt") == theirs.field("txt")
+
+
+def test_a_bucket_tar_replaced_or_truncated_is_named(s3: str, tmp_path: Path) -> None:
+    """A tar replaced after the listing stops the run naming it, committing nothing; a tar cut
+    short names the sample it cuts, by the tar's URL (``--on-error skip`` records it)."""
+    import imgpack.sources.webdataset.source as wds_source
+
+    tars = _foreign_tars(tmp_path / "tars")
+    fs = fsspec.filesystem("s3")
+    fs.put(str(tars), f"{BUCKET}/wds-bad", recursive=True)
+    real = wds_source.scan_tars
+
+    def scanned_then_replaced(*args: object, **kwargs: object) -> object:
+        found = real(*args, **kwargs)  # type: ignore[arg-type]
+        fs.pipe(f"{BUCKET}/wds-bad/part-1.tar", (tars / "part-0.tar").read_bytes())
+        return found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wds_source, "scan_tars", scanned_then_replaced)
+        out = f"{s3}/wds-bad-out"
+        result = CliRunner().invoke(main, ["convert", f"{s3}/wds-bad", out, "--format", "pt",
+                                           "--workers", "1", "-q"])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "part-1.tar: the object was replaced after this conversion listed it" in result.output
+    assert "Traceback" not in result.output
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/wds-bad-out/imgpack.json")
+    whole = (tars / "part-2.tar").read_bytes()
+    fs.pipe(f"{BUCKET}/wds-bad/part-1.tar", (tars / "part-1.tar").read_bytes())
+    fs.pipe(f"{BUCKET}/wds-bad/part-2.tar", whole[: len(whole) // 2])
+    failed = CliRunner().invoke(main, ["convert", f"{s3}/wds-bad", str(tmp_path / "cut"), "-q",
+                                       "--format", "pt"])  # fmt: skip
+    assert failed.exit_code != 0 and f"{s3}/wds-bad/part-2.tar: sample" in failed.output
+    assert "a truncated file" in failed.output and "Traceback" not in failed.output
+    skipped = convert(f"{s3}/wds-bad", tmp_path / "skipped", "pt", on_error="skip",
+                      progress=False)  # fmt: skip
+    assert 14 < skipped.num_samples < 21 and skipped.skipped
+    assert all(s["path"].startswith("part-2.tar/") for s in skipped.skipped)

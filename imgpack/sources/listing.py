@@ -1,8 +1,9 @@
 """A conversion source in a bucket: listed, or downloaded, into a local folder.
 
 An image folder in a bucket is listed, not downloaded (the workers GET each sample's object,
-:func:`source_folder` with ``listing_only``); other kinds (TFRecord or WebDataset files, a label
-list) are downloaded into a scratch folder first; an imgpack output is opened by the one route
+:func:`source_folder` with ``listing_only``), as are a tree of images without labels, a folder
+a label list's rows name, and a folder of WebDataset tars (read by ranged GETs); other kinds
+(TFRecord files) are downloaded into a scratch folder first; an imgpack output is opened by the one route
 (:func:`imgpack.opening.open_output`, through the cache). Either way the scan's classes and
 order are those of a local copy of the same tree.
 
@@ -27,17 +28,19 @@ import logging
 import shutil
 import tempfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from imgpack.errors import (
+    DataError,
     ManifestError,
     ScanError,
 )
 from imgpack.manifest import MANIFEST_NAME, sha256_file
 from imgpack.opening import ReadOptions, open_output
+from imgpack.scan import listed_id
 from imgpack.storage.cache import stats
 from imgpack.storage.location import (
     TRANSFERS,
@@ -332,6 +335,20 @@ def store_every_object(folder: Path) -> Iterator[tuple[str, int, str]]:
     own objects first), one line at a time."""
     for top in sorted(store_folders(folder) or {}):
         yield from store_objects(folder, top)
+
+
+def replaced(url: str, listed: int, said: Sequence[str]) -> DataError | None:
+    """The error for the object at ``url`` read with what the store ``said`` of it (its ETag
+    and version) when that is not the content the listing named (``listed``:
+    :func:`~imgpack.scan.listed_id`, ``0``: any), else ``None``."""
+    if not listed or not said or listed in {listed_id(s) for s in said}:
+        return None
+    return DataError(
+        f"{url}: the object was replaced after this conversion listed it (its ETag or version "
+        "is not the listed one); nothing of it is committed: run the conversion again without "
+        "--resume to list the bucket anew (parts read the listing saved in "
+        "DST/.imgpack-work/listing: remove it first)"
+    )
 
 
 def listing_digest(folder: Path) -> str | None:

@@ -192,19 +192,24 @@ def read_remote_manifest(
     return Manifest.from_json(parsed, where=f"{url}/{MANIFEST_NAME}"), data
 
 
-def read_objects(fs: Any, paths: Sequence[str]) -> list[tuple[bytes, list[str]] | BaseException]:
-    """Each object's bytes and what the store said of its content as it sent them (its ETag
-    and version, where the protocol says: S3; ``[]`` elsewhere), or the exception that reading
-    it raised; one GET each, all at once. s3fs's ``cat_file`` asks for each object's size first
-    (a HEAD before every GET): on S3 the GET is made here, through s3fs's own client."""
+def read_objects(
+    fs: Any, paths: Sequence[str], ranges: Sequence[tuple[int, int]] | None = None
+) -> list[tuple[bytes, list[str]] | BaseException]:
+    """Each object's bytes (``ranges``: the bytes ``[start, end)`` of each) and what the store
+    said of its content as it sent them (its ETag and version, where the protocol says: S3;
+    ``[]`` elsewhere), or the exception that reading it raised; one GET each, all at once.
+    s3fs's ``cat_file`` asks for each object's size first (a HEAD before every GET): on S3 the
+    GET is made here, through s3fs's own client."""
     if not paths:
         return []
     if is_s3fs(fs) and hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
         from fsspec.asyn import sync  # type: ignore[import-untyped]
 
-        async def one(path: str) -> tuple[bytes, list[str]]:
+        async def one(path: str, span: tuple[int, int] | None) -> tuple[bytes, list[str]]:
             bucket, key, version = fs.split_path(path)
             given = {"VersionId": version} if version else {}
+            if span is not None:
+                given["Range"] = f"bytes={span[0]}-{span[1] - 1}"
             response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **given)
             try:
                 body = await response["Body"].read()
@@ -214,10 +219,14 @@ def read_objects(fs: Any, paths: Sequence[str]) -> list[tuple[bytes, list[str]] 
             return body, said
 
         async def every() -> list[Any]:
-            return await asyncio.gather(*(one(p) for p in paths), return_exceptions=True)
+            spans = ranges if ranges is not None else [None] * len(paths)
+            jobs = (one(p, r) for p, r in zip(paths, spans, strict=True))
+            return await asyncio.gather(*jobs, return_exceptions=True)
 
         return list(sync(fs.loop, every))
-    found = fs.cat_ranges(list(paths), None, None, on_error="return")
+    starts = [r[0] for r in ranges] if ranges is not None else None
+    ends = [r[1] for r in ranges] if ranges is not None else None
+    found = fs.cat_ranges(list(paths), starts, ends, on_error="return")
     return [f if isinstance(f, BaseException) else (bytes(f), []) for f in found]
 
 

@@ -10,10 +10,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from imgpack.errors import DataError, ImageError, OptionError, ScanError
+from imgpack.errors import ImageError, OptionError, ScanError
 from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, process_file
-from imgpack.scan import Sample, Scan, listed_id
+from imgpack.scan import Sample, Scan
 from imgpack.sources import listing
 from imgpack.sources.base import Fetcher, ScanRequest, Source, file_stamp
 from imgpack.sources.folder.scan import (
@@ -91,13 +91,9 @@ class ObjectFetcher(Fetcher):
         if isinstance(found, BaseException):
             raise ImageError(name, f"cannot read {self.url}/{key}: {found}") from None
         data, said = found
-        if listed and said and listed not in {listed_id(s) for s in said}:
-            raise DataError(
-                f"{self.url}/{key}: the object was replaced after this conversion "
-                "listed it (its ETag or version is not the listed one); nothing of it is "
-                "committed: run the conversion again without --resume to list the bucket anew "
-                "(parts read the listing saved in DST/.imgpack-work/listing: remove it first)"
-            )
+        replaced = listing.replaced(f"{self.url}/{key}", listed, said)
+        if replaced is not None:
+            raise replaced
         return data
 
 

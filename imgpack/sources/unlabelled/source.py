@@ -8,10 +8,11 @@ order: folders sorted by path, the files of each sorted by name) becomes a sampl
 (``--no-labels``, ``no_labels=True``): a folder without class folders is refused otherwise, as a
 mistake is likelier than an unlabelled dataset.
 
-A bucket SRC is listed, not downloaded, unless it holds WebDataset tars
-(:func:`imgpack.sources.listing.source_folder`): its images are taken from the listing in the
-same order, and each conversion worker reads its own samples' objects from the bucket
-(:class:`~imgpack.sources.folder.source.ObjectFetcher`), as for a bucket image folder.
+A bucket SRC is listed, not downloaded (:func:`imgpack.sources.listing.source_folder`): its
+images are taken from the listing in the same order, and each conversion worker reads its own
+samples' objects from the bucket (:class:`~imgpack.sources.folder.source.ObjectFetcher`), as
+for a bucket image folder; a bucket folder of tars only is read as WebDataset tars are, in
+place (:class:`~imgpack.sources.webdataset.source.TarRangeFetcher`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class UnlabelledSource(Source):
 
     @functools.cached_property
     def _tars(self) -> WebDatasetSource | None:
-        if self.remote is not None or not WebDatasetSource.detect(self.src):
+        """WebDataset tars (a bucket's read in place too), without labels."""
+        if not WebDatasetSource.detect(self.src):
             return None
         return WebDatasetSource(self.src, {**self.settings, "labels": False})
 

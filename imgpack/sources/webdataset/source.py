@@ -8,23 +8,33 @@ is the integer in ``key.cls``, else the ``"label"`` of ``key.json`` (an integer 
 see :func:`imgpack.sources.base.label_map` for the label map. A sample's source path is
 ``<tar name>/<image member name>``. A sample without an image or a label, or a key that appears
 twice, stops the run naming it (``--on-error skip`` records it and goes on).
+
+A bucket folder of ``.tar`` objects and nothing else is read in place (the pipeline lists it,
+:func:`imgpack.sources.listing.source_folder`): each tar is read through once by a scan task
+(:func:`scan_tar`), which keeps where each sample's members lie, and each conversion task reads
+its samples' members with one ranged GET per stretch of a tar (:class:`TarRangeFetcher`); the
+samples, their order and the output are those of a downloaded copy.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
+import io
 import json
 import os
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
 from imgpack.fields import Field, member_value
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
-from imgpack.scan import UNLABELLED, Sample, Scan
+from imgpack.scan import UNLABELLED, Sample, Scan, listed_id
+from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
     ScanRequest,
@@ -37,6 +47,8 @@ from imgpack.sources.base import (
     label_map,
     opened,
 )
+from imgpack.storage.location import TRANSFERS, filesystem, read_objects
+from imgpack.system import lends_tasks
 
 #: Member extensions (lower case) taken for a sample's image.
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm")
@@ -67,9 +79,21 @@ def split_key(name: str) -> tuple[str, str]:
 class WebDatasetSource(Source):
     @classmethod
     def detect(cls, src: Path) -> bool:
+        if listing.remote_source(src) is not None:  # a bucket's listing: of tars only
+            return bool(listed_tars(src))
         return not has_subfolders(src) and bool(tar_files(src))
 
+    @functools.cached_property
+    def remote(self) -> tuple[str, dict[str, Any]] | None:
+        """Tars in a bucket whose listing only SRC holds (read in place): their folder's URL
+        and storage options."""
+        return listing.remote_source(self.src) if self.src.is_dir() else None
+
     def check(self) -> None:
+        if self.remote is not None:
+            if not listed_tars(self.src):
+                raise FileNotFoundError(f"{self.remote[0]}: holds no .tar object")
+            return
         if not tar_files(self.src):
             raise FileNotFoundError(f"{self.src}: names no .tar file")
 
@@ -86,32 +110,46 @@ class WebDatasetSource(Source):
         return bool(self.settings.get("labels", True))
 
     def scan(self, request: ScanRequest) -> Scan:
-        # (source path, label value, extensions, the image member's size)
-        found: list[tuple[str, Any, list[str], int]] = []
-        unreadable: list[dict[str, str]] = []
         labelled = self.labelled
         if not labelled and request.classes is not None:
             raise OptionError(
                 "an unlabelled source has no classes: --classes-from does not apply to --no-labels"
             )
-        for path in self.files():
-            for key, image, value, problem, extensions, size in _samples(path, labelled):
-                where = f"{path.name}/{image}" if image else f"{path.name}/{key}"
-                if problem is None:
-                    found.append((where, value, extensions, size))
+        # (tar name, the name errors give it, its listed content id, its samples)
+        tars: list[tuple[str, str, int, list[Found]]]
+        remote = self.remote
+        if remote is not None:
+            listed = listed_tars(self.src)
+            found_in = scan_tars(remote, listed, labelled, request.runner)
+            tars = [(name, f"{remote[0]}/{name}", listed_id(tag), found)
+                    for (name, _, tag), found in zip(listed, found_in, strict=True)]  # fmt: skip
+        else:
+            tars = [(p.name, str(p), 0, _samples(p, labelled)) for p in self.files()]
+        # (source path, label value, extensions, the image member's size, where the sample is)
+        found: list[tuple[str, Any, list[str], int, tuple[int, int, int]]] = []
+        unreadable: list[dict[str, str]] = []
+        for name, shown, tag, samples_found in tars:
+            for f in samples_found:
+                where = f"{name}/{f.image}" if f.image else f"{name}/{f.key}"
+                if f.problem is None:
+                    spot = (f.start, f.end - f.start, tag) if remote is not None else (-1, 0, 0)
+                    found.append((where, f.value, f.others, f.size, spot))
                 else:
-                    _bad(request, unreadable, path, key, where, problem)
+                    _bad(request, unreadable, shown, f.key, where, f.problem)
         if labelled:
-            classes, label_of = label_map([v for _, v, _, _ in found], request.classes)
+            classes, label_of = label_map([v for _, v, _, _, _ in found], request.classes)
         else:
             classes, label_of = [], lambda _: UNLABELLED
         fields, names = _fields(found, request, self.labelled)
+        shown_of = {name: shown for name, shown, _, _ in tars}
         samples: list[Sample] = []
-        for where, value, _, size in found:
+        for where, value, _, size, (start, span, tag) in found:
             label = label_of(value)
             if isinstance(label, str):
                 tar, _, member = where.partition("/")
-                _bad(request, unreadable, Path(tar), split_key(member)[0], where, label)
+                _bad(request, unreadable, shown_of[tar], split_key(member)[0], where, label)
+            elif remote is not None:
+                samples.append(Sample(where, label, start, tag, size=size, span=span))
             else:
                 samples.append(Sample(where, label, len(samples), size=size))
         if not samples and not unreadable:
@@ -121,15 +159,20 @@ class WebDatasetSource(Source):
             samples=samples,
             empty_classes=empty_classes(classes, [s.label for s in samples]),
             unreadable=unreadable,
-            origin={"format": "webdataset", "foreign": True, "files": len(self.files())},
+            origin={"format": "webdataset", "foreign": True, "files": len(tars)},
             fields=fields,
             field_names=names,
         )
 
     def identity(self, scan: Scan) -> str:
+        if self.remote is not None:
+            return ""  # the listing (every tar's size and ETag) is in the output id
         return files_identity(self.files())
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
+        if self.remote is not None:
+            url, options = self.remote
+            return TarRangeFetcher(url, json.dumps(options, sort_keys=True), tuple(scan.fields))
         files = tuple(str(p) for p in self.files())
         return TarFetcher(files, self.identity(scan), run, tuple(scan.fields))
 
@@ -140,13 +183,13 @@ JSON_MEMBERS = ("json", "jsn")
 
 
 def _fields(
-    found: list[tuple[str, Any, list[str], int]], request: ScanRequest, labelled: bool
+    found: list[tuple[str, Any, list[str], int, Any]], request: ScanRequest, labelled: bool
 ) -> tuple[list[Field], list[str]]:
     """The samples' other members as fields, by extension in the order first seen (those
     ``--fields`` names, if given): ``txt`` text, ``json`` JSON, any other bytes, or the type
     ``--field`` gives; optional where a sample lacks one. And every such extension."""
     seen: dict[str, int] = {}
-    for _, _, extensions, _ in found:
+    for _, _, extensions, _, _ in found:
         for ext in extensions:
             if ext != "cls" or not labelled:
                 seen[ext] = seen.get(ext, 0) + 1
@@ -163,7 +206,7 @@ def _fields(
 def _bad(
     request: ScanRequest,
     unreadable: list[dict[str, str]],
-    tar: Path,
+    tar: str,
     key: str,
     where: str,
     problem: str,
@@ -176,60 +219,91 @@ def _bad(
     unreadable.append({"path": where, "reason": problem})
 
 
-def _samples(
-    path: Path, labelled: bool = True
-) -> list[tuple[str, str | None, Any, str | None, list[str], int]]:
-    """``(key, image member, label value, problem, other extensions, image size)`` of every
-    sample of one tar, in order (``labelled``: the label read from ``.cls`` or ``.json``; else
-    none; the image member's size, ``-1`` where it has none)."""
-    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
-    order: list[str] = []
-    problems: dict[str, str] = {}
-    last = None
+class Found(NamedTuple):
+    """One sample of a tar as its scan found it."""
+
+    key: str
+    #: Its image member's name (``None``: it has none).
+    image: str | None
+    #: Its label value (``.cls`` or ``.json``; ``None`` unlabelled or none).
+    value: Any
+    #: Why it cannot be converted, or ``None``.
+    problem: str | None
+    #: Its other members' extensions.
+    others: list[str]
+    #: Its image member's size (``-1``: none).
+    size: int
+    #: Where its members lie in the tar: the first one's header to the last one's padded end.
+    start: int
+    end: int
+
+
+def _samples(path: Path, labelled: bool = True) -> list[Found]:
+    """Every sample of the tar file at ``path``, in order (:func:`samples_of`)."""
     try:
         with tarfile.open(path, "r:") as tar:
-            for member in _members(tar, path):
-                if not member.isfile():
-                    continue
-                key, ext = split_key(member.name)
-                end = path.stat().st_size
-                if member.offset_data + member.size > end:
-                    problems.setdefault(key, f"{member.name} declares {member.size:,} bytes, past "
-                                        f"the end of the tar ({end:,} bytes): a truncated file")  # fmt: skip
-                if key != last and key in groups:
-                    problems.setdefault(key, "its members are not together in the tar (the key "
-                                        "appears twice)")  # fmt: skip
-                last = key
-                if key not in groups:
-                    groups[key] = {}
-                    order.append(key)
-                groups[key].setdefault(ext.lower(), member)
-            out: list[tuple[str, str | None, Any, str | None, list[str], int]] = []
-            for key in order:
-                members = groups[key]
-                kind = next((e for e in IMAGE_SUFFIXES if e in members), None)
-                image = members[kind].name if kind is not None else None
-                size = members[kind].size if kind is not None else -1
-                value, problem = _label(tar, members) if labelled else (None, None)
-                if image is None:
-                    problem = "no image member (" + ", ".join(f".{e}" for e in members) + ")"
-                others = [e for e in members if e != kind]
-                out.append((key, image, value, problems.get(key, problem), others, size))
-            return out
+            return samples_of(tar, path.stat().st_size, labelled)
     except (OSError, tarfile.TarError) as exc:
         raise ScanError(f"{path}: not a readable tar file: {exc}") from None
 
 
-def _members(tar: tarfile.TarFile, path: Path) -> Iterator[tarfile.TarInfo]:
-    """The members of ``tar`` in order; where the tar ends inside the last one's data (its
-    header declares more bytes than follow), that member still, and then the end: the scan
-    names its sample instead of losing it or the whole tar."""
+def samples_of(tar: tarfile.TarFile, end: int, labelled: bool = True) -> list[Found]:
+    """Every sample of ``tar`` (a file of ``end`` bytes, opened to be read through or as a
+    stream), in order (``labelled``: each label read from its ``.cls`` or ``.json`` as the
+    tar goes by; else none). Raises :class:`tarfile.TarError` or :class:`OSError` for a tar
+    that cannot be read."""
+    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    spans: dict[str, list[int]] = {}
+    texts: dict[str, dict[str, bytes]] = {}
+    order: list[str] = []
+    problems: dict[str, str] = {}
+    last = None
+    for member in _members(tar, end):
+        if not member.isfile():
+            continue
+        key, ext = split_key(member.name)
+        if member.offset_data + member.size > end:
+            problems.setdefault(key, f"{member.name} declares {member.size:,} bytes, past "
+                                f"the end of the tar ({end:,} bytes): a truncated file")  # fmt: skip
+        if key != last and key in groups:
+            problems.setdefault(key, "its members are not together in the tar (the key "
+                                "appears twice)")  # fmt: skip
+        last = key
+        if key not in groups:
+            groups[key], spans[key], texts[key] = {}, [member.offset, 0], {}
+            order.append(key)
+        spans[key][1] = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * 512
+        ext = ext.lower()
+        if ext not in groups[key]:
+            groups[key][ext] = member
+            if labelled and ext in ("cls", "json") and member.size <= 1 << 20:
+                handle = tar.extractfile(member)  # now: a stream reads each member once
+                texts[key][ext] = handle.read() if handle else b""
+    out: list[Found] = []
+    for key in order:
+        members = groups[key]
+        kind = next((e for e in IMAGE_SUFFIXES if e in members), None)
+        image = members[kind].name if kind is not None else None
+        size = members[kind].size if kind is not None else -1
+        value, problem = _label(members, texts[key]) if labelled else (None, None)
+        if image is None:
+            problem = "no image member (" + ", ".join(f".{e}" for e in members) + ")"
+        others = [e for e in members if e != kind]
+        start, stop = spans[key]
+        out.append(Found(key, image, value, problems.get(key, problem), others, size, start, stop))
+    return out
+
+
+def _members(tar: tarfile.TarFile, end: int) -> Iterator[tarfile.TarInfo]:
+    """The members of ``tar`` (``end`` bytes) in order; where the tar ends inside the last
+    one's data (its header declares more bytes than follow), that member still, and then the
+    end: the scan names its sample instead of losing it or the whole tar."""
     member: tarfile.TarInfo | None = None
     while True:
         try:
             member = tar.next()
         except tarfile.ReadError:
-            if member is not None and member.offset_data + member.size > path.stat().st_size:
+            if member is not None and member.offset_data + member.size > end:
                 return  # the last member yielded runs past the end: it is named as truncated
             raise
         if member is None:
@@ -237,14 +311,14 @@ def _members(tar: tarfile.TarFile, path: Path) -> Iterator[tarfile.TarInfo]:
         yield member
 
 
-def _label(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> tuple[Any, str | None]:
-    """The label value of a sample (its ``.cls``, else its ``.json``'s ``label``), or why none."""
+def _label(members: dict[str, tarfile.TarInfo], texts: dict[str, bytes]) -> tuple[Any, str | None]:
+    """The label value of a sample (its ``.cls``, else its ``.json``'s ``label``, whose bytes
+    are in ``texts``), or why none."""
     for ext in ("cls", "json"):
         member = members.get(ext)
-        if member is None or member.size > 1 << 20:
+        if member is None or ext not in texts:
             continue
-        handle = tar.extractfile(member)
-        text = handle.read().decode("utf-8", "replace").strip() if handle else ""
+        text = texts[ext].decode("utf-8", "replace").strip()
         if ext == "cls":
             if text.isascii() and text.isdigit():
                 return int(text), None
@@ -296,21 +370,17 @@ class TarFetcher(Fetcher):
     ) -> dict[str, Any]:
         """The sample's field values, each from its member (none: the value is absent)."""
         key = split_key(image)[0]
-        values: dict[str, Any] = {}
+        members: dict[str, bytes] = {}
         with open(path, "rb") as fh:
             for f in self.fields:
                 spot = found.get(f"{key}.{f.name}")
                 if spot is None:
                     continue
                 data = os.pread(fh.fileno(), spot[1], spot[0])
-                try:
-                    if len(data) != spot[1]:
-                        raise ValueError("the tar is truncated")
-                    values[f.name] = member_value(f, data)
-                except (ValueError, DataError) as exc:
-                    reason = first_line(exc).removeprefix("member: ")
-                    raise ImageError(where, f"member {key}.{f.name}: {reason}") from None
-        return values
+                if len(data) != spot[1]:
+                    raise ImageError(where, f"member {key}.{f.name}: the tar is truncated")
+                members[f"{key}.{f.name}"] = data
+        return _field_values(where, image, members, self.fields)
 
     def _open(self) -> dict[str, tuple[str, dict[str, tuple[int, int]]]]:
         """Each tar's path and where its members' data are: read once per worker and run."""
@@ -320,7 +390,165 @@ class TarFetcher(Fetcher):
         index = {}
         for path in files:
             with tarfile.open(path, "r:") as tar:
-                found = _members(tar, path)
+                found = _members(tar, path.stat().st_size)
                 members = {m.name: (m.offset_data, m.size) for m in found if m.isfile()}
             index[path.name] = (str(path), members)
         return index
+
+
+# -- tars in a bucket, read in place ---------------------------------------------------------
+#: Bytes asked of the store at once while a tar in a bucket is scanned (read through once).
+SCAN_BLOCK = 16 << 20
+
+
+def listed_tars(folder: Path) -> list[tuple[str, int, str]]:
+    """``(name, size, etag)`` of the ``.tar`` objects a bucket listing holds at SRC's top, by
+    name, when that is all it holds (no folder, no other visible object): tars read in place
+    (:func:`imgpack.sources.listing.source_folder`); else ``[]``."""
+    index = listing.store_folders(folder) or {}
+    if any(name for name in index) or "" not in index:
+        return []
+    objects = sorted(listing.store_objects(folder, ""))
+    visible = [o for o in objects if not o[0].startswith(".")]
+    if not visible or any(not name.endswith(".tar") for name, _, _ in visible):
+        return []
+    return [o for o in objects if o[0].endswith(".tar")]
+
+
+def scan_tars(
+    remote: tuple[str, dict[str, Any]],
+    tars: list[tuple[str, int, str]],
+    labelled: bool,
+    runner: Any = None,
+) -> list[list[Found]]:
+    """The samples of each tar in a bucket, each tar read through once (a stream, nothing
+    kept): by ``runner``'s tasks, a tar each, where the conversion's executor lends them
+    (:func:`~imgpack.system.lends_tasks`), else here on a few threads."""
+    url, options = remote
+    items = [(url, json.dumps(options, sort_keys=True), name, size, labelled)
+             for name, size, _ in tars]  # fmt: skip
+    if len(items) > 1 and lends_tasks(runner):
+        found: list[list[Found]] = []
+        for item, result in runner.tasks(scan_tar, items):
+            if not isinstance(result, list):  # its worker died on every try
+                raise ScanError(f"{url}/{item[2]}: the worker reading it died on every try "
+                                "(out of memory? try fewer --workers)")  # fmt: skip
+            found.append(result)
+        return found
+    with ThreadPoolExecutor(min(TRANSFERS, max(1, len(items)))) as pool:
+        return list(pool.map(scan_tar, items))
+
+
+def scan_tar(item: tuple[str, str, str, int, bool]) -> list[Found]:
+    """The samples of one tar in a bucket: ``(folder URL, storage options as JSON, tar name,
+    its listed size, labelled)``, read through as a stream."""
+    url, options, name, size, labelled = item
+    fs, root = filesystem(url, json.loads(options) or None)
+    try:
+        with (
+            fs.open(f"{root}/{name}", "rb", block_size=SCAN_BLOCK) as stream,
+            tarfile.open(fileobj=stream, mode="r|") as tar,
+        ):
+            return samples_of(tar, size, labelled)
+    except (OSError, tarfile.TarError) as exc:
+        raise ScanError(f"{url}/{name}: not a readable tar file: {exc}") from None
+
+
+@dataclass(frozen=True)
+class TarRangeFetcher(Fetcher):
+    """Samples of tars in a bucket, read where they are: the members of each chunk's samples
+    of one tar with one ranged GET (:attr:`Sample.index <imgpack.scan.Sample.index>` and
+    :attr:`~imgpack.scan.Sample.span` say where), the store's ETag checked against the
+    listing's; a tar is never downloaded whole."""
+
+    url: str
+    #: The fsspec storage options, as JSON (the fetcher stays small and hashable).
+    storage_options: str
+    #: The fields kept: each read from the sample's member of that extension.
+    fields: tuple[Field, ...] = ()
+
+    def prefetch(self, samples: Sequence[Sample]) -> None:
+        """Read the members of a chunk of samples: one GET per tar they lie in (a chunk's
+        samples of one tar are one stretch of it, in the plan's order)."""
+        _MEMBERS.clear()
+        _MEMBERS.update(self._read(samples))
+
+    def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
+        members = _MEMBERS.pop(sample.path, None)
+        if members is None:
+            members = self._read([sample])[sample.path]
+        if isinstance(members, BaseException):
+            raise ImageError(sample.path, f"cannot read {self.url}: {members}") from None
+        name, _, image = sample.path.partition("/")
+        data = members.get(image)
+        if data is None:
+            raise ImageError(sample.path, f"no such member in {self.url}/{name} (the tar changed)")
+        encoded = process_bytes(data, sample.path, sample.label, policy, encoding)
+        if self.fields:
+            encoded.fields = _field_values(sample.path, image, members, self.fields)
+        return encoded
+
+    def _read(self, samples: Sequence[Sample]) -> dict[str, dict[str, bytes] | BaseException]:
+        """The members of ``samples`` by name, per sample path (or why they cannot be read)."""
+        runs: list[list[Sample]] = []
+        for sample in samples:
+            tar = sample.path.partition("/")[0]
+            if runs and runs[-1][0].path.partition("/")[0] == tar:
+                runs[-1].append(sample)
+            else:
+                runs.append([sample])
+        fs, root = filesystem(self.url, json.loads(self.storage_options) or None)
+        paths = [f"{root}/{run[0].path.partition('/')[0]}" for run in runs]
+        spans = [(min(s.index for s in run), max(s.index + s.span for s in run)) for run in runs]
+        out: dict[str, dict[str, bytes] | BaseException] = {}
+        for run, (start, _), found in zip(runs, spans, read_objects(fs, paths, spans), strict=True):
+            tar = run[0].path.partition("/")[0]
+            members: dict[str, bytes] | BaseException
+            if isinstance(found, BaseException):
+                members = found
+            else:
+                data, said = found
+                replaced = listing.replaced(f"{self.url}/{tar}", run[0].listed, said)
+                if replaced is not None:
+                    raise replaced
+                members = _stretch_members(data, f"{self.url}/{tar}", start)
+            for sample in run:
+                out[sample.path] = members
+        return out
+
+
+#: Members of the chunk being converted in this process (:meth:`TarRangeFetcher.prefetch`), by
+#: sample path: the members of its stretch of the tar by name, or why they could not be read.
+_MEMBERS: dict[str, Any] = {}
+
+
+def _stretch_members(data: bytes, where: str, start: int) -> dict[str, bytes] | BaseException:
+    """The file members in ``data``, a stretch of a tar from a member's header on, by name."""
+    members: dict[str, bytes] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tar:
+            for member in tar:
+                if member.isfile():
+                    handle = tar.extractfile(member)
+                    members.setdefault(member.name, handle.read() if handle else b"")
+    except (OSError, tarfile.TarError) as exc:
+        return DataError(f"{where}: bytes {start:,} on are not the members the scan found ({exc})")
+    return members
+
+
+def _field_values(
+    where: str, image: str, members: dict[str, bytes], fields: tuple[Field, ...]
+) -> dict[str, Any]:
+    """A sample's field values from its members (none: the value is absent)."""
+    key = split_key(image)[0]
+    values: dict[str, Any] = {}
+    for f in fields:
+        data = members.get(f"{key}.{f.name}")
+        if data is None:
+            continue
+        try:
+            values[f.name] = member_value(f, data)
+        except (ValueError, DataError) as exc:
+            reason = first_line(exc).removeprefix("member: ")
+            raise ImageError(where, f"member {key}.{f.name}: {reason}") from None
+    return values
