@@ -79,7 +79,7 @@ from imgpack.publishing import (
 from imgpack.scan import by_reason, ignored_summary
 from imgpack.sources.base import ScanRequest
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
-from imgpack.sources.listing import source_location
+from imgpack.sources.listing import TopLevel, source_location
 from imgpack.stats import DatasetStats, PixelSums
 from imgpack.storage.destination import build_folder, output_folder
 from imgpack.storage.location import is_url, local_path
@@ -811,32 +811,31 @@ def _carry_over(dst: Path, tmp: Path, base: Manifest) -> None:
             os.link(there, here)
 
 
-def _in_place(options: ConvertOptions) -> Callable[[list[str]], bool] | None:
-    """For a bucket SRC, given its objects' paths: whether the workers read them where they are
-    (nothing downloaded first). So for an image folder: the kind asked for, or the one detection
-    picks when no object sits at SRC's top level (every other built-in kind needs a file there)
-    and no plugin adds a kind that could claim it; for WebDataset tars: a folder of ``.tar``
-    objects and nothing else (read by ranged GETs); for ``--no-labels``, a tree of images or
-    such tars; and for ``--labels FILE``, the folder its rows' paths are relative to."""
+def _in_place(options: ConvertOptions) -> Callable[[TopLevel], bool] | None:
+    """For a bucket SRC, given what it holds at its top level: whether the workers read its
+    objects where they are (nothing downloaded first). So for an image folder: the kind asked
+    for, or the one detection picks when no visible object sits at SRC's top level (every other
+    built-in kind needs a file there) and no plugin adds a kind that could claim it; for
+    WebDataset tars: a folder of ``.tar`` objects and nothing else visible (read by ranged
+    GETs); for ``--no-labels``, a tree of images or such tars; and for ``--labels FILE``, the
+    folder its rows' paths are relative to."""
     if options.source == sources.FALLBACK:
-        return lambda paths: True
-    if options.source == "unlabelled":  # any tree of images, or tars only
-        return lambda paths: "" not in paths
+        return lambda top: True
+    if options.source in ("unlabelled", "labels") and (
+        options.source == "unlabelled" or options.source_options.get("file") is not None
+    ):
+        return lambda top: not top.is_object  # a tree; --labels FILE: its rows' objects
     if options.source == "webdataset":
         return _only_tars
-    if options.source == "labels" and options.source_options.get("file") is not None:
-        return lambda paths: "" not in paths  # --labels FILE: its rows' objects under SRC
     if options.source is not None or set(sources.names()) - set(sources.BUILTIN):
         return None
-    return lambda paths: _only_tars(paths) or all("/" in p or p.startswith(".") for p in paths)
+    return lambda top: _only_tars(top) or (not top.is_object and not top.visible)
 
 
-def _only_tars(paths: list[str]) -> bool:
-    """Given a bucket SRC's top-level entries (folders as ``name/``): whether they are
-    WebDataset tars read in place: ``.tar`` objects and nothing else visible (SRC a folder, not
-    an object itself)."""
-    visible = [p for p in paths if p and not p.startswith(".")]
-    return "" not in paths and bool(visible) and all(p.endswith(".tar") for p in visible)
+def _only_tars(top: TopLevel) -> bool:
+    """Whether a bucket SRC's top level is WebDataset tars read in place: ``.tar`` objects and
+    nothing else visible (no folder, no other object)."""
+    return not top.visible_folders and top.visible > 0 and top.tars == top.visible
 
 
 def _saved(dst: str | os.PathLike[str], options: ConvertOptions) -> str | None:

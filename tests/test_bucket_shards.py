@@ -371,7 +371,7 @@ def test_the_scan_of_a_bucket_is_listed_folder_by_folder_and_packed(
     from imgpack.sources.folder.scan import scan_folder
     from imgpack.sources.folder.source import FolderSource
 
-    with listing.source_location(src_url, listing_only=lambda names: True) as folder:
+    with listing.source_location(src_url, listing_only=lambda top: True) as folder:
         assert sorted(listing.store_folders(folder) or {}) == [f"class{i}" for i in range(4)]
         scan = FolderSource(folder).scan(ScanRequest())
     local = scan_folder(images)
@@ -856,3 +856,44 @@ def test_a_bucket_tar_replaced_or_truncated_is_named(s3: str, tmp_path: Path) ->
                       progress=False)  # fmt: skip
     assert 14 < skipped.num_samples < 21 and skipped.skipped
     assert all(s["path"].startswith("part-2.tar/") for s in skipped.skipped)
+
+
+def test_a_flat_bucket_is_listed_page_by_page(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket of images at its top level only (no folders, ``--no-labels``) is listed in the
+    store's pages, each written to disk as it comes: the driver never lists the top level into
+    memory whole (for millions of objects, gigabytes). The samples are every image, in the
+    order a local copy gives, each read once by the task converting it."""
+    import s3fs
+
+    fs = fsspec.filesystem("s3")
+    count = 1_500  # two of moto's 1,000-key pages
+    image = png_bytes(Image.fromarray(np.full((4, 4, 3), 7, np.uint8)))
+    names = [f"{k:05d}.png" for k in range(count)]
+    fs.pipe({f"{BUCKET}/flat/{name}": image for name in names})
+    fs.pipe(f"{BUCKET}/flat/.hidden.png", image)
+    pages: list[dict[str, object]] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: object, method: str, *a: object, **k: object) -> object:
+        if method == "list_objects_v2" and k.get("Prefix") == "flat/":
+            pages.append(k)
+        return await real(self, method, *a, **k)  # type: ignore[arg-type]
+
+    real_lsdir = s3fs.S3FileSystem._lsdir
+
+    async def lsdir(self: object, path: str, *a: object, **k: object) -> object:
+        if path.strip("/") == f"{BUCKET}/flat":
+            raise AssertionError("the top level was listed whole into memory")
+        return await real_lsdir(self, path, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_lsdir", lsdir)
+    manifest = convert(f"{s3}/flat", tmp_path / "out", "pt", no_labels=True, progress=False)
+    assert manifest.num_samples == count
+    assert len(pages) == 2 and all(page.get("Delimiter") == "/" for page in pages)
+    assert open_dataset(tmp_path / "out").stored_paths() == names
+    monkeypatch.undo()
+    with pytest.raises(Exception, match="nothing there"):
+        convert(f"{s3}/no-such-prefix", tmp_path / "none", "pt", no_labels=True, progress=False)

@@ -30,6 +30,7 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -58,11 +59,27 @@ from imgpack.system import lends_tasks
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TopLevel:
+    """What a bucket SRC holds at its top level, as one delimiter listing says: its folders,
+    and how many of its own objects are visible (not hidden) and how many of those are
+    ``.tar``; ``is_object``: SRC is one object, not a folder."""
+
+    folders: tuple[str, ...] = ()
+    visible: int = 0
+    tars: int = 0
+    is_object: bool = False
+
+    @property
+    def visible_folders(self) -> int:
+        return sum(not name.startswith(".") for name in self.folders)
+
+
 @contextlib.contextmanager
 def source_folder(
     location: Location,
     storage_options: dict[str, Any] | None = None,
-    listing_only: Callable[[list[str]], bool] | None = None,
+    listing_only: Callable[[TopLevel], bool] | None = None,
     runner: Any = None,
 ) -> Iterator[Path]:
     """A local folder holding what ``location`` holds: itself when local; a scratch copy of a
@@ -71,16 +88,17 @@ def source_folder(
     those, not by the copy's modification times, so two conversions of one bucket (and the
     parts of one) get one output id.
 
-    ``listing_only``: given SRC's top-level entries (folders as ``name/``, objects as ``name``),
-    whether to download nothing: the scratch folder then holds the listing only
-    (:data:`STORE_LISTING`, :data:`STORE_FOLDERS`, and the URL in :data:`STORE_REMOTE`), and the
-    conversion's workers read each object from the bucket (:func:`remote_source`). The listing
-    is taken one top-level folder at a time and written to disk as it comes: the driver never
-    holds the whole of it. ``runner``: an executor that runs tasks (the conversion's pool, or
-    Ray), whose workers list the folders, one task each (:func:`folder_lines`), so that parsing
-    the store's pages is spread over their CPUs (the driver then holds the lines of the folders
-    in flight, two per worker at most); else this process lists them, several at once on
-    threads, each into a part file on disk."""
+    ``listing_only``: given what SRC holds at its top level (:class:`TopLevel`), whether to
+    download nothing: the scratch folder then holds the listing only (:data:`STORE_LISTING`,
+    :data:`STORE_FOLDERS`, and the URL in :data:`STORE_REMOTE`), and the conversion's workers
+    read each object from the bucket (:func:`remote_source`). The listing is written to disk as
+    it comes, the top level page by page, then one top-level folder at a time: the driver never
+    holds the whole of it (nor, on S3, a flat bucket's millions of top-level objects).
+    ``runner``: an executor that runs tasks (the conversion's pool, or Ray), whose workers list
+    the folders, one task each (:func:`folder_lines`), so that parsing the store's pages is
+    spread over their CPUs (the driver then holds the lines of the folders in flight, two per
+    worker at most); else this process lists them, several at once on threads, each into a
+    part file on disk."""
     if not is_url(location):
         yield local_path(location)
         return
@@ -89,37 +107,86 @@ def source_folder(
     scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
     try:
         try:
-            try:
-                top = fs.ls(root, detail=True)  # one delimiter listing: folders and objects
-            except FileNotFoundError as exc:
-                missing = no_bucket(url, exc)
-                if missing is not None:
-                    raise missing from None
-                top = []
-            folders = sorted(
-                _relative(info["name"], root) for info in top if info.get("type") == "directory"
-            )
-            files = sorted((info["name"], info) for info in top if info.get("type") != "directory")
-            if not folders and not files:
+            part = scratch / ".imgpack-store-top.jsonl"
+            with open(part, "wb") as out:
+                top, shown = _list_top(fs, root, url, out)
+            if not top.is_object and not top.folders and not part.stat().st_size:
                 raise ManifestError(f"{url}: nothing there")
-            names = [f"{name}/" for name in folders] + [_relative(n, root) for n, _ in files]
-            if listing_only is not None and listing_only(sorted(names)):
+            if listing_only is not None and listing_only(top):
+                folders = list(top.folders)
                 lister = _task_lister(runner, url, storage_options, len(folders))
-                _write_listing(scratch, fs, root, files, folders, lister)
+                _write_listing(scratch, fs, root, (part, shown), folders, lister)
                 remote = {"url": url, "storage_options": storage_options or {}}
                 (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
             else:
                 found = listed_objects(fs.find(root, detail=True))
-                _write_listing(scratch, fs, root, found, [])
+                with open(part, "wb") as out:
+                    shown = _write_objects(out, root, found)
+                _write_listing(scratch, fs, root, (part, shown), [])
                 with ThreadPoolExecutor(TRANSFERS) as pool:
                     list(pool.map(lambda f: _download(fs, f[0], root, scratch), found))
                 del found
+            part.unlink()
         except OSError as exc:
             raise remote_error(url, exc) from None
         fs.invalidate_cache(root)
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _list_top(fs: Any, root: str, url: str, out: BinaryIO) -> tuple[TopLevel, int]:
+    """SRC's top level by one delimiter listing: its folders (sorted), and its own objects'
+    :data:`STORE_LISTING` lines written to ``out`` in path order; how many are visible. On S3
+    page by page as the store returns them (1,000 keys a page, in key order: memory bounded by
+    a page and the folders' names); elsewhere, and for SRC one object, with ``ls``."""
+    folders: list[str] = []
+    visible = tars = shown = 0
+    paged = False
+    if is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
+        # s3fs's own page iterator (a private method of s3fs, used for s3fs alone).
+        from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+        bucket, key, _ = fs.split_path(f"{root}/")
+        last = [""]
+
+        async def pages() -> None:
+            nonlocal visible, tars, shown, paged
+            async for info in fs._iterdir(bucket, delimiter="/", prefix=key):
+                paged = True
+                if info.get("type") == "directory":
+                    folders.append(_relative(info["name"], root))
+                    continue
+                if info["name"].endswith("/"):  # a folder marker
+                    continue
+                if info["name"] < last[0]:
+                    raise ScanError(f"{url}: the store listed its objects out of key order")
+                last[0] = info["name"]
+                shown += _write_objects(out, root, [(info["name"], info)])
+                relative = _relative(info["name"], root)
+                if not relative.startswith("."):
+                    visible += 1
+                    tars += relative.endswith(".tar")
+
+        with contextlib.suppress(FileNotFoundError):  # no bucket: said by ``ls`` below
+            sync(fs.loop, pages)
+    if not paged:  # not S3, SRC one object, or nothing there: one ``ls``
+        try:
+            listed = fs.ls(root, detail=True)
+        except FileNotFoundError as exc:
+            missing = no_bucket(url, exc)
+            if missing is not None:
+                raise missing from None
+            listed = []
+        folders = [_relative(i["name"], root) for i in listed if i.get("type") == "directory"]
+        files = sorted((i["name"], i) for i in listed if i.get("type") != "directory")
+        names = [_relative(name, root) for name, _ in files]
+        if "" in names:
+            return TopLevel(tuple(sorted(folders)), is_object=True), 0
+        shown = _write_objects(out, root, files)
+        visible = sum(not name.startswith(".") for name in names)
+        tars = sum(not name.startswith(".") and name.endswith(".tar") for name in names)
+    return TopLevel(tuple(sorted(folders)), visible, tars), shown
 
 
 def listed_objects(found: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -145,19 +212,21 @@ def _write_listing(
     scratch: Path,
     fs: Any,
     root: str,
-    top: list[tuple[str, dict[str, Any]]],
+    top: tuple[Path, int],
     folders: list[str],
     lister: Lister | None = None,
 ) -> None:
-    """:data:`STORE_LISTING` and :data:`STORE_FOLDERS`: the objects ``top`` (listed already),
-    then each of ``folders`` in order, listed by ``lister`` (tasks of the conversion's workers)
-    or else here, ``TRANSFERS`` folders at once on threads, each into a part file of its own
-    joined in order as it completes."""
+    """:data:`STORE_LISTING` and :data:`STORE_FOLDERS`: the lines of the top-level objects
+    (``top``: the file holding them, and how many are visible), then each of ``folders`` in
+    order, listed by ``lister`` (tasks of the conversion's workers) or else here, ``TRANSFERS``
+    folders at once on threads, each into a part file of its own joined in order as it
+    completes."""
     index: dict[str, list[int]] = {}
     with open(scratch / STORE_LISTING, "wb") as out:
-        shown = _write_objects(out, root, top)
-        if top:
-            index[""] = [0, out.tell(), shown]
+        with open(top[0], "rb") as head:
+            shutil.copyfileobj(head, out)
+        if out.tell():
+            index[""] = [0, out.tell(), top[1]]
         listed = lister(folders) if lister is not None else _threads(scratch, fs, root, folders)
         for name, lines, shown in listed:
             start = out.tell()
@@ -241,7 +310,7 @@ def _list_folder(fs: Any, root: str, name: str, out: Any) -> int:
     # s3fs's own page iterator (a private method of s3fs, used for s3fs alone); every other
     # filesystem lists with fsspec's public ``find``.
     if is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
-        from fsspec.asyn import sync  # type: ignore[import-untyped]
+        from fsspec.asyn import sync
 
         bucket, key, _ = fs.split_path(f"{root}/{name}/")
         shown = [0]
@@ -374,7 +443,7 @@ def source_location(
     location: Location,
     storage_options: dict[str, Any] | None = None,
     cache_dir: Location | None = None,
-    listing_only: Callable[[list[str]], bool] | None = None,
+    listing_only: Callable[[TopLevel], bool] | None = None,
     saved: str | None = None,
     runner: Any = None,
 ) -> Iterator[Path]:
