@@ -190,6 +190,9 @@ def _converted(task: ShardTask) -> Iterator[Outcome]:
     """Each sample of the task converted here, in order (a bad file, or one excluded, as a
     :class:`~imgpack.executors.Failure`)."""
     prefetch = getattr(task.job.fetch, "prefetch", None)
+    expect = getattr(task.job.fetch, "expect", None)
+    if expect is not None:
+        expect(task.samples)
     for at in range(0, len(task.samples), FETCH_GROUP):
         group = task.samples[at : at + FETCH_GROUP]
         if prefetch is not None:

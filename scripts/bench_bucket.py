@@ -17,6 +17,11 @@ and inside it:
   - GET requests for SRC objects, counted in moto's request log: all of them, and those of
     part 0 of --num-parts 2 (its own objects only).
 
+With --tars N, SRC is N such images as WebDataset tars of 1 MB another tool could have written
+(the .tar files of a local webdataset conversion, nothing else), converted bucket to bucket read
+in place and by the route that downloads them to the driver's scratch first: the time, the peak
+scratch, and the GET requests for the tars (the scan's, then the ranged reads of the tasks).
+
 With --listing FOLDERSxPER (e.g. 8x2000), only the listing of a bucket image folder of that
 many tiny objects, taken as a conversion takes it (imgpack.sources.listing.source_folder): by
 threads of the driver, as an executor that runs no tasks has it, and by tasks of a pool of 2
@@ -24,6 +29,7 @@ workers, alternating over --rounds: the wall time, the driver's CPU and the work
 
     python scripts/bench_bucket.py [--counts 4000,16000,64000] [--executors local,ray]
     python scripts/bench_bucket.py --listing 8x2000
+    python scripts/bench_bucket.py --tars 16000
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ for name in ("LocalExecutor", "RayExecutor"):
     cls = getattr(executors, name)
     cls.tasks = counted(cls.tasks)
 src, dst, executor, parts, part = sys.argv[1:6]
+if sys.argv[6:] == ["download"]:  # the route bucket tars took before they were read in place
+    import imgpack.pipeline as pipeline
+    pipeline._in_place = lambda options: None
 start = time.perf_counter()
 manifest = convert(src, dst, "webdataset", workers=2, progress=False, shard_size="256KB",
                    executor=executor, num_parts=int(parts), part=int(part))
@@ -158,10 +167,16 @@ def tree_bytes(paths: list[Path]) -> int:
 
 
 def run_driver(
-    src: str, dst: str, cache: Path, executor: str, parts: int = 1, part: int = 0
+    src: str,
+    dst: str,
+    cache: Path,
+    executor: str,
+    parts: int = 1,
+    part: int = 0,
+    download: bool = False,
 ) -> dict[str, Any]:
     """One conversion in a process of its own, this machine's scratch and the cache's build
-    folder sampled."""
+    folder sampled (``download``: by the route that downloads SRC first)."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-tmp-"))
     env = {**os.environ, "TMPDIR": str(scratch), "IMGPACK_CACHE_DIR": str(cache)}
     peaks = {"scratch": 0, "build": 0}
@@ -177,7 +192,8 @@ def run_driver(
     watcher.start()
     try:
         run = subprocess.run(
-            [sys.executable, "-c", DRIVER, src, dst, executor, str(parts), str(part)],
+            [sys.executable, "-c", DRIVER, src, dst, executor, str(parts), str(part)]
+            + (["download"] if download else []),
             env=env,
             capture_output=True,
             text=True,
@@ -195,6 +211,7 @@ def run_driver(
 def gets(log: Path, prefix: str, start: int) -> int:
     """GET requests for objects under ``prefix`` in moto's log from byte ``start`` on."""
     text = log.read_bytes()[start:].decode("utf-8", "replace")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # the server colours some lines (206s)
     return len(re.findall(rf'"GET /bench/{re.escape(prefix)}/[^ ?]+ HTTP', text))
 
 
@@ -238,6 +255,39 @@ def listing_cpu(folders: int, per: int, rounds: int) -> dict[str, list[dict[str,
     return found
 
 
+def tars_in_place(data: str, count: int) -> dict[str, dict[str, float]]:
+    """Bucket tars of ``count`` images to a bucket ``webdataset``, read in place and
+    downloaded first (the local pool of 2 workers)."""
+    from imgpack import convert
+
+    print(f"machine: {machine()}")
+    folder = make_png_folder(Path(data) / f"png32-{count}", count, 32, 10)
+    log = Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log"
+    found: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as scratch, bucket(log):
+        convert(folder, Path(scratch) / "wds", "webdataset", shard_size="1MB", progress=False)
+        tars = sorted((Path(scratch) / "wds").glob("*.tar"))
+        fs = fsspec.filesystem("s3")
+        for tar in tars:
+            fs.put_file(str(tar), f"bench/tars-{count}/{tar.name}")
+        source = sum(t.stat().st_size for t in tars)
+        for route in ("in place", "downloaded"):
+            cache = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+            at = log.stat().st_size
+            dst = f"s3://bench/tars-out-{route.replace(' ', '-')}-{count}"
+            run = run_driver(f"s3://bench/tars-{count}", dst, cache, "local",
+                             download=route == "downloaded")  # fmt: skip
+            shutil.rmtree(cache, ignore_errors=True)
+            requests = gets(log, f"tars-{count}", at)
+            found[route] = {"total_s": run["total_s"], "plan_s": run["plan_s"],
+                            "peak_scratch": float(run["scratch"]), "gets": float(requests),
+                            "source_bytes": float(source), "tars": float(len(tars))}  # fmt: skip
+            print(f"{route:10s}: {run['total_s']:.1f} s (plan ready {run['plan_s']:.1f} s), "
+                  f"peak scratch {run['scratch'] / 2**20:.2f} MiB for {source / 2**20:.1f} MiB "
+                  f"of tars ({len(tars)}), {requests} GETs of them")  # fmt: skip
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -262,6 +312,7 @@ def main() -> None:
     )
     parser.add_argument("--listing", default=None, help="FOLDERSxPER: the listing alone")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --listing")
+    parser.add_argument("--tars", type=int, default=None, help="N: SRC WebDataset tars of N images")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.listing:
@@ -270,6 +321,9 @@ def main() -> None:
         save_json(
             args.json, {"machine": machine(), "listing": listing_cpu(folders, per, args.rounds)}
         )
+        return
+    if args.tars:
+        save_json(args.json, {"machine": machine(), "tars": tars_in_place(args.data, args.tars)})
         return
     if args.planning:
         planned = [int(c) for c in args.planning.split(",")]

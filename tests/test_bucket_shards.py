@@ -813,6 +813,24 @@ def test_webdataset_tars_in_a_bucket_are_read_in_place(
                                          "--part", part])  # fmt: skip
         assert done.exit_code == 0, done.output
     assert tree_hashes(parts) == tree_hashes(tmp_path / "here")
+    # A task's chunks read ahead, taken from memory by the next chunks, and reads that end
+    # inside a member, give the same output.
+    import imgpack.sources.webdataset.source as wds_source
+
+    wide = [*args[:2], "--shard-size", "64KB", *args[4:]]
+    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "wide"), *wide])
+    assert done.exit_code == 0, done.output
+    for ahead in (5_000, 20_000, 1 << 20):
+        monkeypatch.setattr(direct, "FETCH_GROUP", 4)
+        monkeypatch.setattr(wds_source, "READ_AHEAD", ahead)
+        gets = _source_gets(monkeypatch, "wds-src")
+        cut = CliRunner().invoke(main, ["convert", url, str(tmp_path / f"cut{ahead}"), *wide])
+        assert cut.exit_code == 0, cut.output
+        monkeypatch.undo()
+        assert tree_hashes(tmp_path / f"cut{ahead}") == tree_hashes(tmp_path / "wide")
+        reads = len(gets) - len(names)  # beside the scan's
+        assert (reads < 21 / 4) if ahead > 1e5 else (reads > 21 / 4), (ahead, reads)
+        # (20,000 bytes end inside a member: the next chunk that needs it reads it again)
     # --no-labels over the same bucket: in place too, the captions kept, label -1.
     unlabelled = convert(url, tmp_path / "unlabelled", "pt", no_labels=True, fields=("txt",),
                          progress=False)  # fmt: skip

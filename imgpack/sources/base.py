@@ -68,6 +68,12 @@ class Fetcher(ABC):
         reads wait on a round trip (object storage) starts them all here. Default: nothing."""
         return None
 
+    def expect(self, samples: Sequence[Sample]) -> None:
+        """Called with every sample of a shard task before its chunks (:meth:`prefetch`): a
+        fetcher that reads ahead of a chunk reads no further than the task's samples. Default:
+        nothing."""
+        return None
+
 
 class Source(ABC):
     """One source kind: how SRC is recognised, scanned and read.

@@ -172,7 +172,8 @@ class WebDatasetSource(Source):
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
         if self.remote is not None:
             url, options = self.remote
-            return TarRangeFetcher(url, json.dumps(options, sort_keys=True), tuple(scan.fields))
+            options_json = json.dumps(options, sort_keys=True)
+            return TarRangeFetcher(url, options_json, run, tuple(scan.fields))
         files = tuple(str(p) for p in self.files())
         return TarFetcher(files, self.identity(scan), run, tuple(scan.fields))
 
@@ -464,14 +465,24 @@ class TarRangeFetcher(Fetcher):
     url: str
     #: The fsspec storage options, as JSON (the fetcher stays small and hashable).
     storage_options: str
+    #: The conversion run: what a process read ahead for one run is never taken by another.
+    run: str
     #: The fields kept: each read from the sample's member of that extension.
     fields: tuple[Field, ...] = ()
 
     def prefetch(self, samples: Sequence[Sample]) -> None:
-        """Read the members of a chunk of samples: one GET per tar they lie in (a chunk's
-        samples of one tar are one stretch of it, in the plan's order)."""
+        """Read the members of a chunk of samples: a chunk's samples of one tar are one stretch
+        of it, in the plan's order, read with what follows it (:data:`READ_AHEAD` bytes a
+        GET), so that the next chunks find theirs read already."""
         _MEMBERS.clear()
         _MEMBERS.update(self._read(samples))
+
+    def expect(self, samples: Sequence[Sample]) -> None:
+        """The shard task's samples: a read ahead stops at their end in each tar."""
+        _BOUNDS.clear()
+        for sample in samples:
+            key = self._key(sample.path.partition("/")[0])
+            _BOUNDS[key] = max(_BOUNDS.get(key, 0), sample.index + sample.span)
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         members = _MEMBERS.pop(sample.path, None)
@@ -488,8 +499,13 @@ class TarRangeFetcher(Fetcher):
             encoded.fields = _field_values(sample.path, image, members, self.fields)
         return encoded
 
+    def _key(self, tar: str) -> str:
+        return f"{self.run} {self.url}/{tar}"
+
     def _read(self, samples: Sequence[Sample]) -> dict[str, dict[str, bytes] | BaseException]:
-        """The members of ``samples`` by name, per sample path (or why they cannot be read)."""
+        """The members of ``samples`` by name, per sample path (or why they cannot be read):
+        from the stretch read last where it holds them, else read now, with what follows them
+        up to :data:`READ_AHEAD` bytes within the shard task's samples (:meth:`expect`)."""
         runs: list[list[Sample]] = []
         for sample in samples:
             tar = sample.path.partition("/")[0]
@@ -497,12 +513,33 @@ class TarRangeFetcher(Fetcher):
                 runs[-1].append(sample)
             else:
                 runs.append([sample])
-        fs, root = filesystem(self.url, json.loads(self.storage_options) or None)
-        paths = [f"{root}/{run[0].path.partition('/')[0]}" for run in runs]
-        spans = [(min(s.index for s in run), max(s.index + s.span for s in run)) for run in runs]
+        wanted: list[tuple[list[Sample], str, int, int]] = []
         out: dict[str, dict[str, bytes] | BaseException] = {}
-        for run, (start, _), found in zip(runs, spans, read_objects(fs, paths, spans), strict=True):
+        for run in runs:
             tar = run[0].path.partition("/")[0]
+            start = min(s.index for s in run)
+            end = max(s.index + s.span for s in run)
+            held = _STRETCH.get(self._key(tar))
+            if (
+                held is not None
+                and held[0] == run[0].listed
+                and held[1] <= start
+                and end <= held[2]
+            ):
+                out.update((sample.path, held[3]) for sample in run)
+            else:
+                wanted.append((run, tar, start, end))
+        if not wanted:
+            return out
+        fs, root = filesystem(self.url, json.loads(self.storage_options) or None)
+        paths = [f"{root}/{tar}" for _, tar, _, _ in wanted]
+        spans = [
+            (start, max(end, min(start + READ_AHEAD, _BOUNDS.get(self._key(tar), 0))))
+            for _, tar, start, end in wanted
+        ]
+        _STRETCH.clear()
+        found_all = read_objects(fs, paths, spans)
+        for (run, tar, start, end), found in zip(wanted, found_all, strict=True):
             members: dict[str, bytes] | BaseException
             if isinstance(found, BaseException):
                 members = found
@@ -511,29 +548,62 @@ class TarRangeFetcher(Fetcher):
                 replaced = listing.replaced(f"{self.url}/{tar}", run[0].listed, said)
                 if replaced is not None:
                     raise replaced
-                members = _stretch_members(data, f"{self.url}/{tar}", start)
-            for sample in run:
-                out[sample.path] = members
+                members, whole = _stretch_members(data, f"{self.url}/{tar}", start)
+                if isinstance(members, dict):
+                    if whole < end - start:
+                        members = DataError(
+                            f"{self.url}/{tar}: ends at byte {start + len(data):,}, inside the "
+                            "samples the scan found (the tar changed)"
+                        )
+                    else:
+                        _STRETCH[self._key(tar)] = (
+                            run[0].listed,
+                            start,
+                            start + whole,
+                            members,
+                        )
+            out.update((sample.path, members) for sample in run)
         return out
 
 
+#: Bytes a GET of a tar in a bucket asks for at least, within its shard task's samples: the
+#: stretch a chunk of samples needs and what follows it, which the task's next chunks take from
+#: memory.
+READ_AHEAD = 8 << 20
 #: Members of the chunk being converted in this process (:meth:`TarRangeFetcher.prefetch`), by
 #: sample path: the members of its stretch of the tar by name, or why they could not be read.
 _MEMBERS: dict[str, Any] = {}
+#: Where the shard task this process runs ends in each tar it reads (:meth:`TarRangeFetcher.expect`).
+_BOUNDS: dict[str, int] = {}
+#: The stretches this process read last, by run and tar URL: ``(listed content, start, end,
+#: members)``.
+_STRETCH: dict[str, tuple[int, int, int, dict[str, bytes]]] = {}
 
 
-def _stretch_members(data: bytes, where: str, start: int) -> dict[str, bytes] | BaseException:
-    """The file members in ``data``, a stretch of a tar from a member's header on, by name."""
+def _stretch_members(
+    data: bytes, where: str, start: int
+) -> tuple[dict[str, bytes] | BaseException, int]:
+    """The file members in ``data`` (a stretch of a tar from a member's header on, perhaps cut
+    inside a member at its end: it was read ahead) by name, and the bytes they span, to the
+    padded end of the last whole member."""
     members: dict[str, bytes] = {}
+    whole = 0
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tar:
             for member in tar:
+                if member.offset_data + member.size > len(data):
+                    break  # cut by the read's end: read again by the chunk that needs it
                 if member.isfile():
                     handle = tar.extractfile(member)
                     members.setdefault(member.name, handle.read() if handle else b"")
+                whole = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * 512
     except (OSError, tarfile.TarError) as exc:
-        return DataError(f"{where}: bytes {start:,} on are not the members the scan found ({exc})")
-    return members
+        if not members:
+            failed = DataError(
+                f"{where}: bytes {start:,} on are not the members the scan found ({exc})"
+            )
+            return failed, 0
+    return members, min(whole, len(data))
 
 
 def _field_values(
