@@ -22,10 +22,11 @@ With --tars N, SRC is N such images as WebDataset tars of 1 MB another tool coul
 in place and by the route that downloads them to the driver's scratch first: the time, the peak
 scratch, and the GET requests for the tars (the scan's, then the ranged reads of the tasks).
 
-With --listing FOLDERSxPER (e.g. 8x2000), only the listing of a bucket image folder of that
-many tiny objects, taken as a conversion takes it (imgpack.sources.listing.source_folder): by
-threads of the driver, as an executor that runs no tasks has it, and by tasks of a pool of 2
-workers, alternating over --rounds: the wall time, the driver's CPU and the workers' CPU.
+With --listing FOLDERSxPER (e.g. 8x2000; 0xN: N objects at the top level, a flat bucket), only
+the listing of a bucket image folder of that many tiny objects, taken as a conversion takes it
+(imgpack.sources.listing.source_folder): by threads of the driver, as an executor that runs no
+tasks has it, and by tasks of a pool of 2 workers, alternating over --rounds: the wall time,
+the driver's CPU and the workers' CPU.
 
     python scripts/bench_bucket.py [--counts 4000,16000,64000] [--executors local,ray]
     python scripts/bench_bucket.py --listing 8x2000
@@ -232,8 +233,9 @@ def listing_cpu(folders: int, per: int, rounds: int) -> dict[str, list[dict[str,
     found: dict[str, list[dict[str, float]]] = {"threads": [], "tasks": []}
     with bucket():
         fs = fsspec.filesystem("s3")
-        objects = {f"bench/listed/c{k}/img{i:06d}.jpg": b"x" for k in range(folders)
-                   for i in range(per)}  # fmt: skip
+        keys = ([f"c{k}/img{i:06d}.jpg" for k in range(folders) for i in range(per)] if folders
+                else [f"img{i:07d}.jpg" for i in range(per)])  # fmt: skip
+        objects = {f"bench/listed/{key}": b"x" for key in keys}
         fs.pipe(objects)
         for _ in range(rounds):
             for name, runner in (("threads", None), ("tasks", LocalExecutor(2))):
@@ -242,7 +244,7 @@ def listing_cpu(folders: int, per: int, rounds: int) -> dict[str, list[dict[str,
                 with source_folder("s3://bench/listed", None, lambda _: True, runner) as folder:
                     lines = (folder / ".imgpack-store.jsonl").read_bytes().count(b"\n")
                 (own2, kids2), wall = cpu(), time.perf_counter() - start
-                assert lines == folders * per, lines
+                assert lines == len(keys), lines
                 found[name].append({"wall": wall, "driver": own2 - own, "workers": kids2 - kids})
     for name, rows in found.items():
 
@@ -250,7 +252,8 @@ def listing_cpu(folders: int, per: int, rounds: int) -> dict[str, list[dict[str,
             values = sorted(row[key] for row in rows)
             return f"{values[0]:.2f}-{values[-1]:.2f} s"
 
-        print(f"{name:8s} {folders * per} objects in {folders} folders: wall {span('wall')}, "
+        where = f"in {folders} folders" if folders else "at the top level (flat)"
+        print(f"{name:8s} {len(keys)} objects {where}: wall {span('wall')}, "
               f"driver CPU {span('driver')}, workers CPU {span('workers')}")  # fmt: skip
     return found
 

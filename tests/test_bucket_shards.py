@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -908,10 +909,58 @@ def test_a_flat_bucket_is_listed_page_by_page(
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
     monkeypatch.setattr(s3fs.S3FileSystem, "_lsdir", lsdir)
-    manifest = convert(f"{s3}/flat", tmp_path / "out", "pt", no_labels=True, progress=False)
+    manifest = convert(f"{s3}/flat", tmp_path / "out", "pt", no_labels=True, workers=1,
+                       progress=False)  # fmt: skip
     assert manifest.num_samples == count
-    assert len(pages) == 2 and all(page.get("Delimiter") == "/" for page in pages)
+    # The first page by the driver, the rest by key-range tasks (run here with one worker).
+    assert len(pages) >= 2 and all(page.get("Delimiter") == "/" for page in pages)
+    assert pages[0].get("StartAfter") is None and pages[1].get("StartAfter") == "flat/00998.png"
     assert open_dataset(tmp_path / "out").stored_paths() == names
     monkeypatch.undo()
     with pytest.raises(Exception, match="nothing there"):
         convert(f"{s3}/no-such-prefix", tmp_path / "none", "pt", no_labels=True, progress=False)
+
+
+def test_a_flat_top_level_is_listed_by_range_tasks(
+    s3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A top level of more than a page, with workers to lend: the driver lists its first page,
+    then tasks list key ranges a few pages each, and what is left of a range is cut again for
+    the next round. The listing (every line, in key order, and the folders' index) is the one
+    the driver takes alone, whatever the keys: digits, letters, capitals, hidden and non-ASCII
+    names, and folders among them."""
+    from imgpack.executors import LocalExecutor
+
+    fs = fsspec.filesystem("s3")
+    names = [f"{k:05d}.png" for k in range(2_000)] + [f"img-{k}.png" for k in range(300)]
+    names += [f"Z{k}.png" for k in range(100)] + [f"é{k}.png" for k in range(60)]
+    names += [f"日本{k}.png" for k in range(60)] + [f".h{k}.png" for k in range(3)]
+    names += [f"sub{k}/x.png" for k in range(4)]
+    fs.pipe({f"{BUCKET}/flat-ranges/{name}": name.encode() for name in names})
+    url = f"{s3}/flat-ranges"
+    monkeypatch.setattr(listing, "RANGE_PAGES", 1)
+    found = {}
+    for label, runner in (("alone", None), ("tasks", LocalExecutor(2)), ("here", LocalExecutor(1))):
+        tops: list[listing.TopLevel] = []
+        with listing.source_folder(url, None, _noted(tops), runner) as got:
+            found[label] = (
+                (got / listing.STORE_LISTING).read_bytes(),
+                (got / listing.STORE_FOLDERS).read_bytes(),
+                tops,
+            )
+    lines, _, (top,) = found["alone"]
+    keys = [json.loads(line)[0] for line in lines.splitlines()]
+    flat = sorted((n for n in names if "/" not in n), key=lambda n: n.encode())
+    assert keys == flat + [f"sub{k}/x.png" for k in range(4)]
+    assert top.folders == tuple(f"sub{k}" for k in range(4)) and top.visible == len(flat) - 3
+    assert found["tasks"] == found["alone"] and found["here"] == found["alone"]
+
+
+def _noted(tops: list[listing.TopLevel]) -> Callable[[listing.TopLevel], bool]:
+    """A ``listing_only`` that notes each top level it is given and lists in place."""
+
+    def note(top: listing.TopLevel) -> bool:
+        tops.append(top)
+        return True
+
+    return note

@@ -108,8 +108,9 @@ def source_folder(
     try:
         try:
             part = scratch / ".imgpack-store-top.jsonl"
+            options = json.dumps(storage_options or {}, sort_keys=True)
             with open(part, "wb") as out:
-                top, shown = _list_top(fs, root, url, out)
+                top, shown = _list_top(fs, root, url, out, scratch, runner, options)
             if not top.is_object and not top.folders and not part.stat().st_size:
                 raise ManifestError(f"{url}: nothing there")
             if listing_only is not None and listing_only(top):
@@ -135,15 +136,42 @@ def source_folder(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _list_top(fs: Any, root: str, url: str, out: BinaryIO) -> tuple[TopLevel, int]:
+def _list_top(
+    fs: Any, root: str, url: str, out: BinaryIO, scratch: Path, runner: Any, options: str
+) -> tuple[TopLevel, int]:
     """SRC's top level by one delimiter listing: its folders (sorted), and its own objects'
     :data:`STORE_LISTING` lines written to ``out`` in path order; how many are visible. On S3
     page by page as the store returns them (1,000 keys a page, in key order: memory bounded by
-    a page and the folders' names); elsewhere, and for SRC one object, with ``ls``."""
+    a page and the folders' names), a top level of more than a page by ``runner``'s tasks
+    where it lends them (:func:`_top_in_tasks`; ``options``: the storage options as JSON);
+    elsewhere, and for SRC one object, with ``ls``."""
+    s3 = is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_call_s3")
+    tasks = s3 and lends_tasks(runner) and not getattr(fs, "version_aware", False)
+    if tasks:
+        try:
+            first = top_range((url, options, "", None, 1), fs)
+        except FileNotFoundError:  # no bucket: said by ``ls`` below
+            first = None
+        if first is not None and (first.lines or first.folders or first.rest is not None):
+            found = [first]
+            if first.rest is not None:  # more than a page: by tasks
+                found += _top_in_tasks(runner, url, options, first.rest, scratch)
+            shown = visible = tars = 0
+            seen: set[str] = set()
+            for part in found:
+                if isinstance(part.lines, Path):
+                    with open(part.lines, "rb") as held:
+                        shutil.copyfileobj(held, out)
+                    part.lines.unlink()
+                else:
+                    out.write(part.lines)
+                seen.update(part.folders)
+                shown, visible, tars = shown + part.shown, visible + part.visible, tars + part.tars
+            return TopLevel(tuple(sorted(seen)), visible, tars), shown
     folders: list[str] = []
     visible = tars = shown = 0
     paged = False
-    if is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_iterdir"):
+    if s3 and not tasks and hasattr(fs, "_iterdir"):  # (tasks: nothing there, or one object)
         # s3fs's own page iterator (a private method of s3fs, used for s3fs alone).
         from fsspec.asyn import sync  # type: ignore[import-untyped]
 
@@ -187,6 +215,157 @@ def _list_top(fs: Any, root: str, url: str, out: BinaryIO) -> tuple[TopLevel, in
         visible = sum(not name.startswith(".") for name in names)
         tars = sum(not name.startswith(".") and name.endswith(".tar") for name in names)
     return TopLevel(tuple(sorted(folders)), visible, tars), shown
+
+
+#: LIST pages a task of the top level's listing asks before it hands the rest of its key range
+#: back (:func:`top_range`): the driver splits the rest, so that the workers list at once.
+RANGE_PAGES = 8
+#: Above every ASCII key: the top level's keys range is cut here first, the keys past it (not
+#: ASCII from their first character on) listed by one task.
+_PAST_ASCII = "\x7f"
+
+
+@dataclass
+class TopRange:
+    """What a task listed of the top level in a key range (:func:`top_range`)."""
+
+    #: The :data:`STORE_LISTING` lines of its objects (or a file holding them), in key order.
+    lines: bytes | Path
+    folders: list[str]
+    shown: int
+    visible: int
+    tars: int
+    #: The last key listed when the range is not done (the rest starts after it), else None.
+    rest: str | None
+
+
+def top_range(item: tuple[str, str, str, str | None, int], fs: Any = None) -> TopRange:
+    """A task: SRC's top level in the key range ``(after, until]`` (keys relative to SRC;
+    ``until`` ``None``: to the end), at most ``pages`` LIST pages (``0``: every one); ``item``
+    is the URL, its storage options as JSON, ``after``, ``until`` and ``pages``."""
+    from fsspec.asyn import sync
+
+    url, options, after, until, pages = item
+    if fs is None:
+        fs = filesystem(url, json.loads(options) or None)[0]
+    root = str(filesystem(url, json.loads(options) or None)[1])
+    bucket, key, _ = fs.split_path(f"{root}/")
+    out = io.BytesIO()
+    found = TopRange(b"", [], 0, 0, 0, None)
+    limit = None if until is None else key + until
+
+    async def listed() -> None:
+        asked: dict[str, Any] = {"Bucket": bucket, "Prefix": key, "Delimiter": "/"}
+        if after:
+            asked["StartAfter"] = key + after
+        count = 0
+        while True:
+            page = await fs._call_s3("list_objects_v2", **asked)
+            count += 1
+            last = ""
+            for folder in page.get("CommonPrefixes", []):
+                name = folder["Prefix"]
+                last = max(last, name)
+                if limit is None or name <= limit:
+                    found.folders.append(name[len(key) :].rstrip("/"))
+            for entry in page.get("Contents", []):
+                name = entry["Key"]
+                last = max(last, name)
+                if (limit is not None and name > limit) or name.endswith("/"):
+                    continue
+                path = f"{bucket}/{name}"
+                info = {"size": entry.get("Size", 0), "ETag": entry.get("ETag", "")}
+                found.shown += _write_objects(out, root, [(path, info)])
+                relative = name[len(key) :]
+                if not relative.startswith("."):
+                    found.visible += 1
+                    found.tars += relative.endswith(".tar")
+            if not page.get("IsTruncated") or (limit is not None and last > limit):
+                return
+            if pages and count >= pages:
+                found.rest = last[len(key) :]
+                return
+            asked["ContinuationToken"] = page["NextContinuationToken"]
+
+    sync(fs.loop, listed)
+    found.lines = out.getvalue()
+    return found
+
+
+def _top_in_tasks(runner: Any, url: str, options: str, after: str, scratch: Path) -> list[TopRange]:
+    """The top level after key ``after`` by ``runner``'s tasks: its keys range cut into a few
+    ranges a worker each, every task listing :data:`RANGE_PAGES` pages and the rest of its
+    range cut again (at a key between its last one and the range's end) for the next round;
+    the ranges' listings in key order, each on disk (``scratch``) until joined."""
+    workers = max(2, int(getattr(runner, "workers", 0) or 2))
+    pending: list[tuple[str, str | None]] = [*_cut(after, _PAST_ASCII, workers)]
+    pending.append((_PAST_ASCII, None))
+    done: list[tuple[str, TopRange]] = []
+    parts = scratch / ".imgpack-store-ranges"
+    parts.mkdir(exist_ok=True)
+    while pending:
+        items = [(url, options, low, high, RANGE_PAGES) for low, high in pending]
+        pending = []
+        for (_, _, low, high, _), result in runner.tasks(top_range, items):
+            if not isinstance(result, TopRange):  # its worker died on every try
+                raise ScanError(f"{url}: the worker listing its keys after {low!r} died on every "
+                                "try (out of memory? try fewer --workers)")  # fmt: skip
+            held = parts / f"{len(done)}.jsonl"
+            held.write_bytes(result.lines if isinstance(result.lines, bytes) else b"")
+            result.lines = held
+            done.append((low, result))
+            if result.rest is not None:
+                if high is None:  # past ASCII: one task to the end
+                    pending.append((result.rest, None))
+                else:
+                    pending += _cut(result.rest, high, 2)
+    return [result for _, result in sorted(done, key=lambda entry: entry[0])]
+
+
+def _cut(low: str, high: str, count: int) -> list[tuple[str, str]]:
+    """The key range ``(low, high]`` cut into up to ``count`` ranges, at keys between."""
+    ranges = [(low, high)]
+    while len(ranges) < count:
+        widest = max(range(len(ranges)), key=lambda k: _room(*ranges[k]))
+        start, end = ranges[widest]
+        middle = _between(start, end)
+        if middle is None:
+            break
+        ranges[widest : widest + 1] = [(start, middle), (middle, end)]
+    return ranges
+
+
+def _room(low: str, high: str) -> int:
+    """How far apart two keys are at their first differing character (for the widest range)."""
+    i = 0
+    while i < len(low) and i < len(high) and low[i] == high[i]:
+        i += 1
+    lo = ord(low[i]) if i < len(low) else 0
+    hi = ord(high[i]) if i < len(high) else 0
+    return (hi - lo) * 128 ** max(0, 8 - i)
+
+
+def _between(low: str, high: str) -> str | None:
+    """A key strictly between ``low`` and ``high`` (``low < high``), or ``None`` where none is
+    found among the ASCII keys: at the first character they differ, its middle, or one
+    character further."""
+    i = 0
+    while i < len(low) and i < len(high) and low[i] == high[i]:
+        i += 1
+    if i >= len(high):
+        return None
+    lo = ord(low[i]) if i < len(low) else 0x1F
+    hi = ord(high[i])
+    if hi - lo >= 2 and hi <= 0x7F:
+        middle = low[:i] + chr((lo + hi) // 2)
+    elif hi - lo == 1 and i < len(low):
+        rest = ord(low[i + 1]) if i + 1 < len(low) else 0x1F
+        if 0x7F - rest < 2:
+            return None
+        middle = low[: i + 1] + chr((rest + 0x7F) // 2)
+    else:
+        return None
+    return middle if low < middle < high else None
 
 
 def listed_objects(found: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
