@@ -943,6 +943,7 @@ def test_a_flat_top_level_is_listed_by_range_tasks(
     for label, runner in (("alone", None), ("tasks", LocalExecutor(2)), ("here", LocalExecutor(1))):
         tops: list[listing.TopLevel] = []
         with listing.source_folder(url, None, _noted(tops), runner) as got:
+            assert not (got / listing.RANGE_PARTS).exists()  # the ranges' lines, joined
             found[label] = (
                 (got / listing.STORE_LISTING).read_bytes(),
                 (got / listing.STORE_FOLDERS).read_bytes(),

@@ -167,6 +167,7 @@ def _list_top(
                     out.write(part.lines)
                 seen.update(part.folders)
                 shown, visible, tars = shown + part.shown, visible + part.visible, tars + part.tars
+            shutil.rmtree(scratch / RANGE_PARTS, ignore_errors=True)
             return TopLevel(tuple(sorted(seen)), visible, tars), shown
     folders: list[str] = []
     visible = tars = shown = 0
@@ -220,6 +221,8 @@ def _list_top(
 #: LIST pages a task of the top level's listing asks before it hands the rest of its key range
 #: back (:func:`top_range`): the driver splits the rest, so that the workers list at once.
 RANGE_PAGES = 8
+#: In the scratch folder while the top level is listed by tasks: each range's lines.
+RANGE_PARTS = ".imgpack-store-ranges"
 #: Above every ASCII key: the top level's keys range is cut here first, the keys past it (not
 #: ASCII from their first character on) listed by one task.
 _PAST_ASCII = "\x7f"
@@ -301,7 +304,7 @@ def _top_in_tasks(runner: Any, url: str, options: str, after: str, scratch: Path
     pending: list[tuple[str, str | None]] = [*_cut(after, _PAST_ASCII, workers)]
     pending.append((_PAST_ASCII, None))
     done: list[tuple[str, TopRange]] = []
-    parts = scratch / ".imgpack-store-ranges"
+    parts = scratch / RANGE_PARTS
     parts.mkdir(exist_ok=True)
     while pending:
         items = [(url, options, low, high, RANGE_PAGES) for low, high in pending]
