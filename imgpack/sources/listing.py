@@ -142,80 +142,44 @@ def _list_top(
     """SRC's top level by one delimiter listing: its folders (sorted), and its own objects'
     :data:`STORE_LISTING` lines written to ``out`` in path order; how many are visible. On S3
     page by page as the store returns them (1,000 keys a page, in key order: memory bounded by
-    a page and the folders' names), a top level of more than a page by ``runner``'s tasks
-    where it lends them (:func:`_top_in_tasks`; ``options``: the storage options as JSON);
-    elsewhere, and for SRC one object, with ``ls``."""
+    a page and the folders' names, :func:`top_range`), a top level of more than a page by
+    ``runner``'s tasks where it lends them (:func:`_top_in_tasks`; ``options``: the storage
+    options as JSON); elsewhere, for a bucket that keeps versions, and for SRC one object, with
+    ``ls``."""
     s3 = is_s3fs(fs) and getattr(fs, "async_impl", False) and hasattr(fs, "_call_s3")
-    tasks = s3 and lends_tasks(runner) and not getattr(fs, "version_aware", False)
-    if tasks:
-        try:
-            first = top_range((url, options, "", None, 1), fs)
+    if s3 and not getattr(fs, "version_aware", False):
+        tasks = lends_tasks(runner)
+        try:  # the first page here, then the rest by tasks; or every page here
+            first = top_range((url, options, "", None, 1 if tasks else 0), fs, out)
         except FileNotFoundError:  # no bucket: said by ``ls`` below
             first = None
-        if first is not None and (first.lines or first.folders or first.rest is not None):
+        if first is not None and (out.tell() or first.folders or first.rest is not None):
             found = [first]
-            if first.rest is not None:  # more than a page: by tasks
+            if first.rest is not None:
                 found += _top_in_tasks(runner, url, options, first.rest, scratch)
-            shown = visible = tars = 0
-            seen: set[str] = set()
-            for part in found:
-                if isinstance(part.lines, Path):
-                    with open(part.lines, "rb") as held:
-                        shutil.copyfileobj(held, out)
-                    part.lines.unlink()
-                else:
-                    out.write(part.lines)
-                seen.update(part.folders)
-                shown, visible, tars = shown + part.shown, visible + part.visible, tars + part.tars
+            for part in found[1:]:
+                assert isinstance(part.lines, Path)
+                with open(part.lines, "rb") as held:
+                    shutil.copyfileobj(held, out)
             shutil.rmtree(scratch / RANGE_PARTS, ignore_errors=True)
-            return TopLevel(tuple(sorted(seen)), visible, tars), shown
-    folders: list[str] = []
-    visible = tars = shown = 0
-    paged = False
-    if s3 and not tasks and hasattr(fs, "_iterdir"):  # (tasks: nothing there, or one object)
-        # s3fs's own page iterator (a private method of s3fs, used for s3fs alone).
-        from fsspec.asyn import sync  # type: ignore[import-untyped]
-
-        bucket, key, _ = fs.split_path(f"{root}/")
-        last = [""]
-
-        async def pages() -> None:
-            nonlocal visible, tars, shown, paged
-            async for info in fs._iterdir(bucket, delimiter="/", prefix=key):
-                paged = True
-                if info.get("type") == "directory":
-                    folders.append(_relative(info["name"], root))
-                    continue
-                if info["name"].endswith("/"):  # a folder marker
-                    continue
-                if info["name"] < last[0]:
-                    raise ScanError(f"{url}: the store listed its objects out of key order")
-                last[0] = info["name"]
-                shown += _write_objects(out, root, [(info["name"], info)])
-                relative = _relative(info["name"], root)
-                if not relative.startswith("."):
-                    visible += 1
-                    tars += relative.endswith(".tar")
-
-        with contextlib.suppress(FileNotFoundError):  # no bucket: said by ``ls`` below
-            sync(fs.loop, pages)
-    if not paged:  # not S3, SRC one object, or nothing there: one ``ls``
-        try:
-            listed = fs.ls(root, detail=True)
-        except FileNotFoundError as exc:
-            missing = no_bucket(url, exc)
-            if missing is not None:
-                raise missing from None
-            listed = []
-        folders = [_relative(i["name"], root) for i in listed if i.get("type") == "directory"]
-        files = sorted((i["name"], i) for i in listed if i.get("type") != "directory")
-        names = [_relative(name, root) for name, _ in files]
-        if "" in names:
-            return TopLevel(tuple(sorted(folders)), is_object=True), 0
-        shown = _write_objects(out, root, files)
-        visible = sum(not name.startswith(".") for name in names)
-        tars = sum(not name.startswith(".") and name.endswith(".tar") for name in names)
-    return TopLevel(tuple(sorted(folders)), visible, tars), shown
+            folders = sorted({name for part in found for name in part.folders})
+            visible, tars = sum(p.visible for p in found), sum(p.tars for p in found)
+            return TopLevel(tuple(folders), visible, tars), sum(p.shown for p in found)
+    try:  # not S3, SRC one object, or nothing there: one ``ls``
+        listed = fs.ls(root, detail=True)
+    except FileNotFoundError as exc:
+        missing = no_bucket(url, exc)
+        if missing is not None:
+            raise missing from None
+        listed = []
+    folders = sorted(_relative(i["name"], root) for i in listed if i.get("type") == "directory")
+    files = sorted((i["name"], i) for i in listed if i.get("type") != "directory")
+    names = [_relative(name, root) for name, _ in files]
+    if "" in names:
+        return TopLevel(tuple(folders), is_object=True), 0
+    seen = [name for name in names if not name.startswith(".")]
+    tars = sum(name.endswith(".tar") for name in seen)
+    return TopLevel(tuple(folders), len(seen), tars), _write_objects(out, root, files)
 
 
 #: LIST pages a task of the top level's listing asks before it hands the rest of its key range
@@ -242,18 +206,21 @@ class TopRange:
     rest: str | None
 
 
-def top_range(item: tuple[str, str, str, str | None, int], fs: Any = None) -> TopRange:
+def top_range(
+    item: tuple[str, str, str, str | None, int], fs: Any = None, out: BinaryIO | None = None
+) -> TopRange:
     """A task: SRC's top level in the key range ``(after, until]`` (keys relative to SRC;
     ``until`` ``None``: to the end), at most ``pages`` LIST pages (``0``: every one); ``item``
-    is the URL, its storage options as JSON, ``after``, ``until`` and ``pages``."""
-    from fsspec.asyn import sync
+    is the URL, its storage options as JSON, ``after``, ``until`` and ``pages``. Its lines go
+    to ``out`` as each page comes (the driver's listing file), else into the result."""
+    from fsspec.asyn import sync  # type: ignore[import-untyped]
 
     url, options, after, until, pages = item
-    if fs is None:
-        fs = filesystem(url, json.loads(options) or None)[0]
-    root = str(filesystem(url, json.loads(options) or None)[1])
+    given, root = filesystem(url, json.loads(options) or None)
+    fs = fs or given
     bucket, key, _ = fs.split_path(f"{root}/")
-    out = io.BytesIO()
+    held = io.BytesIO()
+    lines = held if out is None else out
     found = TopRange(b"", [], 0, 0, 0, None)
     limit = None if until is None else key + until
 
@@ -261,7 +228,7 @@ def top_range(item: tuple[str, str, str, str | None, int], fs: Any = None) -> To
         asked: dict[str, Any] = {"Bucket": bucket, "Prefix": key, "Delimiter": "/"}
         if after:
             asked["StartAfter"] = key + after
-        count = 0
+        count, previous = 0, ""
         while True:
             page = await fs._call_s3("list_objects_v2", **asked)
             count += 1
@@ -275,10 +242,12 @@ def top_range(item: tuple[str, str, str, str | None, int], fs: Any = None) -> To
                 name = entry["Key"]
                 last = max(last, name)
                 if (limit is not None and name > limit) or name.endswith("/"):
-                    continue
-                path = f"{bucket}/{name}"
+                    continue  # past the range, or a folder marker
+                if name < previous:
+                    raise ScanError(f"{url}: the store listed its objects out of key order")
+                previous = name
                 info = {"size": entry.get("Size", 0), "ETag": entry.get("ETag", "")}
-                found.shown += _write_objects(out, root, [(path, info)])
+                found.shown += _write_objects(lines, root, [(f"{bucket}/{name}", info)])
                 relative = name[len(key) :]
                 if not relative.startswith("."):
                     found.visible += 1
@@ -291,7 +260,8 @@ def top_range(item: tuple[str, str, str, str | None, int], fs: Any = None) -> To
             asked["ContinuationToken"] = page["NextContinuationToken"]
 
     sync(fs.loop, listed)
-    found.lines = out.getvalue()
+    if out is None:
+        found.lines = held.getvalue()
     return found
 
 

@@ -284,11 +284,8 @@ def fetching_filesystem(url: str, storage_options: dict[str, Any] | None) -> Any
     if found is not None:
         keep_inherited(found[1])
     fs = filesystem(url, storage_options, fresh=True)[0]
-    # Two threads making one at once: the first to land is kept by both.
-    kept = _filesystems.setdefault(key, (now, fs))
-    if kept[0] != now:
-        _filesystems[key] = kept = (now, fs)
-    return kept[1]
+    _filesystems[key] = (now, fs)  # two threads at once: one is kept, the other used once
+    return fs
 
 
 def _same(path: Path, data: bytes) -> bool:

@@ -493,7 +493,10 @@ class TarRangeFetcher(Fetcher):
         name, _, image = sample.path.partition("/")
         data = members.get(image)
         if data is None:
-            raise ImageError(sample.path, f"no such member in {self.url}/{name} (the tar changed)")
+            raise ImageError(
+                sample.path,
+                f"no such member in {self.url}/{name} (the tar changed since it was scanned: convert again)",
+            )
         encoded = process_bytes(data, sample.path, sample.label, policy, encoding)
         if self.fields:
             encoded.fields = _field_values(sample.path, image, members, self.fields)
@@ -553,7 +556,7 @@ class TarRangeFetcher(Fetcher):
                     if whole < end - start:
                         members = DataError(
                             f"{self.url}/{tar}: ends at byte {start + len(data):,}, inside the "
-                            "samples the scan found (the tar changed)"
+                            "samples the scan found (the tar changed since it was scanned: convert again)"
                         )
                     else:
                         _STRETCH[self._key(tar)] = (
