@@ -817,8 +817,9 @@ def _in_place(options: ConvertOptions) -> Callable[[TopLevel], bool] | None:
     for, or the one detection picks when no visible object sits at SRC's top level (every other
     built-in kind needs a file there) and no plugin adds a kind that could claim it; for
     WebDataset tars: a folder of ``.tar`` objects and nothing else visible (read by ranged
-    GETs); for ``--no-labels``, a tree of images or such tars; and for ``--labels FILE``, the
-    folder its rows' paths are relative to."""
+    GETs); for TFRecord files, a folder of them and nothing else visible (the same); for
+    ``--no-labels``, a tree of images or such tars; and for ``--labels FILE``, the folder its
+    rows' paths are relative to."""
     if options.source == sources.FALLBACK:
         return lambda top: True
     if options.source in ("unlabelled", "labels") and (
@@ -827,15 +828,25 @@ def _in_place(options: ConvertOptions) -> Callable[[TopLevel], bool] | None:
         return lambda top: not top.is_object  # a tree; --labels FILE: its rows' objects
     if options.source == "webdataset":
         return _only_tars
+    if options.source == "tfrecord":
+        return _only_records
     if options.source is not None or set(sources.names()) - set(sources.BUILTIN):
         return None
-    return lambda top: _only_tars(top) or (not top.is_object and not top.visible)
+    return lambda top: (
+        _only_tars(top) or _only_records(top) or (not top.is_object and not top.visible)
+    )
 
 
 def _only_tars(top: TopLevel) -> bool:
     """Whether a bucket SRC's top level is WebDataset tars read in place: ``.tar`` objects and
     nothing else visible (no folder, no other object)."""
     return not top.visible_folders and top.visible > 0 and top.tars == top.visible
+
+
+def _only_records(top: TopLevel) -> bool:
+    """Whether a bucket SRC's top level is TFRecord files read in place: ``.tfrecord`` (or
+    ``.tfrecords``) objects and nothing else visible."""
+    return not top.visible_folders and top.visible > 0 and top.records == top.visible
 
 
 def _saved(dst: str | os.PathLike[str], options: ConvertOptions) -> str | None:

@@ -21,6 +21,8 @@ With --tars N, SRC is N such images as WebDataset tars of 1 MB another tool coul
 (the .tar files of a local webdataset conversion, nothing else), converted bucket to bucket read
 in place and by the route that downloads them to the driver's scratch first: the time, the peak
 scratch, and the GET requests for the tars (the scan's, then the ranged reads of the tasks).
+With --tfrecords N, the same with TFRecord files of 1 MB (a local tfrecord conversion's
+.tfrecord files, without its manifest and .idx files).
 
 With --listing FOLDERSxPER (e.g. 8x2000; 0xN: N objects at the top level, a flat bucket), only
 the listing of a bucket image folder of that many tiny objects, taken as a conversion takes it
@@ -31,6 +33,7 @@ the driver's CPU and the workers' CPU.
     python scripts/bench_bucket.py [--counts 4000,16000,64000] [--executors local,ray]
     python scripts/bench_bucket.py --listing 8x2000
     python scripts/bench_bucket.py --tars 16000
+    python scripts/bench_bucket.py --tfrecords 16000
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ for name in ("LocalExecutor", "RayExecutor"):
     cls = getattr(executors, name)
     cls.tasks = counted(cls.tasks)
 src, dst, executor, parts, part = sys.argv[1:6]
-if sys.argv[6:] == ["download"]:  # the route bucket tars took before they were read in place
+if sys.argv[6:] == ["download"]:  # the route bucket tars and TFRecords took before
     import imgpack.pipeline as pipeline
     pipeline._in_place = lambda options: None
 start = time.perf_counter()
@@ -258,36 +261,38 @@ def listing_cpu(folders: int, per: int, rounds: int) -> dict[str, list[dict[str,
     return found
 
 
-def tars_in_place(data: str, count: int) -> dict[str, dict[str, float]]:
-    """Bucket tars of ``count`` images to a bucket ``webdataset``, read in place and
-    downloaded first (the local pool of 2 workers)."""
+def read_in_place(data: str, count: int, kind: str = "tars") -> dict[str, dict[str, float]]:
+    """Bucket WebDataset tars (``kind`` "tars") or TFRecord files ("tfrecords") of ``count``
+    images, 1 MB each, to a bucket ``webdataset``, read in place and downloaded first (the
+    local pool of 2 workers)."""
     from imgpack import convert
 
     print(f"machine: {machine()}")
     folder = make_png_folder(Path(data) / f"png32-{count}", count, 32, 10)
     log = Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log"
     found: dict[str, dict[str, float]] = {}
+    fmt, suffix = ("webdataset", ".tar") if kind == "tars" else ("tfrecord", ".tfrecord")
     with tempfile.TemporaryDirectory() as scratch, bucket(log):
-        convert(folder, Path(scratch) / "wds", "webdataset", shard_size="1MB", progress=False)
-        tars = sorted((Path(scratch) / "wds").glob("*.tar"))
+        convert(folder, Path(scratch) / "src", fmt, shard_size="1MB", progress=False)
+        files = sorted((Path(scratch) / "src").glob(f"*{suffix}"))  # (no manifest, no .idx)
         fs = fsspec.filesystem("s3")
-        for tar in tars:
-            fs.put_file(str(tar), f"bench/tars-{count}/{tar.name}")
-        source = sum(t.stat().st_size for t in tars)
+        for file in files:
+            fs.put_file(str(file), f"bench/{kind}-{count}/{file.name}")
+        source = sum(t.stat().st_size for t in files)
         for route in ("in place", "downloaded"):
             cache = Path(tempfile.mkdtemp(prefix="bench-cache-"))
             at = log.stat().st_size
-            dst = f"s3://bench/tars-out-{route.replace(' ', '-')}-{count}"
-            run = run_driver(f"s3://bench/tars-{count}", dst, cache, "local",
+            dst = f"s3://bench/{kind}-out-{route.replace(' ', '-')}-{count}"
+            run = run_driver(f"s3://bench/{kind}-{count}", dst, cache, "local",
                              download=route == "downloaded")  # fmt: skip
             shutil.rmtree(cache, ignore_errors=True)
-            requests = gets(log, f"tars-{count}", at)
+            requests = gets(log, f"{kind}-{count}", at)
             found[route] = {"total_s": run["total_s"], "plan_s": run["plan_s"],
                             "peak_scratch": float(run["scratch"]), "gets": float(requests),
-                            "source_bytes": float(source), "tars": float(len(tars))}  # fmt: skip
+                            "source_bytes": float(source), "files": float(len(files))}  # fmt: skip
             print(f"{route:10s}: {run['total_s']:.1f} s (plan ready {run['plan_s']:.1f} s), "
                   f"peak scratch {run['scratch'] / 2**20:.2f} MiB for {source / 2**20:.1f} MiB "
-                  f"of tars ({len(tars)}), {requests} GETs of them")  # fmt: skip
+                  f"of {kind} ({len(files)}), {requests} GETs of them")  # fmt: skip
     return found
 
 
@@ -316,6 +321,9 @@ def main() -> None:
     parser.add_argument("--listing", default=None, help="FOLDERSxPER: the listing alone")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --listing")
     parser.add_argument("--tars", type=int, default=None, help="N: SRC WebDataset tars of N images")
+    parser.add_argument(
+        "--tfrecords", type=int, default=None, help="N: SRC TFRecord files of N images"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.listing:
@@ -325,8 +333,10 @@ def main() -> None:
             args.json, {"machine": machine(), "listing": listing_cpu(folders, per, args.rounds)}
         )
         return
-    if args.tars:
-        save_json(args.json, {"machine": machine(), "tars": tars_in_place(args.data, args.tars)})
+    if args.tars or args.tfrecords:
+        kind = "tars" if args.tars else "tfrecords"
+        found = read_in_place(args.data, args.tars or args.tfrecords, kind)
+        save_json(args.json, {"machine": machine(), kind: found})
         return
     if args.planning:
         planned = [int(c) for c in args.planning.split(",")]

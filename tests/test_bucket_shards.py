@@ -965,3 +965,180 @@ def _noted(tops: list[listing.TopLevel]) -> Callable[[listing.TopLevel], bool]:
         return True
 
     return note
+
+
+def _foreign_records(root: Path) -> Path:
+    """Three TFRecord files another tool wrote: PNGs of varied sizes with their labels, class
+    texts and file names, and features beyond the image's (boxes, a source id, a count some
+    records lack) that become fields."""
+    from imgpack.formats.tfrecord import example, framing
+
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(12)
+    for number in range(3):
+        records = []
+        for k in range(7):
+            pixels = rng.integers(0, 256, size=(9 + k, 11 + number, 3), dtype=np.uint8)
+            label = (number + k) % 3
+            features: dict[str, object] = {
+                "image/encoded": [png_bytes(Image.fromarray(pixels))],
+                "image/format": [b"PNG"],
+                "image/class/label": [label],
+                "image/class/text": [f"class-{label}".encode()],
+                "image/filename": [f"shot-{number}-{k}.png".encode()],
+                "image/object/bbox/xmin": [float(np.float32(0.125 * j)) for j in range(k % 3)],
+                "image/source_id": [f"id-{number}-{k}".encode()],
+            }
+            if k % 2:
+                features["image/object/count"] = [k]
+            records.append(framing.frame(example.encode_example(features)))  # type: ignore[arg-type]
+        (root / f"part-{number}.tfrecord").write_bytes(b"".join(records))
+    return root
+
+
+def _same_dataset(ours: object, theirs: object) -> None:
+    """Two outputs (or readers) hold the same samples: paths, classes, labels, fields, pixels."""
+    a, b = ours, theirs
+    assert a.stored_paths() == b.stored_paths() and a.classes == b.classes  # type: ignore[attr-defined]
+    assert a.targets == b.targets and len(a) == len(b)  # type: ignore[attr-defined,arg-type]
+    for found in a.manifest.fields:  # type: ignore[attr-defined]
+        x, y = a.field(found.name), b.field(found.name)  # type: ignore[attr-defined]
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        else:
+            assert [v.tolist() if isinstance(v, torch.Tensor) else v for v in x] == [
+                v.tolist() if isinstance(v, torch.Tensor) else v for v in y
+            ]
+    assert _same_images(*(_read(ds)[0] for ds in (a, b)))
+
+
+def test_tfrecord_files_in_a_bucket_are_read_in_place(
+    s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket folder of TFRecord files is listed, not downloaded: each file is read through
+    once by its scan and its records by ranged GETs of the tasks converting them. The output
+    is the one the download route writes, byte for byte, its samples, labels, fields and
+    pixels those of the same files converted here; worker counts and parts write one output."""
+    import imgpack.pipeline as pipeline
+    import imgpack.sources.tfrecord.source as tf_source
+    from imgpack.readers import TFRecordDataset
+
+    files = _foreign_records(tmp_path / "files")
+    fs = fsspec.filesystem("s3")
+    fs.put(str(files), f"{BUCKET}/tf-src", recursive=True)
+    url = f"{s3}/tf-src"
+    args = ["--format", "pt", "--shard-size", "2KB", "--workers", "1", "-q"]
+    gets = _source_gets(monkeypatch, "tf-src")
+    result = CliRunner().invoke(main, ["convert", url, str(tmp_path / "here"), *args])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in files.glob("*.tfrecord"))
+    assert sorted(set(gets)) == names  # the files only, nothing downloaded by the driver
+    shards = len(open_dataset(tmp_path / "here").manifest.files)
+    assert shards > 3 and len(gets) <= len(names) + 2 * shards  # a scan each, a GET a stretch
+    monkeypatch.undo()
+    ours = open_dataset(tmp_path / "here")
+    assert len(ours) == 21 and [f.spec for f in ours.manifest.fields] == [
+        "image_object_bbox_xmin:float[]", "image_object_count:int?", "image_source_id:str",
+    ]  # fmt: skip
+    convert(files, tmp_path / "local", "pt", shard_size="2KB", progress=False)
+    _same_dataset(ours, open_dataset(tmp_path / "local"))
+    _same_dataset(ours, TFRecordDataset(str(files)))
+    # The download route (what converted bucket TFRecords before) writes the very same files.
+    monkeypatch.setattr(pipeline, "_in_place", lambda options: None)
+    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "downloaded"), *args])
+    assert done.exit_code == 0, done.output
+    monkeypatch.undo()
+    assert tree_hashes(tmp_path / "downloaded") == tree_hashes(tmp_path / "here")
+    # Scanned by the pool's tasks (2 workers), and in two parts: the one-run bytes.
+    two = [*args[:4], "--workers", "2", "-q"]
+    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "two"), *two])
+    assert done.exit_code == 0, done.output
+    assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "here")
+    parts = tmp_path / "parts"
+    for part in ("0", "1"):
+        done = CliRunner().invoke(main, ["convert", url, str(parts), *args, "--num-parts", "2",
+                                         "--part", part])  # fmt: skip
+        assert done.exit_code == 0, done.output
+    assert tree_hashes(parts) == tree_hashes(tmp_path / "here")
+    # A task's chunks read ahead, taken from memory by the next chunks, and reads that end
+    # inside a record, give the same output.
+    wide = [*args[:2], "--shard-size", "64KB", *args[4:]]
+    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "wide"), *wide])
+    assert done.exit_code == 0, done.output
+    for ahead in (1_000, 3_000, 1 << 20):
+        monkeypatch.setattr(direct, "FETCH_GROUP", 4)
+        monkeypatch.setattr(tf_source, "READ_AHEAD", ahead)
+        gets = _source_gets(monkeypatch, "tf-src")
+        cut = CliRunner().invoke(main, ["convert", url, str(tmp_path / f"cut{ahead}"), *wide])
+        assert cut.exit_code == 0, cut.output
+        monkeypatch.undo()
+        assert tree_hashes(tmp_path / f"cut{ahead}") == tree_hashes(tmp_path / "wide")
+        reads = len(gets) - len(names)  # beside the scan's
+        assert (reads < 21 / 4) if ahead > 1e5 else (reads > 21 / 4), (ahead, reads)
+
+
+def test_compressed_and_tensorflow_written_tfrecords_in_a_bucket(s3: str, tmp_path: Path) -> None:
+    """Files TensorFlow wrote, one of them GZIP-compressed (no random access: read as a stream
+    from its start by the task that needs its records), are read in place: each file's objects
+    GET by its scan and its tasks only, the samples in file order with the labels and pixels
+    that ``TFRecordStream`` reads from the same files here, and those of a local conversion of
+    them. A file replaced after the scan, or cut short, is named by its URL with nothing
+    committed."""
+    import shutil
+
+    import imgpack.sources.tfrecord.source as tf_source
+    from imgpack.readers import TFRecordStream
+
+    data = Path(__file__).parent / "data"
+    files = tmp_path / "tf"
+    files.mkdir()
+    for name in ("tensorflow-written-synthetic.tfrecord", "tensorflow-written-real.tfrecord",
+                 "tensorflow-written-synthetic.gz.tfrecord"):  # fmt: skip
+        shutil.copy(data / name, files / name)
+    fs = fsspec.filesystem("s3")
+    fs.put(str(files), f"{BUCKET}/tf-gz", recursive=True)
+    url = f"{s3}/tf-gz"
+    args = ["--format", "tfrecord", "--shard-size", "4KB", "--workers", "1", "-q"]
+    with pytest.MonkeyPatch.context() as patch:
+        gets = _source_gets(patch, "tf-gz")
+        patch.setattr(direct, "FETCH_GROUP", 2)
+        done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "here"), *args])
+        assert done.exit_code == 0, done.output
+    assert sorted(set(gets)) == sorted(p.name for p in files.iterdir())
+    ours = open_dataset(tmp_path / "here")
+    assert len(ours.manifest.files) > 2
+    stream = list(TFRecordStream(str(files)))
+    assert ours.targets == [int(label) for _, label in stream]
+    assert _same_images([ours[i][0] for i in range(len(ours))], [image for image, _ in stream])
+    again = convert(url, tmp_path / "again", "tfrecord", shard_size="4KB", workers=2,
+                    progress=False)  # fmt: skip
+    assert again.output_id == ours.manifest.output_id
+    assert tree_hashes(tmp_path / "again") == tree_hashes(tmp_path / "here")
+    # The same files converted here (the compressed one too, by the same reads): one dataset.
+    convert(files, tmp_path / "local", "tfrecord", shard_size="4KB", progress=False)
+    _same_dataset(open_dataset(tmp_path / "local"), ours)
+    # Replaced after the scan: named, nothing committed (a compressed file and a plain one).
+    real = tf_source.scan_record_files
+    for name in ("tensorflow-written-synthetic.gz.tfrecord", "tensorflow-written-real.tfrecord"):
+
+        def scanned_then_replaced(*a: object, name: str = name, **k: object) -> object:
+            found = real(*a, **k)  # type: ignore[arg-type]
+            fs.pipe(f"{BUCKET}/tf-gz/{name}", (files / name).read_bytes() + b"\0")
+            return found
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tf_source, "scan_record_files", scanned_then_replaced)
+            out = f"{s3}/tf-gz-out"
+            failed = CliRunner().invoke(main, ["convert", url, out, *args])
+        assert failed.exit_code == 1, failed.output
+        assert f"{name}: the object was replaced after this conversion listed it" in failed.output
+        assert "Traceback" not in failed.output
+        fs.invalidate_cache()
+        assert not fs.exists(f"{BUCKET}/tf-gz-out/imgpack.json")
+        fs.pipe(f"{BUCKET}/tf-gz/{name}", (files / name).read_bytes())
+    whole = (files / "tensorflow-written-real.tfrecord").read_bytes()
+    fs.pipe(f"{BUCKET}/tf-gz/tensorflow-written-real.tfrecord", whole[: len(whole) // 2])
+    cut = CliRunner().invoke(main, ["convert", url, str(tmp_path / "cut"), *args])
+    assert cut.exit_code != 0 and f"{url}/tensorflow-written-real.tfrecord" in cut.output
+    assert "truncated record" in cut.output and "Traceback" not in cut.output
+    assert not (tmp_path / "cut").exists()

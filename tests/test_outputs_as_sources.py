@@ -104,6 +104,44 @@ def test_foreign_tfrecords_are_a_source(tmp_path: Path) -> None:
     assert ds.manifest.source["converted_from"] == {"format": "tfrecord", "foreign": True}
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_compressed_tfrecords_are_a_source_and_a_changed_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """A GZIP-compressed TFRecord file converts (read as a stream from its start), with the
+    labels and pixels ``TFRecordStream`` reads; a file rewritten after the scan stops the run
+    naming the source, nothing published."""
+    import os
+
+    import imgpack.sources.tfrecord.source as tf_source
+    from imgpack.errors import DataError
+    from imgpack.readers import TFRecordStream
+
+    files = tmp_path / "tf"
+    files.mkdir()
+    for name in ("tensorflow-written-synthetic.gz.tfrecord", "tensorflow-written-real.tfrecord"):
+        shutil.copy(DATA / name, files / name)
+    out = convert(files, tmp_path / "out", "pt", shard_size="8KB", workers=workers,
+                  progress=False)  # fmt: skip
+    stream = list(TFRecordStream(str(files)))
+    ds = open_dataset(tmp_path / "out")
+    assert out.num_samples == len(stream) and ds.targets == [int(t) for _, t in stream]
+    assert all((ds[i][0] == image).all() for i, (image, _) in enumerate(stream))
+    real = tf_source.scan_record_files
+
+    def scanned_then_rewritten(*args: object, **kwargs: object) -> object:
+        found = real(*args, **kwargs)  # type: ignore[arg-type]
+        path = files / "tensorflow-written-real.tfrecord"
+        path.write_bytes(path.read_bytes())
+        os.utime(path, ns=(1, 1))
+        return found
+
+    monkeypatch.setattr(tf_source, "scan_record_files", scanned_then_rewritten)
+    with pytest.raises(DataError, match="the source changed after this conversion planned it"):
+        convert(files, tmp_path / "changed", "pt", workers=workers, progress=False)
+    assert not (tmp_path / "changed").exists()
+
+
 def test_a_damaged_source_record_is_named_or_skipped(
     originals: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -2,9 +2,9 @@
 
 An image folder in a bucket is listed, not downloaded (the workers GET each sample's object,
 :func:`source_folder` with ``listing_only``), as are a tree of images without labels, a folder
-a label list's rows name, and a folder of WebDataset tars (read by ranged GETs); other kinds
-(TFRecord files) are downloaded into a scratch folder first; an imgpack output is opened by the one route
-(:func:`imgpack.opening.open_output`, through the cache). Either way the scan's classes and
+a label list's rows name, a folder of WebDataset tars and a folder of TFRecord files (read by
+ranged GETs); other kinds are downloaded into a scratch folder first; an imgpack output is
+opened by the one route (:func:`imgpack.opening.open_output`, through the cache). Either way the scan's classes and
 order are those of a local copy of the same tree.
 
 A listing is taken once per conversion: the run that lists SRC saves the listing in DST's work
@@ -62,13 +62,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TopLevel:
     """What a bucket SRC holds at its top level, as one delimiter listing says: its folders,
-    and how many of its own objects are visible (not hidden) and how many of those are
-    ``.tar``; ``is_object``: SRC is one object, not a folder."""
+    and how many of its own objects are visible (not hidden), how many of those are ``.tar``
+    and how many TFRecord files (:data:`RECORD_SUFFIXES`); ``is_object``: SRC is one object,
+    not a folder."""
 
     folders: tuple[str, ...] = ()
     visible: int = 0
     tars: int = 0
     is_object: bool = False
+    records: int = 0
 
     @property
     def visible_folders(self) -> int:
@@ -164,7 +166,9 @@ def _list_top(
             shutil.rmtree(scratch / RANGE_PARTS, ignore_errors=True)
             folders = sorted({name for part in found for name in part.folders})
             visible, tars = sum(p.visible for p in found), sum(p.tars for p in found)
-            return TopLevel(tuple(folders), visible, tars), sum(p.shown for p in found)
+            records = sum(p.records for p in found)
+            top = TopLevel(tuple(folders), visible, tars, records=records)
+            return top, sum(p.shown for p in found)
     try:  # not S3, SRC one object, or nothing there: one ``ls``
         listed = fs.ls(root, detail=True)
     except FileNotFoundError as exc:
@@ -179,9 +183,13 @@ def _list_top(
         return TopLevel(tuple(folders), is_object=True), 0
     seen = [name for name in names if not name.startswith(".")]
     tars = sum(name.endswith(".tar") for name in seen)
-    return TopLevel(tuple(folders), len(seen), tars), _write_objects(out, root, files)
+    records = sum(name.endswith(RECORD_SUFFIXES) for name in seen)
+    top = TopLevel(tuple(folders), len(seen), tars, records=records)
+    return top, _write_objects(out, root, files)
 
 
+#: The names of TFRecord files (as a local folder's are taken: :mod:`imgpack.sources.tfrecord`).
+RECORD_SUFFIXES = (".tfrecord", ".tfrecords")
 #: LIST pages a task of the top level's listing asks before it hands the rest of its key range
 #: back (:func:`top_range`): the driver splits the rest, so that the workers list at once.
 RANGE_PAGES = 8
@@ -204,6 +212,7 @@ class TopRange:
     tars: int
     #: The last key listed when the range is not done (the rest starts after it), else None.
     rest: str | None
+    records: int = 0
 
 
 def top_range(
@@ -252,6 +261,7 @@ def top_range(
                 if not relative.startswith("."):
                     found.visible += 1
                     found.tars += relative.endswith(".tar")
+                    found.records += relative.endswith(RECORD_SUFFIXES)
             if not page.get("IsTruncated") or (limit is not None and last > limit):
                 return
             if pages and count >= pages:
@@ -601,8 +611,8 @@ def source_location(
 ) -> Iterator[Path]:
     """A local path holding the conversion source ``location``: an output in a bucket opened by
     the route (:func:`imgpack.opening.open_output`: fetched whole into the cache, checked), any
-    other URL (an image folder, TFRecord files) downloaded to a scratch folder, or only listed
-    there when ``listing_only`` says so (:func:`source_folder`).
+    other URL downloaded to a scratch folder, or only listed there when ``listing_only`` says
+    so (:func:`source_folder`).
 
     ``saved``: where a listing of this source may have been saved (DST's work folder, for a part
     or a resume of a conversion): when one of ``location`` is there, intact, it is taken instead

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from imgpack.errors import DataError
-from imgpack.fields import Field
 from imgpack.formats.batch import Images, label_tensor
 from imgpack.formats.dataset_base import (
     PreadDataset,
@@ -32,6 +31,7 @@ from imgpack.formats.tfrecord.layout import RawLayout, data_crcs_match
 from imgpack.formats.tfrecord.records import (
     Records,
     Source,
+    field_data,
     stored_image,
 )
 from imgpack.images import Encoded, Kind, stored_info
@@ -278,23 +278,9 @@ class TFRecordDataset(PreadDataset):
             return None
         values: dict[str, Any] = {}
         for found in self.manifest.fields:
-            data = self._field_data(found, features, where)
+            data = field_data(found, features, self.records.field_keys, where)
             values[found.name] = None if data is None else found.decode(data)
         return values
-
-    def _field_data(
-        self, found: Field, features: dict[str, example.FeatureValue], where: str
-    ) -> bytes | None:
-        """Field ``found``'s stored bytes from a record's features (a foreign file's under its
-        feature key, a list of texts as a JSON list)."""
-        key, text_list = self.records.field_keys.get(found.name, (found.name, False))
-        feature = features.get(key)
-        if text_list and feature is not None:
-            texts = [bytes(v).decode("utf-8") for v in feature]  # type: ignore[arg-type]
-            return found.encode(texts)
-        if feature is not None and not feature and found.type in ("int", "float", "str"):
-            feature = None  # an empty list: no value
-        return example.field_stored(found, feature, where)
 
     def _stored_fields(self, indices: np.ndarray) -> list[list[bytes | None]]:
         fields = self.manifest.fields
@@ -302,7 +288,7 @@ class TFRecordDataset(PreadDataset):
         for pos, frame, where in self._frames(indices):
             features = self.records.features(frame, where)
             for column, found in zip(out, fields, strict=True):
-                column[pos] = self._field_data(found, features, where)
+                column[pos] = field_data(found, features, self.records.field_keys, where)
         return out
 
     def _load_paths(self) -> list[str] | None:

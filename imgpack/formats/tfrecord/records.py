@@ -222,25 +222,13 @@ class Records:
     def _scan_foreign(self) -> tuple[Manifest, list[int], list[str] | None]:
         """One pass over foreign files: count records (compressed ones too), build the label map and
         collect the ``image/filename`` of every record (``None`` unless every record has one)."""
-        labels: list[int] = []
-        paths: list[str] | None = []
-        names: dict[int, str] = {}
-        others = ForeignFeatures()
+        scan = ForeignScan(self.label_offset)
         for shard in self.shards:
             count = 0
             with framing.open_records(shard.path) as fh:
                 for offset, data in framing.iter_frames(fh, str(shard.path), self.check_crc):
-                    features = parse(data, f"{shard.path} at offset {offset}")
-                    others.add(features)
-                    label = (
-                        record_label(features, f"{shard.path} at offset {offset}")
-                        - self.label_offset
-                    )
-                    labels.append(label)
-                    text = features.get("image/class/text")
-                    if text and isinstance(text[0], bytes):
-                        names.setdefault(label, text[0].decode("utf-8", "replace"))
-                    paths = collect_path(paths, features)
+                    where = f"{shard.path} at offset {offset}"
+                    scan.add(parse(data, where), where)
                     count += 1
             if shard.compressed:
                 shard.offsets = np.full(count, -1, np.int64)
@@ -249,23 +237,13 @@ class Records:
                 raise DataError(
                     f"{shard.path}: its .idx lists {len(shard)} records, the file holds {count}"
                 )
-        if not labels:
-            raise DataError(f"{self.shards[0].path}: no records")
-        if min(labels) < 0:
-            raise DataError(
-                f"label {min(labels)} is negative (is label_offset={self.label_offset} right?)"
-            )
-        if max(labels) >= MAX_CLASSES:
-            raise DataError(
-                f"{self.shards[0].path}: label {max(labels)} is beyond the {MAX_CLASSES:,} classes "
-                f"imgpack takes (is label_offset={self.label_offset} right?)"
-            )
-        classes = [names.get(i, str(i)) for i in range(max(labels) + 1)]
+        first = str(self.shards[0].path)
+        classes = scan.classes(first)
         files = [FileEntry(str(s.path), s.path.stat().st_size, len(s), "") for s in self.shards]
-        fields, self.field_keys = others.fields(len(labels), str(self.shards[0].path))
+        fields, self.field_keys = scan.fields(first)
         manifest = Manifest(
             format="tfrecord",
-            num_samples=len(labels),
+            num_samples=len(scan.labels),
             classes=classes,
             encoding="original",
             image={"height": None, "width": None, "channels": 3},
@@ -273,7 +251,7 @@ class Records:
             options={"label_offset": self.label_offset, "foreign": True},
             fields=fields,
         )
-        return manifest, labels, paths
+        return manifest, scan.labels, scan.paths
 
     @property
     def labels(self) -> list[int]:
@@ -545,6 +523,70 @@ class ForeignFeatures:
                 raise DataError(f"{where}: feature {key!r} cannot be a field: {exc}") from None
             keys[name] = (key, text_list)
         return fields, keys
+
+
+class ForeignScan:
+    """What the scan of foreign TFRecord files gathers, record after record in file order
+    (:meth:`add`): the labels (``label_offset`` taken off), the class names
+    (``image/class/text``), every record's ``image/filename`` (``None`` once one lacks it) and
+    the other features, which make the fields. Local files and files read in place in a bucket
+    (:mod:`imgpack.sources.tfrecord`) are scanned by it alike."""
+
+    def __init__(self, label_offset: int = 0) -> None:
+        self.label_offset = label_offset
+        self.labels: list[int] = []
+        self.paths: list[str] | None = []
+        self.names: dict[int, str] = {}
+        self.others = ForeignFeatures()
+
+    def add(self, features: dict[str, example.FeatureValue], where: str) -> None:
+        """Take one record's features (``where``: its file and offset, for errors)."""
+        self.others.add(features)
+        label = record_label(features, where) - self.label_offset
+        self.labels.append(label)
+        text = features.get("image/class/text")
+        if text and isinstance(text[0], bytes):
+            self.names.setdefault(label, text[0].decode("utf-8", "replace"))
+        self.paths = collect_path(self.paths, features)
+
+    def classes(self, where: str) -> list[str]:
+        """The label map (a label without a name is named by its number); the labels checked
+        (``where``: the first file)."""
+        labels = self.labels
+        if not labels:
+            raise DataError(f"{where}: no records")
+        if min(labels) < 0:
+            raise DataError(
+                f"label {min(labels)} is negative (is label_offset={self.label_offset} right?)"
+            )
+        if max(labels) >= MAX_CLASSES:
+            raise DataError(
+                f"{where}: label {max(labels)} is beyond the {MAX_CLASSES:,} classes "
+                f"imgpack takes (is label_offset={self.label_offset} right?)"
+            )
+        return [self.names.get(i, str(i)) for i in range(max(labels) + 1)]
+
+    def fields(self, where: str) -> tuple[list[Field], dict[str, tuple[str, bool]]]:
+        """:meth:`ForeignFeatures.fields` of every record taken."""
+        return self.others.fields(len(self.labels), where)
+
+
+def field_data(
+    found: Field,
+    features: dict[str, example.FeatureValue],
+    keys: dict[str, tuple[str, bool]],
+    where: str,
+) -> bytes | None:
+    """Field ``found``'s stored bytes from a record's features (a foreign file's under its
+    feature key in ``keys``, :meth:`ForeignFeatures.fields`; a list of texts as a JSON list)."""
+    key, text_list = keys.get(found.name, (found.name, False))
+    feature = features.get(key)
+    if text_list and feature is not None:
+        texts = [bytes(v).decode("utf-8") for v in feature]  # type: ignore[arg-type]
+        return found.encode(texts)
+    if feature is not None and not feature and found.type in ("int", "float", "str"):
+        feature = None  # an empty list: no value
+    return example.field_stored(found, feature, where)
 
 
 def parse(data: memoryview, where: str) -> dict[str, example.FeatureValue]:
