@@ -85,7 +85,7 @@ class TFRecordSource(Source):
         TFRecordDataset` reads of the files (:class:`Scanned`, through the same
         :func:`~imgpack.sources.output.source.scan_reader`), each sample's index its place in
         the files read one after the other (:class:`RecordRangeFetcher`)."""
-        url, options, files = self._files()
+        url, options, files = self._located
         self._identity = "" if url else files_identity([Path(f[0]) for f in files])
         scanned = Scanned.of(url, files, scan_record_files(url, options, files, request.runner))
         scan = scan_reader(self.src, scanned, request, scanned.origin)
@@ -94,7 +94,8 @@ class TFRecordSource(Source):
         self._places = scanned.files
         return scan
 
-    def _files(self) -> tuple[str, str, list[tuple[str, int, str]]]:
+    @functools.cached_property
+    def _located(self) -> tuple[str, str, list[tuple[str, int, str]]]:
         """Where the files are (a bucket folder's URL, ``""`` for local files), the storage
         options as JSON, and ``(name, size, etag)`` of each file in order (a local file's
         name: its path)."""
@@ -110,7 +111,7 @@ class TFRecordSource(Source):
         return getattr(self, "_identity", "")
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
-        url, options, _ = self._files()
+        url, options, _ = self._located
         places = getattr(self, "_places", ())
         return RecordRangeFetcher(url, options, run, places, self.identity(scan))
 
@@ -147,7 +148,7 @@ class Record(NamedTuple):
     framed: int
     #: Its ``image/encoded`` bytes (``-1``: none).
     payload: int
-    #: Its other features (what :class:`~imgpack.formats.tfrecord.records.ForeignScan` takes).
+    #: What :class:`~imgpack.formats.tfrecord.records.ForeignScan` takes of its features.
     features: dict[str, Any]
 
     @property
@@ -188,7 +189,7 @@ def scan_record_file(item: tuple[str, str, str]) -> FileScan:
     """A task: the records of one file (``(folder URL, storage options as JSON, file name)``,
     :func:`scan_record_files`), read through as a stream, every frame's CRCs checked."""
     from imgpack.formats.tfrecord import framing
-    from imgpack.formats.tfrecord.records import parse
+    from imgpack.formats.tfrecord.records import IMAGE_FEATURES, parse
 
     url, options, name = item
     where = _where(url, name)
@@ -199,9 +200,12 @@ def scan_record_file(item: tuple[str, str, str]) -> FileScan:
             raw.seek(0)
             stream = framing.open_stream(raw, kind)
             for offset, data in framing.iter_frames(stream, where):
-                features = dict(parse(data, f"{where} at offset {offset}"))
-                encoded = features.pop("image/encoded", None)
+                features = parse(data, f"{where} at offset {offset}")
+                encoded = features.get("image/encoded")
                 payload = len(encoded[0]) if encoded and isinstance(encoded[0], bytes) else -1
+                features = {
+                    k: v for k, v in features.items() if k in _SCANNED or k not in IMAGE_FEATURES
+                }
                 framed = framing.HEADER_SIZE + len(data) + framing.FOOTER_SIZE
                 records.append(Record(offset, framed, payload, features))
     except OSError as exc:
@@ -209,6 +213,11 @@ def scan_record_file(item: tuple[str, str, str]) -> FileScan:
     except DataError as exc:
         raise ScanError(str(exc)) from None
     return FileScan(kind or "", records)
+
+
+#: The image features the scan takes (:class:`~imgpack.formats.tfrecord.records.ForeignScan`):
+#: a record's others are its fields, and the rest is the image, read by the shard task.
+_SCANNED = frozenset({"image/class/label", "image/class/text", "image/filename"})
 
 
 def _where(url: str, name: str) -> str:
