@@ -817,9 +817,9 @@ def _in_place(options: ConvertOptions) -> Callable[[TopLevel], bool] | None:
     for, or the one detection picks when no visible object sits at SRC's top level (every other
     built-in kind needs a file there) and no plugin adds a kind that could claim it; for
     WebDataset tars: a folder of ``.tar`` objects and nothing else visible (read by ranged
-    GETs); for TFRecord files, a folder of them and nothing else visible (the same); for
-    ``--no-labels``, a tree of images or such tars; and for ``--labels FILE``, the folder its
-    rows' paths are relative to."""
+    GETs); for TFRecord files, a folder of them and nothing else visible but their ``.idx``
+    files (the same); for ``--no-labels``, a tree of images or such tars; and for ``--labels
+    FILE``, the folder its rows' paths are relative to."""
     if options.source == sources.FALLBACK:
         return lambda top: True
     if options.source in ("unlabelled", "labels") and (
@@ -845,7 +845,7 @@ def _only_tars(top: TopLevel) -> bool:
 
 def _only_records(top: TopLevel) -> bool:
     """Whether a bucket SRC's top level is TFRecord files read in place: ``.tfrecord`` (or
-    ``.tfrecords``) objects and nothing else visible."""
+    ``.tfrecords``) objects and nothing else visible but their ``.idx`` index files."""
     return not top.visible_folders and top.visible > 0 and top.records == top.visible
 
 

@@ -970,7 +970,7 @@ def _noted(tops: list[listing.TopLevel]) -> Callable[[listing.TopLevel], bool]:
 def _foreign_records(root: Path) -> Path:
     """Three TFRecord files another tool wrote: PNGs of varied sizes with their labels, class
     texts and file names, and features beyond the image's (boxes, a source id, a count some
-    records lack) that become fields."""
+    records lack) that become fields; the first with the ``.idx`` file DALI reads beside it."""
     from imgpack.formats.tfrecord import example, framing
 
     root.mkdir(parents=True)
@@ -993,6 +993,8 @@ def _foreign_records(root: Path) -> Path:
                 features["image/object/count"] = [k]
             records.append(framing.frame(example.encode_example(features)))  # type: ignore[arg-type]
         (root / f"part-{number}.tfrecord").write_bytes(b"".join(records))
+    path = root / "part-0.tfrecord"
+    framing.write_index(path, framing.build_index(path))
     return root
 
 

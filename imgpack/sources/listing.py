@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 class TopLevel:
     """What a bucket SRC holds at its top level, as one delimiter listing says: its folders,
     and how many of its own objects are visible (not hidden), how many of those are ``.tar``
-    and how many TFRecord files (:data:`RECORD_SUFFIXES`); ``is_object``: SRC is one object,
-    not a folder."""
+    and how many TFRecord files or their index files (:data:`RECORD_SUFFIXES`); ``is_object``:
+    SRC is one object, not a folder."""
 
     folders: tuple[str, ...] = ()
     visible: int = 0
@@ -188,8 +188,10 @@ def _list_top(
     return top, _write_objects(out, root, files)
 
 
-#: The names of TFRecord files (as a local folder's are taken: :mod:`imgpack.sources.tfrecord`).
-RECORD_SUFFIXES = (".tfrecord", ".tfrecords")
+#: The names of TFRecord files (as a local folder's are taken: :mod:`imgpack.sources.tfrecord`),
+#: and of the index files DALI reads beside them (a conversion reads the files through and
+#: takes no index).
+RECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".idx")
 #: LIST pages a task of the top level's listing asks before it hands the rest of its key range
 #: back (:func:`top_range`): the driver splits the rest, so that the workers list at once.
 RANGE_PAGES = 8

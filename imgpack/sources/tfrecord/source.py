@@ -127,8 +127,9 @@ READ_AHEAD = 8 << 20
 
 def listed_records(folder: Path) -> list[tuple[str, int, str]]:
     """``(name, size, etag)`` of the TFRecord objects a bucket listing holds at SRC's top, by
-    name, when that is all it holds (no folder, no other visible object): files read in place;
-    else ``[]``. Hidden ones count as a local folder's do (by their suffix)."""
+    name, when that is all it holds (no folder, no other visible object but their ``.idx``
+    index files): files read in place; else ``[]``. Hidden ones count as a local folder's do
+    (by their suffix)."""
     index = listing.store_folders(folder) or {}
     if any(name for name in index) or "" not in index:
         return []
@@ -136,7 +137,7 @@ def listed_records(folder: Path) -> list[tuple[str, int, str]]:
     visible = [o for o in objects if not o[0].startswith(".")]
     if not visible or any(not name.endswith(listing.RECORD_SUFFIXES) for name, _, _ in visible):
         return []
-    return [o for o in objects if Path(o[0]).suffix in listing.RECORD_SUFFIXES]
+    return [o for o in objects if Path(o[0]).suffix in (".tfrecord", ".tfrecords")]
 
 
 class Record(NamedTuple):
