@@ -39,7 +39,7 @@ from imgpack.fields import Field, sample_values
 from imgpack.images import Encoded, Encoding, ImagePolicy
 from imgpack.scan import Sample
 from imgpack.stored import measure
-from imgpack.system import usable_cpus
+from imgpack.system import TaskDied, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,6 @@ class Executor(Protocol):
     def outcomes(self, job: Job, samples: Sequence[Sample]) -> Generator[Outcome, None, None]:
         """One outcome per sample of ``samples``, in that order."""
         ...
-
-
-@dataclass(frozen=True)
-class TaskDied:
-    """What :meth:`LocalExecutor.tasks` gives for a task whose worker died on every try (killed
-    by a signal: a decoder's crash, the OOM killer), alone in its process."""
 
 
 class TaskExecutor(Executor, Protocol):

@@ -6,8 +6,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from imgpack.errors import ScanError
 
 T = TypeVar("T")
 
@@ -74,6 +77,32 @@ def lends_tasks(executor: Any) -> bool:
     (``TaskExecutor``) on workers that are there, not a local Ray it would start and stop for
     a few seconds of listing."""
     return hasattr(executor, "tasks") and not getattr(executor, "starts_ray", False)
+
+
+@dataclass(frozen=True)
+class TaskDied:
+    """What an executor's ``tasks`` (:mod:`imgpack.executors`) gives for a task whose worker
+    died on every try (killed by a signal: a decoder's crash, the OOM killer), alone in its
+    process."""
+
+
+def each_task(
+    runner: Any,
+    function: Callable[[Any], Any],
+    items: Iterable[Any],
+    died: Callable[[Any], tuple[str, str]],
+    error: type[Exception] = ScanError,
+) -> Iterator[tuple[Any, Any]]:
+    """``runner.tasks(function, items)``: ``(item, result)`` in the items' order, a task whose
+    worker died on every try raised as ``error``, in the words ``died(item)`` gives: what the
+    task was about and what its worker did (``("s3://b/x.tar", "reading it")``)."""
+    for item, result in runner.tasks(function, items):
+        if isinstance(result, TaskDied):
+            what, doing = died(item)
+            raise error(
+                f"{what}: the worker {doing} died on every try (out of memory? try fewer --workers)"
+            )
+        yield item, result
 
 
 def copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:

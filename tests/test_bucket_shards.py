@@ -780,7 +780,6 @@ def test_webdataset_tars_in_a_bucket_are_read_in_place(
     The output is the one the download route writes, byte for byte (one plan, one output),
     its samples, labels, captions and pixels those of the same tars converted here; two parts
     write the one-run bytes."""
-    import imgpack.pipeline as pipeline
 
     tars = _foreign_tars(tmp_path / "tars")
     fs = fsspec.filesystem("s3")
@@ -802,41 +801,61 @@ def test_webdataset_tars_in_a_bucket_are_read_in_place(
     assert ours.classes == theirs.classes and ours.targets == theirs.targets
     assert ours.field("txt") == theirs.field("txt")
     assert _same_images(*(_read(ds)[0] for ds in (ours, theirs)))
-    # The download route (what converted bucket tars before) writes the very same files.
-    monkeypatch.setattr(pipeline, "_in_place", lambda options: None)
-    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "downloaded"), *args])
-    assert done.exit_code == 0, done.output
-    monkeypatch.undo()
-    assert tree_hashes(tmp_path / "downloaded") == tree_hashes(tmp_path / "here")
-    parts = tmp_path / "parts"
-    for part in ("0", "1"):
-        done = CliRunner().invoke(main, ["convert", url, str(parts), *args, "--num-parts", "2",
-                                         "--part", part])  # fmt: skip
-        assert done.exit_code == 0, done.output
-    assert tree_hashes(parts) == tree_hashes(tmp_path / "here")
-    # A task's chunks read ahead, taken from memory by the next chunks, and reads that end
-    # inside a member, give the same output.
+    # The download route (what converted bucket tars before) writes the very same files, as
+    # do two parts, and reads ahead of 5,000, 20,000 (ending inside a member: the next chunk
+    # that needs it reads it again) and 1 MiB bytes.
     import imgpack.sources.webdataset.source as wds_source
 
-    wide = [*args[:2], "--shard-size", "64KB", *args[4:]]
-    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "wide"), *wide])
-    assert done.exit_code == 0, done.output
-    for ahead in (5_000, 20_000, 1 << 20):
-        monkeypatch.setattr(direct, "FETCH_GROUP", 4)
-        monkeypatch.setattr(wds_source, "READ_AHEAD", ahead)
-        gets = _source_gets(monkeypatch, "wds-src")
-        cut = CliRunner().invoke(main, ["convert", url, str(tmp_path / f"cut{ahead}"), *wide])
-        assert cut.exit_code == 0, cut.output
-        monkeypatch.undo()
-        assert tree_hashes(tmp_path / f"cut{ahead}") == tree_hashes(tmp_path / "wide")
-        reads = len(gets) - len(names)  # beside the scan's
-        assert (reads < 21 / 4) if ahead > 1e5 else (reads > 21 / 4), (ahead, reads)
-        # (20,000 bytes end inside a member: the next chunk that needs it reads it again)
+    _same_output_every_way(url, tmp_path, args, monkeypatch, wds_source, (5_000, 20_000, 1 << 20))
     # --no-labels over the same bucket: in place too, the captions kept, label -1.
     unlabelled = convert(url, tmp_path / "unlabelled", "pt", no_labels=True, fields=("txt",),
                          progress=False)  # fmt: skip
     assert unlabelled.num_samples == 21
     assert open_dataset(tmp_path / "unlabelled").field("txt") == theirs.field("txt")
+
+
+def _same_output_every_way(
+    url: str,
+    tmp_path: Path,
+    args: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    source: object,
+    aheads: tuple[int, ...],
+) -> None:
+    """What ``args`` converted from the bucket folder ``url`` into ``tmp_path / "here"`` (21
+    samples) is written byte for byte by the download route, by two parts, and with a shard
+    task's reads ahead of each of ``aheads`` bytes (the ``source`` module's ``READ_AHEAD``,
+    four samples a chunk) into 64 KB shards, the next chunks taking theirs from memory: a large
+    read ahead makes fewer GETs than chunks, a small one more."""
+    import imgpack.pipeline as pipeline
+
+    here = tree_hashes(tmp_path / "here")
+    monkeypatch.setattr(pipeline, "_in_place", lambda options: None)
+    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "downloaded"), *args])
+    assert done.exit_code == 0, done.output
+    monkeypatch.undo()
+    assert tree_hashes(tmp_path / "downloaded") == here
+    parts = tmp_path / "parts"
+    for part in ("0", "1"):
+        done = CliRunner().invoke(main, ["convert", url, str(parts), *args, "--num-parts", "2",
+                                         "--part", part])  # fmt: skip
+        assert done.exit_code == 0, done.output
+    assert tree_hashes(parts) == here
+    wide = [*args[:2], "--shard-size", "64KB", *args[4:]]
+    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "wide"), *wide])
+    assert done.exit_code == 0, done.output
+    prefix = url.rsplit("/", 1)[1]
+    scans = sum(key.endswith((".tar", ".tfrecord")) for key in _bucket(url))
+    for ahead in aheads:
+        monkeypatch.setattr(direct, "FETCH_GROUP", 4)
+        monkeypatch.setattr(source, "READ_AHEAD", ahead)
+        gets = _source_gets(monkeypatch, prefix)
+        cut = CliRunner().invoke(main, ["convert", url, str(tmp_path / f"cut{ahead}"), *wide])
+        assert cut.exit_code == 0, cut.output
+        monkeypatch.undo()
+        assert tree_hashes(tmp_path / f"cut{ahead}") == tree_hashes(tmp_path / "wide")
+        reads = len(gets) - scans  # beside the scans'
+        assert (reads < 21 / 4) if ahead > 1e5 else (reads > 21 / 4), (ahead, reads)
 
 
 def test_a_bucket_tar_replaced_or_truncated_is_named(s3: str, tmp_path: Path) -> None:
@@ -1021,7 +1040,6 @@ def test_tfrecord_files_in_a_bucket_are_read_in_place(
     once by its scan and its records by ranged GETs of the tasks converting them. The output
     is the one the download route writes, byte for byte, its samples, labels, fields and
     pixels those of the same files converted here; worker counts and parts write one output."""
-    import imgpack.pipeline as pipeline
     import imgpack.sources.tfrecord.source as tf_source
     from imgpack.readers import TFRecordDataset
 
@@ -1045,38 +1063,14 @@ def test_tfrecord_files_in_a_bucket_are_read_in_place(
     convert(files, tmp_path / "local", "pt", shard_size="2KB", progress=False)
     _same_dataset(ours, open_dataset(tmp_path / "local"))
     _same_dataset(ours, TFRecordDataset(str(files)))
-    # The download route (what converted bucket TFRecords before) writes the very same files.
-    monkeypatch.setattr(pipeline, "_in_place", lambda options: None)
-    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "downloaded"), *args])
-    assert done.exit_code == 0, done.output
-    monkeypatch.undo()
-    assert tree_hashes(tmp_path / "downloaded") == tree_hashes(tmp_path / "here")
-    # Scanned by the pool's tasks (2 workers), and in two parts: the one-run bytes.
+    # Scanned by the pool's tasks (2 workers): the one-run bytes.
     two = [*args[:4], "--workers", "2", "-q"]
     done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "two"), *two])
     assert done.exit_code == 0, done.output
     assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "here")
-    parts = tmp_path / "parts"
-    for part in ("0", "1"):
-        done = CliRunner().invoke(main, ["convert", url, str(parts), *args, "--num-parts", "2",
-                                         "--part", part])  # fmt: skip
-        assert done.exit_code == 0, done.output
-    assert tree_hashes(parts) == tree_hashes(tmp_path / "here")
-    # A task's chunks read ahead, taken from memory by the next chunks, and reads that end
-    # inside a record, give the same output.
-    wide = [*args[:2], "--shard-size", "64KB", *args[4:]]
-    done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "wide"), *wide])
-    assert done.exit_code == 0, done.output
-    for ahead in (1_000, 3_000, 1 << 20):
-        monkeypatch.setattr(direct, "FETCH_GROUP", 4)
-        monkeypatch.setattr(tf_source, "READ_AHEAD", ahead)
-        gets = _source_gets(monkeypatch, "tf-src")
-        cut = CliRunner().invoke(main, ["convert", url, str(tmp_path / f"cut{ahead}"), *wide])
-        assert cut.exit_code == 0, cut.output
-        monkeypatch.undo()
-        assert tree_hashes(tmp_path / f"cut{ahead}") == tree_hashes(tmp_path / "wide")
-        reads = len(gets) - len(names)  # beside the scan's
-        assert (reads < 21 / 4) if ahead > 1e5 else (reads > 21 / 4), (ahead, reads)
+    # The download route (what converted bucket TFRecords before) writes the very same files,
+    # as do two parts, and reads ahead that end inside a record.
+    _same_output_every_way(url, tmp_path, args, monkeypatch, tf_source, (1_000, 3_000, 1 << 20))
 
 
 def test_compressed_and_tensorflow_written_tfrecords_in_a_bucket(s3: str, tmp_path: Path) -> None:

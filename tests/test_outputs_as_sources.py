@@ -142,6 +142,41 @@ def test_compressed_tfrecords_are_a_source_and_a_changed_file_is_refused(
     assert not (tmp_path / "changed").exists()
 
 
+def _scan_killing(item: tuple[str, str, str]) -> object:
+    """A TFRecord scan task that kills its worker on the file ``*real.tfrecord`` (as a
+    decoder's crash or the OOM killer would), and scans the others."""
+    import os
+    import signal
+
+    from imgpack.sources.tfrecord.source import FileScan
+
+    if item[2].endswith("real.tfrecord"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return FileScan("", [])
+
+
+def test_a_scan_task_whose_worker_dies_names_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file whose scan kills its worker on every try stops the run in one line naming it and
+    what the worker did, nothing published."""
+    import imgpack.sources.tfrecord.source as tf_source
+
+    files = tmp_path / "tf"
+    files.mkdir()
+    for name in ("tensorflow-written-synthetic.tfrecord", "tensorflow-written-real.tfrecord"):
+        shutil.copy(DATA / name, files / name)
+    monkeypatch.setattr(tf_source, "scan_record_file", _scan_killing)
+    result = CliRunner().invoke(main, ["convert", str(files), str(tmp_path / "out"), "-q",
+                                       "--format", "pt", "--workers", "2"])  # fmt: skip
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert (
+        f"{files / 'tensorflow-written-real.tfrecord'}: the worker reading it died on every try "
+        "(out of memory? try fewer --workers)"
+    ) in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_damaged_source_record_is_named_or_skipped(
     originals: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -54,7 +54,7 @@ from imgpack.storage.location import (
     no_bucket,
     remote_error,
 )
-from imgpack.system import lends_tasks
+from imgpack.system import each_task, lends_tasks
 
 log = logging.getLogger(__name__)
 
@@ -291,10 +291,10 @@ def _top_in_tasks(runner: Any, url: str, options: str, after: str, scratch: Path
     while pending:
         items = [(url, options, low, high, RANGE_PAGES) for low, high in pending]
         pending = []
-        for (_, _, low, high, _), result in runner.tasks(top_range, items):
-            if not isinstance(result, TopRange):  # its worker died on every try
-                raise ScanError(f"{url}: the worker listing its keys after {low!r} died on every "
-                                "try (out of memory? try fewer --workers)")  # fmt: skip
+        tasks = each_task(
+            runner, top_range, items, lambda i: (url, f"listing its keys after {i[2]!r}")
+        )
+        for (_, _, low, high, _), result in tasks:
             held = parts / f"{len(done)}.jsonl"
             held.write_bytes(result.lines if isinstance(result.lines, bytes) else b"")
             result.lines = held
@@ -440,12 +440,9 @@ def _task_lister(
 
     def listed(names: list[str]) -> Iterator[tuple[str, BinaryIO, int]]:
         items = ((url, options, name) for name in names)
-        for (_, _, name), result in runner.tasks(folder_lines, items):
-            if not isinstance(result, tuple):  # its worker died on every try
-                raise ScanError(
-                    f"{url}/{name}/: the worker listing it died on every try (out of memory? "
-                    "try fewer --workers)"
-                )
+        for (_, _, name), result in each_task(
+            runner, folder_lines, items, lambda item: (f"{url}/{item[2]}/", "listing it")
+        ):
             yield name, io.BytesIO(result[0]), result[1]
 
     return listed

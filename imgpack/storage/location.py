@@ -28,7 +28,7 @@ from imgpack.errors import (
     first_line,
 )
 from imgpack.manifest import MANIFEST_NAME, Manifest
-from imgpack.system import lends_tasks
+from imgpack.system import each_task, lends_tasks
 
 log = logging.getLogger(__name__)
 
@@ -250,12 +250,12 @@ def object_sizes_in_tasks(urls: Sequence[str], runner: Any = None) -> list[int]:
         return object_sizes(urls)
     found = [-1] * len(urls)
     items = ([urls[k] for k in group] for group in groups)
-    for group, (asked, sizes) in zip(groups, runner.tasks(object_sizes, items), strict=True):
-        if not isinstance(sizes, list):  # its worker died on every try
-            raise StorageError(
-                f"{asked[0]} and {len(asked) - 1} other object(s): the worker asking their sizes "
-                "died on every try (out of memory? try fewer --workers)"
-            )
+
+    def died(asked: list[str]) -> tuple[str, str]:
+        return f"{asked[0]} and {len(asked) - 1} other object(s)", "asking their sizes"
+
+    tasks = each_task(runner, object_sizes, items, died, StorageError)
+    for group, (_, sizes) in zip(groups, tasks, strict=True):
         for k, size in zip(group, sizes, strict=True):
             found[k] = size
     return found

@@ -41,7 +41,7 @@ from imgpack.sources.base import (
 )
 from imgpack.sources.output.source import scan_reader
 from imgpack.storage.location import TRANSFERS, filesystem, read_objects
-from imgpack.system import lends_tasks
+from imgpack.system import each_task, lends_tasks
 
 
 def tfrecord_files(src: str | os.PathLike[str]) -> list[Path] | None:
@@ -175,13 +175,10 @@ def scan_record_files(
     here on a few threads."""
     items = [(url, options, name) for name, _, _ in files]
     if len(items) > 1 and lends_tasks(runner):
-        found: list[FileScan] = []
-        for item, result in runner.tasks(scan_record_file, items):
-            if not isinstance(result, FileScan):  # its worker died on every try
-                raise ScanError(f"{_where(url, item[2])}: the worker reading it died on every "
-                                "try (out of memory? try fewer --workers)")  # fmt: skip
-            found.append(result)
-        return found
+        tasks = each_task(
+            runner, scan_record_file, items, lambda item: (_where(url, item[2]), "reading it")
+        )
+        return [result for _, result in tasks]
     with ThreadPoolExecutor(min(TRANSFERS, max(1, len(items)))) as pool:
         return list(pool.map(scan_record_file, items))
 

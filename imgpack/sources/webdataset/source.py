@@ -48,7 +48,7 @@ from imgpack.sources.base import (
     opened,
 )
 from imgpack.storage.location import TRANSFERS, filesystem, read_objects
-from imgpack.system import lends_tasks
+from imgpack.system import each_task, lends_tasks
 
 #: Member extensions (lower case) taken for a sample's image.
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm")
@@ -429,13 +429,8 @@ def scan_tars(
     items = [(url, json.dumps(options, sort_keys=True), name, size, labelled)
              for name, size, _ in tars]  # fmt: skip
     if len(items) > 1 and lends_tasks(runner):
-        found: list[list[Found]] = []
-        for item, result in runner.tasks(scan_tar, items):
-            if not isinstance(result, list):  # its worker died on every try
-                raise ScanError(f"{url}/{item[2]}: the worker reading it died on every try "
-                                "(out of memory? try fewer --workers)")  # fmt: skip
-            found.append(result)
-        return found
+        tasks = each_task(runner, scan_tar, items, lambda item: (f"{url}/{item[2]}", "reading it"))
+        return [result for _, result in tasks]
     with ThreadPoolExecutor(min(TRANSFERS, max(1, len(items)))) as pool:
         return list(pool.map(scan_tar, items))
 
