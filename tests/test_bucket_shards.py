@@ -782,18 +782,7 @@ def test_webdataset_tars_in_a_bucket_are_read_in_place(
     write the one-run bytes."""
 
     tars = _foreign_tars(tmp_path / "tars")
-    fs = fsspec.filesystem("s3")
-    fs.put(str(tars), f"{BUCKET}/wds-src", recursive=True)
-    url = f"{s3}/wds-src"
-    args = ["--format", "pt", "--shard-size", "2KB", "--workers", "1", "-q"]
-    gets = _source_gets(monkeypatch, "wds-src")
-    result = CliRunner().invoke(main, ["convert", url, str(tmp_path / "here"), *args])
-    assert result.exit_code == 0, result.output
-    names = sorted(p.name for p in tars.glob("*.tar"))
-    assert sorted(set(gets)) == names  # the tars only, nothing downloaded by the driver
-    shards = len(open_dataset(tmp_path / "here").manifest.files)
-    assert shards > 3 and len(gets) <= len(names) + 2 * shards  # a scan each, a GET a stretch
-    monkeypatch.undo()
+    url, args = _converted_in_place(tars, "wds-src", ".tar", s3, tmp_path, monkeypatch)
     local = tmp_path / "local"
     convert(tars, local, "pt", shard_size="2KB", progress=False)
     ours, theirs = open_dataset(tmp_path / "here"), open_dataset(local)
@@ -812,6 +801,32 @@ def test_webdataset_tars_in_a_bucket_are_read_in_place(
                          progress=False)  # fmt: skip
     assert unlabelled.num_samples == 21
     assert open_dataset(tmp_path / "unlabelled").field("txt") == theirs.field("txt")
+
+
+def _converted_in_place(
+    folder: Path,
+    prefix: str,
+    suffix: str,
+    s3: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[str, list[str]]:
+    """``folder`` put in the bucket under ``prefix`` and converted from there to ``pt`` at 2 KB
+    a shard into ``tmp_path / "here"``: only its ``suffix`` files are GET, each by its scan and
+    then once or twice a shard (a ranged GET a stretch), and the driver downloads nothing. The
+    folder's URL and the arguments."""
+    fsspec.filesystem("s3").put(str(folder), f"{BUCKET}/{prefix}", recursive=True)
+    url = f"{s3}/{prefix}"
+    args = ["--format", "pt", "--shard-size", "2KB", "--workers", "1", "-q"]
+    gets = _source_gets(monkeypatch, prefix)
+    result = CliRunner().invoke(main, ["convert", url, str(tmp_path / "here"), *args])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in folder.glob(f"*{suffix}"))
+    assert sorted(set(gets)) == names  # those files only, nothing downloaded by the driver
+    shards = len(open_dataset(tmp_path / "here").manifest.files)
+    assert shards > 3 and len(gets) <= len(names) + 2 * shards  # a scan each, a GET a stretch
+    monkeypatch.undo()
+    return url, args
 
 
 def _same_output_every_way(
@@ -1044,18 +1059,7 @@ def test_tfrecord_files_in_a_bucket_are_read_in_place(
     from imgpack.readers import TFRecordDataset
 
     files = _foreign_records(tmp_path / "files")
-    fs = fsspec.filesystem("s3")
-    fs.put(str(files), f"{BUCKET}/tf-src", recursive=True)
-    url = f"{s3}/tf-src"
-    args = ["--format", "pt", "--shard-size", "2KB", "--workers", "1", "-q"]
-    gets = _source_gets(monkeypatch, "tf-src")
-    result = CliRunner().invoke(main, ["convert", url, str(tmp_path / "here"), *args])
-    assert result.exit_code == 0, result.output
-    names = sorted(p.name for p in files.glob("*.tfrecord"))
-    assert sorted(set(gets)) == names  # the files only, nothing downloaded by the driver
-    shards = len(open_dataset(tmp_path / "here").manifest.files)
-    assert shards > 3 and len(gets) <= len(names) + 2 * shards  # a scan each, a GET a stretch
-    monkeypatch.undo()
+    url, args = _converted_in_place(files, "tf-src", ".tfrecord", s3, tmp_path, monkeypatch)
     ours = open_dataset(tmp_path / "here")
     assert len(ours) == 21 and [f.spec for f in ours.manifest.fields] == [
         "image_object_bbox_xmin:float[]", "image_object_count:int?", "image_source_id:str",
