@@ -22,7 +22,8 @@ With --tars N, SRC is N such images as WebDataset tars of 1 MB another tool coul
 in place and by the route that downloads them to the driver's scratch first: the time, the peak
 scratch, and the GET requests for the tars (the scan's, then the ranged reads of the tasks).
 With --tfrecords N, the same with TFRecord files of 1 MB (a local tfrecord conversion's
-.tfrecord files, without its manifest and .idx files).
+.tfrecord files, without its manifest and .idx files). --shard-size sets the output's shards
+(256 KB by default: many shard tasks, each a GET or two).
 
 With --listing FOLDERSxPER (e.g. 8x2000; 0xN: N objects at the top level, a flat bucket), only
 the listing of a bucket image folder of that many tiny objects, taken as a conversion takes it
@@ -81,12 +82,12 @@ def counted(real):
 for name in ("LocalExecutor", "RayExecutor"):
     cls = getattr(executors, name)
     cls.tasks = counted(cls.tasks)
-src, dst, executor, parts, part = sys.argv[1:6]
-if sys.argv[6:] == ["download"]:  # the route bucket tars and TFRecords took before
+src, dst, executor, parts, part, shard_size = sys.argv[1:7]
+if sys.argv[7:] == ["download"]:  # the route bucket tars and TFRecords took before
     import imgpack.pipeline as pipeline
     pipeline._in_place = lambda options: None
 start = time.perf_counter()
-manifest = convert(src, dst, "webdataset", workers=2, progress=False, shard_size="256KB",
+manifest = convert(src, dst, "webdataset", workers=2, progress=False, shard_size=shard_size,
                    executor=executor, num_parts=int(parts), part=int(part))
 done = time.perf_counter()
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
@@ -178,9 +179,11 @@ def run_driver(
     parts: int = 1,
     part: int = 0,
     download: bool = False,
+    shard_size: str = "256KB",
 ) -> dict[str, Any]:
-    """One conversion in a process of its own, this machine's scratch and the cache's build
-    folder sampled (``download``: by the route that downloads SRC first)."""
+    """One conversion in a process of its own to ``shard_size`` shards, this machine's scratch
+    and the cache's build folder sampled (``download``: by the route that downloads SRC
+    first)."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-tmp-"))
     env = {**os.environ, "TMPDIR": str(scratch), "IMGPACK_CACHE_DIR": str(cache)}
     peaks = {"scratch": 0, "build": 0}
@@ -196,7 +199,7 @@ def run_driver(
     watcher.start()
     try:
         run = subprocess.run(
-            [sys.executable, "-c", DRIVER, src, dst, executor, str(parts), str(part)]
+            [sys.executable, "-c", DRIVER, src, dst, executor, str(parts), str(part), shard_size]
             + (["download"] if download else []),
             env=env,
             capture_output=True,
@@ -261,10 +264,12 @@ def listing_cpu(folders: int, per: int, rounds: int) -> dict[str, list[dict[str,
     return found
 
 
-def read_in_place(data: str, count: int, kind: str = "tars") -> dict[str, dict[str, float]]:
+def read_in_place(
+    data: str, count: int, kind: str = "tars", shard_size: str = "256KB"
+) -> dict[str, dict[str, float]]:
     """Bucket WebDataset tars (``kind`` "tars") or TFRecord files ("tfrecords") of ``count``
-    images, 1 MB each, to a bucket ``webdataset``, read in place and downloaded first (the
-    local pool of 2 workers)."""
+    images, 1 MB each, to a bucket ``webdataset`` of ``shard_size`` shards, read in place and
+    downloaded first (the local pool of 2 workers)."""
     from imgpack import convert
 
     print(f"machine: {machine()}")
@@ -284,7 +289,7 @@ def read_in_place(data: str, count: int, kind: str = "tars") -> dict[str, dict[s
             at = log.stat().st_size
             dst = f"s3://bench/{kind}-out-{route.replace(' ', '-')}-{count}"
             run = run_driver(f"s3://bench/{kind}-{count}", dst, cache, "local",
-                             download=route == "downloaded")  # fmt: skip
+                             download=route == "downloaded", shard_size=shard_size)  # fmt: skip
             shutil.rmtree(cache, ignore_errors=True)
             requests = gets(log, f"{kind}-{count}", at)
             found[route] = {"total_s": run["total_s"], "plan_s": run["plan_s"],
@@ -324,6 +329,9 @@ def main() -> None:
     parser.add_argument(
         "--tfrecords", type=int, default=None, help="N: SRC TFRecord files of N images"
     )
+    parser.add_argument(
+        "--shard-size", default="256KB", help="with --tars or --tfrecords: the output's shards"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.listing:
@@ -335,7 +343,7 @@ def main() -> None:
         return
     if args.tars or args.tfrecords:
         kind = "tars" if args.tars else "tfrecords"
-        found = read_in_place(args.data, args.tars or args.tfrecords, kind)
+        found = read_in_place(args.data, args.tars or args.tfrecords, kind, args.shard_size)
         save_json(args.json, {"machine": machine(), kind: found})
         return
     if args.planning:
