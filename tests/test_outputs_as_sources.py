@@ -142,7 +142,7 @@ def test_compressed_tfrecords_are_a_source_and_a_changed_file_is_refused(
     assert not (tmp_path / "changed").exists()
 
 
-def _scan_killing(item: tuple[str, str, str]) -> object:
+def _scan_killing(item: tuple[str, str, str, int]) -> object:
     """A TFRecord scan task that kills its worker on the file ``*real.tfrecord`` (as a
     decoder's crash or the OOM killer would), and scans the others."""
     import os

@@ -173,7 +173,7 @@ def scan_record_files(
     nothing kept but its records' places and features: by ``runner``'s tasks, a file each,
     where the conversion's executor lends them (:func:`~imgpack.system.lends_tasks`), else
     here on a few threads."""
-    items = [(url, options, name) for name, _, _ in files]
+    items = [(url, options, name, size) for name, size, _ in files]
     if len(items) > 1 and lends_tasks(runner):
         tasks = each_task(
             runner, scan_record_file, items, lambda item: (_where(url, item[2]), "reading it")
@@ -183,17 +183,18 @@ def scan_record_files(
         return list(pool.map(scan_record_file, items))
 
 
-def scan_record_file(item: tuple[str, str, str]) -> FileScan:
-    """A task: the records of one file (``(folder URL, storage options as JSON, file name)``,
-    :func:`scan_record_files`), read through as a stream, every frame's CRCs checked."""
+def scan_record_file(item: tuple[str, str, str, int]) -> FileScan:
+    """A task: the records of one file (``(folder URL, storage options as JSON, file name,
+    its listed size)``, :func:`scan_record_files`), read through as a stream, every frame's
+    CRCs checked."""
     from imgpack.formats.tfrecord import framing
     from imgpack.formats.tfrecord.records import IMAGE_FEATURES, parse
 
-    url, options, name = item
+    url, options, name, size = item
     where = _where(url, name)
     records: list[Record] = []
     try:
-        with _open(url, options, name) as raw:
+        with _open(url, options, name, size) as raw:
             kind = framing.compression_of(raw.read(framing.HEADER_SIZE))
             raw.seek(0)
             stream = framing.open_stream(raw, kind)
@@ -223,12 +224,14 @@ def _where(url: str, name: str) -> str:
     return f"{url}/{name}" if url else name
 
 
-def _open(url: str, options: str, name: str) -> Any:
-    """File ``name`` of the files under ``url`` opened to be read through."""
+def _open(url: str, options: str, name: str, size: int = -1) -> Any:
+    """File ``name`` of the files under ``url`` opened to be read through (``size``: as the
+    listing says, so that no HEAD asks it first; ``-1``: asked)."""
     if not url:
         return open(name, "rb")
     fs, root = filesystem(url, json.loads(options) or None)
-    return fs.open(f"{root}/{name}", "rb", block_size=SCAN_BLOCK)
+    known = {"size": size} if size >= 0 else {}
+    return fs.open(f"{root}/{name}", "rb", block_size=SCAN_BLOCK, **known)
 
 
 @dataclass

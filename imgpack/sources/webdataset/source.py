@@ -442,7 +442,7 @@ def scan_tar(item: tuple[str, str, str, int, bool]) -> list[Found]:
     fs, root = filesystem(url, json.loads(options) or None)
     try:
         with (
-            fs.open(f"{root}/{name}", "rb", block_size=SCAN_BLOCK) as stream,
+            fs.open(f"{root}/{name}", "rb", block_size=SCAN_BLOCK, size=size) as stream,
             tarfile.open(fileobj=stream, mode="r|") as tar,
         ):
             return samples_of(tar, size, labelled)
