@@ -243,7 +243,8 @@ class Scanned:
     manifest: Any
     targets: list[int]
     paths: list[str] | None
-    #: The records' other features, by the index of each record that has any.
+    #: The records' features beyond the image's (their fields' values), by the index of each
+    #: record that has any.
     features: dict[int, dict[str, Any]]
     keys: dict[str, tuple[str, bool]]
     sizes: list[int]
@@ -274,8 +275,9 @@ class Scanned:
             content = listed_id(tag)
             for number, record in enumerate(records):
                 scan.add(record.features, f"{_where(url, name)} at offset {record.offset}")
-                if record.features:
-                    features[len(framed)] = record.features
+                others = {k: v for k, v in record.features.items() if k not in _SCANNED}
+                if others:  # (a field's values: nothing else of the record is kept)
+                    features[len(framed)] = others
                 framed.append(record.framed)
                 payloads.append(record.payload)
                 place = number if kind else record.offset
