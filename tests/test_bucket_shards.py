@@ -989,6 +989,21 @@ def test_a_flat_top_level_is_listed_by_range_tasks(
     assert keys == flat + [f"sub{k}/x.png" for k in range(4)]
     assert top.folders == tuple(f"sub{k}" for k in range(4)) and top.visible == len(flat) - 3
     assert found["tasks"] == found["alone"] and found["here"] == found["alone"]
+    # Eight workers: the rest of the range where the 2,000 numbered keys crowd is cut in eight
+    # for the next round, not in two, and the listing is the same.
+    rounds: list[int] = []
+
+    class Eight:
+        workers = 8
+
+        def tasks(self, function, items):  # type: ignore[no-untyped-def]
+            given = list(items)
+            rounds.append(len(given))
+            return ((item, function(item)) for item in given)
+
+    with listing.source_folder(url, None, _noted([]), Eight()) as got:
+        assert (got / listing.STORE_LISTING).read_bytes() == found["alone"][0]
+    assert rounds[0] == 9 and rounds[1] >= 8, rounds  # (eight ranges, and the one past ASCII)
 
 
 def _noted(tops: list[listing.TopLevel]) -> Callable[[listing.TopLevel], bool]:

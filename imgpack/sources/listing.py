@@ -280,8 +280,10 @@ def top_range(
 def _top_in_tasks(runner: Any, url: str, options: str, after: str, scratch: Path) -> list[TopRange]:
     """The top level after key ``after`` by ``runner``'s tasks: its keys range cut into a few
     ranges a worker each, every task listing :data:`RANGE_PAGES` pages and the rest of its
-    range cut again (at a key between its last one and the range's end) for the next round;
-    the ranges' listings in key order, each on disk (``scratch``) until joined."""
+    range cut again (at keys between its last one and the range's end) for the next round,
+    into as many ranges as keep every worker busy (a range where the keys crowd is cut in as
+    many pieces as there are workers); the ranges' listings in key order, each on disk
+    (``scratch``) until joined."""
     workers = max(2, int(getattr(runner, "workers", 0) or 2))
     pending: list[tuple[str, str | None]] = [*_cut(after, _PAST_ASCII, workers)]
     pending.append((_PAST_ASCII, None))
@@ -294,16 +296,17 @@ def _top_in_tasks(runner: Any, url: str, options: str, after: str, scratch: Path
         tasks = each_task(
             runner, top_range, items, lambda i: (url, f"listing its keys after {i[2]!r}")
         )
+        rests: list[tuple[str, str | None]] = []
         for (_, _, low, high, _), result in tasks:
             held = parts / f"{len(done)}.jsonl"
             held.write_bytes(result.lines if isinstance(result.lines, bytes) else b"")
             result.lines = held
             done.append((low, result))
             if result.rest is not None:
-                if high is None:  # past ASCII: one task to the end
-                    pending.append((result.rest, None))
-                else:
-                    pending += _cut(result.rest, high, 2)
+                rests.append((result.rest, high))
+        each = max(2, -(-workers // max(1, sum(high is not None for _, high in rests))))
+        for rest, high in rests:  # past ASCII (no end): one task to the end
+            pending += [(rest, None)] if high is None else _cut(rest, high, each)
     return [result for _, result in sorted(done, key=lambda entry: entry[0])]
 
 
