@@ -77,7 +77,7 @@ from imgpack.publishing import (
     temp_output,
 )
 from imgpack.scan import by_reason, ignored_summary
-from imgpack.sources.base import ScanRequest
+from imgpack.sources.base import ScanRequest, forget
 from imgpack.sources.folder.scan import SPLIT_NAMES, find_classes, find_splits, read_class_list
 from imgpack.sources.listing import TopLevel, source_location
 from imgpack.stats import DatasetStats, PixelSums
@@ -482,6 +482,23 @@ def convert(
     in its build folder of the cache (kept for ``resume`` when the run stops) and uploaded with
     its manifest last — and the engine runs once.
     """
+    try:
+        return _convert_any(src, dst, format, options, executor, storage_options, cache_dir, kwargs)
+    finally:
+        forget()  # what this process opened of SRC for the run (its workers' go with them)
+
+
+def _convert_any(
+    src: str | os.PathLike[str] | Any,
+    dst: str | os.PathLike[str],
+    format: str,
+    options: ConvertOptions | None,
+    executor: Executor | str | None,
+    storage_options: dict[str, Any] | None,
+    cache_dir: str | os.PathLike[str] | None,
+    kwargs: dict[str, Any],
+) -> Manifest:
+    """:func:`convert`."""
     options = _options(format, options, kwargs)
     runner = executors.create(executor, options.workers)
     if options.append:  # imgpack.appending: new shards after DST's, its manifest replaced last

@@ -142,6 +142,32 @@ def test_compressed_tfrecords_are_a_source_and_a_changed_file_is_refused(
     assert not (tmp_path / "changed").exists()
 
 
+def test_a_compressed_tfrecord_is_read_through_once_into_one_file_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into ``lmdb`` (the one writer, a chunk at a time, here one sample a chunk) a compressed
+    file's stream is read on from chunk to chunk, opened once, not once a chunk from its start
+    (which would read a file of N records N times over)."""
+    import imgpack.sources.tfrecord.source as tf_source
+    from imgpack.readers import TFRecordStream
+
+    opened: list[str] = []
+
+    class Counted(tf_source._Stream):
+        def __init__(self, raw: object, kind: str, where: str) -> None:
+            opened.append(where)
+            super().__init__(raw, kind, where)
+
+    monkeypatch.setattr(tf_source, "_Stream", Counted)
+    src = tmp_path / "tensorflow-written-synthetic.gz.tfrecord"
+    shutil.copy(DATA / src.name, src)
+    out = convert(src, tmp_path / "out", "lmdb", workers=1, progress=False)
+    stream = list(TFRecordStream(str(src)))
+    assert out.num_samples == len(stream) == 6 and opened == [str(src)]
+    ds = open_dataset(tmp_path / "out")
+    assert all((ds[i][0] == image).all() for i, (image, _) in enumerate(stream))
+
+
 def _scan_killing(item: tuple[str, str, str, int]) -> object:
     """A TFRecord scan task that kills its worker on the file ``*real.tfrecord`` (as a
     decoder's crash or the OOM killer would), and scans the others."""

@@ -487,10 +487,12 @@ class RecordRangeFetcher(Fetcher):
 
     def _streamed(self, name: str, first: int, kind: str, run: list[Sample]) -> dict[int, Any]:
         """The frame data of ``run``'s records of the compressed file ``name``, read on from
-        the stream this process holds open on it, or from a new one at its start."""
+        the stream this process holds open on it (:data:`_STREAM`), or from a new one at its
+        start."""
         key = self._key(name)
         where = _where(self.url, name)
         wanted = sorted(s.index - first for s in run)
+        opened(self.run, ("tfrecord", "streams"), _Streams)  # closed when the run is forgotten
         held = _STREAM.pop(key, None)
         if held is None or held.number > wanted[0]:
             _close_streams()
@@ -522,7 +524,8 @@ class RecordRangeFetcher(Fetcher):
             for s in run:
                 out.setdefault(s.index, problem)
             return out
-        if held.number < _BOUNDS.get(key, 0):  # the task reads on: kept open for its next chunk
+        bound = _BOUNDS.get(key)
+        if bound is None or held.number < bound:  # kept open for the chunks still to come
             _STREAM[key] = held
         else:
             held.close()
@@ -554,9 +557,10 @@ _BOUNDS: dict[str, int] = {}
 #: The stretch this process read last, by run and file URL: ``(listed content, start, end,
 #: bytes)``.
 _STRETCH: dict[str, tuple[int, int, int, bytes]] = {}
-#: The compressed file the shard task this process runs reads on, by run and file URL:
-#: closed once the task has read its last record of the file (without a task's bounds, after
-#: each chunk).
+#: The compressed file this process reads on, by run and file URL: a shard task's is closed
+#: once the task has read its last record of the file, or when the next task starts; chunks of
+#: the one writer's conversion (no task, no bounds) read on from it in order, each process its
+#: own chunks, until a chunk of another file or run, or an earlier record, needs a new one.
 _STREAM: dict[str, _Stream] = {}
 
 
@@ -564,3 +568,11 @@ def _close_streams() -> None:
     for held in _STREAM.values():
         held.close()
     _STREAM.clear()
+
+
+class _Streams:
+    """This process's streams among the run's opened sources (:func:`~imgpack.sources.base.
+    opened`): closed with them when the run ends (:func:`~imgpack.sources.base.forget`)."""
+
+    def close(self) -> None:
+        _close_streams()
