@@ -3,12 +3,13 @@
 They are read with their labels (``image/class/label``, names from ``image/class/text``), in file
 order, and every image goes through the image policy, as a folder's files would.
 
-A bucket folder of TFRecord files and nothing else is read in place (the pipeline lists it,
-:func:`imgpack.sources.listing.source_folder`): each file is read through once by a scan task
-(:func:`scan_record_file`), which keeps where each record lies and what the scan of a local
-copy takes of it, and each conversion task reads its records with one ranged GET per stretch of
-a file (:class:`RecordRangeFetcher`; a GZIP or ZLIB file, which has no random access, is read
-as a stream from its start). The samples, their order and the output are a downloaded copy's.
+Each file is read through once by a scan task (:func:`scan_record_file`), which keeps where
+each record lies and what the scan takes of it, and each conversion task reads its records a
+stretch of a file at a time (:class:`RecordRangeFetcher`; a GZIP or ZLIB file, which has no
+random access, as a stream from its start). A bucket folder of TFRecord files and nothing else
+(but their ``.idx`` files) is read so in place, each stretch one ranged GET (the pipeline lists
+it, :func:`imgpack.sources.listing.source_folder`): the samples, their order and the output are
+a downloaded copy's.
 """
 
 from __future__ import annotations
