@@ -795,7 +795,8 @@ def test_webdataset_tars_in_a_bucket_are_read_in_place(
     # that needs it reads it again) and 1 MiB bytes.
     import imgpack.sources.webdataset.source as wds_source
 
-    _same_output_every_way(url, tmp_path, args, monkeypatch, wds_source, (5_000, 20_000, 1 << 20))
+    aheads = (5_000, 20_000, 1 << 20)
+    _same_output_every_way(url, tmp_path, args, monkeypatch, wds_source, aheads, "scan_tars")
     # --no-labels over the same bucket: in place too, the captions kept, label -1.
     unlabelled = convert(url, tmp_path / "unlabelled", "pt", no_labels=True, fields=("txt",),
                          progress=False)  # fmt: skip
@@ -836,12 +837,15 @@ def _same_output_every_way(
     monkeypatch: pytest.MonkeyPatch,
     source: object,
     aheads: tuple[int, ...],
+    scanner: str,
 ) -> None:
     """What ``args`` converted from the bucket folder ``url`` into ``tmp_path / "here"`` (21
-    samples) is written byte for byte by the download route, by two parts, and with a shard
-    task's reads ahead of each of ``aheads`` bytes (the ``source`` module's ``READ_AHEAD``,
-    four samples a chunk) into 64 KB shards, the next chunks taking theirs from memory: a large
-    read ahead makes fewer GETs than chunks, a small one more."""
+    samples) is written byte for byte by the download route, by two parts (the second reads
+    the listing and the scan the first saved: its ``scanner``, the ``source`` module's function
+    that reads the objects through, is not called), and with a shard task's reads ahead of each
+    of ``aheads`` bytes (the module's ``READ_AHEAD``, four samples a chunk) into 64 KB shards,
+    the next chunks taking theirs from memory: a large read ahead makes fewer GETs than
+    chunks, a small one more."""
     import imgpack.pipeline as pipeline
 
     here = tree_hashes(tmp_path / "here")
@@ -851,10 +855,17 @@ def _same_output_every_way(
     monkeypatch.undo()
     assert tree_hashes(tmp_path / "downloaded") == here
     parts = tmp_path / "parts"
+
+    def scanned_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a part read the objects through again")
+
     for part in ("0", "1"):
+        if part == "1":
+            monkeypatch.setattr(source, scanner, scanned_again)
         done = CliRunner().invoke(main, ["convert", url, str(parts), *args, "--num-parts", "2",
                                          "--part", part])  # fmt: skip
         assert done.exit_code == 0, done.output
+    monkeypatch.undo()
     assert tree_hashes(parts) == here
     wide = [*args[:2], "--shard-size", "64KB", *args[4:]]
     done = CliRunner().invoke(main, ["convert", url, str(tmp_path / "wide"), *wide])
@@ -871,6 +882,30 @@ def _same_output_every_way(
         assert tree_hashes(tmp_path / f"cut{ahead}") == tree_hashes(tmp_path / "wide")
         reads = len(gets) - scans  # beside the scans'
         assert (reads < 21 / 4) if ahead > 1e5 else (reads > 21 / 4), (ahead, reads)
+
+
+def test_a_damaged_saved_scan_is_not_taken(s3: str, tmp_path: Path) -> None:
+    """Part 1 of 2 finds the scan of the tars part 0 saved beside the listing damaged: it reads
+    the tars through again, and the parts still write the one-run bytes."""
+    import imgpack.sources.webdataset.source as wds_source
+
+    tars = _foreign_tars(tmp_path / "tars")
+    fs = fsspec.filesystem("s3")
+    fs.put(str(tars), f"{BUCKET}/wds-scan", recursive=True)
+    url, args = f"{s3}/wds-scan", {"shard_size": "2KB", "progress": False, "workers": 1}
+    convert(url, tmp_path / "one", "pt", **args)  # type: ignore[arg-type]
+    parts = tmp_path / "parts"
+    convert(url, parts, "pt", num_parts=2, part=0, **args)  # type: ignore[arg-type]
+    saved = parts / direct.SAVED / listing.SAVED_SCAN
+    assert json.loads((parts / direct.SAVED / listing.SAVED_HEAD).read_text())["scan"]
+    saved.write_bytes(saved.read_bytes()[:-9] + b"damaged!!")
+    scans = []
+    real = wds_source.scan_tars
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wds_source, "scan_tars", lambda *a, **k: scans.append(1) or real(*a, **k))
+        done = convert(url, parts, "pt", num_parts=2, part=1, **args)  # type: ignore[arg-type]
+    assert scans == [1] and done.part is None
+    assert tree_hashes(parts) == tree_hashes(tmp_path / "one")
 
 
 def test_a_bucket_tar_replaced_or_truncated_is_named(s3: str, tmp_path: Path) -> None:
@@ -1089,7 +1124,8 @@ def test_tfrecord_files_in_a_bucket_are_read_in_place(
     assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "here")
     # The download route (what converted bucket TFRecords before) writes the very same files,
     # as do two parts, and reads ahead that end inside a record.
-    _same_output_every_way(url, tmp_path, args, monkeypatch, tf_source, (1_000, 3_000, 1 << 20))
+    aheads = (1_000, 3_000, 1 << 20)
+    _same_output_every_way(url, tmp_path, args, monkeypatch, tf_source, aheads, "scan_record_files")
 
 
 def test_compressed_and_tensorflow_written_tfrecords_in_a_bucket(s3: str, tmp_path: Path) -> None:

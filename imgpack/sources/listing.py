@@ -656,7 +656,43 @@ SAVED_LINES = "listing.jsonl.gz"
 SAVED_HEAD = "listing.json"
 #: In a scratch folder whose listing was read from a saved one: where (so it is not saved again).
 STORE_SAVED = ".imgpack-store-saved"
+#: In a scratch folder of a bucket source read in place: what the source's scan found inside
+#: the listed objects (tars' members, TFRecord files' records), as gzipped JSON with the
+#: listing's digest (:func:`keep_scan`); saved beside the listing as :data:`SAVED_SCAN`, so
+#: that the parts and resumes that read the listing read no object through again.
+STORE_SCAN = ".imgpack-store-scan.json.gz"
+SAVED_SCAN = "scan.json.gz"
 _CHUNK = 1 << 20
+
+
+def keep_scan(folder: Path, kind: str, found: Any) -> None:
+    """Keep what a source of ``kind`` found inside the objects ``folder``'s listing names
+    (JSON-able), with the listing's digest, to be saved with it (:func:`save_listing`). Nothing
+    for a folder that is not a bucket listing, or whose listing was read from a saved one."""
+    if remote_source(folder) is None or (folder / STORE_SAVED).exists():
+        return
+    body = {"listing": listing_digest(folder), "kind": kind, "found": found}
+    with (
+        open(folder / STORE_SCAN, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out,
+    ):
+        out.write(json.dumps(body).encode())
+
+
+def kept_scan(folder: Path, kind: str) -> Any:
+    """What :func:`keep_scan` kept in ``folder`` (or what a saved listing brought) for ``kind``
+    and this very listing, else ``None``."""
+    try:
+        with gzip.open(folder / STORE_SCAN, "rb") as held:
+            body = json.loads(held.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
+        log.warning("%s: cannot be read (%s); the source is scanned again", STORE_SCAN, exc)
+        return None
+    if not isinstance(body, dict) or body.get("kind") != kind:
+        return None
+    return body.get("found") if body.get("listing") == listing_digest(folder) else None
 
 
 def save_listing(folder: Path, fs: Any, root: str) -> bool:
@@ -676,6 +712,10 @@ def save_listing(folder: Path, fs: Any, root: str) -> bool:
             digest.update(chunk)
             packed.write(chunk)
     head = {"source": remote[0], "sha256": digest.hexdigest(), "folders": store_folders(folder)}
+    if (folder / STORE_SCAN).is_file():  # the source's scan of the objects, checked as read
+        scanned = (folder / STORE_SCAN).read_bytes()
+        fs.pipe_file(f"{root}/{SAVED_SCAN}", scanned)
+        head["scan"] = hashlib.sha256(scanned).hexdigest()
     fs.pipe_file(f"{root}/{SAVED_HEAD}", json.dumps(head, sort_keys=True).encode())
     return True
 
@@ -714,6 +754,15 @@ def _saved_folder(url: str, storage_options: dict[str, Any] | None, saved: str) 
         )
         return None
     (scratch / STORE_FOLDERS).write_text(json.dumps(head["folders"], sort_keys=True))
+    if isinstance(head.get("scan"), str):  # (else, or not intact: the source scans again)
+        try:
+            scanned = fs.cat_file(f"{root}/{SAVED_SCAN}")
+            if hashlib.sha256(scanned).hexdigest() == head["scan"]:
+                (scratch / STORE_SCAN).write_bytes(scanned)
+        except OSError as exc:
+            log.warning(
+                "%s/%s: cannot be read (%s); %s is scanned again", saved, SAVED_SCAN, exc, url
+            )
     remote = {"url": url, "storage_options": storage_options or {}}
     (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
     (scratch / STORE_SAVED).write_text(saved)

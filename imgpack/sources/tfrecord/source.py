@@ -14,6 +14,7 @@ a downloaded copy's.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import functools
 import json
@@ -88,7 +89,12 @@ class TFRecordSource(Source):
         the files read one after the other (:class:`RecordRangeFetcher`)."""
         url, options, files = self._located
         self._identity = "" if url else files_identity([Path(f[0]) for f in files])
-        scanned = Scanned.of(url, files, scan_record_files(url, options, files, request.runner))
+        found = _kept(self.src) if url else None  # a part's or a resume's: read no file again
+        if found is None:
+            found = scan_record_files(url, options, files, request.runner)
+            if url:
+                listing.keep_scan(self.src, "tfrecord", [_scan_json(f) for f in found])
+        scanned = Scanned.of(url, files, found)
         scan = scan_reader(self.src, scanned, request, scanned.origin)
         spots = zip(scan.samples, scanned.spots, strict=True)
         scan.samples = [replace(s, index=i, listed=t, span=n) for s, (i, n, t) in spots]
@@ -218,6 +224,44 @@ def scan_record_file(item: tuple[str, str, str, int]) -> FileScan:
 #: The image features the scan takes (:class:`~imgpack.formats.tfrecord.records.ForeignScan`):
 #: a record's others are its fields, and the rest is the image, read by the shard task.
 _SCANNED = frozenset({"image/class/label", "image/class/text", "image/filename"})
+
+
+def _scan_json(found: FileScan) -> list[Any]:
+    """A file's scan as JSON (:func:`imgpack.sources.listing.keep_scan`): a feature's values
+    as ``{"b": [base64...]}``, ``{"i": [...]}`` or ``{"f": [...]}`` (``[]``: none)."""
+
+    def values(found: list[Any]) -> Any:
+        if not found:
+            return []
+        if isinstance(found[0], bytes):
+            return {"b": [base64.b64encode(v).decode("ascii") for v in found]}
+        return {"f" if isinstance(found[0], float) else "i": list(found)}
+
+    records = [[r.offset, r.framed, r.payload, {k: values(v) for k, v in r.features.items()}]
+               for r in found.records]  # fmt: skip
+    return [found.compression, records]
+
+
+def _kept(folder: Path) -> list[FileScan] | None:
+    """The files' scan kept with the bucket listing (:func:`_scan_json`), else ``None``."""
+    kept = listing.kept_scan(folder, "tfrecord")
+    if kept is None:
+        return None
+
+    def values(found: Any) -> list[Any]:
+        if not found:
+            return []
+        ((kind, items),) = found.items()
+        if kind == "b":
+            return [base64.b64decode(v) for v in items]
+        return [float(v) for v in items] if kind == "f" else [int(v) for v in items]
+
+    return [
+        FileScan(
+            kind, [Record(o, n, p, {k: values(v) for k, v in f.items()}) for o, n, p, f in records]
+        )
+        for kind, records in kept
+    ]
 
 
 def _where(url: str, name: str) -> str:
