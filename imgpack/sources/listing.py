@@ -674,9 +674,10 @@ def keep_scan(folder: Path, kind: str, found: Any) -> None:
     body = {"listing": listing_digest(folder), "kind": kind, "found": found}
     with (
         open(folder / STORE_SCAN, "wb") as raw,
-        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed,
+        io.TextIOWrapper(packed, encoding="utf-8") as out,
     ):
-        out.write(json.dumps(body).encode())
+        json.dump(body, out)  # piece by piece: never the whole text in memory
 
 
 def kept_scan(folder: Path, kind: str) -> Any:
