@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from imgpack.errors import (
     DataError,
@@ -57,6 +57,8 @@ from imgpack.storage.location import (
 from imgpack.system import each_task, lends_tasks
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -658,31 +660,43 @@ SAVED_HEAD = "listing.json"
 STORE_SAVED = ".imgpack-store-saved"
 #: In a scratch folder of a bucket source read in place: what the source's scan found inside
 #: the listed objects (tars' members, TFRecord files' records), as gzipped JSON with the
-#: listing's digest (:func:`keep_scan`); saved beside the listing as :data:`SAVED_SCAN`, so
+#: listing's digest (:func:`scanned_once`); saved beside the listing as :data:`SAVED_SCAN`, so
 #: that the parts and resumes that read the listing read no object through again.
 STORE_SCAN = ".imgpack-store-scan.json.gz"
 SAVED_SCAN = "scan.json.gz"
 _CHUNK = 1 << 20
 
 
-def keep_scan(folder: Path, kind: str, found: Any) -> None:
-    """Keep what a source of ``kind`` found inside the objects ``folder``'s listing names
-    (JSON-able), with the listing's digest, to be saved with it (:func:`save_listing`). Nothing
-    for a folder that is not a bucket listing, or whose listing was read from a saved one."""
-    if remote_source(folder) is None or (folder / STORE_SAVED).exists():
-        return
-    body = {"listing": listing_digest(folder), "kind": kind, "found": found}
-    with (
-        open(folder / STORE_SCAN, "wb") as raw,
-        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed,
-        io.TextIOWrapper(packed, encoding="utf-8") as out,
-    ):
-        json.dump(body, out)  # piece by piece: never the whole text in memory
+def scanned_once(
+    folder: Path,
+    kind: str,
+    scan: Callable[[], T],
+    dump: Callable[[T], Any],
+    load: Callable[[Any], T],
+) -> T:
+    """What a source of ``kind`` finds inside the objects ``folder``'s listing names: the scan
+    kept with this very listing (a part's or a resume's, brought by a saved listing), read by
+    ``load``; else ``scan()``, kept as ``dump`` makes it JSON-able, to be saved with the listing
+    (:func:`save_listing`). A folder that is not a bucket listing is just scanned."""
+    if remote_source(folder) is None:
+        return scan()
+    kept = _kept_scan(folder, kind)
+    if kept is not None:
+        return load(kept)
+    found = scan()
+    if not (folder / STORE_SAVED).exists():
+        body = {"listing": listing_digest(folder), "kind": kind, "found": dump(found)}
+        with (
+            open(folder / STORE_SCAN, "wb") as raw,
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed,
+            io.TextIOWrapper(packed, encoding="utf-8") as out,
+        ):
+            json.dump(body, out)  # piece by piece: never the whole text in memory
+    return found
 
 
-def kept_scan(folder: Path, kind: str) -> Any:
-    """What :func:`keep_scan` kept in ``folder`` (or what a saved listing brought) for ``kind``
-    and this very listing, else ``None``."""
+def _kept_scan(folder: Path, kind: str) -> Any:
+    """The scan kept in ``folder`` for ``kind`` and this very listing, else ``None``."""
     try:
         with gzip.open(folder / STORE_SCAN, "rb") as held:
             body = json.loads(held.read())

@@ -89,11 +89,13 @@ class TFRecordSource(Source):
         the files read one after the other (:class:`RecordRangeFetcher`)."""
         url, options, files = self._located
         self._identity = "" if url else files_identity([Path(f[0]) for f in files])
-        found = _kept(self.src) if url else None  # a part's or a resume's: read no file again
-        if found is None:
-            found = scan_record_files(url, options, files, request.runner)
-            if url:
-                listing.keep_scan(self.src, "tfrecord", [_scan_json(f) for f in found])
+        found = listing.scanned_once(  # a part's or a resume's: no file read again
+            self.src,
+            "tfrecord",
+            lambda: scan_record_files(url, options, files, request.runner),
+            lambda found: [_scan_json(f) for f in found],
+            lambda kept: [_from_json(f) for f in kept],
+        )
         scanned = Scanned.of(url, files, found)
         scan = scan_reader(self.src, scanned, request, scanned.origin)
         spots = zip(scan.samples, scanned.spots, strict=True)
@@ -227,7 +229,7 @@ _SCANNED = frozenset({"image/class/label", "image/class/text", "image/filename"}
 
 
 def _scan_json(found: FileScan) -> list[Any]:
-    """A file's scan as JSON (:func:`imgpack.sources.listing.keep_scan`): a feature's values
+    """A file's scan as JSON (:func:`imgpack.sources.listing.scanned_once`): a feature's values
     as ``{"b": [base64...]}``, ``{"i": [...]}`` or ``{"f": [...]}`` (``[]``: none)."""
 
     def values(found: list[Any]) -> Any:
@@ -242,11 +244,8 @@ def _scan_json(found: FileScan) -> list[Any]:
     return [found.compression, records]
 
 
-def _kept(folder: Path) -> list[FileScan] | None:
-    """The files' scan kept with the bucket listing (:func:`_scan_json`), else ``None``."""
-    kept = listing.kept_scan(folder, "tfrecord")
-    if kept is None:
-        return None
+def _from_json(kept: list[Any]) -> FileScan:
+    """A file's scan from its JSON (:func:`_scan_json`)."""
 
     def values(found: Any) -> list[Any]:
         if not found:
@@ -256,12 +255,9 @@ def _kept(folder: Path) -> list[FileScan] | None:
             return [base64.b64decode(v) for v in items]
         return [float(v) for v in items] if kind == "f" else [int(v) for v in items]
 
-    return [
-        FileScan(
-            kind, [Record(o, n, p, {k: values(v) for k, v in f.items()}) for o, n, p, f in records]
-        )
-        for kind, records in kept
-    ]
+    compression, records = kept
+    features = [Record(o, n, p, {k: values(v) for k, v in f.items()}) for o, n, p, f in records]
+    return FileScan(compression, features)
 
 
 def _where(url: str, name: str) -> str:
@@ -361,11 +357,11 @@ class Scanned:
 
 @dataclass(frozen=True)
 class RecordRangeFetcher(Fetcher):
-    """Records of TFRecord files in a bucket, read where they are: each chunk's records of one
-    file with one ranged GET (:attr:`Sample.index <imgpack.scan.Sample.index>` and
-    :attr:`~imgpack.scan.Sample.span` say where), the store's ETag checked against the
-    listing's; a compressed file as a stream from its start, kept open while the task reads
-    on. A file is never downloaded whole."""
+    """Records of TFRecord files, local or in a bucket, read where they are: each chunk's
+    records of one file with one read of a stretch of it (:attr:`Sample.index
+    <imgpack.scan.Sample.index>` and :attr:`~imgpack.scan.Sample.span` say where; in a bucket a
+    ranged GET, the store's ETag checked against the listing's); a compressed file as a stream
+    from its start, kept open while the task reads on. A file is never downloaded whole."""
 
     url: str
     #: The fsspec storage options, as JSON (the fetcher stays small and hashable).

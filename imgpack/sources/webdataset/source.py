@@ -120,13 +120,13 @@ class WebDatasetSource(Source):
         remote = self.remote
         if remote is not None:
             listed = listed_tars(self.src)
-            kind = f"webdataset labelled={labelled}"
-            kept = listing.kept_scan(self.src, kind)  # a part's or a resume's: read no tar again
-            if kept is not None:
-                found_in = [[Found(*f) for f in tar] for tar in kept]
-            else:
-                found_in = scan_tars(remote, listed, labelled, request.runner)
-                listing.keep_scan(self.src, kind, [[list(f) for f in tar] for tar in found_in])
+            found_in = listing.scanned_once(  # a part's or a resume's: no tar read again
+                self.src,
+                f"webdataset labelled={labelled}",
+                lambda: scan_tars(remote, listed, labelled, request.runner),
+                lambda found: [[list(f) for f in tar] for tar in found],
+                lambda kept: [[Found(*f) for f in tar] for tar in kept],
+            )
             tars = [(name, f"{remote[0]}/{name}", listed_id(tag), found)
                     for (name, _, tag), found in zip(listed, found_in, strict=True)]  # fmt: skip
         else:
