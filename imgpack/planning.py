@@ -101,7 +101,9 @@ class Plan:
     @property
     def where(self) -> str:
         """SRC in messages: a bucket read in place by its URL, not the folder of its listing."""
-        remote = listing.remote_source(self.src) if self.src.is_dir() else None
+        if not self.src.is_dir():
+            return str(self.src)
+        remote = listing.remote_source(self.src) or listing.remote_output(self.src)
         return remote[0] if remote is not None else str(self.src)
 
     @property

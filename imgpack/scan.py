@@ -194,3 +194,27 @@ def valid_label(label: int, num_classes: int) -> bool:
     """Whether ``label`` is a label of an output with ``num_classes`` classes: ``0..n-1``, or
     :data:`UNLABELLED` when the output has no classes."""
     return 0 <= label < num_classes if num_classes else label == UNLABELLED
+
+
+@dataclass(frozen=True)
+class ShardScan:
+    """What :meth:`~imgpack.formats.dataset_base.ImageDataset.shard_scan` reads of one data file's samples, in order."""
+
+    targets: list[int]
+    #: The stored source paths, ``None`` where the file stores none.
+    paths: list[str] | None
+    sizes: list[int]
+    #: Each field asked for: its values' stored bytes (:meth:`~imgpack.formats.dataset_base.ImageDataset.stored_field`).
+    fields: dict[str, list[bytes | None]]
+
+
+def joined_paths(
+    parts: Iterable[list[str] | None],
+) -> list[str] | None:
+    """Shards' stored paths joined into the output's: ``None`` where a shard stores none."""
+    paths: list[str] = []
+    for part in parts:
+        if part is None:
+            return None
+        paths += part
+    return paths

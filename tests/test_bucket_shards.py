@@ -1193,3 +1193,89 @@ def test_compressed_and_tensorflow_written_tfrecords_in_a_bucket(s3: str, tmp_pa
     assert cut.exit_code != 0 and f"{url}/tensorflow-written-real.tfrecord" in cut.output
     assert "truncated record" in cut.output and "Traceback" not in cut.output
     assert not (tmp_path / "cut").exists()
+
+
+def _fetches(monkeypatch: pytest.MonkeyPatch, log: Path) -> Callable[[], list[tuple[int, str]]]:
+    """``(pid, file)`` of every file of an output that any process of this test fetches into
+    its cache from now on (the conversion's forked workers too), as a function."""
+    from imgpack.storage import cache, lazy
+
+    real = cache.fetch_file
+
+    def logged(fs: object, remote: str, *args: object) -> object:
+        with open(log, "a", encoding="utf-8") as out:
+            out.write(f"{os.getpid()} {remote.rsplit('/', 1)[1]}\n")
+        return real(fs, remote, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cache, "fetch_file", logged)
+    monkeypatch.setattr(lazy, "fetch_file", logged)
+
+    def found() -> list[tuple[int, str]]:
+        lines = log.read_text(encoding="utf-8").split() if log.exists() else []
+        return [(int(pid), name) for pid, name in zip(lines[::2], lines[1::2], strict=True)]
+
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["pt", "tfrecord", "webdataset", "lmdb"])
+def test_an_output_in_a_bucket_is_read_in_place(
+    fmt: str, s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An imgpack output in a bucket as SRC is not downloaded by the driver: it reads the
+    manifest (and the small index files); the workers' scan tasks, a data file each, and then
+    their shard tasks read it through their own readers of the URL (each file fetched into the
+    machine's cache once). The new output is a local copy's conversion byte for byte, fields
+    and all, with 1 and 2 workers; an output replaced in the bucket after the scan is named and
+    nothing is committed."""
+    from test_fields_convert import coco_like, write_jsonl
+
+    src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path, count=20))
+    sharded = fmt != "lmdb"
+    shard = {"shard_size": "1KB"} if sharded else {}
+    local = tmp_path / "local"
+    first = convert(src, local, fmt, progress=False, **shard)  # type: ignore[arg-type]
+    fs = fsspec.filesystem("s3")
+    fs.put(str(local), f"{BUCKET}/as-src-{fmt}", recursive=True)
+    url = f"{s3}/as-src-{fmt}"
+    args = {"shard_size": "2KB", "progress": False}
+    expected = convert(local, tmp_path / "expected", "webdataset", **args)  # type: ignore[arg-type]
+    data = sorted(e.path for e in first.files)
+    for workers in (1, 2):
+        fetched = _fetches(monkeypatch, tmp_path / f"fetched{workers}")
+        out = tmp_path / f"w{workers}"
+        done = convert(url, out, "webdataset", workers=workers, cache_dir=tmp_path / f"c{workers}",
+                       **args)  # type: ignore[arg-type]  # fmt: skip
+        monkeypatch.undo()
+        assert done.output_id == expected.output_id and done.fields == expected.fields
+        assert done.source["path"] == url
+        assert done.source["converted_from"]["output_id"] == first.output_id
+        assert tree_hashes(out) == {
+            k: v for k, v in tree_hashes(tmp_path / "expected").items() if k != "imgpack.json"
+        } | {"imgpack.json": tree_hashes(out)["imgpack.json"]}
+        got = [name for _, name in fetched() if name in data]
+        assert sorted(got) == data  # each data file fetched once, into the one cache
+        if workers == 2:  # by the pool's workers, never by the driver
+            assert {pid for pid, name in fetched() if name in data} - {os.getpid()}
+            assert all(pid != os.getpid() for pid, name in fetched() if name in data)
+    # Replaced in the bucket after the scan: the shard tasks' readers name it; nothing committed.
+    other = convert(src, tmp_path / "other", fmt, progress=False, **shard)  # type: ignore[arg-type]
+    assert other.output_id == first.output_id  # the same conversion: only its bytes change
+    import imgpack.sources.output.source as output_source
+
+    real = output_source.scan_output_files
+
+    def scanned_then_replaced(*a: object, **k: object) -> object:
+        found = real(*a, **k)  # type: ignore[arg-type]
+        converted = convert(src, tmp_path / "changed", fmt, progress=False, fields="score",
+                            **shard)  # type: ignore[arg-type]  # fmt: skip
+        fs.rm(f"{BUCKET}/as-src-{fmt}", recursive=True)
+        fs.put(str(tmp_path / "changed"), f"{BUCKET}/as-src-{fmt}", recursive=True)
+        assert converted.output_id != first.output_id
+        return found
+
+    monkeypatch.setattr(output_source, "scan_output_files", scanned_then_replaced)
+    failed = CliRunner().invoke(main, ["convert", url, str(tmp_path / "late"), "--format",
+                                       "webdataset", "--workers", "2", "-q"])  # fmt: skip
+    assert failed.exit_code == 1, failed.output
+    assert f"{url}: the source changed after this conversion planned it" in failed.output
+    assert "Traceback" not in failed.output and not (tmp_path / "late").exists()

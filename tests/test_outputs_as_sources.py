@@ -235,3 +235,41 @@ def test_raw_outputs_as_sources(source: str, raw_outputs: dict[str, Path], tmp_p
     assert _stored(carried) == _stored(raw_outputs["pt"])  # bare HWC bytes, no wrapping
     png = _convert(raw_outputs[source], tmp_path / "png", "webdataset", encoding="png")
     assert _rows(png)[0] == _rows(raw_outputs[source])[0]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "encoding"),
+    [("pt", "png"), ("pt", "raw"), ("tfrecord", "original"), ("tfrecord", "raw"),
+     ("webdataset", "png"), ("webdataset", "raw"), ("lmdb", "png"), ("hdf5", "raw")],
+)  # fmt: skip
+def test_an_outputs_files_scanned_apart_join_into_its_scan(
+    fmt: str, encoding: str, tmp_path: Path
+) -> None:
+    """What a bucket output's scan tasks read of each data file alone (``shard_scan``), joined
+    (``ScannedOutput``), is what the whole output's reader gives: labels, stored paths, stored
+    sizes (the plan is cut from them) and every field's column, the optional one's gaps too."""
+    import torch
+    from test_fields_convert import coco_like, write_jsonl
+
+    from imgpack.sources.output.source import ScannedOutput
+
+    src = write_jsonl(tmp_path / "list.jsonl", coco_like(tmp_path, count=13))
+    sized = {"size": 8} if encoding == "raw" else {}
+    sharded = {"shard_size": "600B"} if fmt in ("pt", "tfrecord", "webdataset") else {}
+    convert(src, tmp_path / "out", fmt, encoding=encoding, progress=False, **sized, **sharded)
+    ds = open_dataset(tmp_path / "out")
+    names = [f.name for f in ds.manifest.fields]
+    assert ds.shard_count == (len(ds.manifest.files) if sharded else 1)
+    assert not sharded or ds.shard_count > 3
+    joined = ScannedOutput(ds.manifest, [ds.shard_scan(k, names) for k in range(ds.shard_count)])
+    assert joined.targets == ds.targets
+    assert joined.stored_paths() == ds.stored_paths()
+    assert joined.stored_sizes().tolist() == ds.stored_sizes().tolist()
+    assert joined.stored_sizes().dtype == ds.stored_sizes().dtype
+    for name in names:
+        mine, theirs = joined.field(name), ds.field(name)
+        if isinstance(theirs, torch.Tensor):
+            assert isinstance(mine, torch.Tensor) and torch.equal(mine, theirs)
+        else:
+            plain = [v.tolist() if isinstance(v, torch.Tensor) else v for v in theirs]
+            assert [v.tolist() if isinstance(v, torch.Tensor) else v for v in mine] == plain

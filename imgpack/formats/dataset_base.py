@@ -57,7 +57,8 @@ from imgpack.opening import ReadKeywords as ReadKeywords  # re-exported for the 
 from imgpack.opening import ReadOptions as ReadOptions  # re-exported
 from imgpack.opening import check_files as check_files  # re-exported for the readers
 from imgpack.recipe import Crop, jpeg_header, place, unflipped_box
-from imgpack.scan import UNLABELLED
+from imgpack.scan import UNLABELLED, ShardScan
+from imgpack.scan import joined_paths as joined_paths  # re-exported for the readers
 from imgpack.stats import DatasetStats, against_labels
 from imgpack.storage.files import PINNED_FILES as PINNED_FILES  # re-exported
 from imgpack.storage.files import FileHolder
@@ -369,17 +370,36 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         list (``None`` where a sample has no value; a tensor each for ``int[]`` and
         ``float[]``). Its bytes are not checked against the records' checksums, which cover
         the images too (``imgpack verify`` checks everything)."""
+        found = self._field(name)
+        values: list[Any] = []
+        for first in range(0, len(self), chunk):
+            stored = self.stored_field(name, first, min(len(self), first + chunk), chunk)
+            values += self._decoded(found, stored)
+        return field_column(found.type, values)
+
+    def stored_field(
+        self, name: str, start: int = 0, stop: int | None = None, chunk: int = 65536
+    ) -> list[bytes | None]:
+        """The stored bytes of field ``name`` of samples ``start`` to ``stop`` (default: every
+        sample), in order (``None`` where a sample has none): what :meth:`field` decodes, so
+        that the fields of one output's shards read apart (:meth:`shard_scan`) make its
+        column."""
+        position = list(self.fields).index(self._field(name).name)
+        stop = len(self) if stop is None else stop
+        stored: list[bytes | None] = []
+        for first in range(start, stop, chunk):
+            indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
+            column = self._stored_fields(indices)[position]
+            stored += [None if data is None else bytes(data) for data in column]
+        return stored
+
+    def _field(self, name: str) -> Field:
         found = self.fields.get(name)
         if found is None:
             raise OptionError(
                 f"{self.root}: has no field {name!r} (its fields: {', '.join(self.fields) or 'none'})"
             )
-        position = list(self.fields).index(name)
-        values: list[Any] = []
-        for first in range(0, len(self), chunk):
-            indices = np.arange(first, min(len(self), first + chunk), dtype=np.int64)
-            values += self._decoded(found, self._stored_fields(indices)[position])
-        return field_column(found.type, values)
+        return found
 
     def _field_values(self, indices: np.ndarray) -> tuple[Any, ...]:
         """The columns of the fields this reader reads (``fields=``) for samples ``indices``."""
@@ -485,6 +505,44 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             return ""
         return f" (source {paths[index]})" if paths and 0 <= index < len(paths) else ""
 
+    # -- one data file at a time (the scan tasks of a conversion from this output) --------
+    @property
+    def shard_count(self) -> int:
+        """The data files :meth:`shard_scan` reads one at a time (1: a one-file output)."""
+        return len(self._first) - 1 if self._sharded else 1
+
+    def shard_scan(self, number: int, fields: Sequence[str] = ()) -> ShardScan:
+        """What a conversion from this output takes of data file ``number``'s samples, read
+        from that file alone (a reader of a bucket's output fetches that one): their labels,
+        stored source paths, stored sizes and the stored bytes of ``fields``. The whole
+        output's (:attr:`targets`, :meth:`stored_paths`, :meth:`stored_sizes`,
+        :meth:`stored_field`) are these, file after file."""
+        if not self._sharded:
+            stored = {name: self.stored_field(name) for name in fields}
+            sizes = self.stored_sizes().tolist()
+            return ShardScan(list(self.targets), self.stored_paths(), sizes, stored)
+        start, stop = self._first[number], self._first[number + 1]
+        return ShardScan(
+            self._shard_targets(number),
+            self._shard_paths(number),
+            self._shard_sizes(number).tolist(),
+            {name: self.stored_field(name, start, stop) for name in fields},
+        )
+
+    def _shard_targets(self, number: int) -> list[int]:
+        """The labels of shard ``number``'s samples (default: the whole output's, sliced; a
+        sharded format reads that shard only, and its whole labels are these joined)."""
+        return self.targets[self._first[number] : self._first[number + 1]]
+
+    def _shard_paths(self, number: int) -> list[str] | None:
+        """:meth:`_shard_targets` for the stored source paths."""
+        paths = self.stored_paths()
+        return None if paths is None else paths[self._first[number] : self._first[number + 1]]
+
+    def _shard_sizes(self, number: int) -> np.ndarray:
+        """:meth:`_shard_targets` for the stored sizes."""
+        return self.stored_sizes()[self._first[number] : self._first[number + 1]]
+
     @abstractmethod
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         """The stored records of valid sample ``indices``, in that order, without decoding."""
@@ -532,12 +590,16 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         record = next(self.checks.records(self, found) if self.verify else found)
         return record.payload, record.label, f"{record.where}: sample {record.index}"
 
-    def encoded(self, start: int, stop: int, chunk: int = 256) -> Iterator[Encoded]:
+    def encoded(
+        self, start: int, stop: int, chunk: int = 256, paths: bool = True
+    ) -> Iterator[Encoded]:
         """Samples ``start`` to ``stop`` as a writer takes them: the stored bytes as they are
         (checksums checked), with their labels, source paths, kinds and sizes. What
         ``imgpack merge``, ``export`` and a conversion from an output stream; the default reads
-        :meth:`_records` (:func:`~imgpack.formats.streaming.stored_samples`)."""
-        return stored_samples(self, start, stop, chunk)
+        :meth:`_records` (:func:`~imgpack.formats.streaming.stored_samples`). ``paths=False``:
+        each path ``""`` where the format keeps them apart from the records (read whole, they
+        are every file's: a reader of a bucket's output would fetch every shard for one)."""
+        return stored_samples(self, start, stop, chunk, paths)
 
     def stored_sizes(self, chunk: int = 4096) -> np.ndarray:
         """The bytes of every sample's stored image (int64, in order): what a conversion from

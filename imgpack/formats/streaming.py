@@ -32,11 +32,11 @@ class StreamedReader(CheckedReader, Protocol):
 
 
 def stored_samples(
-    reader: StreamedReader, start: int, stop: int, chunk: int = 256
+    reader: StreamedReader, start: int, stop: int, chunk: int = 256, paths: bool = True
 ) -> Iterator[Encoded]:
     """Samples ``start`` to ``stop`` of ``reader`` as a writer takes them, ``chunk`` records
-    read at a time."""
-    paths = reader.stored_paths()
+    read at a time (each path ``""`` unless ``paths``)."""
+    stored = reader.stored_paths() if paths else None
     image = reader.manifest.image
     raw = reader.manifest.encoding == "raw"
     fields = reader.manifest.fields
@@ -52,7 +52,7 @@ def stored_samples(
                     kind, height, width, channels = stored_info(payload)
                 except DataError as exc:
                     raise DataError(f"{record.where}: sample {record.index}: {exc}") from None
-            path = paths[record.index] if paths is not None else ""
+            path = stored[record.index] if stored is not None else ""
             values = None
             if fields and record.fields is not None:  # as the output holds them: same bytes
                 values = {

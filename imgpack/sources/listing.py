@@ -3,9 +3,10 @@
 An image folder in a bucket is listed, not downloaded (the workers GET each sample's object,
 :func:`source_folder` with ``listing_only``), as are a tree of images without labels, a folder
 a label list's rows name, a folder of WebDataset tars and a folder of TFRecord files (read by
-ranged GETs); other kinds are downloaded into a scratch folder first; an imgpack output is
-opened by the one route (:func:`imgpack.opening.open_output`, through the cache). Either way the scan's classes and
-order are those of a local copy of the same tree.
+ranged GETs); other kinds are downloaded into a scratch folder first; an imgpack output is not
+downloaded either: the folder only names it (:func:`remote_output`), and each process that reads
+it opens it by its URL (the output source's scan tasks and shard tasks, each through its own
+cache). Either way the scan's classes and order are those of a local copy of the same tree.
 
 A listing is taken once per conversion: the run that lists SRC saves the listing in DST's work
 folder (:func:`save_listing`), and the parts and resumes of that conversion read it from there
@@ -40,7 +41,6 @@ from imgpack.errors import (
     ScanError,
 )
 from imgpack.manifest import MANIFEST_NAME, sha256_file
-from imgpack.opening import ReadOptions, open_output
 from imgpack.scan import listed_id
 from imgpack.storage.cache import stats
 from imgpack.storage.location import (
@@ -532,6 +532,27 @@ STORE_FOLDERS = ".imgpack-store-folders.json"
 STORE_REMOTE = ".imgpack-remote.json"
 
 
+#: In a scratch folder that stands for an imgpack output in a bucket, read in place (each
+#: process opens it by its URL and fetches the files it reads into its own cache, as a reader
+#: does): its URL, storage options and cache folder.
+STORE_OUTPUT = ".imgpack-remote-output.json"
+
+
+def remote_output(folder: Path) -> tuple[str, dict[str, Any], str | None] | None:
+    """``(url, storage options, cache folder)`` of the imgpack output in a bucket ``folder``
+    stands for (:func:`source_location`), else ``None``."""
+    try:
+        found = json.loads((folder / STORE_OUTPUT).read_text(encoding="utf-8"))
+        cache = found["cache_dir"]
+        return (
+            str(found["url"]),
+            dict(found["storage_options"]),
+            None if cache is None else str(cache),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def remote_source(folder: Path) -> tuple[str, dict[str, Any]] | None:
     """``(url, storage options)`` of the bucket source whose listing only ``folder`` holds
     (:func:`source_folder` with ``listing_only``), else ``None``."""
@@ -613,10 +634,10 @@ def source_location(
     saved: str | None = None,
     runner: Any = None,
 ) -> Iterator[Path]:
-    """A local path holding the conversion source ``location``: an output in a bucket opened by
-    the route (:func:`imgpack.opening.open_output`: fetched whole into the cache, checked), any
-    other URL downloaded to a scratch folder, or only listed there when ``listing_only`` says
-    so (:func:`source_folder`).
+    """A local path holding the conversion source ``location``: for an imgpack output in a
+    bucket, a scratch folder that names it (:func:`remote_output`; its readers open it by URL,
+    ``cache_dir`` their cache folder); any other URL downloaded to a scratch folder, or only
+    listed there when ``listing_only`` says so (:func:`source_folder`).
 
     ``saved``: where a listing of this source may have been saved (DST's work folder, for a part
     or a resume of a conversion): when one of ``location`` is there, intact, it is taken instead
@@ -639,13 +660,18 @@ def source_location(
         is_output = fs.exists(f"{root}/{MANIFEST_NAME}")
     except OSError as exc:
         raise remote_error(url, exc) from None
-    if is_output:  # by the route, fetched whole and checked; pinned while the conversion reads it
-        options = ReadOptions(storage_options=storage_options, cache_dir=cache_dir)
-        files = open_output(url, options).files
+    if is_output:  # read in place: every process opens it by its URL (remote_output)
+        scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
         try:
-            yield files.root
+            where = {
+                "url": url,
+                "storage_options": storage_options or {},
+                "cache_dir": None if cache_dir is None else str(cache_dir),
+            }
+            (scratch / STORE_OUTPUT).write_text(json.dumps(where, sort_keys=True))
+            yield scratch
         finally:
-            files.close()
+            shutil.rmtree(scratch, ignore_errors=True)
         return
     with source_folder(url, storage_options, listing_only, runner) as folder:
         yield folder

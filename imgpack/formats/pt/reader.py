@@ -17,6 +17,7 @@ from imgpack.formats.dataset_base import (
     check_file_order,
     check_labels,
     check_offsets,
+    joined_paths,
     new_batch_tensor,
 )
 from imgpack.formats.gather import shard_runs, take_rows, void_rows
@@ -174,15 +175,18 @@ class PTDataset(ImageDataset):
         return found
 
     def _load_targets(self) -> list[int]:
-        return [
-            t for i in range(len(self.manifest.files)) for t in self._shard(i)["labels"].tolist()
-        ]
+        return [t for i in range(len(self.manifest.files)) for t in self._shard_targets(i)]
+
+    def _shard_targets(self, number: int) -> list[int]:
+        labels: list[int] = self._shard(number)["labels"].tolist()
+        return labels
 
     def _load_paths(self) -> list[str] | None:
-        shards = [self._shard(i) for i in range(len(self.manifest.files))]
-        if any("paths" not in shard for shard in shards):
-            return None
-        return [str(p) for shard in shards for p in shard["paths"]]
+        return joined_paths([self._shard_paths(i) for i in range(len(self.manifest.files))])
+
+    def _shard_paths(self, number: int) -> list[str] | None:
+        shard = self._shard(number)
+        return [str(p) for p in shard["paths"]] if "paths" in shard else None
 
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
         shard_of = self._shard_of(indices)
@@ -207,8 +211,15 @@ class PTDataset(ImageDataset):
     def stored_sizes(self, chunk: int = 4096) -> np.ndarray:
         if self._raw:
             return super().stored_sizes(chunk)
-        parts = [np.diff(self._columns(k)[1]) for k in range(len(self.manifest.files))]
-        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+        parts = [self._shard_sizes(k) for k in range(len(self.manifest.files))]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    def _shard_sizes(self, number: int) -> np.ndarray:
+        if self._raw:
+            image = self.manifest.image
+            size = int(image["height"]) * int(image["width"]) * self.channels
+            return np.full(self.manifest.files[number].num_samples, size, np.int64)
+        return np.diff(self._columns(number)[1]).astype(np.int64)
 
     def _columns(self, number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, str]:
         """Shard ``number``'s data (images), offsets, labels and checksums as numpy views of

@@ -8,6 +8,7 @@ CRCs checked by default) and :class:`~imgpack.formats.framing.stream.TFRecordStr
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -228,9 +229,12 @@ class TFRecordDataset(PreadDataset):
         [(_, frame, where)] = list(self._frames(self._indices([index])))
         return self.records.features(frame, where), where
 
-    def encoded(self, start: int, stop: int, chunk: int = 256) -> Iterator[Encoded]:
+    def encoded(
+        self, start: int, stop: int, chunk: int = 256, paths: bool = True
+    ) -> Iterator[Encoded]:
         """As :meth:`ImageDataset.encoded`: each record's ``image/encoded`` bytes as stored,
-        with its label, ``image/filename``, format and size (the frame CRCs checked)."""
+        with its label, ``image/filename`` (in the record: read whatever ``paths`` says),
+        format and size (the frame CRCs checked)."""
         for first in range(start, stop, chunk):
             indices = np.arange(first, min(stop, first + chunk), dtype=np.int64)
             found: list[Encoded | None] = [None] * len(indices)
@@ -261,14 +265,35 @@ class TFRecordDataset(PreadDataset):
         """Each record's framed size where the files are indexed (uncompressed: the record
         holds the image and its few features, the plan's estimate of it); compressed files'
         records are read for their images' sizes."""
-        shards = self.records.shards
-        sizes = [s.sizes for s in shards if not s.compressed]
-        if not self._encoded or len(sizes) < len(shards) or sum(map(len, sizes)) != len(self):
+        if not self._framed_sizes:
             return super().stored_sizes(chunk)
+        sizes = [s.sizes for s in self.records.shards]
         return np.concatenate(sizes).astype(np.int64) if sizes else np.empty(0, np.int64)
+
+    @functools.cached_property
+    def _framed_sizes(self) -> bool:
+        """Whether :meth:`stored_sizes` are the records' framed sizes (every file indexed)."""
+        shards = self.records.shards
+        indexed = [len(s.sizes) for s in shards if not s.compressed]
+        return self._encoded and len(indexed) == len(shards) and sum(indexed) == len(self)
 
     def _load_targets(self) -> list[int]:
         return list(self.records.labels)
+
+    def _shard_targets(self, number: int) -> list[int]:
+        if self.records.foreign:  # the labels their scan found
+            return super()._shard_targets(number)
+        return self.records.shard_labels(number)
+
+    def _shard_paths(self, number: int) -> list[str] | None:
+        if self.records.foreign:
+            return super()._shard_paths(number)
+        return self.records.shard_paths(number)
+
+    def _shard_sizes(self, number: int) -> np.ndarray:
+        if not self._framed_sizes:  # each record's image read: every file's (rare: GZIP files)
+            return super()._shard_sizes(number)
+        return self.records.shards[number].sizes.astype(np.int64)
 
     def _field_values_of(
         self, features: dict[str, example.FeatureValue], where: str

@@ -256,20 +256,33 @@ class Records:
     @property
     def labels(self) -> list[int]:
         if self._labels is None:
-            self._labels = [label for _, _, _, label, _ in self.iterate()]
+            self._labels = [t for n in range(len(self.shards)) for t in self.shard_labels(n)]
         return self._labels
+
+    def shard_labels(self, number: int) -> list[int]:
+        """The labels of shard ``number``'s records (that file read through alone)."""
+        wanted = {number: set(range(len(self.shards[number])))}
+        return [label for _, _, _, label, _ in self.iterate(wanted)]
 
     @property
     def paths(self) -> list[str] | None:
         """The ``image/filename`` of every record, or ``None`` unless every record has one."""
         if self._paths is None and not self.foreign:
             paths: list[str] | None = []
-            for shard in self.shards:
-                with self.open(shard) as fh:
-                    for offset, data in framing.iter_frames(fh, str(shard.path), self.check_crc):
-                        paths = collect_path(paths, parse(data, f"{shard.path} at offset {offset}"))
+            for number in range(len(self.shards)):
+                found = self.shard_paths(number)
+                paths = None if paths is None or found is None else paths + found
             self._paths = paths
         return self._paths
+
+    def shard_paths(self, number: int) -> list[str] | None:
+        """:attr:`paths` of shard ``number``'s records alone."""
+        shard = self.shards[number]
+        paths: list[str] | None = []
+        with self.open(shard) as fh:
+            for offset, data in framing.iter_frames(fh, str(shard.path), self.check_crc):
+                paths = collect_path(paths, parse(data, f"{shard.path} at offset {offset}"))
+        return paths
 
     def stored(self, data: memoryview, where: str) -> tuple[bytes | np.ndarray, int]:
         """``(image, label)`` of one record's data: the ``image/encoded`` bytes, or for a RAW

@@ -20,6 +20,7 @@ from imgpack.formats.dataset_base import (
     check_file_order,
     check_labels,
     check_output_id,
+    joined_paths,
     new_batch_tensor,
     scratch_tensor,
 )
@@ -112,24 +113,38 @@ class WebDatasetDataset(PreadDataset):
     def stored_sizes(self, chunk: int = 4096) -> np.ndarray:
         return self._sizes.copy() if self._encoded else super().stored_sizes(chunk)
 
+    def _shard_sizes(self, number: int) -> np.ndarray:
+        if not self._encoded:
+            return super()._shard_sizes(number)  # the raw pixels' fixed size, not the .npy's
+        return self._sizes[self._first[number] : self._first[number + 1]].copy()
+
     def _load_targets(self) -> list[int]:
         return self._labels.tolist()
 
+    def _shard_targets(self, number: int) -> list[int]:
+        labels: list[int] = self._labels[self._first[number] : self._first[number + 1]].tolist()
+        return labels
+
     def _load_paths(self) -> list[str] | None:
+        return joined_paths([self._shard_paths(k) for k in range(len(self._paths))])
+
+    def _shard_paths(self, number: int) -> list[str]:
+        """The paths the metadata members of shard ``number`` hold (its tar read through)."""
         paths: list[str] = []
-        for number, shard in enumerate(self._paths):
-            try:
-                with tarfile.open(self._local(number), "r:") as tar:
-                    for member in tar:
-                        if member.name.endswith(self._metadata):
-                            data = tar.extractfile(member)
-                            assert data is not None
-                            paths.append(str(json.loads(data.read())["path"]))
-            except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
-                raise DataError(f"{shard}: cannot read the sample metadata: {exc}") from None
-        if len(paths) != len(self):
+        shard = self._paths[number]
+        try:
+            with tarfile.open(self._local(number), "r:") as tar:
+                for member in tar:
+                    if member.name.endswith(self._metadata):
+                        data = tar.extractfile(member)
+                        assert data is not None
+                        paths.append(str(json.loads(data.read())["path"]))
+        except (OSError, tarfile.TarError, ValueError, KeyError) as exc:
+            raise DataError(f"{shard}: cannot read the sample metadata: {exc}") from None
+        expected = self.manifest.files[number].num_samples
+        if len(paths) != expected:
             raise DataError(
-                f"{self.root}: holds {len(paths)} {self._metadata} members, expected {len(self)}"
+                f"{shard}: holds {len(paths)} {self._metadata} members, expected {expected}"
             )
         return paths
 

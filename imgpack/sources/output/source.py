@@ -12,10 +12,22 @@ label map and the source paths it stores:
 
 The new manifest's ``source`` records where the samples came from, and the source's own
 ``source`` under ``from``: the chain of conversions.
+
+An output in a bucket is read in place, never downloaded by the driver: a scan task per data file
+(:func:`scan_output_file`, on the executor's workers) opens the output by its URL, as a reader
+does (a shard fetched into that machine's cache as it is read; ``lmdb``/``hdf5``, one file,
+fetched whole there) and returns what the scan takes of that file's samples
+(:meth:`~imgpack.formats.dataset_base.ImageDataset.shard_scan`); the driver joins them into what
+the whole output's reader would give (:class:`ScannedOutput`), so the plan and the bytes are a
+local copy's. Each shard task then reads its samples through its own reader of the URL.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +38,9 @@ from imgpack.errors import DataError, ImageError
 from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy, Kind, process_bytes, process_pixels
 from imgpack.manifest import MANIFEST_NAME, Manifest
-from imgpack.scan import Sample, Scan
+from imgpack.opening import ReadOptions, open_output
+from imgpack.scan import Sample, Scan, ShardScan, joined_paths
+from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
     ScanRequest,
@@ -34,9 +48,11 @@ from imgpack.sources.base import (
     changed_source,
     digest,
     empty_classes,
+    forget,
     opened,
     relabel,
 )
+from imgpack.system import each_task, lends_tasks
 
 if TYPE_CHECKING:
     from imgpack.formats.dataset_base import ImageDataset
@@ -45,38 +61,152 @@ if TYPE_CHECKING:
 class OutputSource(Source):
     @classmethod
     def detect(cls, src: Path) -> bool:
-        return src.is_dir() and (src / MANIFEST_NAME).is_file()
+        if not src.is_dir():
+            return False
+        return (src / MANIFEST_NAME).is_file() or listing.remote_output(src) is not None
+
+    @functools.cached_property
+    def remote(self) -> tuple[str, dict[str, Any], str | None] | None:
+        """An output in a bucket, read in place: its URL, storage options and the cache folder
+        its readers fetch into (:func:`imgpack.sources.listing.remote_output`)."""
+        return listing.remote_output(self.src) if self.src.is_dir() else None
 
     def scan(self, request: ScanRequest) -> Scan:
         from imgpack.readers import open_dataset
 
-        ds = open_dataset(self.src, verify=False)
-        manifest = ds.manifest
-        origin: dict[str, Any] = {
-            "format": manifest.format,
-            "encoding": manifest.encoding,
-            "image": dict(manifest.image),
-            "options": dict(manifest.options),
-            **output_identity(manifest),
-            "from": dict(manifest.source),
-        }
-        return scan_reader(self.src, ds, request, origin)
+        if self.remote is None:
+            ds = open_dataset(self.src, verify=False)
+            return scan_reader(self.src, ds, request, _origin(ds.manifest))
+        url, storage_options, cache_dir = self.remote
+        options = ReadOptions(storage_options=storage_options, cache_dir=cache_dir)
+        opened = open_output(url, options, lazy=True)  # its manifest (and small index files)
+        opened.files.close()
+        manifest = opened.manifest
+        names = tuple(f.name for f in _kept(manifest, request))
+        found = scan_output_files(url, storage_options, cache_dir, manifest, names, request.runner)
+        return scan_reader(url, ScannedOutput(manifest, found), request, _origin(manifest))
 
     def identity(self, scan: Scan) -> str:
         origin = scan.origin or {}
         return digest({k: origin.get(k) for k in ("output_id", "sha256")})
 
     def fetcher(self, scan: Scan, policy: ImagePolicy, encoding: Encoding, run: str) -> Fetcher:
+        url, storage_options, cache_dir = self.remote or (str(self.src), {}, None)
         return OutputFetcher(
-            str(self.src), carries_over(scan, policy, encoding), self.identity(scan), run
+            url,
+            carries_over(scan, policy, encoding),
+            self.identity(scan),
+            run,
+            json.dumps(storage_options, sort_keys=True),
+            cache_dir,
         )
+
+
+def _origin(manifest: Manifest) -> dict[str, Any]:
+    """What the new manifest records of an output read as SRC (its ``converted_from``)."""
+    return {
+        "format": manifest.format,
+        "encoding": manifest.encoding,
+        "image": dict(manifest.image),
+        "options": dict(manifest.options),
+        **output_identity(manifest),
+        "from": dict(manifest.source),
+    }
+
+
+def _kept(manifest: Manifest, request: ScanRequest) -> list[Field]:
+    """The fields of an output read as SRC that the conversion keeps (``--fields``)."""
+    return [f for f in manifest.fields if request.fields is None or f.name in request.fields]
+
+
+# -- an output in a bucket, scanned by tasks -------------------------------------------------
+def scan_output_files(
+    url: str,
+    storage_options: dict[str, Any],
+    cache_dir: str | None,
+    manifest: Manifest,
+    fields: tuple[str, ...],
+    runner: Any = None,
+) -> list[ShardScan]:
+    """What the scan takes of each data file of the output at ``url`` (``manifest``; one item
+    for a one-file format), in order: by ``runner``'s tasks, a file each, where the
+    conversion's executor lends them (:func:`~imgpack.system.lends_tasks`), else here."""
+    from imgpack.readers import reader_class
+
+    count = len(manifest.files) if reader_class(manifest.format).lazy_files else 1
+    identity = digest(output_identity(manifest))
+    options = json.dumps(storage_options, sort_keys=True)
+    run = uuid.uuid4().hex  # the readers these tasks open are this scan's
+    items = [(url, options, cache_dir, identity, run, k, fields) for k in range(count)]
+    if lends_tasks(runner):  # one file too: the driver fetches none
+        named = [f"{url}/{e.path}" for e in manifest.files]
+        tasks = each_task(runner, scan_output_file, items, lambda i: (named[i[5]], "reading it"))
+        return [found for _, found in tasks]
+    try:
+        return [scan_output_file(item) for item in items]
+    finally:
+        forget()
+
+
+def scan_output_file(
+    item: tuple[str, str, str | None, str, str, int, tuple[str, ...]],
+) -> ShardScan:
+    """A task: :meth:`~imgpack.formats.dataset_base.ImageDataset.shard_scan` of data file
+    ``number`` of the output at ``url`` (the output the driver planned from, else refused),
+    read through this process's reader of it."""
+    url, options, cache_dir, identity, run, number, fields = item
+    ds = opened(
+        run, ("output-scan", url, identity), lambda: _open(url, options, cache_dir, identity, False)
+    )
+    return ds.shard_scan(number, fields)
+
+
+def _open(
+    location: str, options: str, cache_dir: str | None, identity: str, verify: bool
+) -> ImageDataset:
+    """The output at ``location`` opened by its reader (a bucket's through ``cache_dir``),
+    refused as changed unless it is the one ``identity`` names."""
+    from imgpack.readers import open_dataset
+
+    ds = open_dataset(
+        location, storage_options=json.loads(options) or None, cache_dir=cache_dir, verify=verify
+    )
+    if identity and digest(output_identity(ds.manifest)) != identity:
+        raise changed_source(location)
+    return ds
+
+
+class ScannedOutput:
+    """An output's data files scanned apart (:func:`scan_output_files`), joined: it answers
+    :func:`scan_reader` as the whole output's reader would (the same lists, made the same
+    way)."""
+
+    def __init__(self, manifest: Manifest, found: Sequence[ShardScan]) -> None:
+        self.manifest = manifest
+        self._found = found
+        self.targets = [t for part in found for t in part.targets]
+
+    def stored_paths(self) -> list[str] | None:
+        return joined_paths([part.paths for part in self._found])
+
+    def stored_sizes(self) -> np.ndarray:
+        sizes = [s for part in self._found for s in part.sizes]
+        return np.asarray(sizes, dtype=np.int64)
+
+    def field(self, name: str) -> Any:
+        from imgpack.formats.batch import field_column
+        from imgpack.formats.dataset_base import ImageDataset
+
+        found = next(f for f in self.manifest.fields if f.name == name)
+        stored = [data for part in self._found for data in part.fields[name]]
+        return field_column(found.type, ImageDataset._decoded(found, stored))
 
 
 def _fields(ds: Any, request: ScanRequest) -> tuple[list[Field], dict[str, list[Any]]]:
     """The fields of an output read as SRC (those ``--fields`` names, if given; a
     ``--field`` type instead of the stored one), and each one's values, read whole."""
     given = {f.name: f for f in request.field_types}
-    kept = [f for f in ds.manifest.fields if request.fields is None or f.name in request.fields]
+    kept = _kept(ds.manifest, request)
     columns: dict[str, list[Any]] = {}
     for found in kept:
         column = ds.field(found.name)
@@ -84,7 +214,7 @@ def _fields(ds: Any, request: ScanRequest) -> tuple[list[Field], dict[str, list[
     return [given.get(f.name, f) for f in kept], columns
 
 
-def scan_reader(src: Path, ds: Any, request: ScanRequest, origin: dict[str, Any]) -> Scan:
+def scan_reader(src: Path | str, ds: Any, request: ScanRequest, origin: dict[str, Any]) -> Scan:
     """The scan of a dataset (an imgpack output, TFRecord files): its samples in its order, its
     label map (or ``request.classes``, remapped by name), its stored source paths and the size
     of each stored image (:meth:`~imgpack.formats.dataset_base.ImageDataset.stored_sizes`)."""
@@ -151,15 +281,18 @@ _KINDS = {"jpeg": Kind.JPEG, "png": Kind.PNG, "raw": Kind.RAW}
 class OutputFetcher(Fetcher):
     """One sample of an imgpack output, carried over or re-encoded (see the module doc)."""
 
+    #: The output: a local path, or a URL read in place (through ``cache_dir``).
     root: str
     carry: bool
     identity: str
     run: str
+    storage_options: str = "{}"
+    cache_dir: str | None = None
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         ds = opened(self.run, ("output", self.root, self.identity), self._open)
-        try:
-            stored = next(ds.encoded(sample.index, sample.index + 1))
+        try:  # the sample's path is the scan's: the output's paths are never read whole here
+            stored = next(ds.encoded(sample.index, sample.index + 1, paths=False))
         except DataError as exc:
             raise ImageError(sample.path, f"damaged record in the source output: {exc}") from None
         stored = replace(stored, path=sample.path, label=sample.label)
@@ -173,10 +306,4 @@ class OutputFetcher(Fetcher):
         return process_bytes(stored.payload, stored.path, stored.label, policy, encoding)
 
     def _open(self) -> ImageDataset:
-        from imgpack.readers import open_dataset
-
-        ds = open_dataset(self.root, verify=True)
-        found = digest(output_identity(ds.manifest))
-        if self.identity and found != self.identity:
-            raise changed_source(self.root)
-        return ds
+        return _open(self.root, self.storage_options, self.cache_dir, self.identity, True)
