@@ -204,7 +204,9 @@ class Plan:
         digest = hashlib.sha256()
         # A bucket SRC's scratch copy has a new path every run: the store's stamps of every
         # object (in the output id) identify it.
-        copied = (self.src / listing.STORE_LISTING).is_file()
+        copied = any(
+            (self.src / n).is_file() for n in (listing.STORE_LISTING, listing.STORE_MANIFEST)
+        )
         source = "a bucket's copy" if copied else str(self.src.resolve())
         head = {"output": self.output_id, "source": source, "part": self.part}
         digest.update(json.dumps(head, sort_keys=True).encode())

@@ -25,6 +25,11 @@ With --tfrecords N, the same with TFRecord files of 1 MB (a local tfrecord conve
 .tfrecord files, without its manifest and .idx files). --shard-size sets the output's shards
 (256 KB by default: many shard tasks, each a GET or two).
 
+With --outputs N, SRC is an imgpack `pt` output of N such images in 1 MB shards, converted bucket
+to bucket twice: the time, the bytes of SRC's files the driver fetched itself (none: scan tasks
+and shard tasks read it), and the GETs of SRC's files. --imgpack runs another checkout's imgpack
+(an earlier commit's, its C extensions built) for a before figure.
+
 With --listing FOLDERSxPER (e.g. 8x2000; 0xN: N objects at the top level, a flat bucket), only
 the listing of a bucket image folder of that many tiny objects, taken as a conversion takes it
 (imgpack.sources.listing.source_folder): by threads of the driver, as an executor that runs no
@@ -35,6 +40,7 @@ the driver's CPU and the workers' CPU.
     python scripts/bench_bucket.py --listing 8x2000
     python scripts/bench_bucket.py --tars 16000
     python scripts/bench_bucket.py --tfrecords 16000
+    python scripts/bench_bucket.py --outputs 16000 [--imgpack OTHER_CHECKOUT]
 """
 
 from __future__ import annotations
@@ -82,6 +88,15 @@ def counted(real):
 for name in ("LocalExecutor", "RayExecutor"):
     cls = getattr(executors, name)
     cls.tasks = counted(cls.tasks)
+import os
+from imgpack.storage import cache as cache_module, lazy as lazy_module
+driver, fetched = os.getpid(), [0]  # bytes of SRC files this process (not a worker) fetched
+real_fetch = cache_module.fetch_file
+def fetch_file(fs, remote, local, entry, url):
+    if os.getpid() == driver:
+        fetched[0] += entry.bytes
+    return real_fetch(fs, remote, local, entry, url)
+cache_module.fetch_file = lazy_module.fetch_file = fetch_file
 src, dst, executor, parts, part, shard_size = sys.argv[1:7]
 if sys.argv[7:] == ["download"]:  # the route bucket tars and TFRecords took before
     import imgpack.pipeline as pipeline
@@ -93,7 +108,8 @@ done = time.perf_counter()
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print("RESULT " + json.dumps({"plan_s": marks["plan"] - start, "first_s": marks["first"] - start,
       "total_s": done - start, "rss_kib": hwm, "samples": manifest.num_samples,
-      "bytes": manifest.total_bytes, "shards": len(manifest.files), "returned": returned[0]}))
+      "bytes": manifest.total_bytes, "shards": len(manifest.files), "returned": returned[0],
+      "driver_fetched": fetched[0]}))
 """
 
 
@@ -186,6 +202,8 @@ def run_driver(
     first)."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-tmp-"))
     env = {**os.environ, "TMPDIR": str(scratch), "IMGPACK_CACHE_DIR": str(cache)}
+    if IMGPACK_TREE:  # another checkout's imgpack (its C extensions built): a before figure
+        env["PYTHONPATH"] = os.pathsep.join([IMGPACK_TREE, env.get("PYTHONPATH", "")])
     peaks = {"scratch": 0, "build": 0}
     done = threading.Event()
 
@@ -213,6 +231,42 @@ def run_driver(
         raise SystemExit(run.stderr[-3000:])
     line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
     return {**json.loads(line[len("RESULT ") :]), **peaks}
+
+
+#: ``--imgpack TREE``: the checkout whose imgpack the conversions run (default: this one).
+IMGPACK_TREE = ""
+
+
+def output_in_place(data: str, count: int, shard_size: str) -> dict[str, float]:
+    """An imgpack ``pt`` output of ``count`` images in 1 MB shards, in the bucket, converted
+    bucket to bucket to ``webdataset`` (the local pool of 2 workers), twice: the time, the plan,
+    the bytes of SRC's files the driver fetched itself, and the GETs of SRC's data files."""
+    from imgpack import convert
+
+    print(f"machine: {machine()}")
+    folder = make_png_folder(Path(data) / f"png32-{count}", count, 32, 10)
+    log = Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log"
+    rows: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory() as scratch, bucket(log):
+        made = convert(folder, Path(scratch) / "src", "pt", shard_size="1MB", progress=False)
+        fs = fsspec.filesystem("s3")
+        fs.put(str(Path(scratch) / "src"), f"bench/output-{count}", recursive=True)
+        for round_ in range(2):
+            cache = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+            at = log.stat().st_size
+            run = run_driver(f"s3://bench/output-{count}", f"s3://bench/output-out-{count}-{round_}",
+                             cache, "local", shard_size=shard_size)  # fmt: skip
+            shutil.rmtree(cache, ignore_errors=True)
+            requests = gets(log, f"output-{count}", at)
+            row = {"total_s": run["total_s"], "plan_s": run["plan_s"],
+                   "driver_fetched": float(run["driver_fetched"]), "gets": float(requests),
+                   "source_bytes": float(made.total_bytes), "files": float(len(made.files))}  # fmt: skip
+            rows.append(row)
+            print(f"round {round_}: {run['total_s']:.1f} s (plan ready {run['plan_s']:.1f} s), "
+                  f"the driver fetched {run['driver_fetched'] / 2**20:.2f} MiB of SRC's "
+                  f"{made.total_bytes / 2**20:.1f} MiB ({len(made.files)} shards); {requests} "
+                  f"GETs of SRC's files (manifest included)")  # fmt: skip
+    return {f"{k}_{i}": v for i, row in enumerate(rows) for k, v in row.items()}
 
 
 def gets(log: Path, prefix: str, start: int) -> int:
@@ -330,8 +384,14 @@ def main() -> None:
         "--tfrecords", type=int, default=None, help="N: SRC TFRecord files of N images"
     )
     parser.add_argument(
-        "--shard-size", default="256KB", help="with --tars or --tfrecords: the output's shards"
+        "--outputs", type=int, default=None, help="N: SRC an imgpack pt output of N images"
     )
+    parser.add_argument(
+        "--shard-size",
+        default="256KB",
+        help="with --tars, --tfrecords or --outputs: the output's shards",
+    )
+    parser.add_argument("--imgpack", default="", help="run another checkout's imgpack")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.listing:
@@ -340,6 +400,12 @@ def main() -> None:
         save_json(
             args.json, {"machine": machine(), "listing": listing_cpu(folders, per, args.rounds)}
         )
+        return
+    global IMGPACK_TREE
+    IMGPACK_TREE = args.imgpack
+    if args.outputs:
+        found_rows = output_in_place(args.data, args.outputs, args.shard_size)
+        save_json(args.json, {"machine": machine(), "outputs": found_rows})
         return
     if args.tars or args.tfrecords:
         kind = "tars" if args.tars else "tfrecords"

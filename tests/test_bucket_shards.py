@@ -1257,11 +1257,25 @@ def test_an_output_in_a_bucket_is_read_in_place(
         if workers == 2:  # by the pool's workers, never by the driver
             assert {pid for pid, name in fetched() if name in data} - {os.getpid()}
             assert all(pid != os.getpid() for pid, name in fetched() if name in data)
-    # Replaced in the bucket after the scan: the shard tasks' readers name it; nothing committed.
-    other = convert(src, tmp_path / "other", fmt, progress=False, **shard)  # type: ignore[arg-type]
-    assert other.output_id == first.output_id  # the same conversion: only its bytes change
+    # Two parts: the second takes the manifest and the scan the first saved (reads no file).
     import imgpack.sources.output.source as output_source
 
+    def scanned_again(*a: object, **k: object) -> None:
+        raise AssertionError("a part read the output's files through again")
+
+    parts = tmp_path / "parts"
+    for part in (0, 1):
+        if part == 1:
+            monkeypatch.setattr(output_source, "scan_output_files", scanned_again)
+        convert(url, parts, "webdataset", workers=2, num_parts=2, part=part,
+                cache_dir=tmp_path / "c2", **args)  # type: ignore[arg-type]  # fmt: skip
+        monkeypatch.undo()
+    made = tree_hashes(parts)
+    assert {k: v for k, v in made.items() if k.startswith("data-")} == {
+        k: v for k, v in tree_hashes(tmp_path / "expected").items() if k.startswith("data-")
+    }
+    assert open_dataset(parts).manifest.output_id == expected.output_id
+    # Replaced in the bucket after the scan: the shard tasks' readers name it; nothing committed.
     real = output_source.scan_output_files
 
     def scanned_then_replaced(*a: object, **k: object) -> object:

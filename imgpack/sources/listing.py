@@ -40,7 +40,8 @@ from imgpack.errors import (
     ManifestError,
     ScanError,
 )
-from imgpack.manifest import MANIFEST_NAME, sha256_file
+from imgpack.manifest import MANIFEST_NAME, Manifest, manifest_bytes, sha256_file
+from imgpack.opening import open_manifest
 from imgpack.scan import listed_id
 from imgpack.storage.cache import stats
 from imgpack.storage.location import (
@@ -536,6 +537,33 @@ STORE_REMOTE = ".imgpack-remote.json"
 #: process opens it by its URL and fetches the files it reads into its own cache, as a reader
 #: does): its URL, storage options and cache folder.
 STORE_OUTPUT = ".imgpack-remote-output.json"
+#: Beside it, the output's manifest as read (it lists the output's files with their sizes and
+#: sha256): the "listing" of such a source, which a part or a resume takes instead of reading
+#: it again, with the scan made of it (:func:`save_listing`). Not in the output id: the
+#: manifest's id and files are in the scan's origin already.
+STORE_MANIFEST = ".imgpack-remote-manifest.json"
+
+
+def _name_output(
+    scratch: Path, url: str, storage_options: dict[str, Any] | None, cache_dir: Location | None
+) -> None:
+    where = {
+        "url": url,
+        "storage_options": storage_options or {},
+        "cache_dir": None if cache_dir is None else str(cache_dir),
+    }
+    (scratch / STORE_OUTPUT).write_text(json.dumps(where, sort_keys=True))
+
+
+def remote_manifest(folder: Path) -> Manifest:
+    """The manifest of the output in a bucket ``folder`` stands for, as read when the
+    conversion (or the first of its runs, for a part or a resume) began."""
+    url = (remote_output(folder) or ("",))[0]
+    where = f"{url}/{MANIFEST_NAME}"
+    try:
+        return Manifest.from_json(json.loads((folder / STORE_MANIFEST).read_bytes()), where=where)
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{where}: unreadable manifest: {exc}") from None
 
 
 def remote_output(folder: Path) -> tuple[str, dict[str, Any], str | None] | None:
@@ -647,8 +675,8 @@ def source_location(
         yield local_path(location)
         return
     url = str(location).rstrip("/")
-    if saved is not None and listing_only is not None:
-        scratch = _saved_folder(url, storage_options, saved)
+    if saved is not None:
+        scratch = _saved_folder(url, storage_options, saved, cache_dir, listing_only is not None)
         if scratch is not None:
             try:
                 yield scratch
@@ -663,12 +691,9 @@ def source_location(
     if is_output:  # read in place: every process opens it by its URL (remote_output)
         scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
         try:
-            where = {
-                "url": url,
-                "storage_options": storage_options or {},
-                "cache_dir": None if cache_dir is None else str(cache_dir),
-            }
-            (scratch / STORE_OUTPUT).write_text(json.dumps(where, sort_keys=True))
+            manifest = open_manifest(url, storage_options)[1]  # the route's one GET
+            (scratch / STORE_MANIFEST).write_bytes(manifest_bytes(manifest))
+            _name_output(scratch, url, storage_options, cache_dir)
             yield scratch
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -704,14 +729,14 @@ def scanned_once(
     kept with this very listing (a part's or a resume's, brought by a saved listing), read by
     ``load``; else ``scan()``, kept as ``dump`` makes it JSON-able, to be saved with the listing
     (:func:`save_listing`). A folder that is not a bucket listing is just scanned."""
-    if remote_source(folder) is None:
+    if remote_source(folder) is None and remote_output(folder) is None:
         return scan()
     kept = _kept_scan(folder, kind)
     if kept is not None:
         return load(kept)
     found = scan()
     if not (folder / STORE_SAVED).exists():
-        body = {"listing": listing_digest(folder), "kind": kind, "found": dump(found)}
+        body = {"listing": _lines_digest(folder), "kind": kind, "found": dump(found)}
         with (
             open(folder / STORE_SCAN, "wb") as raw,
             gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed,
@@ -733,26 +758,46 @@ def _kept_scan(folder: Path, kind: str) -> Any:
         return None
     if not isinstance(body, dict) or body.get("kind") != kind:
         return None
-    return body.get("found") if body.get("listing") == listing_digest(folder) else None
+    return body.get("found") if body.get("listing") == _lines_digest(folder) else None
+
+
+def _lines(folder: Path) -> Path:
+    """What a bucket source's scratch folder holds of what the store said of it: a listing's
+    lines, or an output's manifest."""
+    return folder / (STORE_MANIFEST if remote_output(folder) is not None else STORE_LISTING)
+
+
+def _lines_digest(folder: Path) -> str | None:
+    try:
+        return sha256_file(_lines(folder), chunk=1 << 20)
+    except OSError:
+        return None
 
 
 def save_listing(folder: Path, fs: Any, root: str) -> bool:
     """Save the listing ``folder`` holds (a bucket source listed in place, :func:`source_folder`
     with ``listing_only``) in ``root`` of ``fs``: the lines, then the head. Nothing for another
     folder, or one whose listing was read from a saved one. Whether it was saved."""
-    remote = remote_source(folder)
+    output = remote_output(folder)
+    remote = remote_source(folder) or output
     if remote is None or (folder / STORE_SAVED).exists():
         return False
     digest = hashlib.sha256()
     with (
-        open(folder / STORE_LISTING, "rb") as lines,
+        open(_lines(folder), "rb") as lines,
         fs.open(f"{root}/{SAVED_LINES}", "wb") as raw,
         gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as packed,
     ):
         for chunk in iter(lambda: lines.read(_CHUNK), b""):
             digest.update(chunk)
             packed.write(chunk)
-    head = {"source": remote[0], "sha256": digest.hexdigest(), "folders": store_folders(folder)}
+    head: dict[str, Any] = {
+        "source": remote[0],
+        "sha256": digest.hexdigest(),
+        "folders": store_folders(folder) or {},
+    }
+    if output is not None:  # the lines are the output's manifest
+        head["output"] = True
     if (folder / STORE_SCAN).is_file():  # the source's scan of the objects, checked as read
         scanned = (folder / STORE_SCAN).read_bytes()
         fs.pipe_file(f"{root}/{SAVED_SCAN}", scanned)
@@ -761,10 +806,18 @@ def save_listing(folder: Path, fs: Any, root: str) -> bool:
     return True
 
 
-def _saved_folder(url: str, storage_options: dict[str, Any] | None, saved: str) -> Path | None:
+def _saved_folder(
+    url: str,
+    storage_options: dict[str, Any] | None,
+    saved: str,
+    cache_dir: Location | None = None,
+    listed: bool = True,
+) -> Path | None:
     """A scratch folder holding the listing of ``url`` saved at ``saved``, as
-    :func:`source_folder` would have listed it; ``None`` when none of ``url`` is saved there, or
-    it cannot be read whole (then said, and SRC is listed again)."""
+    :func:`source_folder` would have listed it (or, for an imgpack output, its manifest, as
+    :func:`source_location` names it); ``None`` when none of ``url`` is saved there, or it
+    cannot be read whole (then said, and SRC is listed again). ``listed``: whether a bucket
+    folder's listing is taken (an output's always is)."""
     fs, root = filesystem(saved, storage_options)
     try:
         head = json.loads(fs.cat_file(f"{root}/{SAVED_HEAD}"))
@@ -775,13 +828,16 @@ def _saved_folder(url: str, storage_options: dict[str, Any] | None, saved: str) 
         return None
     if not isinstance(head, dict) or head.get("source") != url:
         return None  # another source's, left by a conversion this one replaces
+    output = head.get("output") is True
+    if not (output or listed):
+        return None
     scratch = Path(tempfile.mkdtemp(prefix="imgpack-src-"))
     digest = hashlib.sha256()
     try:
         with (
             fs.open(f"{root}/{SAVED_LINES}", "rb") as raw,
             gzip.GzipFile(fileobj=raw, mode="rb") as packed,
-            open(scratch / STORE_LISTING, "wb") as lines,
+            open(scratch / (STORE_MANIFEST if output else STORE_LISTING), "wb") as lines,
         ):
             for chunk in iter(lambda: packed.read(_CHUNK), b""):
                 digest.update(chunk)
@@ -794,7 +850,8 @@ def _saved_folder(url: str, storage_options: dict[str, Any] | None, saved: str) 
             "%s: the saved listing cannot be read (%s); %s is listed again", saved, exc, url
         )
         return None
-    (scratch / STORE_FOLDERS).write_text(json.dumps(head["folders"], sort_keys=True))
+    if not output:
+        (scratch / STORE_FOLDERS).write_text(json.dumps(head["folders"], sort_keys=True))
     if isinstance(head.get("scan"), str):  # (else, or not intact: the source scans again)
         try:
             scanned = fs.cat_file(f"{root}/{SAVED_SCAN}")
@@ -804,8 +861,11 @@ def _saved_folder(url: str, storage_options: dict[str, Any] | None, saved: str) 
             log.warning(
                 "%s/%s: cannot be read (%s); %s is scanned again", saved, SAVED_SCAN, exc, url
             )
-    remote = {"url": url, "storage_options": storage_options or {}}
-    (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
+    if output:
+        _name_output(scratch, url, storage_options, cache_dir)
+    else:
+        remote = {"url": url, "storage_options": storage_options or {}}
+        (scratch / STORE_REMOTE).write_text(json.dumps(remote, sort_keys=True))
     (scratch / STORE_SAVED).write_text(saved)
     log.info("%s: not listed again; the listing saved in %s is this conversion's", url, saved)
     return scratch

@@ -24,6 +24,7 @@ local copy's. Each shard task then reads its samples through its own reader of t
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import uuid
@@ -38,7 +39,6 @@ from imgpack.errors import DataError, ImageError
 from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy, Kind, process_bytes, process_pixels
 from imgpack.manifest import MANIFEST_NAME, Manifest
-from imgpack.opening import ReadOptions, open_output
 from imgpack.scan import Sample, Scan, ShardScan, joined_paths
 from imgpack.sources import listing
 from imgpack.sources.base import (
@@ -78,12 +78,17 @@ class OutputSource(Source):
             ds = open_dataset(self.src, verify=False)
             return scan_reader(self.src, ds, request, _origin(ds.manifest))
         url, storage_options, cache_dir = self.remote
-        options = ReadOptions(storage_options=storage_options, cache_dir=cache_dir)
-        opened = open_output(url, options, lazy=True)  # its manifest (and small index files)
-        opened.files.close()
-        manifest = opened.manifest
+        manifest = listing.remote_manifest(self.src)  # read once, by the route to SRC
         names = tuple(f.name for f in _kept(manifest, request))
-        found = scan_output_files(url, storage_options, cache_dir, manifest, names, request.runner)
+        found = listing.scanned_once(  # a part's or a resume's: no file read again
+            self.src,
+            f"output:{','.join(names)}",
+            lambda: scan_output_files(
+                url, storage_options, cache_dir, manifest, names, request.runner
+            ),
+            lambda found: [_shard_json(part) for part in found],
+            lambda kept: [_shard_scan(part) for part in kept],
+        )
         return scan_reader(url, ScannedOutput(manifest, found), request, _origin(manifest))
 
     def identity(self, scan: Scan) -> str:
@@ -174,6 +179,25 @@ def _open(
     if identity and digest(output_identity(ds.manifest)) != identity:
         raise changed_source(location)
     return ds
+
+
+def _shard_json(found: ShardScan) -> dict[str, Any]:
+    """A data file's scan as JSON (:func:`imgpack.sources.listing.scanned_once`), each field's
+    stored bytes in base64."""
+
+    def text(data: bytes | None) -> str | None:
+        return None if data is None else base64.b64encode(data).decode("ascii")
+
+    fields = {name: [text(data) for data in stored] for name, stored in found.fields.items()}
+    return {"targets": found.targets, "paths": found.paths, "sizes": found.sizes, "fields": fields}
+
+
+def _shard_scan(kept: dict[str, Any]) -> ShardScan:
+    def data(text: str | None) -> bytes | None:
+        return None if text is None else base64.b64decode(text)
+
+    fields = {name: [data(text) for text in stored] for name, stored in kept["fields"].items()}
+    return ShardScan(list(kept["targets"]), kept["paths"], list(kept["sizes"]), fields)
 
 
 class ScannedOutput:
