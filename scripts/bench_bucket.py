@@ -222,6 +222,7 @@ def run_driver(
             env=env,
             capture_output=True,
             text=True,
+            cwd=IMGPACK_TREE or None,  # (python -c puts the working folder first on the path)
         )
     finally:
         done.set()
