@@ -799,10 +799,7 @@ def _manifest(plan: Plan, receipts: Sequence[dict[str, Any]], unreadable: bool =
     if not receipts:  # a part with no shard (fewer shards than parts): it adds nothing
         tally = DatasetStats.empty(plan.job.policy.channels, len(plan.scan.classes), plan.job.stats)
     count = sum(r["count"] for r in receipts)
-    manifest = manifest_for(plan, files, count, skipped, tally)
-    if listing.remote_source(plan.src) is not None:  # the bucket, not the listing's folder
-        manifest.source["path"] = plan.where
-    return manifest
+    return manifest_for(plan, files, count, skipped, tally)
 
 
 def commit(

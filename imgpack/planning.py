@@ -99,12 +99,18 @@ class Plan:
         return uuid.uuid4().hex
 
     @property
+    def remote(self) -> str | None:
+        """The URL of a bucket SRC read in place (its listing's or output's scratch folder is
+        ``src``), else ``None``."""
+        if not self.src.is_dir():
+            return None
+        remote = listing.remote_source(self.src) or listing.remote_output(self.src)
+        return remote[0] if remote is not None else None
+
+    @property
     def where(self) -> str:
         """SRC in messages: a bucket read in place by its URL, not the folder of its listing."""
-        if not self.src.is_dir():
-            return str(self.src)
-        remote = listing.remote_source(self.src) or listing.remote_output(self.src)
-        return remote[0] if remote is not None else str(self.src)
+        return self.remote or str(self.src)
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -232,7 +238,7 @@ def manifest_for(
         files=files,
         options=opts.recorded(),
         source={
-            "path": str(plan.src.resolve()),
+            "path": plan.remote or str(plan.src.resolve()),
             "image_files": len(scan.samples),
             "ignored_files": scan.ignored_files,
             "ignored": scan.ignored_reasons(),

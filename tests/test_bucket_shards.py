@@ -1257,6 +1257,12 @@ def test_an_output_in_a_bucket_is_read_in_place(
         if workers == 2:  # by the pool's workers, never by the driver
             assert {pid for pid, name in fetched() if name in data} - {os.getpid()}
             assert all(pid != os.getpid() for pid, name in fetched() if name in data)
+    # Bucket to bucket: the same shards; the manifest names SRC by its URL.
+    to_bucket = convert(url, f"{s3}/as-src-{fmt}-out", "webdataset", workers=2,
+                        cache_dir=tmp_path / "c2", **args)  # type: ignore[arg-type]  # fmt: skip
+    assert to_bucket.source["path"] == url and to_bucket.output_id == expected.output_id
+    shards = {k: v for k, v in _bucket(f"{s3}/as-src-{fmt}-out").items() if k.startswith("data-")}
+    assert shards == {p.name: p.read_bytes() for p in (tmp_path / "expected").glob("data-*")}
     # Two parts: the second takes the manifest and the scan the first saved (reads no file).
     import imgpack.sources.output.source as output_source
 

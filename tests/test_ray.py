@@ -71,6 +71,14 @@ def test_bucket_to_bucket_shard_tasks_on_two_nodes(results: dict[str, object]) -
     assert results["bucket_to_bucket"] == {"pt": True, "tfrecord": True, "webdataset": True}
 
 
+def test_an_output_in_a_bucket_is_read_by_the_tasks_on_two_nodes(
+    results: dict[str, object],
+) -> None:
+    """An imgpack output in a bucket as SRC on a 2-node cluster: scan tasks (a data file each)
+    and shard tasks read it by its URL on the nodes; the bytes of the local pool's run."""
+    assert results["output_src"] is True
+
+
 def test_a_shard_task_that_kills_its_worker_every_try_is_named_or_skipped(
     results: dict[str, object],
 ) -> None:

@@ -189,6 +189,19 @@ def main(work: Path) -> None:
             and len(on_ray.files) > 2
         )
     results["bucket_to_bucket"] = to_bucket
+    # An imgpack output in the bucket as SRC: scan tasks and shard tasks on the nodes read it
+    # by its URL (the driver fetches none of it): the bytes of the local pool's run.
+    pool = convert("s3://bucket/pool-pt", "s3://bucket/out-pool", "webdataset", workers=2,
+                   shard_size="8KB", progress=False)  # fmt: skip
+    on_ray = convert("s3://bucket/pool-pt", "s3://bucket/out-ray", "webdataset", executor="ray",
+                     shard_size="8KB", progress=False)  # fmt: skip
+    results["output_src"] = (
+        bucket_files(fs, "bucket/out-pool") == bucket_files(fs, "bucket/out-ray")
+        and pool == on_ray
+        and pool.source["path"] == "s3://bucket/pool-pt"
+        and on_ray.num_samples == 120
+        and len(on_ray.files) > 2
+    )
     fs.put(str(src), "bucket/poison", recursive=True)
     fs.pipe("bucket/poison/class1/poison.png", (src / "class1" / "img0001.png").read_bytes())
     results["shard_poison_fail"] = error_of(
