@@ -1281,6 +1281,13 @@ def test_an_output_in_a_bucket_is_read_in_place(
         k: v for k, v in tree_hashes(tmp_path / "expected").items() if k.startswith("data-")
     }
     assert open_dataset(parts).manifest.output_id == expected.output_id
+    # Part 0 of another run saves the scan; after the output is replaced (below) it is not taken.
+    convert(url, tmp_path / "stale", "webdataset", workers=2, num_parts=2, part=0,
+            cache_dir=tmp_path / "c2", **args)  # type: ignore[arg-type]  # fmt: skip
+    saved = f"{tmp_path / 'stale'}/{direct.SAVED}"
+    with listing.source_location(url, listing_only=lambda top: True, saved=saved) as folder:
+        assert listing.remote_manifest(folder).output_id == first.output_id
+        assert (folder / listing.STORE_SCAN).is_file()  # taken: nothing of SRC read but one GET
     # Replaced in the bucket after the scan: the shard tasks' readers name it; nothing committed.
     real = output_source.scan_output_files
 
@@ -1299,3 +1306,7 @@ def test_an_output_in_a_bucket_is_read_in_place(
     assert failed.exit_code == 1, failed.output
     assert f"{url}: the source changed after this conversion planned it" in failed.output
     assert "Traceback" not in failed.output and not (tmp_path / "late").exists()
+    # The saved scan is of the output before: a part or a resume now scans the new one.
+    with listing.source_location(url, listing_only=lambda top: True, saved=saved) as folder:
+        assert listing.remote_manifest(folder).output_id != first.output_id
+        assert not (folder / listing.STORE_SCAN).exists()

@@ -806,6 +806,17 @@ def save_listing(folder: Path, fs: Any, root: str) -> bool:
     return True
 
 
+def _same_output(scratch: Path, url: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether the output at ``url`` is still the one whose manifest ``scratch`` holds (one GET:
+    an output replaced since its scan was saved is scanned again, not planned from the old)."""
+    try:
+        live = manifest_bytes(open_manifest(url, storage_options)[1])
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return (scratch / STORE_MANIFEST).read_bytes() == live
+
+
 def _saved_folder(
     url: str,
     storage_options: dict[str, Any] | None,
@@ -848,6 +859,12 @@ def _saved_folder(
         shutil.rmtree(scratch, ignore_errors=True)
         log.warning(
             "%s: the saved listing cannot be read (%s); %s is listed again", saved, exc, url
+        )
+        return None
+    if output and not _same_output(scratch, url, storage_options):
+        shutil.rmtree(scratch, ignore_errors=True)
+        log.warning(
+            "%s: replaced since the scan saved in %s was made; it is scanned again", url, saved
         )
         return None
     if not output:
