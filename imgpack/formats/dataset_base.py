@@ -108,6 +108,21 @@ def integer_indices(indices: Any, where: str) -> np.ndarray:
     return found.astype(np.int64, copy=False)
 
 
+def decoded_values(found: Field, stored: Sequence[bytes | None]) -> list[Any]:
+    """Field ``found``'s values from their stored bytes (``None`` stays ``None``; a tensor each
+    for ``int[]`` and ``float[]``)."""
+    values = [None if data is None else found.decode(data) for data in stored]
+    if found.type in ("int[]", "float[]"):
+        return [None if v is None else torch.from_numpy(v) for v in values]
+    return values
+
+
+def stored_column(found: Field, stored: Sequence[bytes | None]) -> Any:
+    """Field ``found``'s column (:meth:`ImageDataset.field`) from its values' stored bytes, in
+    sample order: how every reader, and a scan that stands for one, makes it."""
+    return field_column(found.type, decoded_values(found, stored))
+
+
 class ImageDataset(Dataset[tuple[Any, Any]], ABC):
     """Base class of the readers: ``ds[i]`` is ``(image, label)`` with a uint8 ``(C, H, W)`` image.
 
@@ -374,7 +389,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         values: list[Any] = []
         for first in range(0, len(self), chunk):
             stored = self.stored_field(name, first, min(len(self), first + chunk), chunk)
-            values += self._decoded(found, stored)
+            values += decoded_values(found, stored)
         return field_column(found.type, values)
 
     def stored_field(
@@ -408,17 +423,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
             return ()
         stored = self._stored_fields(indices)
         positions = {name: k for k, name in enumerate(self.fields)}
-        return tuple(
-            field_column(self.fields[n].type, self._decoded(self.fields[n], stored[positions[n]]))
-            for n in names
-        )
-
-    @staticmethod
-    def _decoded(found: Field, stored: list[bytes | None]) -> list[Any]:
-        values = [None if data is None else found.decode(data) for data in stored]
-        if found.type in ("int[]", "float[]"):
-            return [None if v is None else torch.from_numpy(v) for v in values]
-        return values
+        return tuple(stored_column(self.fields[n], stored[positions[n]]) for n in names)
 
     # -- the dataset protocol ------------------------------------------------------------
     def __len__(self) -> int:
@@ -540,8 +545,17 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         return None if paths is None else paths[self._first[number] : self._first[number + 1]]
 
     def _shard_sizes(self, number: int) -> np.ndarray:
-        """:meth:`_shard_targets` for the stored sizes."""
-        return self.stored_sizes()[self._first[number] : self._first[number + 1]]
+        """:meth:`_shard_targets` for the stored sizes (raw pixels: their fixed size)."""
+        start, stop = self._first[number], self._first[number + 1]
+        if not self._encoded:
+            return np.full(stop - start, self._raw_bytes, np.int64)
+        return self.stored_sizes()[start:stop]
+
+    @property
+    def _raw_bytes(self) -> int:
+        """The bytes of one raw image (an output of fixed size)."""
+        image = self.manifest.image
+        return int(image["height"]) * int(image["width"]) * self.channels
 
     @abstractmethod
     def _records(self, indices: np.ndarray) -> Iterator[Record]:
@@ -606,8 +620,7 @@ class ImageDataset(Dataset[tuple[Any, Any]], ABC):
         this output plans its shards by (the raw pixels' fixed size; by default each encoded
         record read once, unchecked; formats with an index of sizes override it)."""
         if not self._encoded:
-            image = self.manifest.image
-            return np.full(len(self), int(image["height"]) * int(image["width"]) * self.channels)
+            return np.full(len(self), self._raw_bytes, np.int64)
         sizes = np.empty(len(self), np.int64)
         for first in range(0, len(self), chunk):
             indices = np.arange(first, min(len(self), first + chunk), dtype=np.int64)

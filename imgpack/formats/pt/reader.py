@@ -216,9 +216,7 @@ class PTDataset(ImageDataset):
 
     def _shard_sizes(self, number: int) -> np.ndarray:
         if self._raw:
-            image = self.manifest.image
-            size = int(image["height"]) * int(image["width"]) * self.channels
-            return np.full(self.manifest.files[number].num_samples, size, np.int64)
+            return super()._shard_sizes(number)
         return np.diff(self._columns(number)[1]).astype(np.int64)
 
     def _columns(self, number: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, str]:

@@ -291,8 +291,8 @@ class TFRecordDataset(PreadDataset):
         return self.records.shard_paths(number)
 
     def _shard_sizes(self, number: int) -> np.ndarray:
-        if not self._framed_sizes:  # each record's image read: every file's (rare: GZIP files)
-            return super()._shard_sizes(number)
+        if not self._framed_sizes:  # raw pixels: their fixed size; else GZIP/ZLIB files
+            return super()._shard_sizes(number)  # (each record's image read, every file's)
         return self.records.shards[number].sizes.astype(np.int64)
 
     def _field_values_of(

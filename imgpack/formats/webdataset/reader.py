@@ -114,8 +114,8 @@ class WebDatasetDataset(PreadDataset):
         return self._sizes.copy() if self._encoded else super().stored_sizes(chunk)
 
     def _shard_sizes(self, number: int) -> np.ndarray:
-        if not self._encoded:
-            return super()._shard_sizes(number)  # the raw pixels' fixed size, not the .npy's
+        if not self._encoded:  # the raw pixels' fixed size, not the .npy member's
+            return super()._shard_sizes(number)
         return self._sizes[self._first[number] : self._first[number + 1]].copy()
 
     def _load_targets(self) -> list[int]:

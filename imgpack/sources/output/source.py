@@ -218,12 +218,11 @@ class ScannedOutput:
         return np.asarray(sizes, dtype=np.int64)
 
     def field(self, name: str) -> Any:
-        from imgpack.formats.batch import field_column
-        from imgpack.formats.dataset_base import ImageDataset
+        from imgpack.formats.dataset_base import stored_column
 
         found = next(f for f in self.manifest.fields if f.name == name)
         stored = [data for part in self._found for data in part.fields[name]]
-        return field_column(found.type, ImageDataset._decoded(found, stored))
+        return stored_column(found, stored)
 
 
 def _fields(ds: Any, request: ScanRequest) -> tuple[list[Field], dict[str, list[Any]]]:

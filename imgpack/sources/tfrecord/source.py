@@ -343,8 +343,7 @@ class Scanned:
 
     def field(self, name: str) -> Any:
         """Field ``name``'s column, as a local copy's reader gives it."""
-        from imgpack.formats.batch import field_column
-        from imgpack.formats.dataset_base import ImageDataset
+        from imgpack.formats.dataset_base import stored_column
         from imgpack.formats.tfrecord.records import field_data
 
         (found,) = (f for f in self.manifest.fields if f.name == name)
@@ -352,7 +351,7 @@ class Scanned:
             field_data(found, self.features.get(i, {}), self.keys, self.where)
             for i in range(len(self.targets))
         ]
-        return field_column(found.type, ImageDataset._decoded(found, stored))
+        return stored_column(found, stored)
 
 
 @dataclass(frozen=True)
