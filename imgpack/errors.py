@@ -44,6 +44,19 @@ class ImageError(ImgpackError):
         return (type(self), (self.path, self.reason))
 
 
+def renamed(exc: ImgpackError, old: str, new: str) -> ImgpackError:
+    """``exc`` with ``old`` (the path of a scratch copy) said as ``new`` (what the user named, a
+    URL) in its message; ``exc`` itself where its class cannot be made from a message."""
+    if old not in str(exc):
+        return exc
+    if isinstance(exc, ImageError):
+        return ImageError(exc.path.replace(old, new), exc.reason.replace(old, new))
+    try:
+        return type(exc)(str(exc).replace(old, new))
+    except TypeError:
+        return exc
+
+
 class ManifestError(ImgpackError):
     """An ``imgpack.json`` is missing, unreadable, or of a version/format this imgpack can't read."""
 

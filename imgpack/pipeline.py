@@ -707,10 +707,25 @@ def _source(
 ) -> AbstractContextManager[Path]:
     """SRC as a local path for the conversion to DST (:func:`source_location`): a bucket image
     folder listed by ``runner``'s tasks, or read from the listing a part or a resume of this
-    conversion saved in DST."""
+    conversion saved in DST (or, while another part lists it, will save there)."""
     return source_location(
-        src, storage_options, cache_dir, _in_place(options), _saved(dst, options), runner=runner
+        src,
+        storage_options,
+        cache_dir,
+        _in_place(options),
+        _saved(dst, options),
+        runner=runner,
+        shared=_sharing(options),
     )
+
+
+def _sharing(options: ConvertOptions) -> str | None:
+    """Who this run is among the parts of a conversion that share one listing of a bucket SRC
+    (parts by shard tasks: the first to list it saves it in DST's work folder while the others
+    wait for it), else ``None``."""
+    if options.num_parts > 1 and direct.applies_locally(options):
+        return f"part {options.part} of {options.num_parts}"
+    return None
 
 
 def _target(dst: str | os.PathLike[str]) -> str:

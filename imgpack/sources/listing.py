@@ -37,12 +37,15 @@ from typing import Any, BinaryIO, TypeVar
 
 from imgpack.errors import (
     DataError,
+    ImgpackError,
     ManifestError,
     ScanError,
+    renamed,
 )
 from imgpack.manifest import MANIFEST_NAME, Manifest, manifest_bytes, sha256_file
 from imgpack.opening import open_manifest
 from imgpack.scan import listed_id
+from imgpack.storage import claim
 from imgpack.storage.cache import stats
 from imgpack.storage.location import (
     TRANSFERS,
@@ -136,7 +139,10 @@ def source_folder(
         except OSError as exc:
             raise remote_error(url, exc) from None
         fs.invalidate_cache(root)
-        yield scratch
+        try:
+            yield scratch
+        except ImgpackError as exc:  # said of the scratch copy: named as the user named SRC
+            raise renamed(exc, str(scratch), url) from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -661,6 +667,7 @@ def source_location(
     listing_only: Callable[[TopLevel], bool] | None = None,
     saved: str | None = None,
     runner: Any = None,
+    shared: str | None = None,
 ) -> Iterator[Path]:
     """A local path holding the conversion source ``location``: for an imgpack output in a
     bucket, a scratch folder that names it (:func:`remote_output`; its readers open it by URL,
@@ -670,19 +677,63 @@ def source_location(
     ``saved``: where a listing of this source may have been saved (DST's work folder, for a part
     or a resume of a conversion): when one of ``location`` is there, intact, it is taken instead
     of listing (nothing of SRC is asked, not even whether it is an output). ``runner``: the
-    conversion's executor, whose tasks list SRC's folders (:func:`source_folder`)."""
+    conversion's executor, whose tasks list SRC's folders (:func:`source_folder`).
+
+    ``shared``: who this process is among the parts of one conversion started together (for
+    example ``"part 1 of 4"``), all of which would list SRC: while one of them lists it and
+    scans it, and says so by a claim in ``saved`` (:mod:`imgpack.storage.claim`), the others
+    wait for the listing and scan it saves there (:func:`save_listing`) and take them."""
     if not is_url(location):
         yield local_path(location)
         return
     url = str(location).rstrip("/")
     if saved is not None:
-        scratch = _saved_folder(url, storage_options, saved, cache_dir, listing_only is not None)
+        listed = listing_only is not None
+        scratch = _saved_folder(url, storage_options, saved, cache_dir, listed)
+        if scratch is None and shared is not None:
+            scratch = claim.wait_for(
+                saved,
+                SAVED_CLAIM,
+                url,
+                lambda: _saved_folder(url, storage_options, saved, cache_dir, listed),
+                storage_options,
+            )
         if scratch is not None:
             try:
                 yield scratch
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             return
+    with contextlib.ExitStack() as stack:
+        if saved is not None and shared is not None:
+            held = claim.Claim(saved, SAVED_CLAIM, url, shared, storage_options)
+            stack.callback(held.take().release)
+        else:
+            held = None
+        with _listed(url, storage_options, cache_dir, listing_only, runner) as folder:
+            if held is not None:
+                if _saveable(folder):  # saved by the conversion: the claim goes then
+                    held.settled = (folder / STORE_SAVED).exists
+                else:  # nothing the others could take: they go on by themselves
+                    held.release()
+            yield folder
+
+
+def _saveable(folder: Path) -> bool:
+    """Whether :func:`save_listing` saves what ``folder`` holds (a bucket listing, or an
+    output's manifest)."""
+    return remote_source(folder) is not None or remote_output(folder) is not None
+
+
+@contextlib.contextmanager
+def _listed(
+    url: str,
+    storage_options: dict[str, Any] | None,
+    cache_dir: Location | None,
+    listing_only: Callable[[TopLevel], bool] | None,
+    runner: Any,
+) -> Iterator[Path]:
+    """:func:`source_location` of the bucket source ``url`` when nothing of it is saved."""
     fs, root = filesystem(url, storage_options)
     try:
         is_output = fs.exists(f"{root}/{MANIFEST_NAME}")
@@ -707,8 +758,12 @@ def source_location(
 #: gzipped, then this head, written last: SRC's URL, the lines' sha256 and the folders' index.
 SAVED_LINES = "listing.jsonl.gz"
 SAVED_HEAD = "listing.json"
-#: In a scratch folder whose listing was read from a saved one: where (so it is not saved again).
+#: In a scratch folder whose listing is saved (read from a saved one, or saved by this run):
+#: where (so it is not saved again).
 STORE_SAVED = ".imgpack-store-saved"
+#: Beside the saved listing while a part of the conversion lists SRC for the others to take
+#: (:class:`imgpack.storage.claim.Claim`).
+SAVED_CLAIM = "listing.claim.json"
 #: In a scratch folder of a bucket source read in place: what the source's scan found inside
 #: the listed objects (tars' members, TFRecord files' records), as gzipped JSON with the
 #: listing's digest (:func:`scanned_once`); saved beside the listing as :data:`SAVED_SCAN`, so
@@ -729,7 +784,7 @@ def scanned_once(
     kept with this very listing (a part's or a resume's, brought by a saved listing), read by
     ``load``; else ``scan()``, kept as ``dump`` makes it JSON-able, to be saved with the listing
     (:func:`save_listing`). A folder that is not a bucket listing is just scanned."""
-    if remote_source(folder) is None and remote_output(folder) is None:
+    if not _saveable(folder):
         return scan()
     kept = _kept_scan(folder, kind)
     if kept is not None:
@@ -803,6 +858,7 @@ def save_listing(folder: Path, fs: Any, root: str) -> bool:
         fs.pipe_file(f"{root}/{SAVED_SCAN}", scanned)
         head["scan"] = hashlib.sha256(scanned).hexdigest()
     fs.pipe_file(f"{root}/{SAVED_HEAD}", json.dumps(head, sort_keys=True).encode())
+    (folder / STORE_SAVED).write_text(root)
     return True
 
 

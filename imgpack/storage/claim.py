@@ -1,0 +1,174 @@
+"""One process does a piece of work that others started beside it would repeat.
+
+The parts of a conversion started together each need the listing of a bucket SRC. The first to
+start *claims* it: it writes a small claim object in a folder they share (DST's work folder)
+and keeps it fresh while it lists; a part that finds a live claim waits for what the claimer
+saves instead of listing too (:func:`wait_for`). A claim is a courtesy, not a lock: two parts
+that claim at the same moment both do the work (the same work, the same result), and a claim
+that stops changing (its process killed, its machine gone) or disappears (its process failed
+and took it back) lets the waiting part go on by itself. Staleness is judged by the waiter's
+own clock (how long the claim has not changed), never by comparing clocks of two machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from imgpack.storage.location import filesystem, is_url, local_path
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Seconds between two writes of a live claim.
+BEAT = 5.0
+#: Seconds a waiter gives a claim that has not changed before it goes on by itself.
+STALE = 60.0
+#: Seconds between two looks of a waiter.
+POLL = 1.0
+
+
+class Claim:
+    """A claim on ``what`` (for example a source's URL), written as ``name`` in the folder
+    ``folder`` (a URL or a path) and kept fresh on a thread until :meth:`release`, or until
+    ``settled()`` says what the waiters wait for is there (then it is taken back at once);
+    ``who`` says in a waiter's log who does the work."""
+
+    def __init__(
+        self,
+        folder: str,
+        name: str,
+        what: str,
+        who: str,
+        storage_options: dict[str, Any] | None = None,
+        settled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.folder, self.name, self.what, self.who = folder.rstrip("/"), name, what, who
+        self.storage_options = storage_options
+        self.settled = settled
+        self._token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._made: list[Path] = []  # the folders the claim made (a path), innermost first
+
+    def _path(self) -> tuple[Any, str]:
+        fs, root = filesystem(self.folder, self.storage_options)
+        return fs, f"{root}/{self.name}"
+
+    def _write(self, beat: int) -> None:
+        body = json.dumps(
+            {"what": self.what, "who": self.who, "token": self._token, "beat": beat},
+            sort_keys=True,
+        ).encode()
+        if is_url(self.folder):  # one PUT: a reader sees the old object or the new
+            fs, path = self._path()
+            fs.pipe_file(path, body)
+            return
+        folder = local_path(self.folder)  # a rename: never a half-written claim
+        if not self._made:
+            self._made = [f for f in (folder, *folder.parents) if not f.exists()]
+        folder.mkdir(parents=True, exist_ok=True)
+        written = folder / f".{self.name}.{self._token}"
+        written.write_bytes(body)
+        os.replace(written, folder / self.name)
+
+    def take(self) -> Claim:
+        """Write the claim and keep it fresh. A store that refuses the write is left to the
+        work itself to name (the claim is only a courtesy to the waiting parts)."""
+        try:
+            self._write(0)
+        except OSError as exc:
+            log.debug("%s/%s: not written (%s)", self.folder, self.name, exc)
+            return self
+        self._thread = threading.Thread(target=self._beat, name="imgpack-claim", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        beat = 0
+        while not self._stop.wait(BEAT):
+            if self.settled():
+                self._take_back()
+                return
+            beat += 1
+            try:
+                self._write(beat)
+            except OSError as exc:  # a waiter then goes on by itself: slower, never wrong
+                log.debug("%s/%s: not renewed (%s)", self.folder, self.name, exc)
+
+    def release(self) -> None:
+        """Stop keeping the claim fresh and take it back if it is still this one's, so a waiter
+        goes on at once (the work failed, or it is saved)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._take_back()
+
+    def _take_back(self) -> None:
+        with contextlib.suppress(OSError):
+            fs, path = self._path()
+            if _read(fs, path).get("token") == self._token:
+                fs.rm_file(path)
+        for made in self._made:  # the folders the claim made, where nothing else is now
+            try:
+                made.rmdir()
+            except OSError:
+                break
+
+
+def _read(fs: Any, path: str) -> dict[str, Any]:
+    """The claim at ``path``, or ``{}`` where there is none (or none that can be read)."""
+    try:
+        body = json.loads(fs.cat_file(path))
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def wait_for(
+    folder: str,
+    name: str,
+    what: str,
+    ready: Callable[[], T | None],
+    storage_options: dict[str, Any] | None = None,
+) -> T | None:
+    """What ``ready()`` gives once it gives something, while a live claim on ``what`` is at
+    ``folder``/``name`` (the caller asked ``ready()`` once already); ``None`` when there is
+    none, or it stopped changing for :data:`STALE` seconds, or it went with nothing ready:
+    then the caller does the work itself."""
+    fs, root = filesystem(folder, storage_options)
+    path = f"{root}/{name}"
+    seen: dict[str, Any] = {}
+    since = time.monotonic()
+    said = False
+    while True:
+        claim = _read(fs, path)
+        if claim.get("what") != what:  # none (or another's): saved just before it went, or not
+            return ready() if seen else None
+        if claim != seen:
+            seen, since = claim, time.monotonic()
+        elif time.monotonic() - since > STALE:
+            log.warning(
+                "%s: %s claimed it but said nothing for %.0f s; this process goes on by itself",
+                what,
+                claim.get("who", "another process"),
+                STALE,
+            )
+            return None
+        if not said:
+            log.info("%s: %s is at it; waiting for what it saves", what, claim.get("who"))
+            said = True
+        time.sleep(POLL)
+        found = ready()
+        if found is not None:
+            return found

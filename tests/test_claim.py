@@ -1,0 +1,99 @@
+"""A claim on work that parts started together would each repeat (imgpack.storage.claim): one
+does it, the others wait for what it saves, and go on by themselves when it stops answering."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from imgpack.storage import claim
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(claim, "BEAT", 0.05)
+    monkeypatch.setattr(claim, "POLL", 0.02)
+    monkeypatch.setattr(claim, "STALE", 0.5)
+
+
+def _claim(folder: Path) -> dict[str, object]:
+    return json.loads((folder / "work.claim").read_text())  # type: ignore[no-any-return]
+
+
+def test_a_claim_is_kept_fresh_then_taken_back(tmp_path: Path) -> None:
+    folder = tmp_path / "dst" / "work"
+    held = claim.Claim(str(folder), "work.claim", "s3://b/src", "part 0 of 2").take()
+    first = _claim(folder)
+    assert first["what"] == "s3://b/src" and first["who"] == "part 0 of 2"
+    deadline = time.monotonic() + 10
+    while _claim(folder)["beat"] == first["beat"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held.release()
+    assert sorted(tmp_path.iterdir()) == []  # the claim and the folders it made
+
+
+def test_a_settled_claim_is_taken_back_by_itself(tmp_path: Path) -> None:
+    """Once what the waiters wait for is saved, the claim goes (before its process ends)."""
+    saved = threading.Event()
+    held = claim.Claim(str(tmp_path), "work.claim", "src", "part 0", settled=saved.is_set).take()
+    assert (tmp_path / "work.claim").is_file()
+    saved.set()
+    deadline = time.monotonic() + 10
+    while (tmp_path / "work.claim").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held.release()
+
+
+def test_a_waiter_takes_what_the_claimer_saves(tmp_path: Path) -> None:
+    held = claim.Claim(str(tmp_path), "work.claim", "src", "part 0 of 2").take()
+    saved: list[str] = []
+
+    def work() -> None:
+        time.sleep(0.3)
+        saved.append("the listing")
+        held.release()
+
+    worker = threading.Thread(target=work)
+    began = time.monotonic()
+    worker.start()
+    found = claim.wait_for(str(tmp_path), "work.claim", "src", lambda: saved[0] if saved else None)
+    worker.join()
+    assert found == "the listing" and time.monotonic() - began >= 0.3
+
+
+def test_a_claim_taken_back_unsaved_lets_the_waiter_go_on(tmp_path: Path) -> None:
+    """The claimer failed: its claim goes, and the waiter does the work itself at once."""
+    held = claim.Claim(str(tmp_path), "work.claim", "src", "part 0 of 2").take()
+    threading.Timer(0.2, held.release).start()
+    began = time.monotonic()
+    assert claim.wait_for(str(tmp_path), "work.claim", "src", lambda: None) is None
+    assert 0.2 <= time.monotonic() - began < claim.STALE
+
+
+def test_a_claim_that_stops_changing_is_stale(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claim left by a process killed while it listed: the waiter goes on by itself after
+    STALE seconds of its own clock without a change."""
+    body = {"what": "src", "who": "part 0 of 2", "token": "gone", "beat": 7}
+    (tmp_path / "work.claim").write_text(json.dumps(body))
+    began = time.monotonic()
+    with caplog.at_level("WARNING"):
+        assert claim.wait_for(str(tmp_path), "work.claim", "src", lambda: None) is None
+    assert time.monotonic() - began >= claim.STALE
+    assert any("part 0 of 2 claimed it but said nothing" in r.getMessage() for r in caplog.records)
+
+
+def test_another_sources_claim_or_none_is_not_waited_for(tmp_path: Path) -> None:
+    assert claim.wait_for(str(tmp_path), "work.claim", "src", lambda: None) is None
+    held = claim.Claim(str(tmp_path), "work.claim", "other", "part 0 of 2").take()
+    began = time.monotonic()
+    assert claim.wait_for(str(tmp_path), "work.claim", "src", lambda: "saved") is None
+    assert time.monotonic() - began < claim.STALE
+    held.release()
