@@ -25,6 +25,10 @@ With --tfrecords N, the same with TFRecord files of 1 MB (a local tfrecord conve
 .tfrecord files, without its manifest and .idx files). --shard-size sets the output's shards
 (256 KB by default: many shard tasks, each a GET or two).
 
+With --together N, N such images in a bucket folder are converted bucket to bucket by
+--num-parts 2, both parts started at the same moment (--rounds times): each part's plan and
+end, and the LIST requests of SRC in all (one listing for both parts, or one each).
+
 With --outputs N, SRC is an imgpack `pt` output of N such images in 1 MB shards, converted bucket
 to bucket twice: the time, the bytes of SRC's files the driver fetched itself (none: scan tasks
 and shard tasks read it), and the GETs of SRC's files. --imgpack runs another checkout's imgpack
@@ -270,6 +274,55 @@ def output_in_place(data: str, count: int, shard_size: str) -> dict[str, float]:
     return {f"{k}_{i}": v for i, row in enumerate(rows) for k, v in row.items()}
 
 
+def together(data: str, count: int, rounds: int) -> dict[str, float]:
+    """``count`` images in a bucket folder converted bucket to bucket by 2 parts started at the
+    same moment (2 processes, each with a pool of 2 workers): each part's time to its plan and
+    to its end, and the LIST requests of SRC in all."""
+    print(f"machine: {machine()}")
+    folder = make_png_folder(Path(data) / f"png32-{count}", count, 32, 10)
+    log = Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log"
+    row: dict[str, float] = {}
+    with bucket(log):
+        fs = fsspec.filesystem("s3")
+        fs.put(str(folder), f"bench/together-{count}", recursive=True)
+        fs.rm_file(f"bench/together-{count}/.complete")
+        for round_ in range(rounds):
+            at = log.stat().st_size
+            found: list[dict[str, Any]] = [{}, {}]
+
+            def part(k: int, round_: int = round_, found: list[dict[str, Any]] = found) -> None:
+                cache = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+                found[k] = run_driver(f"s3://bench/together-{count}",
+                                      f"s3://bench/together-out-{count}-{round_}", cache, "local",
+                                      parts=2, part=k)  # fmt: skip
+                shutil.rmtree(cache, ignore_errors=True)
+
+            start = time.perf_counter()
+            threads = [threading.Thread(target=part, args=(k,)) for k in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            wall = time.perf_counter() - start
+            listed = lists(log, f"together-{count}", at)
+            for k, run in enumerate(found):
+                row[f"plan_s_{round_}_{k}"] = run["plan_s"]
+                row[f"total_s_{round_}_{k}"] = run["total_s"]
+            row[f"wall_s_{round_}"], row[f"lists_{round_}"] = wall, float(listed)
+            print(f"round {round_}: both parts done in {wall:.1f} s; "
+                  + "; ".join(f"part {k}: plan ready {r['plan_s']:.1f} s, done {r['total_s']:.1f} s"
+                              for k, r in enumerate(found))
+                  + f"; {listed} LIST requests of SRC")  # fmt: skip
+    return row
+
+
+def lists(log: Path, prefix: str, start: int) -> int:
+    """LIST requests of objects under ``prefix`` in moto's log from byte ``start`` on."""
+    text = log.read_bytes()[start:].decode("utf-8", "replace")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return len(re.findall(rf'"GET /bench/?\?[^ ]*prefix={re.escape(prefix)}[^ ]* HTTP', text))
+
+
 def gets(log: Path, prefix: str, start: int) -> int:
     """GET requests for objects under ``prefix`` in moto's log from byte ``start`` on."""
     text = log.read_bytes()[start:].decode("utf-8", "replace")
@@ -392,6 +445,9 @@ def main() -> None:
         default="256KB",
         help="with --tars, --tfrecords or --outputs: the output's shards",
     )
+    parser.add_argument(
+        "--together", type=int, default=None, help="N: 2 parts started at once on N images"
+    )
     parser.add_argument("--imgpack", default="", help="run another checkout's imgpack")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -404,6 +460,10 @@ def main() -> None:
         return
     global IMGPACK_TREE
     IMGPACK_TREE = args.imgpack
+    if args.together:
+        row = together(args.data, args.together, args.rounds)
+        save_json(args.json, {"machine": machine(), "together": row})
+        return
     if args.outputs:
         found_rows = output_in_place(args.data, args.outputs, args.shard_size)
         save_json(args.json, {"machine": machine(), "outputs": found_rows})

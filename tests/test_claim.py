@@ -18,6 +18,7 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(claim, "BEAT", 0.05)
     monkeypatch.setattr(claim, "POLL", 0.02)
     monkeypatch.setattr(claim, "STALE", 0.5)
+    monkeypatch.setattr(claim, "SETTLE", 0.1)
 
 
 def _claim(folder: Path) -> dict[str, object]:
@@ -27,6 +28,7 @@ def _claim(folder: Path) -> dict[str, object]:
 def test_a_claim_is_kept_fresh_then_taken_back(tmp_path: Path) -> None:
     folder = tmp_path / "dst" / "work"
     held = claim.Claim(str(folder), "work.claim", "s3://b/src", "part 0 of 2").take()
+    assert held.stands()
     first = _claim(folder)
     assert first["what"] == "s3://b/src" and first["who"] == "part 0 of 2"
     deadline = time.monotonic() + 10
@@ -41,6 +43,7 @@ def test_a_settled_claim_is_taken_back_by_itself(tmp_path: Path) -> None:
     """Once what the waiters wait for is saved, the claim goes (before its process ends)."""
     saved = threading.Event()
     held = claim.Claim(str(tmp_path), "work.claim", "src", "part 0", settled=saved.is_set).take()
+    assert held.stands()
     assert (tmp_path / "work.claim").is_file()
     saved.set()
     deadline = time.monotonic() + 10
@@ -52,6 +55,7 @@ def test_a_settled_claim_is_taken_back_by_itself(tmp_path: Path) -> None:
 
 def test_a_waiter_takes_what_the_claimer_saves(tmp_path: Path) -> None:
     held = claim.Claim(str(tmp_path), "work.claim", "src", "part 0 of 2").take()
+    assert held.stands()
     saved: list[str] = []
 
     def work() -> None:
@@ -70,6 +74,7 @@ def test_a_waiter_takes_what_the_claimer_saves(tmp_path: Path) -> None:
 def test_a_claim_taken_back_unsaved_lets_the_waiter_go_on(tmp_path: Path) -> None:
     """The claimer failed: its claim goes, and the waiter does the work itself at once."""
     held = claim.Claim(str(tmp_path), "work.claim", "src", "part 0 of 2").take()
+    assert held.stands()
     threading.Timer(0.2, held.release).start()
     began = time.monotonic()
     assert claim.wait_for(str(tmp_path), "work.claim", "src", lambda: None) is None
@@ -93,7 +98,46 @@ def test_a_claim_that_stops_changing_is_stale(
 def test_another_sources_claim_or_none_is_not_waited_for(tmp_path: Path) -> None:
     assert claim.wait_for(str(tmp_path), "work.claim", "src", lambda: None) is None
     held = claim.Claim(str(tmp_path), "work.claim", "other", "part 0 of 2").take()
+    assert held.stands()
     began = time.monotonic()
     assert claim.wait_for(str(tmp_path), "work.claim", "src", lambda: "saved") is None
     assert time.monotonic() - began < claim.STALE
     held.release()
+
+
+def test_of_claims_written_at_one_moment_the_last_stands(tmp_path: Path) -> None:
+    early = claim.Claim(str(tmp_path), "work.claim", "src", "part 0 of 2").take()
+    late = claim.Claim(str(tmp_path), "work.claim", "src", "part 1 of 2").take()
+    assert [early.stands(), late.stands()] == [False, True]
+    early.release()
+    time.sleep(4 * claim.BEAT)  # the loser never writes again; the one kept is renewed
+    assert _claim(tmp_path)["who"] == "part 1 of 2" and _claim(tmp_path)["beat"]
+    late.release()
+    assert not (tmp_path / "work.claim").exists()
+
+
+def test_parts_started_at_one_moment_do_the_work_once(tmp_path: Path) -> None:
+    """Four threads ask for the same work at the same moment: one does it, the others take
+    what it saved."""
+    saved: list[str] = []
+    done: list[str] = []
+    start = threading.Barrier(4)
+
+    def part(k: int) -> None:
+        start.wait()
+        found, held = claim.first(
+            str(tmp_path), "work.claim", "src", f"part {k}", lambda: saved[0] if saved else None
+        )
+        if held is not None:
+            time.sleep(0.3)  # the listing
+            saved.append(f"listed by part {k}")
+            held.release()
+            found = saved[0]
+        done.append(str(found))
+
+    threads = [threading.Thread(target=part, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(saved) == 1 and done == saved * 4

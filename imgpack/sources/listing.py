@@ -687,14 +687,16 @@ def source_location(
         yield local_path(location)
         return
     url = str(location).rstrip("/")
+    held: claim.Claim | None = None
     if saved is not None:
         listed = listing_only is not None
         scratch = _saved_folder(url, storage_options, saved, cache_dir, listed)
         if scratch is None and shared is not None:
-            scratch = claim.wait_for(
+            scratch, held = claim.first(
                 saved,
                 SAVED_CLAIM,
                 url,
+                shared,
                 lambda: _saved_folder(url, storage_options, saved, cache_dir, listed),
                 storage_options,
             )
@@ -705,11 +707,8 @@ def source_location(
                 shutil.rmtree(scratch, ignore_errors=True)
             return
     with contextlib.ExitStack() as stack:
-        if saved is not None and shared is not None:
-            held = claim.Claim(saved, SAVED_CLAIM, url, shared, storage_options)
-            stack.callback(held.take().release)
-        else:
-            held = None
+        if held is not None:
+            stack.callback(held.release)
         with _listed(url, storage_options, cache_dir, listing_only, runner) as folder:
             if held is not None:
                 if _saveable(folder):  # saved by the conversion: the claim goes then

@@ -3,11 +3,16 @@
 The parts of a conversion started together each need the listing of a bucket SRC. The first to
 start *claims* it: it writes a small claim object in a folder they share (DST's work folder)
 and keeps it fresh while it lists; a part that finds a live claim waits for what the claimer
-saves instead of listing too (:func:`wait_for`). A claim is a courtesy, not a lock: two parts
-that claim at the same moment both do the work (the same work, the same result), and a claim
-that stops changing (its process killed, its machine gone) or disappears (its process failed
-and took it back) lets the waiting part go on by itself. Staleness is judged by the waiter's
-own clock (how long the claim has not changed), never by comparing clocks of two machines.
+saves instead of listing too (:func:`first`). Parts of a job array start at the same moment:
+several write a claim before any reads one. The store keeps the last write, so each claimer
+reads the claim back after a pause (:data:`SETTLE`, longer than its own write took) and the
+one whose claim stands does the work while the others wait for it.
+
+A claim is a courtesy, not a lock: two parts whose claims both seem to stand (a write slower
+than the pause) both do the work (the same work, the same result), and a claim that stops
+changing (its process killed, its machine gone) or disappears (its process failed and took it
+back) lets a waiting part go on by itself. Staleness is judged by the waiter's own clock (how
+long the claim has not changed), never by comparing clocks of two machines.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ BEAT = 5.0
 STALE = 60.0
 #: Seconds between two looks of a waiter.
 POLL = 1.0
+#: Seconds a claimer waits before it reads its claim back (at least 4 times its write's).
+SETTLE = 1.0
 
 
 class Claim:
@@ -59,6 +66,7 @@ class Claim:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._made: list[Path] = []  # the folders the claim made (a path), innermost first
+        self._wrote: float | None = None  # seconds the first write took
 
     def _path(self) -> tuple[Any, str]:
         fs, root = filesystem(self.folder, self.storage_options)
@@ -82,16 +90,35 @@ class Claim:
         os.replace(written, folder / self.name)
 
     def take(self) -> Claim:
-        """Write the claim and keep it fresh. A store that refuses the write is left to the
-        work itself to name (the claim is only a courtesy to the waiting parts)."""
+        """Write the claim (:meth:`stands` says whether it is the one kept). A store that
+        refuses the write is left to the work itself to name (the claim is only a courtesy to
+        the waiting parts)."""
+        began = time.monotonic()
         try:
             self._write(0)
         except OSError as exc:
             log.debug("%s/%s: not written (%s)", self.folder, self.name, exc)
             return self
+        self._wrote = time.monotonic() - began
+        return self
+
+    def stands(self) -> bool:
+        """Whether this claim is the one the store keeps, read back after :data:`SETTLE` (a
+        claim written at the same moment by another process may have replaced it); if so, it
+        is kept fresh from now on. One that could not be written or read stands: the work is
+        then done here, as without claims."""
+        if self._wrote is None:
+            return True
+        time.sleep(max(SETTLE, 4 * self._wrote))
+        try:
+            fs, path = self._path()
+            if _read(fs, path, strict=True).get("token") != self._token:
+                return False
+        except (OSError, ValueError):
+            return True
         self._thread = threading.Thread(target=self._beat, name="imgpack-claim", daemon=True)
         self._thread.start()
-        return self
+        return True
 
     def _beat(self) -> None:
         beat = 0
@@ -101,6 +128,9 @@ class Claim:
                 return
             beat += 1
             try:
+                fs, path = self._path()
+                if _read(fs, path).get("token") != self._token:
+                    return  # taken over by a process that found this one stale: it is theirs
                 self._write(beat)
             except OSError as exc:  # a waiter then goes on by itself: slower, never wrong
                 log.debug("%s/%s: not renewed (%s)", self.folder, self.name, exc)
@@ -126,11 +156,16 @@ class Claim:
                 break
 
 
-def _read(fs: Any, path: str) -> dict[str, Any]:
-    """The claim at ``path``, or ``{}`` where there is none (or none that can be read)."""
+def _read(fs: Any, path: str, strict: bool = False) -> dict[str, Any]:
+    """The claim at ``path``, or ``{}`` where there is none (or none that can be read; with
+    ``strict``, one that cannot be read for a reason other than its absence raises)."""
     try:
         body = json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        return {}
     except (OSError, ValueError):
+        if strict:
+            raise
         return {}
     return body if isinstance(body, dict) else {}
 
@@ -172,3 +207,24 @@ def wait_for(
         found = ready()
         if found is not None:
             return found
+
+
+def first(
+    folder: str,
+    name: str,
+    what: str,
+    who: str,
+    ready: Callable[[], T | None],
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[T | None, Claim | None]:
+    """``(what ready() gave, None)`` once another process's claim on ``what`` led to it, or
+    ``(None, claim)``: this process holds the claim and does the work (release it when done).
+    The caller asked ``ready()`` once already."""
+    while True:
+        found = wait_for(folder, name, what, ready, storage_options)
+        if found is not None:
+            return found, None
+        held = Claim(folder, name, what, who, storage_options).take()
+        if held.stands():
+            return None, held
+        held.release()  # claimed at the same moment by another, whose claim stands: wait for it
