@@ -6,6 +6,7 @@ when options change, records the chain, and takes TFRecord files other tools wro
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -165,6 +166,38 @@ def test_a_compressed_tfrecord_is_read_through_once_into_one_file_outputs(
     stream = list(TFRecordStream(str(src)))
     assert out.num_samples == len(stream) == 6 and opened == [str(src)]
     ds = open_dataset(tmp_path / "out")
+    assert all((ds[i][0] == image).all() for i, (image, _) in enumerate(stream))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_compressed_tfrecord_cut_into_shard_tasks_is_read_through_once_a_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """A compressed file cut into six shard tasks (a record each): each process reads on from
+    the stream it holds from task to task, so the file is opened at most once per worker
+    (before: once per task, each from the file's start: a file of S shards read S/2 times
+    over); the output is the one-shard conversion's records, in order."""
+    import imgpack.sources.tfrecord.source as tf_source
+    from imgpack.readers import TFRecordStream
+
+    log = tmp_path / "opens.log"
+
+    class Counted(tf_source._Stream):
+        def __init__(self, raw: object, kind: str, where: str) -> None:
+            with open(log, "a") as out:  # from every process the pool forked
+                out.write(f"{os.getpid()}\n")
+            super().__init__(raw, kind, where)
+
+    monkeypatch.setattr(tf_source, "_Stream", Counted)
+    src = tmp_path / "tensorflow-written-synthetic.gz.tfrecord"
+    shutil.copy(DATA / src.name, src)
+    out = convert(src, tmp_path / "out", "pt", shard_size="1B", workers=workers, progress=False)
+    assert len(out.files) == out.num_samples == 6  # a shard task a record
+    opens = log.read_text().split()
+    assert len(opens) == len(set(opens)) <= workers, opens  # once in each process
+    stream = list(TFRecordStream(str(src)))
+    ds = open_dataset(tmp_path / "out")
+    assert ds.targets == [int(t) for _, t in stream]
     assert all((ds[i][0] == image).all() for i, (image, _) in enumerate(stream))
 
 

@@ -381,14 +381,18 @@ class RecordRangeFetcher(Fetcher):
         _RECORDS.update(self._read(samples))
 
     def expect(self, samples: Sequence[Sample]) -> None:
-        """The shard task's samples: a read ahead stops at their end in each file, and a
-        compressed file's stream is closed once the task has its last record."""
+        """The shard task's samples: a read ahead stops at their end in each file. A compressed
+        file's stream this process holds is kept where the task reads that file (it reads on
+        from it when its records come later in the file: a file cut into many shard tasks is
+        read through about once per process, not once per task from its start); the others
+        are closed."""
         _BOUNDS.clear()
-        _close_streams()
         for sample in samples:
             name, first, _ = self._file(sample.index)
             key, end = self._key(name), sample.index - first + max(sample.span, 1)
             _BOUNDS[key] = max(_BOUNDS.get(key, 0), end)
+        for key in [k for k in _STREAM if k not in _BOUNDS]:
+            _STREAM.pop(key).close()
 
     def __call__(self, sample: Sample, policy: ImagePolicy, encoding: Encoding) -> Encoded:
         from imgpack.formats.tfrecord.records import parse, stored_image
@@ -564,11 +568,7 @@ class RecordRangeFetcher(Fetcher):
             for s in run:
                 out.setdefault(s.index, problem)
             return out
-        bound = _BOUNDS.get(key)
-        if bound is None or held.number < bound:  # kept open for the chunks still to come
-            _STREAM[key] = held
-        else:
-            held.close()
+        _STREAM[key] = held  # for the chunks still to come, and this process's next task
         return out
 
 
@@ -597,10 +597,10 @@ _BOUNDS: dict[str, int] = {}
 #: The stretch this process read last, by run and file URL: ``(listed content, start, end,
 #: bytes)``.
 _STRETCH: dict[str, tuple[int, int, int, bytes]] = {}
-#: The compressed file this process reads on, by run and file URL: a shard task's is closed
-#: once the task has read its last record of the file, or when the next task starts; chunks of
-#: the one writer's conversion (no task, no bounds) read on from it in order, each process its
-#: own chunks, until a chunk of another file or run, or an earlier record, needs a new one.
+#: The compressed file this process reads on, by run and file URL: chunks and shard tasks read
+#: on from it in order, each process its own, until a chunk of another file or run, or an
+#: earlier record, needs a new one; a shard task that reads another file closes it
+#: (:meth:`RecordRangeFetcher.expect`), as does the end of the run.
 _STREAM: dict[str, _Stream] = {}
 
 
