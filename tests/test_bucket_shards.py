@@ -380,11 +380,15 @@ def test_parts_started_together_list_a_bucket_source_once(
         command = [sys.executable, "-c", _PART, str(lists), "convert", src_url, dst, *args,
                    "--num-parts", "2", "--part", str(part)]  # fmt: skip
         runs.append((subprocess.Popen(command, stderr=subprocess.PIPE, text=True), lists))
+    said = []
     for process, _ in runs:
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err
+        said.append(err)
     listed = [json.loads(lists.read_text()) for _, lists in runs]
     assert sorted(map(bool, listed)) == [False, True], listed  # one part listed SRC
+    waited = said[listed.index([])]  # the other says whom it waits for, in one line
+    assert f"{src_url}: part {1 - listed.index([])} of 2 is on it" in waited, said
     assert open_dataset(dst, cache_dir=tmp_path / "c").manifest.output_id == whole.output_id
     files = _bucket(dst) if where == "bucket" else _tree(Path(dst))
     assert files == _tree(tmp_path / "whole")  # no claim, no work folder: the output alone

@@ -200,8 +200,13 @@ def wait_for(
                 STALE,
             )
             return None
-        if not said:
-            log.info("%s: %s is at it; waiting for what it saves", what, claim.get("who"))
+        if not said:  # (a warning: the only sign of life of a process that may wait long)
+            log.warning(
+                "%s: %s is on it (its claim is in %s); this process waits for what it saves",
+                what,
+                claim.get("who", "another process"),
+                folder,
+            )
             said = True
         time.sleep(POLL)
         found = ready()
