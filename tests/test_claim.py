@@ -105,15 +105,46 @@ def test_another_sources_claim_or_none_is_not_waited_for(tmp_path: Path) -> None
     held.release()
 
 
-def test_of_claims_written_at_one_moment_the_last_stands(tmp_path: Path) -> None:
+def test_a_claim_is_created_only_where_there_is_none(tmp_path: Path) -> None:
     early = claim.Claim(str(tmp_path), "work.claim", "src", "part 0 of 2").take()
     late = claim.Claim(str(tmp_path), "work.claim", "src", "part 1 of 2").take()
-    assert [early.stands(), late.stands()] == [False, True]
+    assert [late.stands(), early.stands()] == [False, True]
+    late.release()
+    time.sleep(4 * claim.BEAT)  # the loser never writes; the one kept is renewed
+    assert _claim(tmp_path)["who"] == "part 0 of 2" and _claim(tmp_path)["beat"]
     early.release()
-    time.sleep(4 * claim.BEAT)  # the loser never writes again; the one kept is renewed
+    assert sorted(tmp_path.iterdir()) == []  # nor any file the writes went through
+
+
+def test_without_conditional_writes_of_claims_written_at_one_moment_the_last_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem without hard links (and a store without ``If-None-Match``) keeps the last
+    write: each claimer reads its claim back after a pause."""
+    import os
+
+    def no_links(*args: object) -> None:
+        raise OSError("hard links are not supported here")
+
+    monkeypatch.setattr(os, "link", no_links)
+    early = claim.Claim(str(tmp_path), "work.claim", "src", "part 0 of 2").take()
+    late = claim.Claim(str(tmp_path), "work.claim", "src", "part 1 of 2").take()
+    began = time.monotonic()
+    assert [early.stands(), late.stands()] == [False, True]
+    assert time.monotonic() - began >= 2 * claim.SETTLE
+    early.release()
+    time.sleep(4 * claim.BEAT)
     assert _claim(tmp_path)["who"] == "part 1 of 2" and _claim(tmp_path)["beat"]
     late.release()
-    assert not (tmp_path / "work.claim").exists()
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_stale_claim_is_replaced_by_the_part_that_gave_up_on_it(tmp_path: Path) -> None:
+    body = {"what": "src", "who": "part 0 of 2", "token": "gone", "beat": 7}
+    (tmp_path / "work.claim").write_text(json.dumps(body))
+    found, held = claim.first(str(tmp_path), "work.claim", "src", "part 1 of 2", lambda: None)
+    assert found is None and held is not None and _claim(tmp_path)["who"] == "part 1 of 2"
+    held.release()
 
 
 def test_parts_started_at_one_moment_do_the_work_once(tmp_path: Path) -> None:

@@ -3,13 +3,16 @@
 The parts of a conversion started together each need the listing of a bucket SRC. The first to
 start *claims* it: it writes a small claim object in a folder they share (DST's work folder)
 and keeps it fresh while it lists; a part that finds a live claim waits for what the claimer
-saves instead of listing too (:func:`first`). Parts of a job array start at the same moment:
-several write a claim before any reads one. The store keeps the last write, so each claimer
-reads the claim back after a pause (:data:`SETTLE`, longer than its own write took) and the
-one whose claim stands does the work while the others wait for it.
+saves instead of listing too (:func:`first`). Parts of a job array start at the same moment,
+and several try to claim before any sees a claim: a claim is created only where there is none
+(S3's conditional write, ``If-None-Match: *``; a hard link on a path), so one of them creates it
+and the others wait. Where the store has no such write, the last write is kept: each claimer
+reads its claim back after a pause (:data:`SETTLE`, longer than its own write took) and the
+one whose claim stands does the work.
 
-A claim is a courtesy, not a lock: two parts whose claims both seem to stand (a write slower
-than the pause) both do the work (the same work, the same result), and a claim that stops
+A claim is a courtesy, not a lock: two parts whose claims both seem to stand (a store without
+conditional writes and a write slower than the pause; two parts that find one stale claim at
+the same moment) both do the work (the same work, the same result), and a claim that stops
 changing (its process killed, its machine gone) or disappears (its process failed and took it
 back) lets a waiting part go on by itself. Staleness is judged by the waiter's own clock (how
 long the claim has not changed), never by comparing clocks of two machines.
@@ -66,56 +69,87 @@ class Claim:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._made: list[Path] = []  # the folders the claim made (a path), innermost first
-        self._wrote: float | None = None  # seconds the first write took
+        #: What :meth:`take` did: ``"created"`` (where there was none: it stands), ``"lost"``
+        #: (there was one), ``"written"`` (over whatever was there: read back to know), or
+        #: ``"unwritten"`` (the store refused it: the work is done here, as without claims).
+        self._taken = "unwritten"
+        self._wrote = 0.0  # seconds the write took
 
     def _path(self) -> tuple[Any, str]:
         fs, root = filesystem(self.folder, self.storage_options)
         return fs, f"{root}/{self.name}"
 
-    def _write(self, beat: int) -> None:
-        body = json.dumps(
-            {"what": self.what, "who": self.who, "token": self._token, "beat": beat},
-            sort_keys=True,
-        ).encode()
-        if is_url(self.folder):  # one PUT: a reader sees the old object or the new
+    def _body(self, beat: int) -> bytes:
+        body = {"what": self.what, "who": self.who, "token": self._token, "beat": beat}
+        return json.dumps(body, sort_keys=True).encode()
+
+    def _write(self, beat: int, create: bool = False) -> bool:
+        """Write the claim (one PUT, or a rename or link on a path: never half-written); with
+        ``create``, only where there is none, if the store can (whether it was so created:
+        :class:`FileExistsError` where there is one)."""
+        body = self._body(beat)
+        if is_url(self.folder):
             fs, path = self._path()
+            if create:
+                try:
+                    fs.pipe_file(path, body, mode="create")  # If-None-Match: * on S3
+                    return True
+                except (TypeError, ValueError, NotImplementedError):
+                    pass  # a store without conditional writes: the last write is kept
             fs.pipe_file(path, body)
-            return
-        folder = local_path(self.folder)  # a rename: never a half-written claim
+            return False
+        folder = local_path(self.folder)
         if not self._made:
             self._made = [f for f in (folder, *folder.parents) if not f.exists()]
         folder.mkdir(parents=True, exist_ok=True)
         written = folder / f".{self.name}.{self._token}"
         written.write_bytes(body)
-        os.replace(written, folder / self.name)
+        try:
+            if create:
+                try:
+                    os.link(written, folder / self.name)  # where there is none, whole
+                    return True
+                except FileExistsError:
+                    raise
+                except OSError:
+                    pass  # a filesystem without hard links: the last rename is kept
+            os.replace(written, folder / self.name)
+            return False
+        finally:
+            written.unlink(missing_ok=True)
 
     def take(self) -> Claim:
-        """Write the claim (:meth:`stands` says whether it is the one kept). A store that
-        refuses the write is left to the work itself to name (the claim is only a courtesy to
-        the waiting parts)."""
+        """Claim, where there is no claim yet (:meth:`stands` says whether this one is the
+        one kept). A store that refuses the write is left to the work itself to name (the
+        claim is only a courtesy to the waiting parts)."""
         began = time.monotonic()
         try:
-            self._write(0)
+            self._taken = "created" if self._write(0, create=True) else "written"
+        except FileExistsError:
+            self._taken = "lost"
         except OSError as exc:
             log.debug("%s/%s: not written (%s)", self.folder, self.name, exc)
-            return self
         self._wrote = time.monotonic() - began
         return self
 
     def stands(self) -> bool:
-        """Whether this claim is the one the store keeps, read back after :data:`SETTLE` (a
-        claim written at the same moment by another process may have replaced it); if so, it
-        is kept fresh from now on. One that could not be written or read stands: the work is
-        then done here, as without claims."""
-        if self._wrote is None:
+        """Whether this claim is the one kept: created where there was none, or (where the
+        store cannot create only) read back after :data:`SETTLE` as written (a claim written at
+        the same moment by another process may have replaced it); if so, it is kept fresh
+        from now on. One that could not be written or read stands: the work is then done
+        here, as without claims."""
+        if self._taken == "lost":
+            return False
+        if self._taken == "unwritten":
             return True
-        time.sleep(max(SETTLE, 4 * self._wrote))
-        try:
-            fs, path = self._path()
-            if _read(fs, path, strict=True).get("token") != self._token:
-                return False
-        except (OSError, ValueError):
-            return True
+        if self._taken == "written":
+            time.sleep(max(SETTLE, 4 * self._wrote))
+            try:
+                fs, path = self._path()
+                if _read(fs, path, strict=True).get("token") != self._token:
+                    return False
+            except (OSError, ValueError):
+                return True
         self._thread = threading.Thread(target=self._beat, name="imgpack-claim", daemon=True)
         self._thread.start()
         return True
@@ -181,6 +215,17 @@ def wait_for(
     ``folder``/``name`` (the caller asked ``ready()`` once already); ``None`` when there is
     none, or it stopped changing for :data:`STALE` seconds, or it went with nothing ready:
     then the caller does the work itself."""
+    return _waited(folder, name, what, ready, storage_options)[0]
+
+
+def _waited(
+    folder: str,
+    name: str,
+    what: str,
+    ready: Callable[[], T | None],
+    storage_options: dict[str, Any] | None,
+) -> tuple[T | None, dict[str, Any]]:
+    """:func:`wait_for`, and the stale claim it gave up on (``{}`` for none)."""
     fs, root = filesystem(folder, storage_options)
     path = f"{root}/{name}"
     seen: dict[str, Any] = {}
@@ -189,7 +234,7 @@ def wait_for(
     while True:
         claim = _read(fs, path)
         if claim.get("what") != what:  # none (or another's): saved just before it went, or not
-            return ready() if seen else None
+            return (ready() if seen else None), {}
         if claim != seen:
             seen, since = claim, time.monotonic()
         elif time.monotonic() - since > STALE:
@@ -199,7 +244,7 @@ def wait_for(
                 claim.get("who", "another process"),
                 STALE,
             )
-            return None
+            return None, claim
         if not said:  # (a warning: the only sign of life of a process that may wait long)
             log.warning(
                 "%s: %s is on it (its claim is in %s); this process waits for what it saves",
@@ -211,7 +256,7 @@ def wait_for(
         time.sleep(POLL)
         found = ready()
         if found is not None:
-            return found
+            return found, {}
 
 
 def first(
@@ -226,9 +271,14 @@ def first(
     ``(None, claim)``: this process holds the claim and does the work (release it when done).
     The caller asked ``ready()`` once already."""
     while True:
-        found = wait_for(folder, name, what, ready, storage_options)
+        found, stale = _waited(folder, name, what, ready, storage_options)
         if found is not None:
             return found, None
+        fs, path = filesystem(folder, storage_options)
+        path = f"{path}/{name}"
+        if stale and _read(fs, path) == stale:  # no longer anyone's: made room for a claim
+            with contextlib.suppress(OSError):
+                fs.rm_file(path)
         held = Claim(folder, name, what, who, storage_options).take()
         if held.stands():
             return None, held
