@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from imgpack.storage.cache import write_bytes
 from imgpack.storage.location import filesystem, is_url, local_path
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,7 @@ class Claim:
         self._wrote = 0.0  # seconds the write took
 
     def _path(self) -> tuple[Any, str]:
-        fs, root = filesystem(self.folder, self.storage_options)
-        return fs, f"{root}/{self.name}"
+        return _located(self.folder, self.name, self.storage_options)
 
     def _body(self, beat: int) -> bytes:
         body = {"what": self.what, "who": self.who, "token": self._token, "beat": beat}
@@ -102,17 +102,17 @@ class Claim:
         if not self._made:
             self._made = [f for f in (folder, *folder.parents) if not f.exists()]
         folder.mkdir(parents=True, exist_ok=True)
+        if not create:
+            write_bytes(folder / self.name, body)  # a rename: never half-written
+            return False
         written = folder / f".{self.name}.{self._token}"
-        written.write_bytes(body)
+        write_bytes(written, body)
         try:
-            if create:
-                try:
-                    os.link(written, folder / self.name)  # where there is none, whole
-                    return True
-                except FileExistsError:
-                    raise
-                except OSError:
-                    pass  # a filesystem without hard links: the last rename is kept
+            os.link(written, folder / self.name)  # where there is none, whole
+            return True
+        except FileExistsError:
+            raise
+        except OSError:  # a filesystem without hard links: the last rename is kept
             os.replace(written, folder / self.name)
             return False
         finally:
@@ -190,6 +190,12 @@ class Claim:
                 break
 
 
+def _located(folder: str, name: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """The filesystem of ``folder`` and the path of its claim ``name`` in it."""
+    fs, root = filesystem(folder, storage_options)
+    return fs, f"{root.rstrip('/')}/{name}"
+
+
 def _read(fs: Any, path: str, strict: bool = False) -> dict[str, Any]:
     """The claim at ``path``, or ``{}`` where there is none (or none that can be read; with
     ``strict``, one that cannot be read for a reason other than its absence raises)."""
@@ -226,8 +232,7 @@ def _waited(
     storage_options: dict[str, Any] | None,
 ) -> tuple[T | None, dict[str, Any]]:
     """:func:`wait_for`, and the stale claim it gave up on (``{}`` for none)."""
-    fs, root = filesystem(folder, storage_options)
-    path = f"{root}/{name}"
+    fs, path = _located(folder, name, storage_options)
     seen: dict[str, Any] = {}
     since = time.monotonic()
     said = False
@@ -274,8 +279,7 @@ def first(
         found, stale = _waited(folder, name, what, ready, storage_options)
         if found is not None:
             return found, None
-        fs, path = filesystem(folder, storage_options)
-        path = f"{path}/{name}"
+        fs, path = _located(folder, name, storage_options)
         if stale and _read(fs, path) == stale:  # no longer anyone's: made room for a claim
             with contextlib.suppress(OSError):
                 fs.rm_file(path)
