@@ -69,6 +69,9 @@ WORK = ".imgpack-work"
 #: In it: the listing of a bucket SRC the conversion took (:func:`imgpack.sources.listing.
 #: save_listing`), read by its parts and resumes instead of listing SRC again.
 SAVED = f"{WORK}/listing"
+#: In it on a local or shared path: a shard task's scratch folder (its name then a random tail),
+#: where it writes its shard before the rename; a task of any part, running or killed.
+SCRATCH = "imgpack-shard-"
 #: Samples whose objects a shard task GETs at once (bounded memory, round trips overlapped).
 FETCH_GROUP = 32
 
@@ -219,7 +222,7 @@ def shard_from(task: ShardTask, outcomes: Iterable[Outcome]) -> dict[str, Any]:
     scratch = f"{root}/{WORK}" if local_dst else None
     if scratch is not None:
         os.makedirs(scratch, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="imgpack-shard-", dir=scratch) as tmp:
+    with tempfile.TemporaryDirectory(prefix=SCRATCH, dir=scratch) as tmp:
         writer = format_spec(task.config.format).writer_class()(Path(tmp), task.config)
         assert isinstance(writer, ShardedWriter)
         with writer:
@@ -562,7 +565,7 @@ def receipts_in(folder: Path) -> int:
     it runs too: its tasks' scratch folders beside the receipts come and go)."""
     count = 0
     try:
-        outputs = [p for p in (folder / WORK).iterdir() if not p.name.startswith("imgpack-shard-")]
+        outputs = [p for p in (folder / WORK).iterdir() if not p.name.startswith(SCRATCH)]
     except OSError:
         return 0
     for output in outputs:
@@ -638,7 +641,8 @@ def _check_destination(dest: Destination, plan: Plan, work: str) -> Manifest | N
     (``--overwrite``: its manifest removed first); the manifest of this very conversion when it
     was committed already (a part or a ``--resume`` run after the last part finished)."""
     options = plan.options
-    held = [p for p in dest.files if not p.startswith(f"{SAVED}/")]  # a listing is no work
+    # A listing is no work, nor a task's scratch folder (another part's task writing a shard).
+    held = [p for p in dest.files if not p.startswith((f"{SAVED}/", f"{WORK}/{SCRATCH}"))]
     others = sorted(
         {p.split("/")[1] for p in held if p.count("/") >= 2 and p.startswith(f"{WORK}/")}
         - {plan.output_id}
@@ -816,9 +820,12 @@ def commit(
     _write(dest, MANIFEST_NAME, manifest_bytes(manifest))  # the commit
     _remove(dest, work)
     _remove(dest, SAVED)
-    if not location.is_url(dest.url):  # on a path, the work folder itself goes too
+    if not location.is_url(dest.url):  # on a path, the work folder itself goes too, with
+        folder = Path(dest.root) / WORK  # what killed tasks left (every shard is written)
+        for left in folder.glob(f"{SCRATCH}*"):
+            shutil.rmtree(left, ignore_errors=True)
         with contextlib.suppress(OSError):
-            (Path(dest.root) / WORK).rmdir()
+            folder.rmdir()
     return manifest
 
 
@@ -862,7 +869,7 @@ def write_local(plan: Plan, folder: Path, executor: Any) -> Manifest:
     work_folder = folder / WORK
     if work_folder.is_dir():
         for left in work_folder.iterdir():  # a killed task's scratch
-            if left.name.startswith("imgpack-shard-"):
+            if left.name.startswith(SCRATCH):
                 shutil.rmtree(left, ignore_errors=True)
     (folder / work).mkdir(parents=True, exist_ok=True)  # where the receipts go
     done = set(_receipts(dest, work, plan, bounds, names)[0])

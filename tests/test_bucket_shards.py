@@ -346,13 +346,17 @@ def test_parts_on_a_shared_path_list_a_bucket_source_once(
     assert again.output_id == whole.output_id and not (dst / direct.WORK).exists()
 
 
+# A part's CLI that counts its LISTs of SRC, each taking a second more: a listing that takes
+# a while, so that parts started together find it under way (not done), as in a bucket of
+# millions of objects.
 _PART = """
-import atexit, json, sys
+import asyncio, atexit, json, sys
 import s3fs
 lists, real = [], s3fs.S3FileSystem._call_s3
 async def counted(self, method, *a, **k):
     if method == "list_objects_v2" and str(k.get("Prefix", "")).startswith("shard-src"):
         lists.append(k["Prefix"])
+        await asyncio.sleep(1)
     return await real(self, method, *a, **k)
 s3fs.S3FileSystem._call_s3 = counted
 log = sys.argv.pop(1)
@@ -381,10 +385,16 @@ def test_parts_started_together_list_a_bucket_source_once(
                    "--num-parts", "2", "--part", str(part)]  # fmt: skip
         runs.append((subprocess.Popen(command, stderr=subprocess.PIPE, text=True), lists))
     said = []
-    for process, _ in runs:
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err
-        said.append(err)
+    try:
+        for process, _ in runs:
+            _, err = process.communicate(timeout=300)
+            assert process.returncode == 0, err
+            said.append(err)
+    finally:  # a failed part does not leave the other running into the next test
+        for process, _ in runs:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     listed = [json.loads(lists.read_text()) for _, lists in runs]
     assert sorted(map(bool, listed)) == [False, True], listed  # one part listed SRC
     waited = said[listed.index([])]  # the other says whom it waits for, in one line

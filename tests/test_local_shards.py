@@ -192,6 +192,22 @@ def test_any_number_of_parts_write_one_local_output(images: Path, tmp_path: Path
         assert again == done  # committed already: nothing is written again
 
 
+def test_a_part_beside_another_parts_running_task_goes_on(images: Path, tmp_path: Path) -> None:
+    """Parts on a shared path run at once: a part that looks at DST while another part's task
+    writes its shard (a scratch folder in DST's work folder) goes on, and the commit removes
+    the scratch a killed task left; the output is the single conversion's."""
+    args = {"shard_size": "3KB", "workers": 1, "progress": False}
+    convert(images, tmp_path / "whole", "webdataset", **args)
+    dst = tmp_path / "parts"
+    convert(images, dst, "webdataset", num_parts=2, part=0, **args)
+    scratch = dst / direct.WORK / f"{direct.SCRATCH}x1y2z3"  # part 0's task, writing (or killed)
+    scratch.mkdir()
+    (scratch / "shard-000000.tar").write_bytes(b"half a shard")
+    done = convert(images, dst, "webdataset", num_parts=2, part=1, **args)
+    assert done.part is None and _files(dst) == _files(tmp_path / "whole")
+    assert not (dst / direct.WORK).exists()
+
+
 @pytest.mark.parametrize("fmt", SHARDED)
 def test_fewer_shards_than_workers_are_converted_by_every_worker(
     images: Path, tmp_path: Path, fmt: str
