@@ -3,6 +3,7 @@ the engine and the executors, which all pass them around)."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -69,17 +70,25 @@ def listed_id(etag: str) -> int:
 
 
 class SampleTable(Sequence[Sample]):
-    """An image folder's samples, packed: their paths in one buffer, their labels and source
-    sizes in arrays — about 50 bytes per sample where :class:`Sample` objects take a few
-    hundred — so that a driver holds the scan of millions of images. Indexing gives
-    :class:`Sample` objects (a slice: a list of them)."""
+    """A source's samples, packed: their paths in one buffer, their labels, indices, sizes and
+    spans in arrays — about 75 bytes per sample where :class:`Sample` objects take 280 — so
+    that a driver holds the scan of millions of images, whatever the source kind. The fields a
+    scan found (:attr:`Sample.fields`) are held as one column per field (:meth:`set_columns`)
+    or, where each sample has its own, one mapping per sample. Indexing gives :class:`Sample`
+    objects (a slice: a list of them)."""
 
     def __init__(self) -> None:
         self._paths = bytearray()
         self._ends = array("q")
         self._labels = array("i")
+        self._index = array("q")
         self._sizes = array("q")
         self._listed = array("q")
+        self._spans = array("q")
+        #: Each sample's fields, where they were given one by one (else ``None``).
+        self._fields: list[Mapping[str, Any] | None] | None = None
+        #: The fields' values as columns, where they were given so (else ``None``).
+        self._columns: dict[str, Sequence[Any]] | None = None
 
     def extend(
         self,
@@ -92,12 +101,50 @@ class SampleTable(Sequence[Sample]):
         what the listing said of their content, :attr:`Sample.listed`)."""
         sizes = iter(sizes) if sizes is not None else None
         listed = iter(listed) if listed is not None else None
-        for path in paths:
+        if self._columns is not None or self._fields is not None:
+            raise ValueError("samples with fields are added one by one")
+        for path in paths:  # (inline: an image folder's scan adds millions)
             self._paths += path.encode("utf-8", "surrogateescape")
             self._ends.append(len(self._paths))
             self._labels.append(label)
+            self._index.append(-1)
             self._sizes.append(next(sizes) if sizes is not None else -1)
             self._listed.append(next(listed) if listed is not None else 0)
+            self._spans.append(0)
+
+    def add(
+        self,
+        path: str,
+        label: int,
+        index: int = -1,
+        listed: int = 0,
+        fields: Mapping[str, Any] | None = None,
+        size: int = -1,
+        span: int = 0,
+    ) -> None:
+        """Append one sample (the arguments of :class:`Sample`)."""
+        if self._columns is not None:
+            raise ValueError("a table whose fields are columns takes no more samples")
+        if fields is not None and self._fields is None:
+            self._fields = [None] * len(self)
+        self._paths += path.encode("utf-8", "surrogateescape")
+        self._ends.append(len(self._paths))
+        self._labels.append(label)
+        self._index.append(index)
+        self._sizes.append(size)
+        self._listed.append(listed)
+        self._spans.append(span)
+        if self._fields is not None:
+            self._fields.append(fields)
+
+    def set_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
+        """Give every sample its fields from ``columns`` (one value per sample, by field
+        name, in the samples' order); nothing where ``columns`` is empty."""
+        if not columns:
+            return
+        if self._fields is not None or any(len(c) != len(self) for c in columns.values()):
+            raise ValueError("the columns must give each sample of the table its fields")
+        self._columns = dict(columns)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -120,18 +167,48 @@ class SampleTable(Sequence[Sample]):
     def _sample(self, i: int) -> Sample:
         start = self._ends[i - 1] if i else 0
         path = self._paths[start : self._ends[i]].decode("utf-8", "surrogateescape")
-        return Sample(path, self._labels[i], listed=self._listed[i], size=self._sizes[i])
+        fields: Mapping[str, Any] | None = None
+        if self._columns is not None:
+            fields = {name: column[i] for name, column in self._columns.items()}
+        elif self._fields is not None:
+            fields = self._fields[i]
+        return Sample(
+            path,
+            self._labels[i],
+            self._index[i],
+            listed=self._listed[i],
+            fields=fields,
+            size=self._sizes[i],
+            span=self._spans[i],
+        )
 
     def size(self, index: int) -> int:
         """The source size in bytes of sample ``index`` as listed, ``-1`` when not known."""
         return self._sizes[index]
 
+    def labels(self) -> list[int]:
+        """Every sample's label, in order (without making its :class:`Sample`)."""
+        return self._labels.tolist()
+
     def relabelled(self, mapping: Sequence[int]) -> SampleTable:
-        """These samples with each label ``k`` made ``mapping[k]`` (:data:`UNLABELLED` kept)."""
-        other = SampleTable()
-        other._paths, other._ends = bytearray(self._paths), array("q", self._ends)
-        other._sizes, other._listed = array("q", self._sizes), array("q", self._listed)
+        """These samples with each label ``k`` made ``mapping[k]`` (:data:`UNLABELLED` kept);
+        the rest is shared with this table (a scan's table takes no samples once made)."""
+        other = copy.copy(self)
         other._labels = array("i", (v if v == UNLABELLED else mapping[v] for v in self._labels))
+        return other
+
+    def placed(self, spots: Iterable[tuple[int, int, int]]) -> SampleTable:
+        """These samples each given ``(index, span, listed)`` from ``spots`` (one per sample,
+        in order): where a source finds them in the objects it reads (the rest shared, as
+        :meth:`relabelled` shares it)."""
+        other = copy.copy(self)
+        other._index, other._spans, other._listed = array("q"), array("q"), array("q")
+        for index, span, listed in spots:
+            other._index.append(index)
+            other._spans.append(span)
+            other._listed.append(listed)
+        if len(other._index) != len(self):
+            raise ValueError("one spot for each sample")
         return other
 
     def __eq__(self, other: object) -> bool:

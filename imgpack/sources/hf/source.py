@@ -24,7 +24,7 @@ from imgpack.fields import Field
 from imgpack.hf import dict_splits, import_datasets, is_dataset_dict_folder
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
 from imgpack.manifest import sha256_file
-from imgpack.scan import MAX_CLASSES, Sample, Scan
+from imgpack.scan import MAX_CLASSES, Sample, SampleTable, Scan
 from imgpack.sources.base import (
     Fetcher,
     ScanRequest,
@@ -76,12 +76,12 @@ class HFSource(Source):
         ]
         classes, labels = relabel(self.src, names, labels, request.classes)
         fields, every = hf_fields(ds, (image, label), request)
+        samples = SampleTable()
+        for i, (p, t) in enumerate(zip(paths, labels, strict=True)):
+            samples.add(p, t, i, size=sizes[i])
         return Scan(
             classes=classes,
-            samples=[
-                Sample(p, t, i, size=sizes[i])
-                for i, (p, t) in enumerate(zip(paths, labels, strict=True))
-            ],
+            samples=samples,
             empty_classes=empty_classes(classes, labels),
             origin={
                 "format": "huggingface",

@@ -42,7 +42,7 @@ from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_
 from imgpack.fields import Field, from_text, infer_field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
 from imgpack.manifest import sha256_file
-from imgpack.scan import Sample, Scan, listed_id
+from imgpack.scan import Sample, SampleTable, Scan, listed_id
 from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
@@ -108,16 +108,14 @@ class LabelListSource(Source):
         rows = _with_url_sizes(rows, request.runner)
         classes, label_of = label_map([row[2] for row in rows], request.classes)
         fields, names = self._fields(rows, request)
-        samples: list[Sample] = []
+        samples = SampleTable()
         for line, path, value, record, size in rows:
             label = label_of(value)
             values, problem = self._values(fields, record)
             if isinstance(label, str) or problem is not None:
                 self._bad(request, unreadable, line, path, problem or str(label))
             else:
-                samples.append(
-                    Sample(path, label, line, listed.get(line, 0), fields=values, size=size)
-                )
+                samples.add(path, label, line, listed.get(line, 0), fields=values, size=size)
         if not samples and not unreadable:
             raise ScanError(f"{self.list_file}: lists no image")
         origin = {
@@ -128,7 +126,7 @@ class LabelListSource(Source):
         return Scan(
             classes=classes,
             samples=samples,
-            empty_classes=empty_classes(classes, [s.label for s in samples]),
+            empty_classes=empty_classes(classes, samples.labels()),
             unreadable=unreadable,
             origin=origin,
             fields=fields,

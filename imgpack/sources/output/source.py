@@ -39,7 +39,7 @@ from imgpack.errors import DataError, ImageError
 from imgpack.fields import Field
 from imgpack.images import Encoded, Encoding, ImagePolicy, Kind, process_bytes, process_pixels
 from imgpack.manifest import MANIFEST_NAME, Manifest
-from imgpack.scan import Sample, Scan, ShardScan, joined_paths
+from imgpack.scan import Sample, SampleTable, Scan, ShardScan, joined_paths
 from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
@@ -254,16 +254,10 @@ def scan_reader(src: Path | str, ds: Any, request: ScanRequest, origin: dict[str
     classes, labels = relabel(src, source_classes, labels, request.classes)
     fields, columns = _fields(ds, request)
     sizes = ds.stored_sizes().tolist()  # what the shard plan is cut from
-    samples = [
-        Sample(
-            name,
-            label,
-            index,
-            fields={k: v[index] for k, v in columns.items()} or None,
-            size=sizes[index],
-        )
-        for index, (name, label) in enumerate(zip(names, labels, strict=True))
-    ]
+    samples = SampleTable()
+    for index, (name, label) in enumerate(zip(names, labels, strict=True)):
+        samples.add(name, label, index, size=sizes[index])
+    samples.set_columns(columns)
     return Scan(
         classes=classes,
         samples=samples,

@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -30,7 +30,7 @@ import numpy as np
 
 from imgpack.errors import DataError, ImageError, ScanError
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, process_pixels
-from imgpack.scan import Sample, Scan, listed_id
+from imgpack.scan import Sample, SampleTable, Scan, listed_id
 from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
@@ -98,8 +98,8 @@ class TFRecordSource(Source):
         )
         scanned = Scanned.of(url, files, found)
         scan = scan_reader(self.src, scanned, request, scanned.origin)
-        spots = zip(scan.samples, scanned.spots, strict=True)
-        scan.samples = [replace(s, index=i, listed=t, span=n) for s, (i, n, t) in spots]
+        assert isinstance(scan.samples, SampleTable)  # (scan_reader's)
+        scan.samples = scan.samples.placed((i, n, t) for i, n, t in scanned.spots)
         self._places = scanned.files
         return scan
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
 from imgpack.fields import Field, member_value
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
-from imgpack.scan import UNLABELLED, Sample, Scan, listed_id
+from imgpack.scan import UNLABELLED, Sample, SampleTable, Scan, listed_id
 from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
@@ -148,22 +148,22 @@ class WebDatasetSource(Source):
             classes, label_of = [], lambda _: UNLABELLED
         fields, names = _fields(found, request, self.labelled)
         shown_of = {name: shown for name, shown, _, _ in tars}
-        samples: list[Sample] = []
+        samples = SampleTable()
         for where, value, _, size, (start, span, tag) in found:
             label = label_of(value)
             if isinstance(label, str):
                 tar, _, member = where.partition("/")
                 _bad(request, unreadable, shown_of[tar], split_key(member)[0], where, label)
             elif remote is not None:
-                samples.append(Sample(where, label, start, tag, size=size, span=span))
+                samples.add(where, label, start, tag, size=size, span=span)
             else:
-                samples.append(Sample(where, label, len(samples), size=size))
+                samples.add(where, label, len(samples), size=size)
         if not samples and not unreadable:
             raise ScanError(f"{self.src}: its tar files hold no sample")
         return Scan(
             classes=classes,
             samples=samples,
-            empty_classes=empty_classes(classes, [s.label for s in samples]),
+            empty_classes=empty_classes(classes, samples.labels()),
             unreadable=unreadable,
             origin={"format": "webdataset", "foreign": True, "files": len(tars)},
             fields=fields,
