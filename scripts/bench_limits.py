@@ -14,6 +14,9 @@ it is what this machine's cores deliver in that minute:
                sha256 of the bytes): the least imgpack's converter does per file, were its
                writing spread over the cores as the decoding is
   decode       simplejpeg full decode (accurate DCT, fancy upsampling: imgpack's settings)
+  decode+write the same, each process also writing the files' bytes to a new file of its own
+               in --data (4 MB writes, closed in the time): the least a conversion with
+               statistics on does, its output reaching the page cache at this machine's speed
   decode+fit   simplejpeg decode at the DCT scale Pillow's draft picks for 224x224, then
                imgpack.images.resize_pixels to 224x224 (crop, bilinear): the least any loader
                producing those pixels must do
@@ -21,8 +24,8 @@ it is what this machine's cores deliver in that minute:
 
 The figures, each against its limit:
   convert      imgpack.convert(src, out, format=F, encoding="original", workers=cores)
-               (vs validate, vs validate+hash, and vs decode: with statistics on, the
-               default, every kept JPEG is decoded in full), with the CPU time of the writing process
+               (vs validate, vs validate+hash, vs decode: with statistics on, the default,
+               every kept JPEG is decoded in full; and vs decode+write), with the CPU time of the writing process
                and of its pool beside the CPU time of the decodes alone
   fit batches  open_dataset(out, size=224) + collate, DataLoader(batch_size=--batch,
                shuffle=True), num_workers 0, 1, 2  (vs decode+fit)
@@ -148,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         """The limit ``name``, measured now (one pass)."""
         if name == "one core":
             return decode_limit("decode", payloads, 1, 1)
-        return decode_limit(name, payloads, cores, 1)
+        return decode_limit(name, payloads, cores, 1, write_dir=args.data)
 
     def paired(key: str, name: str, once: Callable[[int], float], also: Sequence[str] = ()) -> None:
         """``--repeats`` rounds of the limit ``name`` (and those in ``also``) measured, then the
@@ -187,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             converting = partial(convert_once, src, out, fmt, cores, shard_size=size)
             # With statistics on (the default) each kept JPEG is decoded in full: the full
             # decode is that conversion's limit; the 1/8-scale validation, with --no-stats.
-            paired("convert", "validate", converting, also=["validate+hash", "decode"])
+            also = ["validate+hash", "decode", "decode+write"]
+            paired("convert", "validate", converting, also=also)
             if fmt in ("pt", "tfrecord", "webdataset"):
                 shards = len(open_dataset(out).manifest.files)
                 rows.append((f"{fmt}: shard tasks wrote", f"{shards} shard(s)"))
