@@ -172,3 +172,34 @@ def test_parts_started_at_one_moment_do_the_work_once(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert len(saved) == 1 and done == saved * 4
+
+
+def test_parts_that_give_up_on_one_stale_claim_together_do_the_work_once(tmp_path: Path) -> None:
+    """The claimer was killed: four parts waiting for it find its claim stale at about the same
+    moment, and each would take it over. One does the work; the others wait for it and take
+    what it saved."""
+    body = {"what": "src", "who": "part 0 of 5", "token": "gone", "beat": 7}
+    (tmp_path / "work.claim").write_text(json.dumps(body))
+    saved: list[str] = []
+    done: list[str] = []
+    start = threading.Barrier(4)
+
+    def part(k: int) -> None:
+        start.wait()
+        found, held = claim.first(
+            str(tmp_path), "work.claim", "src", f"part {k}", lambda: saved[0] if saved else None
+        )
+        if held is not None:
+            time.sleep(0.3)  # the listing
+            saved.append(f"listed by part {k}")
+            held.release()
+            found = saved[0]
+        done.append(str(found))
+
+    threads = [threading.Thread(target=part, args=(k,)) for k in range(1, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(saved) == 1 and done == saved * 4, saved
+    assert sorted(tmp_path.iterdir()) == []

@@ -11,8 +11,9 @@ reads its claim back after a pause (:data:`SETTLE`, longer than its own write to
 one whose claim stands does the work.
 
 A claim is a courtesy, not a lock: two parts whose claims both seem to stand (a store without
-conditional writes and a write slower than the pause; two parts that find one stale claim at
-the same moment) both do the work (the same work, the same result), and a claim that stops
+conditional writes and a write slower than the pause) both do the work (the same work, the same
+result). The parts that find one stale claim write theirs over it, each reads its own back
+after the pause, and the last write is kept. A claim that stops
 changing (its process killed, its machine gone) or disappears (its process failed and took it
 back) lets a waiting part go on by itself. Staleness is judged by the waiter's own clock (how
 long the claim has not changed), never by comparing clocks of two machines.
@@ -118,13 +119,15 @@ class Claim:
         finally:
             written.unlink(missing_ok=True)
 
-    def take(self) -> Claim:
-        """Claim, where there is no claim yet (:meth:`stands` says whether this one is the
-        one kept). A store that refuses the write is left to the work itself to name (the
-        claim is only a courtesy to the waiting parts)."""
+    def take(self, over: bool = False) -> Claim:
+        """Claim, where there is no claim yet, or ``over`` the one there (a stale claim, which
+        every part that gave up on it may write over at the same moment: the last write is
+        kept, and each reads its own back); :meth:`stands` says whether this one is the one
+        kept. A store that refuses the write is left to the work itself to name (the claim is
+        only a courtesy to the waiting parts)."""
         began = time.monotonic()
         try:
-            self._taken = "created" if self._write(0, create=True) else "written"
+            self._taken = "created" if self._write(0, create=not over) else "written"
         except FileExistsError:
             self._taken = "lost"
         except OSError as exc:
@@ -279,11 +282,11 @@ def first(
         found, stale = _waited(folder, name, what, ready, storage_options)
         if found is not None:
             return found, None
+        # A stale claim is no longer anyone's: written over (removed, then created where
+        # there is none, two parts that gave up on it at once could both create theirs).
         fs, path = _located(folder, name, storage_options)
-        if stale and _read(fs, path) == stale:  # no longer anyone's: made room for a claim
-            with contextlib.suppress(OSError):
-                fs.rm_file(path)
-        held = Claim(folder, name, what, who, storage_options).take()
+        over = bool(stale) and _read(fs, path) == stale
+        held = Claim(folder, name, what, who, storage_options).take(over=over)
         if held.stands():
             return None, held
         held.release()  # claimed at the same moment by another, whose claim stands: wait for it
