@@ -129,35 +129,46 @@ class WebDatasetSource(Source):
             )
             tars = [(name, f"{remote[0]}/{name}", listed_id(tag), found)
                     for (name, _, tag), found in zip(listed, found_in, strict=True)]  # fmt: skip
+            del found_in  # (each tar's found samples are let go as the table takes them)
         else:
             tars = [(p.name, str(p), 0, _samples(p, labelled)) for p in self.files()]
-        # (source path, label value, extensions, the image member's size, where the sample is)
-        found: list[tuple[str, Any, list[str], int, tuple[int, int, int]]] = []
+        # Two passes over what the scan found, holding no other object per sample: the label
+        # values, member extensions and problems first; then the samples, packed, each tar's
+        # found samples let go once they are in the table.
         unreadable: list[dict[str, str]] = []
-        for name, shown, tag, samples_found in tars:
+        values = _Values()
+        extensions: dict[str, int] = {}  # how many samples have a member of each extension
+        count = 0
+        for name, shown, _, samples_found in tars:
             for f in samples_found:
-                where = f"{name}/{f.image}" if f.image else f"{name}/{f.key}"
-                if f.problem is None:
-                    spot = (f.start, f.end - f.start, tag) if remote is not None else (-1, 0, 0)
-                    found.append((where, f.value, f.others, f.size, spot))
-                else:
-                    _bad(request, unreadable, shown, f.key, where, f.problem)
+                if f.problem is not None:
+                    _bad(request, unreadable, shown, f.key, _where(name, f), f.problem)
+                    continue
+                count += 1
+                values.add(f.value)
+                for ext in f.others:
+                    if ext != "cls" or not labelled:
+                        extensions[ext] = extensions.get(ext, 0) + 1
         if labelled:
-            classes, label_of = label_map([v for _, v, _, _, _ in found], request.classes)
+            classes, label_of = label_map(values.distinct, request.classes)
         else:
             classes, label_of = [], lambda _: UNLABELLED
-        fields, names = _fields(found, request, self.labelled)
-        shown_of = {name: shown for name, shown, _, _ in tars}
+        fields, names = _fields(extensions, count, request)
         samples = SampleTable()
-        for where, value, _, size, (start, span, tag) in found:
-            label = label_of(value)
-            if isinstance(label, str):
-                tar, _, member = where.partition("/")
-                _bad(request, unreadable, shown_of[tar], split_key(member)[0], where, label)
-            elif remote is not None:
-                samples.add(where, label, start, tag, size=size, span=span)
-            else:
-                samples.add(where, label, len(samples), size=size)
+        for k, (name, shown, tag, samples_found) in enumerate(tars):
+            for f in samples_found:
+                if f.problem is not None:
+                    continue
+                where = _where(name, f)
+                label = label_of(f.value)
+                if isinstance(label, str):
+                    member = where.partition("/")[2]
+                    _bad(request, unreadable, shown, split_key(member)[0], where, label)
+                elif remote is not None:
+                    samples.add(where, label, f.start, tag, size=f.size, span=f.end - f.start)
+                else:
+                    samples.add(where, label, len(samples), size=f.size)
+            tars[k] = (name, shown, tag, [])
         if not samples and not unreadable:
             raise ScanError(f"{self.src}: its tar files hold no sample")
         return Scan(
@@ -189,22 +200,43 @@ TEXT_MEMBERS = ("txt", "text")
 JSON_MEMBERS = ("json", "jsn")
 
 
+def _where(tar: str, found: Found) -> str:
+    """The source path of a sample of ``tar``: its image member's, else its key's."""
+    return f"{tar}/{found.image}" if found.image else f"{tar}/{found.key}"
+
+
+class _Values:
+    """A source's label values, each kept once (in the order first seen): what
+    :func:`~imgpack.sources.base.label_map` makes the label map of, for millions of samples
+    with a few distinct values."""
+
+    def __init__(self) -> None:
+        self.distinct: list[Any] = []
+        self._seen: set[tuple[type, Any]] = set()
+
+    def add(self, value: Any) -> None:
+        try:
+            key = (type(value), value)  # 3 and "3" are two values, as label_map sees them
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        except TypeError:  # a JSON list or object: kept as it is, every time
+            pass
+        self.distinct.append(value)
+
+
 def _fields(
-    found: list[tuple[str, Any, list[str], int, Any]], request: ScanRequest, labelled: bool
+    extensions: dict[str, int], count: int, request: ScanRequest
 ) -> tuple[list[Field], list[str]]:
     """The samples' other members as fields, by extension in the order first seen (those
     ``--fields`` names, if given): ``txt`` text, ``json`` JSON, any other bytes, or the type
-    ``--field`` gives; optional where a sample lacks one. And every such extension."""
-    seen: dict[str, int] = {}
-    for _, _, extensions, _, _ in found:
-        for ext in extensions:
-            if ext != "cls" or not labelled:
-                seen[ext] = seen.get(ext, 0) + 1
-    every = list(seen)
+    ``--field`` gives; optional where fewer than ``count`` samples (every one scanned) have
+    one. ``extensions``: how many samples have each. And every such extension."""
+    every = list(extensions)
 
     def infer(ext: str) -> Field:
         kind = "str" if ext in TEXT_MEMBERS else "json" if ext in JSON_MEMBERS else "bytes"
-        return Field(ext, kind, optional=seen[ext] < len(found))
+        return Field(ext, kind, optional=extensions[ext] < count)
 
     fields = kept_fields(every, request, infer, lambda ext: f"member extension {ext!r}")
     return fields, every
