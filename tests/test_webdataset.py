@@ -372,3 +372,33 @@ def test_a_shard_is_what_tarfile_writes(tmp_path: Path) -> None:
         for member, data in members:
             tar.addfile(member, io.BytesIO(data))
     assert shard.read_bytes() == again.getvalue()
+
+
+def test_a_tars_scan_is_packed_and_gives_back_what_was_found() -> None:
+    """What the scan of a tar found (:class:`FoundTable`): every sample as it was found (no
+    image, a problem, a JSON value that is a list, values and member sets repeated), through
+    a pickle too (a scan task's result); 100,000 samples within 130 bytes each."""
+    import pickle
+    import tracemalloc
+
+    from imgpack.sources.webdataset.found import Found, FoundTable
+
+    odd = [
+        Found("a", "a.jpg", "3", None, ["cls"], 10, 0, 1536),
+        Found("b", None, None, "no image member (.txt)", ["txt"], -1, 1536, 2560),
+        Found("c.d", "c.d.PNG", 3, None, ["cls", "json"], 7, 2560, 4608),
+        Found("é", "é.webp", [1, 2], None, [], 0, 4608, 5632),
+        Found("f", "f.jpg", "3", "its members are not together", ["cls"], 5, 5632, 7168),
+    ]
+    table = FoundTable(odd)
+    assert list(table) == odd and table[-1] == odd[-1] and table[1:3] == odd[1:3]
+    assert [type(f.value) for f in table] == [str, type(None), int, list, str]
+    assert list(pickle.loads(pickle.dumps(table))) == odd
+    many = [Found(f"{i:09d}", f"{i:09d}.jpg", str(i % 10), None, ["cls"], 40_000 + i,
+                  i * 43_008, (i + 1) * 43_008) for i in range(100_000)]  # fmt: skip
+    tracemalloc.start()
+    packed = FoundTable(many)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert held / len(many) < 130, f"{held / len(many):.0f} bytes per sample"
+    assert packed[54_321] == many[54_321] and len(packed) == len(many)

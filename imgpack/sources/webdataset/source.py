@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
 from imgpack.fields import Field, member_value
@@ -47,6 +47,7 @@ from imgpack.sources.base import (
     label_map,
     opened,
 )
+from imgpack.sources.webdataset.found import Found, FoundTable
 from imgpack.storage.location import TRANSFERS, filesystem, read_objects
 from imgpack.system import each_task, lends_tasks
 
@@ -116,7 +117,7 @@ class WebDatasetSource(Source):
                 "an unlabelled source has no classes: --classes-from does not apply to --no-labels"
             )
         # (tar name, the name errors give it, its listed content id, its samples)
-        tars: list[tuple[str, str, int, list[Found]]]
+        tars: list[tuple[str, str, int, Sequence[Found]]]
         remote = self.remote
         if remote is not None:
             listed = listed_tars(self.src)
@@ -125,7 +126,7 @@ class WebDatasetSource(Source):
                 f"webdataset labelled={labelled}",
                 lambda: scan_tars(remote, listed, labelled, request.runner),
                 lambda found: [[list(f) for f in tar] for tar in found],
-                lambda kept: [[Found(*f) for f in tar] for tar in kept],
+                lambda kept: [FoundTable(Found(*f) for f in tar) for tar in kept],
             )
             tars = [(name, f"{remote[0]}/{name}", listed_id(tag), found)
                     for (name, _, tag), found in zip(listed, found_in, strict=True)]  # fmt: skip
@@ -258,26 +259,7 @@ def _bad(
     unreadable.append({"path": where, "reason": problem})
 
 
-class Found(NamedTuple):
-    """One sample of a tar as its scan found it."""
-
-    key: str
-    #: Its image member's name (``None``: it has none).
-    image: str | None
-    #: Its label value (``.cls`` or ``.json``; ``None`` unlabelled or none).
-    value: Any
-    #: Why it cannot be converted, or ``None``.
-    problem: str | None
-    #: Its other members' extensions.
-    others: list[str]
-    #: Its image member's size (``-1``: none).
-    size: int
-    #: Where its members lie in the tar: the first one's header to the last one's padded end.
-    start: int
-    end: int
-
-
-def _samples(path: Path, labelled: bool = True) -> list[Found]:
+def _samples(path: Path, labelled: bool = True) -> FoundTable:
     """Every sample of the tar file at ``path``, in order (:func:`samples_of`)."""
     try:
         with tarfile.open(path, "r:") as tar:
@@ -286,7 +268,7 @@ def _samples(path: Path, labelled: bool = True) -> list[Found]:
         raise ScanError(f"{path}: not a readable tar file: {exc}") from None
 
 
-def samples_of(tar: tarfile.TarFile, end: int, labelled: bool = True) -> list[Found]:
+def samples_of(tar: tarfile.TarFile, end: int, labelled: bool = True) -> FoundTable:
     """Every sample of ``tar`` (a file of ``end`` bytes, opened to be read through or as a
     stream), in order (``labelled``: each label read from its ``.cls`` or ``.json`` as the
     tar goes by; else none). Raises :class:`tarfile.TarError` or :class:`OSError` for a tar
@@ -318,7 +300,7 @@ def samples_of(tar: tarfile.TarFile, end: int, labelled: bool = True) -> list[Fo
             if labelled and ext in ("cls", "json") and member.size <= 1 << 20:
                 handle = tar.extractfile(member)  # now: a stream reads each member once
                 texts[key][ext] = handle.read() if handle else b""
-    out: list[Found] = []
+    out = FoundTable()
     for key in order:
         members = groups[key]
         kind = next((e for e in IMAGE_SUFFIXES if e in members), None)
@@ -459,7 +441,7 @@ def scan_tars(
     tars: list[tuple[str, int, str]],
     labelled: bool,
     runner: Any = None,
-) -> list[list[Found]]:
+) -> list[FoundTable]:
     """The samples of each tar in a bucket, each tar read through once (a stream, nothing
     kept): by ``runner``'s tasks, a tar each, where the conversion's executor lends them
     (:func:`~imgpack.system.lends_tasks`), else here on a few threads."""
@@ -473,7 +455,7 @@ def scan_tars(
         return list(pool.map(scan_tar, items))
 
 
-def scan_tar(item: tuple[str, str, str, int, bool]) -> list[Found]:
+def scan_tar(item: tuple[str, str, str, int, bool]) -> FoundTable:
     """The samples of one tar in a bucket: ``(folder URL, storage options as JSON, tar name,
     its listed size, labelled)``, read through as a stream."""
     url, options, name, size, labelled = item

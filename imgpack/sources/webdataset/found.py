@@ -1,0 +1,139 @@
+"""What the scan of one tar found: its samples in order (:class:`Found`), packed in a
+:class:`FoundTable` so that the driver holds the scans of millions of tar members while it
+makes the label map (about 70 bytes a sample where a :class:`Found` object takes 500)."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, overload
+
+
+class Found(NamedTuple):
+    """One sample of a tar as its scan found it."""
+
+    key: str
+    #: Its image member's name (``None``: it has none).
+    image: str | None
+    #: Its label value (``.cls`` or ``.json``; ``None`` unlabelled or none).
+    value: Any
+    #: Why it cannot be converted, or ``None``.
+    problem: str | None
+    #: Its other members' extensions.
+    others: list[str]
+    #: Its image member's size (``-1``: none).
+    size: int
+    #: Where its members lie in the tar: the first one's header to the last one's padded end.
+    start: int
+    end: int
+
+
+#: The end of a sample's image name in :class:`FoundTable` when it has no image member.
+_NO_IMAGE = -1
+
+
+class FoundTable(Sequence[Found]):
+    """One tar's :class:`Found` samples, packed: keys and image names in one buffer, sizes and
+    where the members lie in arrays, each distinct label value and set of other members kept
+    once (a sample holds their positions), problems by sample. Indexing gives :class:`Found`
+    objects, made as they are asked for."""
+
+    def __init__(self, found: Iterable[Found] = ()) -> None:
+        self._text = bytearray()
+        self._key_ends = array("q")
+        self._image_ends = array("q")  # _NO_IMAGE: none
+        self._sizes = array("q")
+        self._starts = array("q")
+        self._stops = array("q")
+        self._values: list[Any] = []
+        self._value_at: dict[tuple[type, Any], int] = {}
+        self._value_of = array("i")
+        self._others: list[tuple[str, ...]] = []
+        self._others_at: dict[tuple[str, ...], int] = {}
+        self._others_of = array("i")
+        self._problems: dict[int, str] = {}
+        for f in found:
+            self.append(f)
+
+    def append(self, found: Found) -> None:
+        index = len(self)
+        self._text += found.key.encode("utf-8", "surrogateescape")
+        self._key_ends.append(len(self._text))
+        if found.image is None:
+            self._image_ends.append(_NO_IMAGE)
+        else:
+            self._text += found.image.encode("utf-8", "surrogateescape")
+            self._image_ends.append(len(self._text))
+        self._sizes.append(found.size)
+        self._starts.append(found.start)
+        self._stops.append(found.end)
+        self._value_of.append(self._value_index(found.value))
+        others = tuple(found.others)
+        at = self._others_at.get(others)
+        if at is None:
+            at = self._others_at[others] = len(self._others)
+            self._others.append(others)
+        self._others_of.append(at)
+        if found.problem is not None:
+            self._problems[index] = found.problem
+
+    def _value_index(self, value: Any) -> int:
+        try:
+            key = (type(value), value)  # 3 and "3" are two values
+            at = self._value_at.get(key)
+            if at is None:
+                at = self._value_at[key] = len(self._values)
+                self._values.append(value)
+            return at
+        except TypeError:  # a JSON list or object: kept as it is, each time
+            self._values.append(value)
+            return len(self._values) - 1
+
+    def __len__(self) -> int:
+        return len(self._key_ends)
+
+    @overload
+    def __getitem__(self, index: int) -> Found: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Found]: ...
+
+    def __getitem__(self, index: int | slice) -> Found | list[Found]:
+        if isinstance(index, slice):
+            return [self._found(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("found sample index out of range")
+        return self._found(index)
+
+    def _found(self, i: int) -> Found:
+        begin = self._previous_end(i)
+        key_end = self._key_ends[i]
+        key = self._text[begin:key_end].decode("utf-8", "surrogateescape")
+        image_end = self._image_ends[i]
+        image = None
+        if image_end != _NO_IMAGE:
+            image = self._text[key_end:image_end].decode("utf-8", "surrogateescape")
+        return Found(
+            key,
+            image,
+            self._values[self._value_of[i]],
+            self._problems.get(i),
+            list(self._others[self._others_of[i]]),
+            self._sizes[i],
+            self._starts[i],
+            self._stops[i],
+        )
+
+    def _previous_end(self, i: int) -> int:
+        """Where sample ``i``'s key starts in the buffer: the end of the sample before."""
+        if i == 0:
+            return 0
+        image_end = self._image_ends[i - 1]
+        return image_end if image_end != _NO_IMAGE else self._key_ends[i - 1]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
