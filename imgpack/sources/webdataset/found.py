@@ -32,6 +32,30 @@ class Found(NamedTuple):
 _NO_IMAGE = -1
 
 
+class Distinct:
+    """Label values, each kept once in the order first seen (:attr:`values`), and the position
+    of each: what millions of samples with a few distinct values hold instead of a value
+    each. ``3`` and ``"3"`` are two values (as :func:`~imgpack.sources.base.label_map` sees
+    them); a value that cannot be hashed (a JSON list or object) is kept each time."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self._at: dict[tuple[type, Any], int] = {}
+
+    def index(self, value: Any) -> int:
+        """The position of ``value`` in :attr:`values` (added if new)."""
+        try:
+            key = (type(value), value)
+            at = self._at.get(key)
+            if at is None:
+                at = self._at[key] = len(self.values)
+                self.values.append(value)
+            return at
+        except TypeError:
+            self.values.append(value)
+            return len(self.values) - 1
+
+
 class FoundTable(Sequence[Found]):
     """One tar's :class:`Found` samples, packed: keys and image names in one buffer, sizes and
     where the members lie in arrays, each distinct label value and set of other members kept
@@ -45,8 +69,7 @@ class FoundTable(Sequence[Found]):
         self._sizes = array("q")
         self._starts = array("q")
         self._stops = array("q")
-        self._values: list[Any] = []
-        self._value_at: dict[tuple[type, Any], int] = {}
+        self._values = Distinct()
         self._value_of = array("i")
         self._others: list[tuple[str, ...]] = []
         self._others_at: dict[tuple[str, ...], int] = {}
@@ -67,7 +90,7 @@ class FoundTable(Sequence[Found]):
         self._sizes.append(found.size)
         self._starts.append(found.start)
         self._stops.append(found.end)
-        self._value_of.append(self._value_index(found.value))
+        self._value_of.append(self._values.index(found.value))
         others = tuple(found.others)
         at = self._others_at.get(others)
         if at is None:
@@ -76,18 +99,6 @@ class FoundTable(Sequence[Found]):
         self._others_of.append(at)
         if found.problem is not None:
             self._problems[index] = found.problem
-
-    def _value_index(self, value: Any) -> int:
-        try:
-            key = (type(value), value)  # 3 and "3" are two values
-            at = self._value_at.get(key)
-            if at is None:
-                at = self._value_at[key] = len(self._values)
-                self._values.append(value)
-            return at
-        except TypeError:  # a JSON list or object: kept as it is, each time
-            self._values.append(value)
-            return len(self._values) - 1
 
     def __len__(self) -> int:
         return len(self._key_ends)
@@ -118,7 +129,7 @@ class FoundTable(Sequence[Found]):
         return Found(
             key,
             image,
-            self._values[self._value_of[i]],
+            self._values.values[self._value_of[i]],
             self._problems.get(i),
             list(self._others[self._others_of[i]]),
             self._sizes[i],

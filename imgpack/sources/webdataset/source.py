@@ -47,7 +47,7 @@ from imgpack.sources.base import (
     label_map,
     opened,
 )
-from imgpack.sources.webdataset.found import Found, FoundTable
+from imgpack.sources.webdataset.found import Distinct, Found, FoundTable
 from imgpack.storage.location import TRANSFERS, filesystem, read_objects
 from imgpack.system import each_task, lends_tasks
 
@@ -137,7 +137,7 @@ class WebDatasetSource(Source):
         # values, member extensions and problems first; then the samples, packed, each tar's
         # found samples let go once they are in the table.
         unreadable: list[dict[str, str]] = []
-        values = _Values()
+        values = Distinct()  # what label_map makes the label map of
         extensions: dict[str, int] = {}  # how many samples have a member of each extension
         count = 0
         for name, shown, _, samples_found in tars:
@@ -146,12 +146,12 @@ class WebDatasetSource(Source):
                     _bad(request, unreadable, shown, f.key, _where(name, f), f.problem)
                     continue
                 count += 1
-                values.add(f.value)
+                values.index(f.value)
                 for ext in f.others:
                     if ext != "cls" or not labelled:
                         extensions[ext] = extensions.get(ext, 0) + 1
         if labelled:
-            classes, label_of = label_map(values.distinct, request.classes)
+            classes, label_of = label_map(values.values, request.classes)
         else:
             classes, label_of = [], lambda _: UNLABELLED
         fields, names = _fields(extensions, count, request)
@@ -204,26 +204,6 @@ JSON_MEMBERS = ("json", "jsn")
 def _where(tar: str, found: Found) -> str:
     """The source path of a sample of ``tar``: its image member's, else its key's."""
     return f"{tar}/{found.image}" if found.image else f"{tar}/{found.key}"
-
-
-class _Values:
-    """A source's label values, each kept once (in the order first seen): what
-    :func:`~imgpack.sources.base.label_map` makes the label map of, for millions of samples
-    with a few distinct values."""
-
-    def __init__(self) -> None:
-        self.distinct: list[Any] = []
-        self._seen: set[tuple[type, Any]] = set()
-
-    def add(self, value: Any) -> None:
-        try:
-            key = (type(value), value)  # 3 and "3" are two values, as label_map sees them
-            if key in self._seen:
-                return
-            self._seen.add(key)
-        except TypeError:  # a JSON list or object: kept as it is, every time
-            pass
-        self.distinct.append(value)
 
 
 def _fields(
