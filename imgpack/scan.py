@@ -8,9 +8,11 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 from imgpack.fields import Field
+
+T = TypeVar("T")
 
 #: Extensions (lower case) of files an image folder's scan picks up as images.
 IMAGE_EXTENSIONS = (
@@ -69,7 +71,36 @@ def listed_id(etag: str) -> int:
     return int.from_bytes(hashlib.sha256(etag.encode("utf-8")).digest()[:8], "big") >> 1 or 1
 
 
-class SampleTable(Sequence[Sample]):
+class Packed(Sequence[T]):
+    """A sequence of records held packed (arrays, one buffer of text) and made as they are
+    asked for: a subclass gives its length and :meth:`_item`; a slice is a list of records.
+    Equal to any sequence of the same records."""
+
+    def _item(self, i: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return [self._item(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"{type(self).__name__} index out of range")
+        return self._item(index)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class SampleTable(Packed[Sample]):
     """A source's samples, packed: their paths in one buffer, their labels, indices, sizes and
     spans in arrays — about 75 bytes per sample where :class:`Sample` objects take 280 — so
     that a driver holds the scan of millions of images, whatever the source kind. The fields a
@@ -149,22 +180,7 @@ class SampleTable(Sequence[Sample]):
     def __len__(self) -> int:
         return len(self._ends)
 
-    @overload
-    def __getitem__(self, index: int) -> Sample: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[Sample]: ...
-
-    def __getitem__(self, index: int | slice) -> Sample | list[Sample]:
-        if isinstance(index, slice):
-            return [self._sample(i) for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError("sample index out of range")
-        return self._sample(index)
-
-    def _sample(self, i: int) -> Sample:
+    def _item(self, i: int) -> Sample:
         start = self._ends[i - 1] if i else 0
         path = self._paths[start : self._ends[i]].decode("utf-8", "surrogateescape")
         fields: Mapping[str, Any] | None = None
@@ -210,11 +226,6 @@ class SampleTable(Sequence[Sample]):
         if len(other._index) != len(self):
             raise ValueError("one spot for each sample")
         return other
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass

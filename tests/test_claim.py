@@ -147,9 +147,9 @@ def test_a_stale_claim_is_replaced_by_the_part_that_gave_up_on_it(tmp_path: Path
     held.release()
 
 
-def test_parts_started_at_one_moment_do_the_work_once(tmp_path: Path) -> None:
-    """Four threads ask for the same work at the same moment: one does it, the others take
-    what it saved."""
+def _four_parts_at_once(folder: Path) -> tuple[list[str], list[str]]:
+    """Four threads ask for the same work at one barrier; the one whose claim stands does it
+    (0.3 s) and saves it. What was saved, and what each part got."""
     saved: list[str] = []
     done: list[str] = []
     start = threading.Barrier(4)
@@ -157,37 +157,7 @@ def test_parts_started_at_one_moment_do_the_work_once(tmp_path: Path) -> None:
     def part(k: int) -> None:
         start.wait()
         found, held = claim.first(
-            str(tmp_path), "work.claim", "src", f"part {k}", lambda: saved[0] if saved else None
-        )
-        if held is not None:
-            time.sleep(0.3)  # the listing
-            saved.append(f"listed by part {k}")
-            held.release()
-            found = saved[0]
-        done.append(str(found))
-
-    threads = [threading.Thread(target=part, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(saved) == 1 and done == saved * 4
-
-
-def test_parts_that_give_up_on_one_stale_claim_together_do_the_work_once(tmp_path: Path) -> None:
-    """The claimer was killed: four parts waiting for it find its claim stale at about the same
-    moment, and each would take it over. One does the work; the others wait for it and take
-    what it saved."""
-    body = {"what": "src", "who": "part 0 of 5", "token": "gone", "beat": 7}
-    (tmp_path / "work.claim").write_text(json.dumps(body))
-    saved: list[str] = []
-    done: list[str] = []
-    start = threading.Barrier(4)
-
-    def part(k: int) -> None:
-        start.wait()
-        found, held = claim.first(
-            str(tmp_path), "work.claim", "src", f"part {k}", lambda: saved[0] if saved else None
+            str(folder), "work.claim", "src", f"part {k}", lambda: saved[0] if saved else None
         )
         if held is not None:
             time.sleep(0.3)  # the listing
@@ -201,5 +171,22 @@ def test_parts_that_give_up_on_one_stale_claim_together_do_the_work_once(tmp_pat
         thread.start()
     for thread in threads:
         thread.join()
+    return saved, done
+
+
+def test_parts_started_at_one_moment_do_the_work_once(tmp_path: Path) -> None:
+    """Four threads ask for the same work at the same moment: one does it, the others take
+    what it saved."""
+    saved, done = _four_parts_at_once(tmp_path)
+    assert len(saved) == 1 and done == saved * 4
+
+
+def test_parts_that_give_up_on_one_stale_claim_together_do_the_work_once(tmp_path: Path) -> None:
+    """The claimer was killed: four parts waiting for it find its claim stale at about the same
+    moment, and each would take it over. One does the work; the others wait for it and take
+    what it saved."""
+    body = {"what": "src", "who": "part 0 of 5", "token": "gone", "beat": 7}
+    (tmp_path / "work.claim").write_text(json.dumps(body))
+    saved, done = _four_parts_at_once(tmp_path)
     assert len(saved) == 1 and done == saved * 4, saved
     assert sorted(tmp_path.iterdir()) == []

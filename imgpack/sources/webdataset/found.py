@@ -5,8 +5,10 @@ makes the label map (about 70 bytes a sample where a :class:`Found` object takes
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, overload
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from imgpack.scan import Packed
 
 
 class Found(NamedTuple):
@@ -56,7 +58,7 @@ class Distinct:
             return len(self.values) - 1
 
 
-class FoundTable(Sequence[Found]):
+class FoundTable(Packed[Found]):
     """One tar's :class:`Found` samples, packed: keys and image names in one buffer, sizes and
     where the members lie in arrays, each distinct label value and set of other members kept
     once (a sample holds their positions), problems by sample. Indexing gives :class:`Found`
@@ -103,22 +105,7 @@ class FoundTable(Sequence[Found]):
     def __len__(self) -> int:
         return len(self._key_ends)
 
-    @overload
-    def __getitem__(self, index: int) -> Found: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[Found]: ...
-
-    def __getitem__(self, index: int | slice) -> Found | list[Found]:
-        if isinstance(index, slice):
-            return [self._found(i) for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError("found sample index out of range")
-        return self._found(index)
-
-    def _found(self, i: int) -> Found:
+    def _item(self, i: int) -> Found:
         begin = self._previous_end(i)
         key_end = self._key_ends[i]
         key = self._text[begin:key_end].decode("utf-8", "surrogateescape")
@@ -143,8 +130,3 @@ class FoundTable(Sequence[Found]):
             return 0
         image_end = self._image_ends[i - 1]
         return image_end if image_end != _NO_IMAGE else self._key_ends[i - 1]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
