@@ -216,16 +216,22 @@ class LabelListSource(Source):
         label_key = self.settings["label_column"]
         rows: list[Row] = []
         unreadable: list[dict[str, str]] = []
-        seen: dict[Any, tuple[int, str]] = {}
+        seen: dict[Any, int] = {}  # each file a row names: that row's place in rows
+        # A row keeps its other columns only (the fields' values), and the rows without any
+        # (a list of paths and labels) share one empty dict: a dict a row is 200 bytes.
+        own = (path_key, label_key)
+        none: dict[str, Any] = {}
         for line, record, problem in self._records():
             path = record.get(path_key) if record is not None else None
             identity: Any = None
             size = -1
             if record is not None and problem is None:
-                problem, identity, size = self._problem(record, path_key, label_key, seen)
+                problem, identity, size = self._problem(record, path_key, label_key, seen, rows)
             if problem is None and isinstance(path, str):
-                seen[identity] = (line, path)
-                rows.append((line, path, record[label_key] if record else None, record or {}, size))
+                seen[identity] = len(rows)
+                assert record is not None  # (a row without a problem has one)
+                others = {k: v for k, v in record.items() if k not in own} or none
+                rows.append((line, path, record[label_key], others, size))
                 continue
             named = path if isinstance(path, str) else None
             self._bad(request, unreadable, line, named, problem or "unreadable row")
@@ -236,12 +242,14 @@ class LabelListSource(Source):
         record: dict[str, Any],
         path_key: str,
         label_key: str,
-        seen: dict[Any, tuple[int, str]],
+        seen: dict[Any, int],
+        rows: list[Row],
     ) -> tuple[str | None, Any, int]:
         """What is wrong with one row (or ``None``), the file it names and that file's size
         (``-1`` for a URL): two paths to one file (``./img/0.png`` and ``img/0.png``,
         ``img/../img/1.png``, a link) are one file, so the second is refused by its line, never
-        a second sample."""
+        a second sample. ``seen``: the file each earlier good row names, by its place in
+        ``rows``."""
         path, value = record.get(path_key), record.get(label_key)
         if not isinstance(path, str) or not path.strip():
             return f"no {path_key!r} value", None, -1
@@ -270,9 +278,9 @@ class LabelListSource(Source):
                 return f"{path}: no such file", None, -1
             if not stat.S_ISREG(st.st_mode):
                 return f"{path}: no such file", None, -1
-            identity, size = (st.st_dev, st.st_ino), st.st_size
+            identity, size = st.st_dev << 64 | st.st_ino, st.st_size  # one int: small
         if identity in seen:
-            line, other = seen[identity]
+            line, other = rows[seen[identity]][:2]
             if other == path:
                 return f"{path} is listed already, on line {line}", None, -1
             return f"{path} is the file {other} names, listed on line {line}", None, -1
