@@ -282,8 +282,8 @@ def first(
         found, stale = _waited(folder, name, what, ready, storage_options)
         if found is not None:
             return found, None
-        # A stale claim is no longer anyone's: written over (removed, then created where
-        # there is none, two parts that gave up on it at once could both create theirs).
+        # A stale claim is no longer anyone's: written over, then read back. (Removed and
+        # created anew, two parts that gave up on it at once could each create theirs.)
         fs, path = _located(folder, name, storage_options)
         over = bool(stale) and _read(fs, path) == stale
         held = Claim(folder, name, what, who, storage_options).take(over=over)

@@ -99,7 +99,7 @@ class TFRecordSource(Source):
         scanned = Scanned.of(url, files, found)
         scan = scan_reader(self.src, scanned, request, scanned.origin)
         assert isinstance(scan.samples, SampleTable)  # (scan_reader's)
-        scan.samples = scan.samples.placed((i, n, t) for i, n, t in scanned.spots)
+        scan.samples = scan.samples.placed(scanned.spots)
         self._places = scanned.files
         return scan
 
