@@ -100,6 +100,30 @@ class Packed(Sequence[T]):
     __hash__ = None  # type: ignore[assignment]
 
 
+class Distinct:
+    """Label values, each kept once in the order first seen (:attr:`values`), and the position
+    of each: what millions of samples with a few distinct values hold instead of a value
+    each. ``3`` and ``"3"`` are two values (as :func:`~imgpack.sources.base.label_map` sees
+    them); a value that cannot be hashed (a JSON list or object) is kept each time."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self._at: dict[tuple[type, Any], int] = {}
+
+    def index(self, value: Any) -> int:
+        """The position of ``value`` in :attr:`values` (added if new)."""
+        try:
+            key = (type(value), value)
+            at = self._at.get(key)
+            if at is None:
+                at = self._at[key] = len(self.values)
+                self.values.append(value)
+            return at
+        except TypeError:
+            self.values.append(value)
+            return len(self.values) - 1
+
+
 class SampleTable(Packed[Sample]):
     """A source's samples, packed: their paths in one buffer, their labels, indices, sizes and
     spans in arrays — about 75 bytes per sample where :class:`Sample` objects take 280 — so
@@ -167,6 +191,18 @@ class SampleTable(Packed[Sample]):
         self._spans.append(span)
         if self._fields is not None:
             self._fields.append(fields)
+
+    def append(self, sample: Sample) -> None:
+        """Append ``sample``, every attribute of it."""
+        self.add(
+            sample.path,
+            sample.label,
+            sample.index,
+            sample.listed,
+            sample.fields,
+            sample.size,
+            sample.span,
+        )
 
     def set_columns(self, columns: Mapping[str, Sequence[Any]]) -> None:
         """Give every sample its fields from ``columns`` (one value per sample, by field

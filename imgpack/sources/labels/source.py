@@ -29,20 +29,24 @@ from __future__ import annotations
 
 import csv
 import functools
+import heapq
 import json
 import os
 import posixpath
 import stat
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
 from imgpack.fields import Field, from_text, infer_field
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes, read_regular_file
 from imgpack.manifest import sha256_file
-from imgpack.scan import Sample, SampleTable, Scan, listed_id
+from imgpack.scan import UNLABELLED, Distinct, Sample, SampleTable, Scan, listed_id
 from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
@@ -56,9 +60,8 @@ from imgpack.sources.base import (
 )
 from imgpack.sources.folder.source import ObjectFetcher
 
-#: One good row of a list: its line, path, label value, all its columns, and its file's size
-#: (``-1``: a URL's, asked of its store once every row is read).
-Row = tuple[int, str, Any, dict[str, Any], int]
+#: Bytes of a label list read at a time: the list is never held whole (100M rows are GBs).
+_BLOCK = 1 << 20
 
 #: The suffixes of files taken for a label list when given as SRC.
 LIST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
@@ -101,27 +104,28 @@ class LabelListSource(Source):
             )
 
     def scan(self, request: ScanRequest) -> Scan:
-        rows, unreadable = self._rows(request)
-        listed: dict[int, int] = {}
+        rows, values, unreadable = self._rows(request)
         if self.remote is not None:
-            rows, listed = self._with_listed_sizes(rows, request, unreadable)
+            rows = self._with_listed_sizes(rows, request, unreadable)
         rows = _with_url_sizes(rows, request.runner)
-        classes, label_of = label_map([row[2] for row in rows], request.classes)
+        used = sorted(set(rows.labels()))  # the values of the rows still taken
+        classes, label_of = label_map([values[k] for k in used], request.classes)
+        labels = {k: label_of(values[k]) for k in used}
         fields, names = self._fields(rows, request)
-        samples = SampleTable()
-        for line, path, value, record, size in rows:
-            label = label_of(value)
-            values, problem = self._values(fields, record)
-            if isinstance(label, str) or problem is not None:
-                self._bad(request, unreadable, line, path, problem or str(label))
-            else:
-                samples.add(path, label, line, listed.get(line, 0), fields=values, size=size)
+        numbers = {k: label for k, label in labels.items() if isinstance(label, int)}
+        if not names and len(numbers) == len(labels):
+            # Every row taken as it is (a list of paths and labels): the rows' table is the
+            # samples', labelled, not a second copy of it.
+            samples = rows.relabelled([numbers.get(k, UNLABELLED) for k in range(len(values))])
+        else:
+            samples = self._taken(rows, labels, fields, request, unreadable)
+        del rows
         if not samples and not unreadable:
             raise ScanError(f"{self.list_file}: lists no image")
         origin = {
             "format": "labels",
             "file": str(self.list_file.resolve()),
-            "sha256": sha256_file(self.list_file),
+            "sha256": sha256_file(self.list_file, _BLOCK),
         }
         return Scan(
             classes=classes,
@@ -133,56 +137,77 @@ class LabelListSource(Source):
             field_names=names,
         )
 
-    def _with_listed_sizes(
-        self, rows: list[Row], request: ScanRequest, unreadable: list[dict[str, str]]
-    ) -> tuple[list[Row], dict[int, int]]:
-        """The rows, those naming objects under SRC (a bucket folder) with each object's size
-        from SRC's listing (read once, one line at a time), and each such row's listed ETag
-        (:func:`~imgpack.scan.listed_id`) by line; a row whose object the listing lacks is
+    def _taken(
+        self,
+        rows: SampleTable,
+        labels: Mapping[int, int | str],
+        fields: list[Field],
+        request: ScanRequest,
+        unreadable: list[dict[str, str]],
+    ) -> SampleTable:
+        """The rows as samples: each with its label (``labels``: the label of each label
+        value's position, or why there is none) and its fields' values; a row with neither is
         bad."""
+        samples = SampleTable()
+        for row in rows:
+            label = labels[row.label]
+            found, problem = self._values(fields, row.fields or {})
+            if isinstance(label, str) or problem is not None:
+                self._bad(request, unreadable, row.index, row.path, problem or str(label))
+            else:
+                samples.append(replace(row, label=label, fields=found))
+        return samples
+
+    def _with_listed_sizes(
+        self, rows: SampleTable, request: ScanRequest, unreadable: list[dict[str, str]]
+    ) -> SampleTable:
+        """The rows, those naming objects under SRC (a bucket folder) with each object's size
+        and listed ETag (:func:`~imgpack.scan.listed_id`) from SRC's listing (read once, one
+        line at a time); a row whose object the listing lacks is bad."""
         assert self.remote is not None
-        wanted = {bucket_key(row[1]): k for k, row in enumerate(rows) if _under_src(row[1])}
+        wanted = {bucket_key(row.path): k for k, row in enumerate(rows) if _under_src(row.path)}
         found: dict[int, tuple[int, str]] = {}
         for path, size, etag in listing.store_every_object(self.src):
             k = wanted.get(path)
             if k is not None:
                 found[k] = (size, etag)
-        kept: list[Row] = []
-        listed: dict[int, int] = {}
+        del wanted
+        kept = SampleTable()
         for k, row in enumerate(rows):
-            if not _under_src(row[1]):
+            if not _under_src(row.path):
                 kept.append(row)
             elif k in found:
-                size, etag = found[k]
-                kept.append((*row[:4], size))
-                listed[row[0]] = listed_id(etag)
+                size, etag = found.pop(k)
+                kept.append(replace(row, size=size, listed=listed_id(etag)))
             else:
-                where = f"{self.remote[0]}/{bucket_key(row[1])}"
-                self._bad(
-                    request, unreadable, row[0], row[1], f"{row[1]}: no such object ({where})"
-                )
-        return kept, listed
+                where = f"{self.remote[0]}/{bucket_key(row.path)}"
+                problem = f"{row.path}: no such object ({where})"
+                self._bad(request, unreadable, row.index, row.path, problem)
+        return kept
 
-    def _fields(self, rows: list[Row], request: ScanRequest) -> tuple[list[Field], list[str]]:
+    def _fields(self, rows: SampleTable, request: ScanRequest) -> tuple[list[Field], list[str]]:
         """The list's other columns as fields, in the list's order (those ``--fields`` names,
         if given): each of the type given (``--field NAME:TYPE``) or inferred from its values
         (:func:`infer_field`); and the names of all of them."""
-        own = (self.settings["path_column"], self.settings["label_column"])
+        none: Mapping[str, Any] = {}
+        records = [row.fields or none for row in rows]  # each row's other columns
         names: dict[str, None] = {}
-        for *_, record, _ in rows:
-            names.update((k, None) for k in record if k not in own)
+        for record in records:
+            names.update((k, None) for k in record)
+        if not names:
+            records.clear()
         every = list(names)
         text = not self._json_lines
         found = kept_fields(
             every,
             request,
-            lambda name: infer_field(name, [row[3].get(name) for row in rows], text=text),
+            lambda name: infer_field(name, [r.get(name) for r in records], text=text),
             lambda name: f"{self.list_file}: column {name!r}",
         )
         return found, every
 
     def _values(
-        self, fields: list[Field], record: dict[str, Any]
+        self, fields: list[Field], record: Mapping[str, Any]
     ) -> tuple[dict[str, Any] | None, str | None]:
         """One row's field values (each as its field holds it), or why the row is refused."""
         if not fields:
@@ -209,47 +234,90 @@ class LabelListSource(Source):
     def _json_lines(self) -> bool:
         return self.list_file.suffix.lower() in (".jsonl", ".ndjson")
 
-    def _rows(self, request: ScanRequest) -> tuple[list[Row], list[dict[str, str]]]:
-        """``(line, path, label, row, size)`` of every good row, and the bad rows skipped so
-        far."""
+    def _rows(self, request: ScanRequest) -> tuple[SampleTable, list[Any], list[dict[str, str]]]:
+        """Every good row as a sample, packed (its line as its index, its file's size, ``-1``
+        for a URL's; its other columns as its fields; as its label, the position of its label
+        value in the list of distinct values), that list, and the bad rows skipped so far."""
         path_key = self.settings["path_column"]
         label_key = self.settings["label_column"]
-        rows: list[Row] = []
+        rows = SampleTable()
+        values = Distinct()  # a list's few label values, each kept once
         unreadable: list[dict[str, str]] = []
-        seen: dict[Any, int] = {}  # each file a row names: that row's place in rows
-        # A row keeps its other columns only (the fields' values), and the rows without any
-        # (a list of paths and labels) share one empty dict: a dict a row is 200 bytes.
+        # Each good row's file, hashed (8 bytes a row, where a dict of the files took 100):
+        # two rows naming one file are found once every row is read.
+        files = array("q")
+        # What is wrong with each bad row, in line order: said at once where it stops the run.
+        bad: list[tuple[int, str | None, str]] = []
+        # A row keeps its other columns only (the fields' values): none, in a list of paths
+        # and labels.
         own = (path_key, label_key)
-        none: dict[str, Any] = {}
         for line, record, problem in self._records():
             path = record.get(path_key) if record is not None else None
             identity: Any = None
             size = -1
             if record is not None and problem is None:
-                problem, identity, size = self._problem(record, path_key, label_key, seen, rows)
+                problem, identity, size = self._problem(record, path_key, label_key)
             if problem is None and isinstance(path, str):
-                seen[identity] = len(rows)
+                files.append(hash(identity))
                 assert record is not None  # (a row without a problem has one)
-                others = {k: v for k, v in record.items() if k not in own} or none
-                rows.append((line, path, record[label_key], others, size))
+                others = {k: v for k, v in record.items() if k not in own} or None
+                rows.add(path, values.index(record[label_key]), line, fields=others, size=size)
                 continue
             named = path if isinstance(path, str) else None
-            self._bad(request, unreadable, line, named, problem or "unreadable row")
-        return rows, unreadable
+            bad.append((line, named, problem or "unreadable row"))
+            if request.on_error == "fail":
+                break
+        rows, repeated = self._without_repeats(rows, files)
+        for line, named, problem in heapq.merge(bad, repeated):
+            self._bad(request, unreadable, line, named, problem)
+        return rows, values.values, unreadable
+
+    def _without_repeats(
+        self, rows: SampleTable, files: array[int]
+    ) -> tuple[SampleTable, list[tuple[int, str | None, str]]]:
+        """``rows`` without those that name the file an earlier row names (``./img/0.png``
+        and ``img/0.png``, ``img/../img/1.png``, a link: one file, never a second sample),
+        and why each of those is refused, in line order. ``files``: each row's file, hashed;
+        rows whose hashes are equal are compared by their files."""
+        hashed = np.frombuffer(files, dtype=np.int64)
+        ordered = np.sort(hashed)
+        repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+        del ordered
+        if not len(repeated):
+            return rows, []
+        alike = np.isin(hashed, repeated)
+        first: dict[Any, int] = {}  # each file of those rows: the first row naming it
+        refused: dict[int, tuple[int, str | None, str]] = {}
+        for k in np.flatnonzero(alike).tolist():
+            row = rows[k]
+            found = self._file(row.path)
+            identity = found[0] if not isinstance(found, str) else ("gone since", k)
+            earlier = rows[first.setdefault(identity, k)]
+            if earlier.index == row.index:
+                continue
+            if earlier.path == row.path:
+                problem = f"{row.path} is listed already, on line {earlier.index}"
+            else:
+                problem = (
+                    f"{row.path} is the file {earlier.path} names, listed on line {earlier.index}"
+                )
+            refused[k] = (row.index, row.path, problem)
+        if not refused:
+            return rows, []
+        kept = SampleTable()
+        for k, row in enumerate(rows):
+            if k not in refused:
+                kept.append(row)
+        return kept, list(refused.values())
 
     def _problem(
         self,
         record: dict[str, Any],
         path_key: str,
         label_key: str,
-        seen: dict[Any, int],
-        rows: list[Row],
     ) -> tuple[str | None, Any, int]:
-        """What is wrong with one row (or ``None``), the file it names and that file's size
-        (``-1`` for a URL): two paths to one file (``./img/0.png`` and ``img/0.png``,
-        ``img/../img/1.png``, a link) are one file, so the second is refused by its line, never
-        a second sample. ``seen``: the file each earlier good row names, by its place in
-        ``rows``."""
+        """What is wrong with one row (or ``None``), the file it names (:meth:`_file`) and
+        that file's size (``-1`` for a URL)."""
         path, value = record.get(path_key), record.get(label_key)
         if not isinstance(path, str) or not path.strip():
             return f"no {path_key!r} value", None, -1
@@ -259,51 +327,37 @@ class LabelListSource(Source):
             return f"label {value!r} is neither a class name nor an integer", None, -1
         if isinstance(value, int) and value < 0:
             return f"label {value} is negative", None, -1
-        identity: Any = path
-        size = -1
+        found = self._file(path)
+        if isinstance(found, str):
+            return found, None, -1
+        return None, *found
+
+    def _file(self, path: str) -> tuple[Any, int] | str:
+        """The file a row's path names, as one value for every path to it, and its size
+        (``-1`` for a URL: asked of its store once every row is read); or why there is
+        none."""
         if self.remote is not None and _under_src(path):
             key = bucket_key(path)
             if key == ".." or key.startswith("../"):
                 return (
                     f"{path}: not under SRC (with --labels FILE, a relative path names an "
-                    "object under SRC and may not climb above it)",
-                    None,
-                    -1,
+                    "object under SRC and may not climb above it)"
                 )
-            identity = ("object", key)  # sized from SRC's listing once every row is read
-        elif not is_url(path):
-            try:
-                st = os.stat(self._full(path))
-            except (OSError, ValueError):
-                return f"{path}: no such file", None, -1
-            if not stat.S_ISREG(st.st_mode):
-                return f"{path}: no such file", None, -1
-            identity, size = st.st_dev << 64 | st.st_ino, st.st_size  # one int: small
-        if identity in seen:
-            line, other = rows[seen[identity]][:2]
-            if other == path:
-                return f"{path} is listed already, on line {line}", None, -1
-            return f"{path} is the file {other} names, listed on line {line}", None, -1
-        return None, identity, size
+            return ("object", key), -1  # sized from SRC's listing once every row is read
+        if is_url(path):
+            return path, -1
+        try:
+            st = os.stat(self._full(path))
+        except (OSError, ValueError):
+            return f"{path}: no such file"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{path}: no such file"
+        return st.st_dev << 64 | st.st_ino, st.st_size
 
     def _records(self) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
-        """``(line, row, problem)`` for every row of the list."""
-        try:
-            data = self.list_file.read_bytes()
-        except OSError as exc:
-            raise ScanError(
-                f"{self.list_file}: cannot read the label list: {exc.strerror}"
-            ) from None
-        if data.startswith(b"\xef\xbb\xbf"):
-            data = data[3:]  # a UTF-8 byte order mark, as spreadsheet programs write
-        lines: list[str] = []
+        """``(line, row, problem)`` for every row of the list, read as they come."""
         bad: dict[int, str] = {}
-        for number, raw in enumerate(data.splitlines(keepends=True), 1):
-            try:
-                lines.append(raw.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                bad[number] = f"not valid UTF-8 text ({exc.reason} at byte {exc.start})"
-                lines.append("\n")
+        lines = self._lines(bad)
         if self._json_lines:
             for number, text in enumerate(lines, 1):
                 if number in bad:
@@ -345,8 +399,44 @@ class LabelListSource(Source):
             else:
                 yield number, dict(zip(columns, (v.strip() for v in values), strict=True)), None
 
+    def _lines(self, bad: dict[int, str]) -> Iterator[str]:
+        """The list's lines as text, in order, read :data:`_BLOCK` bytes at a time: a line
+        that is not UTF-8 comes as an empty line, why in ``bad`` by its number (set before
+        it comes). Lines end where :meth:`bytes.splitlines` ends them."""
+        for number, raw in enumerate(self._raw_lines(), 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad[number] = f"not valid UTF-8 text ({exc.reason} at byte {exc.start})"
+                yield "\n"
+
+    def _raw_lines(self) -> Iterator[bytes]:
+        """The list's lines as bytes, without a UTF-8 byte order mark at its start (spreadsheet
+        programs write one)."""
+        rest, start = b"", True
+        try:
+            with self.list_file.open("rb") as fh:
+                while block := fh.read(_BLOCK):
+                    lines = (rest + block).splitlines(keepends=True)
+                    rest = lines.pop()  # perhaps not whole yet (or a CR before its LF)
+                    if lines and start:
+                        lines[0], start = lines[0].removeprefix(b"\xef\xbb\xbf"), False
+                    yield from lines
+        except OSError as exc:
+            raise ScanError(
+                f"{self.list_file}: cannot read the label list: {exc.strerror}"
+            ) from None
+        if rest:
+            yield rest.removeprefix(b"\xef\xbb\xbf") if start else rest
+
     def _full(self, path: str) -> str:
-        return path if os.path.isabs(path) else str(self.root / path)
+        """The file a row's local path names (as the workers read it: no :mod:`pathlib` for
+        each of millions of rows, which keeps every name part it sees)."""
+        return path if os.path.isabs(path) else os.path.join(self._root_text, path)
+
+    @functools.cached_property
+    def _root_text(self) -> str:
+        return str(self.root)
 
     def _bad(
         self,
@@ -397,19 +487,19 @@ def bucket_key(path: str) -> str:
     return posixpath.normpath(path)
 
 
-def _with_url_sizes(rows: list[Row], runner: Any = None) -> list[Row]:
+def _with_url_sizes(rows: SampleTable, runner: Any = None) -> SampleTable:
     """``rows`` with each URL row's object size as its store lists it (``-1`` where it has
     none: the task that reads it names it), asked by ``runner``'s workers where it lends them
     (:func:`~imgpack.storage.location.object_sizes_in_tasks`)."""
-    at = [k for k, row in enumerate(rows) if is_url(row[1])]
-    if not at:
+    urls = [row.path for row in rows if is_url(row.path)]
+    if not urls:
         return rows
     from imgpack.storage.location import object_sizes_in_tasks
 
-    sized = list(rows)
-    urls = [rows[k][1] for k in at]
-    for k, size in zip(at, object_sizes_in_tasks(urls, runner), strict=True):
-        sized[k] = (*rows[k][:4], size)
+    sizes = iter(object_sizes_in_tasks(urls, runner))
+    sized = SampleTable()
+    for row in rows:
+        sized.append(replace(row, size=next(sizes)) if is_url(row.path) else row)
     return sized
 
 

@@ -8,7 +8,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from imgpack.scan import Packed
+from imgpack.scan import Distinct, Packed
 
 
 class Found(NamedTuple):
@@ -32,30 +32,6 @@ class Found(NamedTuple):
 
 #: The end of a sample's image name in :class:`FoundTable` when it has no image member.
 _NO_IMAGE = -1
-
-
-class Distinct:
-    """Label values, each kept once in the order first seen (:attr:`values`), and the position
-    of each: what millions of samples with a few distinct values hold instead of a value
-    each. ``3`` and ``"3"`` are two values (as :func:`~imgpack.sources.base.label_map` sees
-    them); a value that cannot be hashed (a JSON list or object) is kept each time."""
-
-    def __init__(self) -> None:
-        self.values: list[Any] = []
-        self._at: dict[tuple[type, Any], int] = {}
-
-    def index(self, value: Any) -> int:
-        """The position of ``value`` in :attr:`values` (added if new)."""
-        try:
-            key = (type(value), value)
-            at = self._at.get(key)
-            if at is None:
-                at = self._at[key] = len(self.values)
-                self.values.append(value)
-            return at
-        except TypeError:
-            self.values.append(value)
-            return len(self.values) - 1
 
 
 class FoundTable(Packed[Found]):

@@ -33,7 +33,7 @@ from typing import Any
 from imgpack.errors import DataError, ImageError, OptionError, ScanError, first_line
 from imgpack.fields import Field, member_value
 from imgpack.images import Encoded, Encoding, ImagePolicy, process_bytes
-from imgpack.scan import UNLABELLED, Sample, SampleTable, Scan, listed_id
+from imgpack.scan import UNLABELLED, Distinct, Sample, SampleTable, Scan, listed_id
 from imgpack.sources import listing
 from imgpack.sources.base import (
     Fetcher,
@@ -47,7 +47,7 @@ from imgpack.sources.base import (
     label_map,
     opened,
 )
-from imgpack.sources.webdataset.found import Distinct, Found, FoundTable
+from imgpack.sources.webdataset.found import Found, FoundTable
 from imgpack.storage.location import TRANSFERS, filesystem, read_objects
 from imgpack.system import each_task, lends_tasks
 
