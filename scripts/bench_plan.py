@@ -4,7 +4,9 @@ Before the first image is read, a conversion scans SRC (every file's name and si
 shard plan from the sizes and derives the output id; each part of a partitioned conversion does
 the same. This measures that work alone, as `imgpack convert --dry-run` does it (the same scan,
 plan and id, nothing read or written), over image folders of --counts files in 100 class
-folders (16-byte files named like images: the scan lists and stats them, it reads none).
+folders (16-byte files named like images: the scan lists and stats them, it reads none); with
+--labels, a CSV label list of those files (`path,label`, the list as SRC): the scan reads the
+list and stats each row's file.
 
 Each count runs in a fresh process: the seconds of `dry_run(...)`, then the peak of the memory
 it allocates (Python's and numpy's, by tracemalloc, in a second run: tracemalloc slows it). The
@@ -12,6 +14,7 @@ slopes (least squares over the counts) and a projection to 100M images close the
 bucket's listing adds its LIST round trips (1,000 objects each) on top.
 
     python scripts/bench_plan.py [--counts 10000,30000,100000,300000] [--data bench-data]
+                                 [--labels]
 """
 
 from __future__ import annotations
@@ -61,10 +64,25 @@ def make_folder(root: Path, count: int) -> Path:
     return root
 
 
+def make_list(root: Path) -> Path:
+    """A label list of the folder ``root`` (:func:`make_folder`): every file, by class, with
+    its class folder's name as its label (made once)."""
+    listing = root / "list.csv"
+    if not listing.exists():
+        with open(listing.with_suffix(".part"), "w") as out:
+            out.write("path,label\n")
+            for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+                for name in sorted(os.listdir(folder)):
+                    out.write(f"{folder.name}/{name},{folder.name}\n")
+        listing.with_suffix(".part").rename(listing)
+    return listing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--counts", default="10000,30000,100000,300000")
     parser.add_argument("--data", type=Path, default=Path("bench-data"))
+    parser.add_argument("--labels", action="store_true", help="SRC: a CSV label list")
     parser.add_argument("--json", help="also save the figures here")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",") if c]
@@ -73,6 +91,8 @@ def main() -> None:
     found: dict[int, dict[str, float]] = {}
     for count in counts:
         src = make_folder(args.data / f"plan-{count}", count)
+        if args.labels:
+            src = make_list(src)
         done = subprocess.run(
             [sys.executable, "-c", PLAN, str(src), str(args.data / f"plan-{count}-out")],
             capture_output=True,
@@ -84,7 +104,7 @@ def main() -> None:
         found[count] = figures
         rows.append(
             (
-                f"{count:,} images",
+                f"{count:,} {'rows' if args.labels else 'images'}",
                 f"{figures['seconds']:7.2f} s  {figures['kib'] / 1024:7.1f} MiB  "
                 f"({figures['seconds'] / count * 1e6:.1f} µs and "
                 f"{figures['kib'] * 1024 / count:.0f} B an image; {figures['shards']} shard(s))",
@@ -107,7 +127,8 @@ def main() -> None:
                 "process (plus a bucket's LIST round trips)",
             )
         )
-    print_table("Planning a conversion (scan, shard plan, output id) in the driver", rows)
+    what = "a label list" if args.labels else "an image folder"
+    print_table(f"Planning a conversion of {what} (scan, shard plan, output id)", rows)
     save_json(args.json, {"counts": found})
 
 

@@ -3,6 +3,7 @@ tests cover it too, parametrized over every format)."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -402,3 +403,60 @@ def test_a_tars_scan_is_packed_and_gives_back_what_was_found() -> None:
     tracemalloc.stop()
     assert held / len(many) < 130, f"{held / len(many):.0f} bytes per sample"
     assert packed[54_321] == many[54_321] and len(packed) == len(many)
+
+
+def test_a_saved_tar_scan_is_read_one_tar_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part or a resume takes the tars' scan saved with the listing instead of reading the
+    tars again: the scan is saved one JSON line per tar and read back one line at a time,
+    every sample as found, so the driver never holds the text of every tar's (100,000
+    samples in 10 tars: within 200 bytes a sample at the peak while it is read back). A scan
+    saved for another kind or listing, or unreadable, is not taken."""
+    import tracemalloc
+
+    from imgpack.sources import listing
+    from imgpack.sources.webdataset.found import Found, FoundTable
+
+    digest = ["listing-1"]
+    monkeypatch.setattr(listing, "_saveable", lambda folder: True)
+    monkeypatch.setattr(listing, "_lines_digest", lambda folder: digest[0])
+    tars = [
+        FoundTable(Found(f"{t}-{i:06d}", f"{t}-{i:06d}.jpg", str(i % 10), None, ["cls"],
+                         40_000 + i, i * 43_008, (i + 1) * 43_008) for i in range(10_000))
+        for t in range(10)
+    ]  # fmt: skip
+    tars[3] = FoundTable([*tars[3][:5], Found("x", None, [1, 2], "no image member", [], -1, 0, 9)])
+    scanned: list[int] = []
+
+    def scan() -> list[FoundTable]:
+        scanned.append(1)
+        return tars
+
+    def again(kind: str = "webdataset labelled=True") -> list[FoundTable]:
+        return listing.scanned_once(
+            tmp_path,
+            kind,
+            scan,
+            lambda tar: [list(f) for f in tar],
+            lambda kept: FoundTable(Found(*f) for f in kept),
+        )
+
+    assert again() is tars and len(scanned) == 1  # scanned, then saved
+    with gzip.open(tmp_path / listing.STORE_SCAN, "rt") as saved:
+        assert sum(1 for _ in saved) == 1 + len(tars)  # a head, then a line a tar
+    tracemalloc.start()
+    try:
+        kept = again()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    count = sum(len(t) for t in tars)
+    assert len(scanned) == 1 and [list(t) for t in kept] == [list(t) for t in tars]
+    assert peak / count < 200, f"{peak / count:.0f} bytes per sample"
+    again("webdataset labelled=False")
+    digest[0] = "listing-2"
+    again()
+    assert len(scanned) == 3  # another kind, another listing: scanned again
+    (tmp_path / listing.STORE_SCAN).write_bytes(b"not gzip")
+    assert again() is tars and len(scanned) == 4

@@ -764,55 +764,66 @@ STORE_SAVED = ".imgpack-store-saved"
 #: (:class:`imgpack.storage.claim.Claim`).
 SAVED_CLAIM = "listing.claim.json"
 #: In a scratch folder of a bucket source read in place: what the source's scan found inside
-#: the listed objects (tars' members, TFRecord files' records), as gzipped JSON with the
-#: listing's digest (:func:`scanned_once`); saved beside the listing as :data:`SAVED_SCAN`, so
-#: that the parts and resumes that read the listing read no object through again.
+#: the listed objects (tars' members, TFRecord files' records), as gzipped JSON lines (a head
+#: with the listing's digest, then one line per object: :func:`scanned_once`); saved beside
+#: the listing as :data:`SAVED_SCAN`, so that the parts and resumes that read the listing read
+#: no object through again.
 STORE_SCAN = ".imgpack-store-scan.json.gz"
 SAVED_SCAN = "scan.json.gz"
+#: The layout of :data:`STORE_SCAN` (its head's ``"lines"``): one JSON line per object, read
+#: one at a time. A scan saved in another layout is not taken (the source is scanned again).
+_SCAN_LINES = 1
 _CHUNK = 1 << 20
 
 
 def scanned_once(
     folder: Path,
     kind: str,
-    scan: Callable[[], T],
+    scan: Callable[[], list[T]],
     dump: Callable[[T], Any],
     load: Callable[[Any], T],
-) -> T:
-    """What a source of ``kind`` finds inside the objects ``folder``'s listing names: the scan
-    kept with this very listing (a part's or a resume's, brought by a saved listing), read by
-    ``load``; else ``scan()``, kept as ``dump`` makes it JSON-able, to be saved with the listing
-    (:func:`save_listing`). A folder that is not a bucket listing is just scanned."""
+) -> list[T]:
+    """What a source of ``kind`` finds inside each object ``folder``'s listing names: the scan
+    kept with this very listing (a part's or a resume's, brought by a saved listing), each
+    object's read by ``load``; else ``scan()``, each object's kept as ``dump`` makes it
+    JSON-able, to be saved with the listing (:func:`save_listing`). A folder that is not a
+    bucket listing is just scanned. The kept scan is written and read one object's line at a
+    time: the driver never holds the text (a few hundred bytes a sample) of every object's."""
     if not _saveable(folder):
         return scan()
-    kept = _kept_scan(folder, kind)
+    kept = _kept_scan(folder, kind, load)
     if kept is not None:
-        return load(kept)
+        return kept
     found = scan()
     if not (folder / STORE_SAVED).exists():
-        body = {"listing": _lines_digest(folder), "kind": kind, "found": dump(found)}
+        head = {"listing": _lines_digest(folder), "kind": kind, "lines": _SCAN_LINES}
         with (
             open(folder / STORE_SCAN, "wb") as raw,
             gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed,
             io.TextIOWrapper(packed, encoding="utf-8") as out,
         ):
-            json.dump(body, out)  # piece by piece: never the whole text in memory
+            out.write(json.dumps(head) + "\n")
+            for item in found:
+                out.write(json.dumps(dump(item)) + "\n")
     return found
 
 
-def _kept_scan(folder: Path, kind: str) -> Any:
-    """The scan kept in ``folder`` for ``kind`` and this very listing, else ``None``."""
+def _kept_scan(folder: Path, kind: str, load: Callable[[Any], T]) -> list[T] | None:
+    """The scan kept in ``folder`` for ``kind`` and this very listing, each object's line
+    read by ``load``, else ``None``."""
     try:
-        with gzip.open(folder / STORE_SCAN, "rb") as held:
-            body = json.loads(held.read())
+        with gzip.open(folder / STORE_SCAN, "rt", encoding="utf-8") as held:
+            head = json.loads(held.readline())
+            if not isinstance(head, dict) or head.get("lines") != _SCAN_LINES:
+                return None
+            if head.get("kind") != kind or head.get("listing") != _lines_digest(folder):
+                return None
+            return [load(json.loads(line)) for line in held]
     except FileNotFoundError:
         return None
     except (OSError, EOFError, ValueError, zlib.error) as exc:
         log.warning("%s: cannot be read (%s); the source is scanned again", STORE_SCAN, exc)
         return None
-    if not isinstance(body, dict) or body.get("kind") != kind:
-        return None
-    return body.get("found") if body.get("listing") == _lines_digest(folder) else None
 
 
 def _lines(folder: Path) -> Path:

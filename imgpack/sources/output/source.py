@@ -86,8 +86,8 @@ class OutputSource(Source):
             lambda: scan_output_files(
                 url, storage_options, cache_dir, manifest, names, request.runner
             ),
-            lambda found: [_shard_json(part) for part in found],
-            lambda kept: [_shard_scan(part) for part in kept],
+            _shard_json,
+            _shard_scan,
         )
         return scan_reader(url, ScannedOutput(manifest, found), request, _origin(manifest))
 

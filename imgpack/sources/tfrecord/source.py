@@ -93,8 +93,8 @@ class TFRecordSource(Source):
             self.src,
             "tfrecord",
             lambda: scan_record_files(url, options, files, request.runner),
-            lambda found: [_scan_json(f) for f in found],
-            lambda kept: [_from_json(f) for f in kept],
+            _scan_json,
+            _from_json,
         )
         scanned = Scanned.of(url, files, found)
         scan = scan_reader(self.src, scanned, request, scanned.origin)

@@ -125,8 +125,8 @@ class WebDatasetSource(Source):
                 self.src,
                 f"webdataset labelled={labelled}",
                 lambda: scan_tars(remote, listed, labelled, request.runner),
-                lambda found: [[list(f) for f in tar] for tar in found],
-                lambda kept: [FoundTable(Found(*f) for f in tar) for tar in kept],
+                lambda tar: [list(f) for f in tar],
+                lambda kept: FoundTable(Found(*f) for f in kept),
             )
             tars = [(name, f"{remote[0]}/{name}", listed_id(tag), found)
                     for (name, _, tag), found in zip(listed, found_in, strict=True)]  # fmt: skip
