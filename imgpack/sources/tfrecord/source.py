@@ -19,12 +19,13 @@ import bisect
 import functools
 import json
 import os
+from array import array
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,7 @@ from imgpack.sources.base import (
     opened,
 )
 from imgpack.sources.output.source import scan_reader
+from imgpack.sources.tfrecord.found import SCANNED, FileScan, Record, RecordTable
 from imgpack.storage.location import TRANSFERS, filesystem, read_objects
 from imgpack.system import each_task, lends_tasks
 
@@ -97,9 +99,10 @@ class TFRecordSource(Source):
             _from_json,
         )
         scanned = Scanned.of(url, files, found)
+        del found  # (what the files' scans found, now in scanned)
         scan = scan_reader(self.src, scanned, request, scanned.origin)
         assert isinstance(scan.samples, SampleTable)  # (scan_reader's)
-        scan.samples = scan.samples.placed(scanned.spots)
+        scan.samples = scan.samples.placed(zip(*scanned.spots, strict=True))
         self._places = scanned.files
         return scan
 
@@ -149,31 +152,6 @@ def listed_records(folder: Path) -> list[tuple[str, int, str]]:
     return [o for o in objects if Path(o[0]).suffix in (".tfrecord", ".tfrecords")]
 
 
-class Record(NamedTuple):
-    """One record of a file, as its scan found it."""
-
-    #: Where its frame starts in the file (uncompressed; in a compressed file, in its stream).
-    offset: int
-    #: Its frame's bytes, length and CRCs included.
-    framed: int
-    #: Its ``image/encoded`` bytes (``-1``: none).
-    payload: int
-    #: What :class:`~imgpack.formats.tfrecord.records.ForeignScan` takes of its features.
-    features: dict[str, Any]
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.framed
-
-
-class FileScan(NamedTuple):
-    """One file, as its scan read it through."""
-
-    #: ``"GZIP"`` or ``"ZLIB"`` for a compressed file, else ``""``.
-    compression: str
-    records: list[Record]
-
-
 def scan_record_files(
     url: str, options: str, files: list[tuple[str, int, str]], runner: Any = None
 ) -> list[FileScan]:
@@ -201,7 +179,7 @@ def scan_record_file(item: tuple[str, str, str, int]) -> FileScan:
 
     url, options, name, size = item
     where = _where(url, name)
-    records: list[Record] = []
+    records = RecordTable()
     try:
         with _open(url, options, name, size) as raw:
             kind = framing.compression_of(raw.read(framing.HEADER_SIZE))
@@ -212,7 +190,7 @@ def scan_record_file(item: tuple[str, str, str, int]) -> FileScan:
                 encoded = features.get("image/encoded")
                 payload = len(encoded[0]) if encoded and isinstance(encoded[0], bytes) else -1
                 features = {
-                    k: v for k, v in features.items() if k in _SCANNED or k not in IMAGE_FEATURES
+                    k: v for k, v in features.items() if k in SCANNED or k not in IMAGE_FEATURES
                 }
                 framed = framing.HEADER_SIZE + len(data) + framing.FOOTER_SIZE
                 records.append(Record(offset, framed, payload, features))
@@ -221,11 +199,6 @@ def scan_record_file(item: tuple[str, str, str, int]) -> FileScan:
     except DataError as exc:
         raise ScanError(str(exc)) from None
     return FileScan(kind or "", records)
-
-
-#: The image features the scan takes (:class:`~imgpack.formats.tfrecord.records.ForeignScan`):
-#: a record's others are its fields, and the rest is the image, read by the shard task.
-_SCANNED = frozenset({"image/class/label", "image/class/text", "image/filename"})
 
 
 def _scan_json(found: FileScan) -> list[Any]:
@@ -256,8 +229,10 @@ def _from_json(kept: list[Any]) -> FileScan:
         return [float(v) for v in items] if kind == "f" else [int(v) for v in items]
 
     compression, records = kept
-    features = [Record(o, n, p, {k: values(v) for k, v in f.items()}) for o, n, p, f in records]
-    return FileScan(compression, features)
+    found = RecordTable(
+        Record(o, n, p, {k: values(v) for k, v in f.items()}) for o, n, p, f in records
+    )
+    return FileScan(compression, found)
 
 
 def _where(url: str, name: str) -> str:
@@ -288,12 +263,12 @@ class Scanned:
     #: record that has any.
     features: dict[int, dict[str, Any]]
     keys: dict[str, tuple[str, bool]]
-    sizes: list[int]
+    sizes: array[int]
     origin: dict[str, Any]
     #: ``(index, span, listed)`` of each record: its place in the files read one after the
     #: other (a compressed file counts its records, not its bytes), its frame's bytes (``0``:
-    #: in a compressed file), its file's listed content.
-    spots: list[tuple[int, int, int]]
+    #: in a compressed file), its file's listed content; three arrays.
+    spots: tuple[array[int], array[int], array[int]]
     #: ``(name, first index, compression)`` of each file (:class:`RecordRangeFetcher`).
     files: tuple[tuple[str, int, str], ...]
     where: str
@@ -306,9 +281,8 @@ class Scanned:
 
         scan = ForeignScan()
         features: dict[int, dict[str, Any]] = {}
-        framed: list[int] = []
-        payloads: list[int] = []
-        spots: list[tuple[int, int, int]] = []
+        framed, payloads = array("q"), array("q")
+        spots = array("q"), array("q"), array("q")
         files: list[tuple[str, int, str]] = []
         first = 0
         for (name, size, tag), (kind, records) in zip(listed, found, strict=True):
@@ -316,13 +290,15 @@ class Scanned:
             content = listed_id(tag)
             for number, record in enumerate(records):
                 scan.add(record.features, f"{_where(url, name)} at offset {record.offset}")
-                others = {k: v for k, v in record.features.items() if k not in _SCANNED}
+                others = {k: v for k, v in record.features.items() if k not in SCANNED}
                 if others:  # (a field's values: nothing else of the record is kept)
                     features[len(framed)] = others
                 framed.append(record.framed)
                 payloads.append(record.payload)
                 place = number if kind else record.offset
-                spots.append((first + place, 0 if kind else record.framed, content))
+                spots[0].append(first + place)
+                spots[1].append(0 if kind else record.framed)
+                spots[2].append(content)
             first += len(records) if kind else max(size, records[-1].end if records else 0)
         where = _where(url, listed[0][0])
         classes = scan.classes(where)
@@ -339,7 +315,7 @@ class Scanned:
         return self.paths
 
     def stored_sizes(self) -> np.ndarray:
-        return np.asarray(self.sizes, dtype=np.int64)
+        return np.frombuffer(self.sizes, dtype=np.int64)
 
     def field(self, name: str) -> Any:
         """Field ``name``'s column, as a local copy's reader gives it."""
