@@ -210,7 +210,7 @@ def walk_images(
                         "reason": "file name is not valid UTF-8; rename it to convert it",
                     }
                 )
-            elif (why := _unfit_image(str(folder / name), entry)) is not None:
+            elif (why := _unfit_image(entry.path, entry)) is not None:
                 unreadable.append({"path": printable(rel), "reason": why})
             else:
                 found.append((rel_dir, name, _size(entry)))
