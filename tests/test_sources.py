@@ -337,14 +337,17 @@ def test_a_label_list_finds_two_rows_of_one_file_whatever_their_hashes(
     bad row by line stops the run, whether it names a file twice or a missing one."""
     from imgpack.sources.labels import source
 
-    rows = _folder_rows(images)
-    lines = ["path,label", *(f"{p},{cls}" for p, cls, _ in rows[:5])]
+    rows = _folder_rows(images)[:5]
+    for path, _, file in rows:  # a copy: the images fixture is shared
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        shutil.copy(file, tmp_path / path)
+    lines = ["path,label", *(f"{p},{cls}" for p, cls, _ in rows)]
     lines += [f"./{rows[1][0]}", f"{rows[3][0]},x"]
     lines[-2] += f",{rows[1][1]}"
-    listing = images / "list.csv"
+    listing = tmp_path / "list.csv"
     listing.write_text("\n".join(lines) + "\n")
     expected = _scanned(listing)
-    assert [s[0] for s in expected[0]] == [p for p, _, _ in rows[:5]]
+    assert [s[0] for s in expected[0]] == [p for p, _, _ in rows]
     assert [e["reason"] for e in expected[1]] == [
         f"line 7: ./{rows[1][0]} is the file {rows[1][0]} names, listed on line 3",
         f"line 8: {rows[3][0]} is listed already, on line 5",
@@ -532,3 +535,62 @@ def test_an_unlabelled_output_to_hugging_face(images: Path, tmp_path: Path) -> N
     convert(images, tmp_path / "out", "lmdb", no_labels=True, progress=False)
     back = to_hf(tmp_path / "out", cache_dir=str(tmp_path / "cache"))
     assert back["label"] == [-1] * 12
+
+
+def test_a_label_list_under_a_bucket_folder_is_sized_from_its_listing_by_hash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With SRC a bucket folder, each row's object is found in SRC's listing (read one line at
+    a time) by its key's hash, then by its key: each row gets its object's size and ETag, a
+    row whose object is not listed is bad by its line, rows of other kinds (a URL) pass as
+    they are; with every hash equal the same; 100,000 rows within 120 bytes a row beside
+    their table (348 with a dict of every row's key and another of what was found)."""
+    import tracemalloc
+    from pathlib import Path as P
+
+    from imgpack.scan import SampleTable, listed_id
+    from imgpack.sources.base import ScanRequest
+    from imgpack.sources.labels import source
+
+    def table(count: int) -> SampleTable:
+        rows = SampleTable()
+        for i in range(count):
+            rows.add(f"./img/{i // 1000:03d}//p{i:07d}.jpg", i % 10, i + 2)
+        rows.add("s3://other/x.jpg", 1, count + 2, size=5)
+        return rows
+
+    def objects(folder: P) -> Any:
+        for i in range(count + 5_000):  # the bucket holds more than the list names
+            if i % 40_000 != 7:  # and not all of it
+                yield f"img/{i // 1000:03d}/p{i:07d}.jpg", 1_000 + i, f'"e{i}"'
+
+    monkeypatch.setattr(source.listing, "store_every_object", objects)
+    found = source.LabelListSource(P("list.csv"), {"path_column": "path", "label_column": "label"})
+    found.__dict__["remote"] = ("s3://bucket/images", {})
+    request = ScanRequest(on_error="skip")
+    count = 100_000
+    rows = table(count)
+    tracemalloc.start()
+    try:
+        unreadable: list[dict[str, str]] = []
+        kept = found._with_listed_sizes(rows, request, unreadable)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak / count < 120, f"{peak / count:.0f} bytes a row"
+    assert [e["reason"] for e in unreadable] == [
+        f"line {i + 2}: ./img/{i // 1000:03d}//p{i:07d}.jpg: no such object "
+        f"(s3://bucket/images/img/{i // 1000:03d}/p{i:07d}.jpg)"
+        for i in (7, 40_007, 80_007)
+    ]
+    assert len(kept) == count + 1 - 3 and kept[-1] == rows[-1] and kept[-1].size == 5
+    assert (kept[8].size, kept[8].listed, kept[8].index) == (1_009, listed_id('"e9"'), 11)
+    count = 300
+    rows = table(count)
+    expected = found._with_listed_sizes(rows, request, [])
+    monkeypatch.setattr(source, "hash", lambda value: 7, raising=False)
+    again = found._with_listed_sizes(rows, request, [])
+    assert [(s.path, s.size, s.listed) for s in again] == [
+        (s.path, s.size, s.listed) for s in expected
+    ]
+    assert len(again) == count + 1 - 1 and again[0].size == 1_000

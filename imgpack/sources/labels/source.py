@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import functools
 import heapq
+import itertools
 import json
 import os
 import posixpath
@@ -60,6 +61,8 @@ from imgpack.sources.base import (
 )
 from imgpack.sources.folder.source import ObjectFetcher
 
+#: Listed objects looked up among a list's rows at once (SRC a bucket folder).
+_LOOKUP_BATCH = 1 << 12
 #: Bytes of a label list read at a time: the list is never held whole (100M rows are GBs).
 _BLOCK = 1 << 20
 
@@ -163,22 +166,42 @@ class LabelListSource(Source):
     ) -> SampleTable:
         """The rows, those naming objects under SRC (a bucket folder) with each object's size
         and listed ETag (:func:`~imgpack.scan.listed_id`) from SRC's listing (read once, one
-        line at a time); a row whose object the listing lacks is bad."""
+        line at a time); a row whose object the listing lacks is bad. Each listed object is
+        looked up among the rows by its key's hash (8 bytes a row, sorted), then by its key:
+        no dict of every row's key."""
         assert self.remote is not None
-        wanted = {bucket_key(row.path): k for k, row in enumerate(rows) if _under_src(row.path)}
-        found: dict[int, tuple[int, str]] = {}
-        for path, size, etag in listing.store_every_object(self.src):
-            k = wanted.get(path)
-            if k is not None:
-                found[k] = (size, etag)
-        del wanted
+        hashed = np.zeros(len(rows), np.int64)
+        under = np.zeros(len(rows), bool)
+        for k, row in enumerate(rows):
+            if _under_src(row.path):
+                hashed[k], under[k] = hash(bucket_key(row.path)), True
+        order = np.flatnonzero(under)
+        order = order[np.argsort(hashed[order], kind="stable")]
+        hashed = hashed[order]
+        sizes = np.full(len(rows), -2, np.int64)  # -2: not listed
+        etags = np.zeros(len(rows), np.int64)
+        objects = listing.store_every_object(self.src)
+        while batch := list(itertools.islice(objects, _LOOKUP_BATCH)):
+            wanted = np.fromiter((hash(path) for path, _, _ in batch), np.int64, len(batch))
+            first = np.searchsorted(hashed, wanted)
+            hits = first < len(hashed)
+            hits[hits] = hashed[first[hits]] == wanted[hits]
+            for j in np.flatnonzero(hits).tolist():
+                path, size, etag = batch[j]
+                at = int(first[j])
+                while at < len(hashed) and hashed[at] == wanted[j]:  # (hashes may collide)
+                    k = int(order[at])
+                    if bucket_key(rows[k].path) == path:  # (two rows never name one object)
+                        sizes[k], etags[k] = size, listed_id(etag)
+                        break
+                    at += 1
+        del hashed, order
         kept = SampleTable()
         for k, row in enumerate(rows):
-            if not _under_src(row.path):
+            if not under[k]:
                 kept.append(row)
-            elif k in found:
-                size, etag = found.pop(k)
-                kept.append(replace(row, size=size, listed=listed_id(etag)))
+            elif sizes[k] != -2:
+                kept.append(replace(row, size=int(sizes[k]), listed=int(etags[k])))
             else:
                 where = f"{self.remote[0]}/{bucket_key(row.path)}"
                 problem = f"{row.path}: no such object ({where})"
