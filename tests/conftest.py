@@ -13,14 +13,31 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
+
+T = TypeVar("T")
+
+
+def traced(make: Callable[[], T]) -> tuple[T, int, int]:
+    """What ``make()`` returns, with the bytes of what it allocated that are still held once
+    it returns and at its peak (tracemalloc, started just before it): a driver's memory per
+    sample, measured."""
+    tracemalloc.start()
+    try:
+        made = make()
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return made, held, peak
+
 
 # Nothing a test does may reach the network: Hugging Face datasets stay offline.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -27,6 +27,7 @@ from conftest import (
     jpeg_bytes,
     png_bytes,
     smooth_rgb,
+    traced,
     tree_hashes,
 )
 from PIL import Image
@@ -468,19 +469,20 @@ def test_the_scan_of_a_bucket_is_listed_folder_by_folder_and_packed(
 
 
 def test_a_packed_scan_takes_under_100_bytes_per_image() -> None:
-    import tracemalloc
     from itertools import repeat
 
     from imgpack.scan import SampleTable
 
     count = 100_000
-    tracemalloc.start()
-    table = SampleTable()
-    for label in range(10):
-        paths = (f"n{label:08d}/n{label:08d}_{i:06d}.JPEG" for i in range(count // 10))
-        table.extend(paths, label, repeat(110_000))
-    held, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+
+    def scanned() -> SampleTable:
+        table = SampleTable()
+        for label in range(10):
+            paths = (f"n{label:08d}/n{label:08d}_{i:06d}.JPEG" for i in range(count // 10))
+            table.extend(paths, label, repeat(110_000))
+        return table
+
+    table, held, _ = traced(scanned)
     assert len(table) == count and table[12_345].path == "n00000001/n00000001_002345.JPEG"
     assert held / count < 100, f"{held / count:.0f} bytes per image"
 
@@ -490,8 +492,6 @@ def test_a_table_holds_what_every_source_kind_gives_a_sample() -> None:
     row's own fields) and an output's (fields as columns) are packed as an image folder's are:
     each sample reads back whole, relabelled or placed; 100,000 tar members within 110 bytes a
     sample."""
-    import tracemalloc
-
     from imgpack.scan import Sample, SampleTable
 
     def whole(sample: Sample) -> tuple[Any, ...]:  # every attribute, compared or not
@@ -500,12 +500,14 @@ def test_a_table_holds_what_every_source_kind_gives_a_sample() -> None:
 
     rows = [Sample(f"shard-{i // 100:05d}.tar/{i:08d}.jpg", i % 7, i * 10_240, 99, None,
                    100_000 + i, 101_024 + i) for i in range(100_000)]  # fmt: skip
-    tracemalloc.start()
-    tars = SampleTable()
-    for r in rows:
-        tars.add(r.path, r.label, r.index, r.listed, size=r.size, span=r.span)
-    held, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+
+    def packed() -> SampleTable:
+        table = SampleTable()
+        for r in rows:
+            table.add(r.path, r.label, r.index, r.listed, size=r.size, span=r.span)
+        return table
+
+    tars, held, _ = traced(packed)
     assert held / len(rows) < 110, f"{held / len(rows):.0f} bytes per sample"
     assert [whole(s) for s in tars[:50]] == [whole(r) for r in rows[:50]]
     assert whole(tars[-1]) == whole(rows[-1]) and tars == rows

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import build_uniform_folder, pip_install, reference_pixels
+from conftest import build_uniform_folder, pip_install, reference_pixels, traced
 
 from imgpack import convert, open_dataset, sources
 from imgpack.cli import main
@@ -371,8 +371,6 @@ def test_a_label_lists_scan_holds_a_few_dozen_bytes_a_row(tmp_path: Path) -> Non
     time, holds the rows packed, and finds rows naming one file without a dict of every
     file: 50,000 rows within 100 bytes a row held and 200 at the peak (525 before: the list
     read whole, a tuple and a dict entry a row)."""
-    import tracemalloc
-
     from imgpack.sources.base import ScanRequest
 
     count = 50_000
@@ -387,12 +385,7 @@ def test_a_label_lists_scan_holds_a_few_dozen_bytes_a_row(tmp_path: Path) -> Non
     listing.write_text("\n".join(lines) + "\n")
     source = sources.resolve(listing)
     source.scan(ScanRequest())  # what the first scan imports and caches is not counted
-    tracemalloc.start()
-    try:
-        scan = source.scan(ScanRequest())
-        held, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    scan, held, peak = traced(lambda: source.scan(ScanRequest()))
     assert len(scan.samples) == count and scan.samples[-1].path == lines[-1].split(",")[0]
     assert scan.samples[-1].label == 9 and scan.samples[-1].index == count + 1
     assert held / count < 100 and peak / count < 200, (held / count, peak / count)
@@ -545,7 +538,6 @@ def test_a_label_list_under_a_bucket_folder_is_sized_from_its_listing_by_hash(
     row whose object is not listed is bad by its line, rows of other kinds (a URL) pass as
     they are; with every hash equal the same; 100,000 rows within 120 bytes a row beside
     their table (348 with a dict of every row's key and another of what was found)."""
-    import tracemalloc
     from pathlib import Path as P
 
     from imgpack.scan import SampleTable, listed_id
@@ -570,13 +562,8 @@ def test_a_label_list_under_a_bucket_folder_is_sized_from_its_listing_by_hash(
     request = ScanRequest(on_error="skip")
     count = 100_000
     rows = table(count)
-    tracemalloc.start()
-    try:
-        unreadable: list[dict[str, str]] = []
-        kept = found._with_listed_sizes(rows, request, unreadable)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    unreadable: list[dict[str, str]] = []
+    kept, _, peak = traced(lambda: found._with_listed_sizes(rows, request, unreadable))
     assert peak / count < 120, f"{peak / count:.0f} bytes a row"
     assert [e["reason"] for e in unreadable] == [
         f"line {i + 2}: ./img/{i // 1000:03d}//p{i:07d}.jpg: no such object "

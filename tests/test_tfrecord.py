@@ -18,6 +18,7 @@ import pytest
 import simplejpeg
 import torch
 from click.testing import CliRunner
+from conftest import traced
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -668,7 +669,6 @@ def test_a_files_scan_is_packed_and_gives_back_what_was_found() -> None:
     pickle too (a scan task's result); 100,000 usual records within 100 bytes each, where a
     :class:`Record` and its features took 650."""
     import pickle
-    import tracemalloc
 
     from imgpack.sources.tfrecord.found import Record, RecordTable
 
@@ -690,10 +690,7 @@ def test_a_files_scan_is_packed_and_gives_back_what_was_found() -> None:
     assert list(pickle.loads(pickle.dumps(table))) == odd
     many = [Record(i * 9_000, 9_000, 8_950, {label: [i % 1000], text: [b"n%08d" % (i % 1000)],
                    name: [b"train/img_%08d.jpg" % i]}) for i in range(100_000)]  # fmt: skip
-    tracemalloc.start()
-    packed = RecordTable(many)
-    held, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    packed, held, _ = traced(lambda: RecordTable(many))
     assert held / len(many) < 100, f"{held / len(many):.0f} bytes per record"
     assert packed[54_321] == many[54_321] and len(packed) == len(many)
 
@@ -703,8 +700,6 @@ def test_tfrecord_files_scan_within_a_few_hundred_bytes_a_record(tmp_path: Path)
     as it comes and let go once the plan holds it, so 50,000 records in 5 files take within
     300 bytes a record at the peak (937 when each record was an object with its features),
     the same samples in file order."""
-    import tracemalloc
-
     from imgpack.sources import resolve
     from imgpack.sources.base import ScanRequest
 
@@ -721,12 +716,7 @@ def test_tfrecord_files_scan_within_a_few_hundred_bytes_a_record(tmp_path: Path)
                 out.write(tfrecord.frame(tfexample.encode_example(features)))
     resolve(files).scan(ScanRequest())  # what the first scan imports and caches is not counted
     source = resolve(files)
-    tracemalloc.start()
-    try:
-        scan = source.scan(ScanRequest())
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    scan, _, peak = traced(lambda: source.scan(ScanRequest()))
     assert len(scan.samples) == count and scan.samples[-1].path == f"img_{count - 1:08d}.png"
     assert scan.samples[-1].label == (count - 1) % 10
     assert peak / count < 300, f"{peak / count:.0f} bytes per record"

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import FakeFolder, build_uniform_folder
+from conftest import FakeFolder, build_uniform_folder, traced
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -380,7 +380,6 @@ def test_a_tars_scan_is_packed_and_gives_back_what_was_found() -> None:
     image, a problem, a JSON value that is a list, values and member sets repeated), through
     a pickle too (a scan task's result); 100,000 samples within 130 bytes each."""
     import pickle
-    import tracemalloc
 
     from imgpack.sources.webdataset.found import Found, FoundTable
 
@@ -397,10 +396,7 @@ def test_a_tars_scan_is_packed_and_gives_back_what_was_found() -> None:
     assert list(pickle.loads(pickle.dumps(table))) == odd
     many = [Found(f"{i:09d}", f"{i:09d}.jpg", str(i % 10), None, ["cls"], 40_000 + i,
                   i * 43_008, (i + 1) * 43_008) for i in range(100_000)]  # fmt: skip
-    tracemalloc.start()
-    packed = FoundTable(many)
-    held, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    packed, held, _ = traced(lambda: FoundTable(many))
     assert held / len(many) < 130, f"{held / len(many):.0f} bytes per sample"
     assert packed[54_321] == many[54_321] and len(packed) == len(many)
 
@@ -413,8 +409,6 @@ def test_a_saved_tar_scan_is_read_one_tar_at_a_time(
     every sample as found, so the driver never holds the text of every tar's (100,000
     samples in 10 tars: within 200 bytes a sample at the peak while it is read back). A scan
     saved for another kind or listing, or unreadable, is not taken."""
-    import tracemalloc
-
     from imgpack.sources import listing
     from imgpack.sources.webdataset.found import Found, FoundTable
 
@@ -445,12 +439,7 @@ def test_a_saved_tar_scan_is_read_one_tar_at_a_time(
     assert again() is tars and len(scanned) == 1  # scanned, then saved
     with gzip.open(tmp_path / listing.STORE_SCAN, "rt") as saved:
         assert sum(1 for _ in saved) == 1 + len(tars)  # a head, then a line a tar
-    tracemalloc.start()
-    try:
-        kept = again()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    kept, _, peak = traced(again)
     count = sum(len(t) for t in tars)
     assert len(scanned) == 1 and [list(t) for t in kept] == [list(t) for t in tars]
     assert peak / count < 200, f"{peak / count:.0f} bytes per sample"
